@@ -1,0 +1,24 @@
+"""kvquant: KV-cache quantization you can measure honestly.
+
+>>> import kvquant
+>>> kvquant.available_quantizers()
+['fp16', 'fp8_e4m3', 'fp8_e5m2', 'int2', 'int4', 'int8']
+>>> cache = kvquant.make_cache(model, "int4", group_size=32, residual_length=128)
+>>> model.generate(ids, cache=cache, max_new_tokens=64)
+"""
+
+from .cache import KVQuantCache, make_cache
+from .errors import KVQuantError, NonFiniteKVError
+from .quantizers import Quantizer, available_quantizers, get_quantizer, quantizer_options, register_quantizer
+
+__all__ = [
+    "KVQuantCache",
+    "KVQuantError",
+    "NonFiniteKVError",
+    "Quantizer",
+    "available_quantizers",
+    "get_quantizer",
+    "make_cache",
+    "quantizer_options",
+    "register_quantizer",
+]

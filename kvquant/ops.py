@@ -1,0 +1,102 @@
+"""Pure tensor arithmetic of KV quantization: min-max integer codes, bit packing, fp8 casts, SQNR.
+
+Nothing here knows about models or caches, so every function can be tested on its own. Scales and
+zero points are stored in fp16 by default (two bytes each), fp32 on request; arithmetic runs in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def scale_limits(scale_dtype: torch.dtype) -> tuple[float, float]:
+    """``(smallest scale, largest |x|)`` for scales stored in ``scale_dtype``.
+
+    Scales are clamped to the smallest normal number, so an all-zero group never divides by zero; a
+    zero point must fit the format, so states beyond its maximum are refused.
+    """
+    info = torch.finfo(scale_dtype)
+    return info.tiny, info.max
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes along the last dimension, ``8 // bits`` codes per byte.
+
+    q: ``[..., D]`` uint8 with every code ``< 2**bits``; ``D`` divisible by ``8 // bits``.
+    Returns ``[..., D * bits // 8]`` uint8; code ``c`` goes to byte ``c // k`` at bit ``(c % k) * bits``.
+    """
+    if bits == 8:
+        return q
+    k = 8 // bits
+    if q.shape[-1] % k:
+        raise ValueError(f"cannot pack {q.shape[-1]} codes of {bits} bits into whole bytes ({k} per byte)")
+    q = q.unflatten(-1, (-1, k))
+    packed = q[..., 0].clone()
+    for i in range(1, k):
+        packed |= q[..., i] << (i * bits)
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``[..., Dp]`` uint8 -> ``[..., Dp * 8 // bits]`` uint8 codes."""
+    if bits == 8:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).flatten(-2)
+
+
+def minmax_quantize(
+    x: torch.Tensor, bits: int, dim: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization of ``x`` with one (scale, zero) pair per slice along ``dim``.
+
+    x: any shape, finite, within the range of ``scale_dtype``. Returns ``(codes, scale, zero)``: codes uint8
+    of x's shape in ``[0, 2**bits - 1]``; scale and zero in ``scale_dtype`` with ``dim`` kept at size 1, so
+    ``x ~ zero + codes * scale``. The codes are rounded against the stored (rounded) scale and zero, so fp16
+    storage adds no bias. A constant slice gets the smallest scale and is reproduced exactly.
+    """
+    levels = 2**bits - 1
+    x = x.float()
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = ((hi - lo) / levels).clamp(min=scale_limits(scale_dtype)[0]).to(scale_dtype)
+    zero = lo.to(scale_dtype)
+    codes = torch.round((x - zero.float()) / scale.float()).clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def minmax_dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    """Write ``zero + codes * scale`` into ``out`` (any strided view whose shape codes broadcast to)."""
+    torch.addcmul(zero.to(out.dtype), codes, scale.to(out.dtype), out=out)
+
+
+def fp8_quantize(
+    x: torch.Tensor, dtype: torch.dtype, dims: tuple[int, ...], scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale ``x`` so its absolute maximum over ``dims`` lands on the fp8 format's maximum, then cast.
+
+    Returns ``(payload, scale)``: payload in ``dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``)
+    with x's shape, scale in ``scale_dtype`` with ``dims`` kept at size 1. The scale is computed from the very tensor
+    being stored, so nothing saturates (beyond the clamp that absorbs fp16 rounding of the scale).
+    """
+    fmax = torch.finfo(dtype).max
+    amax = x.float().abs().amax(dim=dims, keepdim=True)
+    scale = (amax / fmax).clamp(min=scale_limits(scale_dtype)[0]).to(scale_dtype)
+    payload = (x.float() / scale.float()).clamp_(-fmax, fmax).to(dtype)
+    return payload, scale
+
+
+def fp8_dequantize_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write ``payload * scale`` into ``out``."""
+    out.copy_(payload)
+    out.mul_(scale.to(out.dtype))
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10 log10(sum x^2 / sum (x - x_hat)^2)``."""
+    ref = reference.double()
+    noise = (ref - approx.double()).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))

@@ -1,0 +1,294 @@
+"""Cache quantizers, found by name in a registry.
+
+A *quantizer* is a small frozen dataclass whose fields are its options (``Int4(group_size=32)``). For a
+given head dimension it builds two *codecs*, one for the key stream and one for the value stream. A codec
+turns a block of states ``[B, H, T, D]`` into a dict of stored tensors whose dim 2 counts *units*
+(``tokens_per_unit`` tokens each) and writes the dequantized block back into a preallocated view.
+Appending units never touches those already stored.
+
+Adding a quantizer is one class plus ``@register_quantizer("name")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from . import ops
+from .errors import KVQuantError
+
+Encoded = dict[str, torch.Tensor]
+Axis = Literal["token", "channel"]
+
+
+class Codec:
+    """Stores one stream (keys or values) of one layer. Shapes: states ``[B, H, T, D]``."""
+
+    #: Tokens covered by one stored unit; ``encode`` only receives whole units.
+    tokens_per_unit: int = 1
+    #: Largest |state| the stored form can hold; larger values raise instead of overflowing.
+    max_abs: float = float("inf")
+
+    def encode(self, x: torch.Tensor) -> Encoded:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class IdentityCodec(Codec):
+    """Keeps the states as they are: the baseline through the same code path as every quantizer."""
+
+    def encode(self, x):
+        return {"full": x.clone()}
+
+    def decode_into(self, enc, out):
+        out.copy_(enc["full"])
+
+
+@dataclass(frozen=True)
+class IntCodec(Codec):
+    """Asymmetric min-max integer codes, bit-packed along head_dim.
+
+    axis="token": one (scale, zero) per token and per ``group`` channels; unit = 1 token.
+        payload ``[B, H, T, D*bits/8]``, scale/zero ``[B, H, T, D/group, 1]``.
+    axis="channel": one (scale, zero) per channel and per ``group`` tokens; unit = ``group`` tokens.
+        payload ``[B, H, T/group, group, D*bits/8]``, scale/zero ``[B, H, T/group, 1, D]``.
+    """
+
+    bits: int
+    axis: Axis
+    group: int
+    scale_dtype: torch.dtype = torch.float16
+
+    @property
+    def max_abs(self) -> float:
+        return ops.scale_limits(self.scale_dtype)[1]
+
+    @property
+    def tokens_per_unit(self) -> int:
+        return self.group if self.axis == "channel" else 1
+
+    def encode(self, x):
+        if self.axis == "token":
+            codes, scale, zero = ops.minmax_quantize(x.unflatten(-1, (-1, self.group)), self.bits, -1, self.scale_dtype)
+            codes = codes.flatten(-2)
+        else:
+            codes, scale, zero = ops.minmax_quantize(x.unflatten(2, (-1, self.group)), self.bits, 3, self.scale_dtype)
+        return {"payload": ops.pack_bits(codes, self.bits), "scale": scale, "zero": zero}
+
+    def decode_into(self, enc, out):
+        codes = ops.unpack_bits(enc["payload"], self.bits)
+        if self.axis == "token":
+            codes, out = codes.unflatten(-1, (-1, self.group)), out.unflatten(-1, (-1, self.group))
+        else:
+            out = out.unflatten(2, (-1, self.group))
+        ops.minmax_dequantize_into(out, codes, enc["scale"], enc["zero"])
+
+
+@dataclass(frozen=True)
+class Fp8Codec(Codec):
+    """fp8 payload with a dynamic fp16 scale computed from the states being written.
+
+    granularity="token": one scale per token and head, ``[B, H, T, 1]``.
+    granularity="tensor": one scale per sequence for all heads and channels of one write, ``[B, 1, T, 1]``
+    (the value repeats over the tokens of that write).
+    """
+
+    dtype: torch.dtype
+    granularity: Literal["token", "tensor"]
+    scale_dtype: torch.dtype = torch.float16
+
+    def encode(self, x):
+        dims = (-1,) if self.granularity == "token" else (1, 2, 3)
+        payload, scale = ops.fp8_quantize(x, self.dtype, dims, self.scale_dtype)
+        if self.granularity == "tensor":
+            scale = scale.expand(-1, -1, x.shape[2], -1).contiguous()
+        return {"payload": payload, "scale": scale}
+
+    def decode_into(self, enc, out):
+        ops.fp8_dequantize_into(out, enc["payload"], enc["scale"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry
+
+
+_REGISTRY: dict[str, type[Quantizer]] = {}
+
+
+def register_quantizer(name: str):
+    """Class decorator: make a :class:`Quantizer` subclass available under ``name``."""
+
+    def wrap(cls):
+        if name in _REGISTRY:
+            raise KVQuantError(f"quantizer {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def available_quantizers() -> list[str]:
+    """Names accepted by :func:`get_quantizer` and ``make_cache(quantizer=...)``."""
+    return sorted(_REGISTRY)
+
+
+def quantizer_options(name: str) -> dict[str, object]:
+    """The options of quantizer ``name`` with their defaults."""
+    cls = _quantizer_class(name)
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def _quantizer_class(name: str) -> type[Quantizer]:
+    if name not in _REGISTRY:
+        raise KVQuantError(f"unknown quantizer {name!r}; available: {', '.join(available_quantizers())}")
+    return _REGISTRY[name]
+
+
+def get_quantizer(name: str, **options) -> Quantizer:
+    """Build quantizer ``name`` with ``options``; an option it does not have is an error naming the valid ones."""
+    cls = _quantizer_class(name)
+    valid = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        allowed = ", ".join(sorted(valid)) or "none"
+        raise KVQuantError(f"quantizer {name!r} has no option {', '.join(map(repr, unknown))}; its options: {allowed}")
+    return cls(**options)
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """Options of one cache quantizer; builds the key and value codecs for a head dimension."""
+
+    name: ClassVar[str]
+    #: Most recent tokens kept in full precision unless ``make_cache(residual_length=...)`` says otherwise.
+    default_residual_length: ClassVar[int] = 0
+
+    def _scale_dtype(self) -> torch.dtype:
+        if self.scale_dtype not in ops.SCALE_DTYPES:
+            raise KVQuantError(f"{self.name}: scale_dtype must be one of {sorted(ops.SCALE_DTYPES)}, got {self.scale_dtype!r}")
+        return ops.SCALE_DTYPES[self.scale_dtype]
+
+    def codecs(self, head_dim: int) -> tuple[Codec, Codec]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, object]:
+        """Name and options, enough to rebuild it with :func:`get_quantizer`."""
+        return {"quantizer": self.name, **dataclasses.asdict(self)}
+
+
+@register_quantizer("fp16")
+@dataclass(frozen=True)
+class Identity(Quantizer):
+    """No quantization: the states are kept in the model's dtype (the baseline)."""
+
+    def codecs(self, head_dim):
+        return IdentityCodec(), IdentityCodec()
+
+
+@dataclass(frozen=True)
+class IntQuantizer(Quantizer):
+    """KIVI-style integers: keys per-channel (groups of ``group_size`` tokens), values per-token (groups of
+    ``group_size`` channels, capped at head_dim). ``key_bits``/``value_bits`` may differ (e.g. K8/V4).
+    ``scale_dtype`` is how scales and zero points are stored ("float16", or "float32" at twice the bytes)."""
+
+    default_residual_length: ClassVar[int] = 128
+    key_bits: int = 8
+    value_bits: int = 8
+    group_size: int = 32
+    key_axis: Axis = "channel"
+    value_axis: Axis = "token"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        self._scale_dtype()
+        for field in ("key_bits", "value_bits"):
+            if getattr(self, field) not in (2, 4, 8):
+                raise KVQuantError(f"{self.name}: {field} must be 2, 4 or 8, got {getattr(self, field)!r}")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise KVQuantError(f"{self.name}: group_size must be a positive integer, got {self.group_size!r}")
+        for field in ("key_axis", "value_axis"):
+            if getattr(self, field) not in ("token", "channel"):
+                raise KVQuantError(f"{self.name}: {field} must be 'token' or 'channel', got {getattr(self, field)!r}")
+
+    def _codec(self, bits: int, axis: Axis, head_dim: int, stream: str) -> IntCodec:
+        per_byte = 8 // bits
+        if head_dim % per_byte:
+            raise KVQuantError(f"{self.name}: head_dim {head_dim} cannot be packed {per_byte} {stream} codes per byte")
+        group = min(self.group_size, head_dim) if axis == "token" else self.group_size
+        if axis == "token" and head_dim % group:
+            raise KVQuantError(
+                f"{self.name}: group_size {self.group_size} does not divide head_dim {head_dim} for per-token "
+                f"{stream}; use a divisor of {head_dim}"
+            )
+        return IntCodec(bits=bits, axis=axis, group=group, scale_dtype=self._scale_dtype())
+
+    def codecs(self, head_dim):
+        return (
+            self._codec(self.key_bits, self.key_axis, head_dim, "key"),
+            self._codec(self.value_bits, self.value_axis, head_dim, "value"),
+        )
+
+
+@register_quantizer("int8")
+@dataclass(frozen=True)
+class Int8(IntQuantizer):
+    """8-bit integers."""
+
+
+@register_quantizer("int4")
+@dataclass(frozen=True)
+class Int4(IntQuantizer):
+    """4-bit integers, two per byte."""
+
+    key_bits: int = 4
+    value_bits: int = 4
+
+
+@register_quantizer("int2")
+@dataclass(frozen=True)
+class Int2(IntQuantizer):
+    """2-bit integers, four per byte."""
+
+    key_bits: int = 2
+    value_bits: int = 2
+
+
+@dataclass(frozen=True)
+class Fp8Quantizer(Quantizer):
+    """fp8 storage with dynamic scales: per token and head (``granularity="token"``) or one per sequence
+    and write (``"tensor"``)."""
+
+    dtype: ClassVar[torch.dtype]
+    granularity: Literal["token", "tensor"] = "token"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        self._scale_dtype()
+        if self.granularity not in ("token", "tensor"):
+            raise KVQuantError(f"{self.name}: granularity must be 'token' or 'tensor', got {self.granularity!r}")
+
+    def codecs(self, head_dim):
+        codec = Fp8Codec(dtype=self.dtype, granularity=self.granularity, scale_dtype=self._scale_dtype())
+        return codec, codec
+
+
+@register_quantizer("fp8_e4m3")
+@dataclass(frozen=True)
+class Fp8E4M3(Fp8Quantizer):
+    """fp8 e4m3 (``torch.float8_e4m3fn``): 3 mantissa bits, max 448."""
+
+    dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+
+
+@register_quantizer("fp8_e5m2")
+@dataclass(frozen=True)
+class Fp8E5M2(Fp8Quantizer):
+    """fp8 e5m2 (``torch.float8_e5m2``): 2 mantissa bits, max 57344."""
+
+    dtype: ClassVar[torch.dtype] = torch.float8_e5m2

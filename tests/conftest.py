@@ -1,0 +1,34 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvquant.paths import resolve
+
+MODEL = "local:models/stories260K/hf"
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve(MODEL))
+
+
+@pytest.fixture(scope="session")
+def model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(resolve(MODEL), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def stories():
+    with open(resolve(STORIES), encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+@pytest.fixture(scope="session")
+def story_ids(tokenizer, stories):
+    """One real story of a few hundred tokens, ``[1, T]`` with BOS."""
+    ids = next(tokenizer(s).input_ids for s in stories if 300 <= len(tokenizer(s).input_ids) <= 512)
+    return torch.tensor([ids])
