@@ -285,3 +285,23 @@ def make_cache(
     if not any(isinstance(layer, QuantizedLayer) for layer in layers):
         raise KVQuantError(f"{type(config).__name__} has no attention layers with a KV cache to quantize")
     return KVQuantCache(layers, quantizer, residual_length, sink_tokens)
+
+
+def stored_bytes(cache: Cache) -> int:
+    """Bytes held by any transformers cache's layers (``DynamicCache``, ``QuantizedCache``, ours), found by
+    walking each layer's tensors, tuples and tensor subclasses (e.g. optimum-quanto's packed tensors)."""
+    if isinstance(cache, KVQuantCache):
+        return cache.memory_report()["total_bytes"]
+
+    def walk(obj) -> int:
+        if isinstance(obj, (tuple, list)):
+            return sum(walk(item) for item in obj)
+        if not isinstance(obj, torch.Tensor):
+            return 0
+        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
+            names, _ = obj.__tensor_flatten__()
+            return sum(walk(getattr(obj, name)) for name in names)
+        return obj.numel() * obj.element_size()
+
+    names = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(walk(getattr(layer, name, None)) for layer in cache.layers for name in names)

@@ -22,20 +22,21 @@ def scale_limits(scale_dtype: torch.dtype) -> tuple[float, float]:
 
 
 def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes along the last dimension, ``8 // bits`` codes per byte.
+    """Pack integer codes along the last dimension, ``k = 8 // bits`` codes per byte, in blocks.
 
-    q: ``[..., D]`` uint8 with every code ``< 2**bits``; ``D`` divisible by ``8 // bits``.
-    Returns ``[..., D * bits // 8]`` uint8; code ``c`` goes to byte ``c // k`` at bit ``(c % k) * bits``.
+    q: ``[..., D]`` uint8 with every code ``< 2**bits``; ``D`` divisible by ``k``.
+    Returns ``[..., D // k]`` uint8. Block layout: the code of channel ``j * (D // k) + i`` sits in byte ``i``
+    at bit ``j * bits``, so unpacking writes ``k`` contiguous blocks (fast vectorized ops, no interleave).
     """
     if bits == 8:
         return q
     k = 8 // bits
     if q.shape[-1] % k:
         raise ValueError(f"cannot pack {q.shape[-1]} codes of {bits} bits into whole bytes ({k} per byte)")
-    q = q.unflatten(-1, (-1, k))
-    packed = q[..., 0].clone()
-    for i in range(1, k):
-        packed |= q[..., i] << (i * bits)
+    blocks = q.chunk(k, dim=-1)
+    packed = blocks[0].clone()
+    for j in range(1, k):
+        packed |= blocks[j] << (j * bits)
     return packed
 
 
@@ -43,8 +44,16 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``[..., Dp]`` uint8 -> ``[..., Dp * 8 // bits]`` uint8 codes."""
     if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & (2**bits - 1)).flatten(-2)
+    k, width = 8 // bits, packed.shape[-1]
+    codes = packed.new_empty(*packed.shape[:-1], width * k)
+    mask = 2**bits - 1
+    torch.bitwise_and(packed, mask, out=codes[..., :width])
+    for j in range(1, k):
+        block = codes[..., j * width : (j + 1) * width]
+        torch.bitwise_right_shift(packed, j * bits, out=block)
+        if j < k - 1:
+            block &= mask
+    return codes
 
 
 def minmax_quantize(
@@ -66,9 +75,16 @@ def minmax_quantize(
     return codes, scale, zero
 
 
-def minmax_dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-    """Write ``zero + codes * scale`` into ``out`` (any strided view whose shape codes broadcast to)."""
-    torch.addcmul(zero.to(out.dtype), codes, scale.to(out.dtype), out=out)
+def minmax_dequantize_(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """In place: ``x`` holds codes (as floats of the output dtype); make it ``zero + x * scale``.
+
+    Runs in x's dtype. ``addcmul`` is one pass when scale and zero broadcast along an outer dimension; when
+    they broadcast along the innermost one, separate in-place ``mul_`` and ``add_`` are faster on CPU.
+    """
+    scale, zero = scale.to(x.dtype), zero.to(x.dtype)
+    if scale.shape[-1] == 1 and x.shape[-1] > 1:
+        return x.mul_(scale).add_(zero)
+    return torch.addcmul(zero, x, scale, out=x)
 
 
 def fp8_quantize(

@@ -83,10 +83,12 @@ class IntCodec(Codec):
     def decode_into(self, enc, out):
         codes = ops.unpack_bits(enc["payload"], self.bits)
         if self.axis == "token":
-            codes, out = codes.unflatten(-1, (-1, self.group)), out.unflatten(-1, (-1, self.group))
+            out.copy_(codes)
+            grouped = out.unflatten(-1, (-1, self.group))
         else:
-            out = out.unflatten(2, (-1, self.group))
-        ops.minmax_dequantize_into(out, codes, enc["scale"], enc["zero"])
+            grouped = out.unflatten(2, (-1, self.group))
+            grouped.copy_(codes)
+        ops.minmax_dequantize_(grouped, enc["scale"], enc["zero"])
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,10 @@ class IntQuantizer(Quantizer):
 @register_quantizer("int8")
 @dataclass(frozen=True)
 class Int8(IntQuantizer):
-    """8-bit integers."""
+    """8-bit integers. Groups of 128 by default: 8-bit codes keep plenty of resolution over a wide group, while
+    fp16 scale and zero per 32 elements would add a whole bit per element (9 bits, 0.56x of fp16)."""
+
+    group_size: int = 128
 
 
 @register_quantizer("int4")
