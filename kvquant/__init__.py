@@ -11,6 +11,21 @@ from .cache import KVQuantCache, make_cache
 from .errors import KVQuantError, NonFiniteKVError
 from .quantizers import Quantizer, available_quantizers, get_quantizer, quantizer_options, register_quantizer
 
+
+
+def _register_with_lm_eval() -> None:
+    """Make ``model="kvquant"`` known to lm-eval without importing the model class (lazy placeholder)."""
+    try:
+        import lm_eval.models  # noqa: F401  (lm-eval fills its built-in names only into an empty registry)
+        from lm_eval.api.registry import model_registry
+    except ImportError:
+        return
+    if "kvquant" not in model_registry:
+        model_registry.register("kvquant", target="kvquant.lm_eval_model:KVQuantLM")
+
+
+_register_with_lm_eval()
+
 __all__ = [
     "KVQuantCache",
     "KVQuantError",

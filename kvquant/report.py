@@ -1,0 +1,165 @@
+"""Writing a run's report: results.json, results.csv, report.md and plot.png in ``reports/<name>/``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .config import ExperimentConfig
+from .gate import PERPLEXITY, Decision, MetricRow
+from .paths import PROJECT_ROOT
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def environment() -> dict[str, str]:
+    versions = {}
+    for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = "not installed"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    return {"python": platform.python_version(), **versions, "git_commit": commit,
+            "machine": f"{platform.platform()}, {device}", "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _metric_entry(verdict, results: dict) -> dict:
+    row = verdict.row
+    entry = {"kind": row.kind, "value": row.value, "baseline": row.baseline, "relative": row.relative,
+             "ci_low": row.ci_low, "ci_high": row.ci_high, "threshold": verdict.threshold, "gated": row.gated,
+             "passed": verdict.passed, "n": row.n}
+    if row.kind == PERPLEXITY:
+        cand, base = results[row.candidate][row.metric], results["baseline"][row.metric]
+        entry.update(nll_sum=float(np.sum(cand["nll"])), tokens=int(np.sum(cand["tokens"])),
+                     baseline_nll_sum=float(np.sum(base["nll"])), baseline_tokens=int(np.sum(base["tokens"])))
+    return entry
+
+
+def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision: Decision, memory: dict,
+          results: dict, command: str) -> dict[str, Path]:
+    env = environment()
+    candidates = []
+    for c in cfg.candidates:
+        mem = memory[c.label]
+        verdicts = [v for v in decision.verdicts if v.row.candidate == c.label]
+        candidates.append({
+            "name": c.label, "settings": mem["settings"], "bits_per_element": mem["bits_per_element"],
+            "memory_ratio": mem["ratio"], "memory": {k: v for k, v in mem.items() if k != "settings"},
+            "passed": decision.passed[c.label],
+            "metrics": {v.row.metric: _metric_entry(v, results) for v in verdicts},
+        })
+    doc = {
+        "decision": decision.decision, "chosen": decision.chosen, "reason": decision.reason,
+        "decide_on": cfg.gate.decide_on, "mode": cfg.eval.mode,
+        "chunk_size": cfg.eval.chunk_size if cfg.eval.mode == "streaming" else None,
+        "command": command, "environment": env, "config": cfg.to_dict(),
+        "baseline": {"settings": memory["baseline"]["settings"],
+                     "memory": {k: v for k, v in memory["baseline"].items() if k != "settings"}},
+        "candidates": candidates,
+    }
+    _atomic_write(out_dir / "results.json", json.dumps(doc, indent=2, default=float))
+    frame = pd.DataFrame([{"candidate": c["name"], "bits_per_element": c["bits_per_element"],
+                           "memory_ratio": c["memory_ratio"], "metric": m, **e}
+                          for c in candidates for m, e in c["metrics"].items()])
+    _atomic_write(out_dir / "results.csv", frame.to_csv(index=False))
+    plot = out_dir / "plot.png"
+    _plot(plot, candidates, cfg)
+    _atomic_write(out_dir / "report.md", _markdown(doc, frame, cfg))
+    return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": plot}
+
+
+def _plot(path: Path, candidates: list[dict], cfg: ExperimentConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    metrics = sorted({m for c in candidates for m, e in c["metrics"].items() if e["gated"]})
+    for metric in metrics:
+        pts = sorted((c["bits_per_element"], c["metrics"][metric]["relative"], c["name"])
+                     for c in candidates if metric in c["metrics"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=metric)
+        for x, y, name in pts:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(cfg.gate.min_relative_accuracy, color="red", ls="--", lw=1,
+               label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
+    ax.axhline(1 / cfg.gate.max_perplexity_ratio, color="orange", ls=":", lw=1,
+               label=f"perplexity threshold 1/{cfg.gate.max_perplexity_ratio}")
+    ax.set_xlabel("bits per element (measured memory_report)")
+    ax.set_ylabel("relative score (1.0 = fp16 baseline)")
+    ax.set_title(f"{cfg.name}: quality vs KV-cache size ({cfg.eval.mode} mode)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
+    env = doc["environment"]
+    mode = f"{cfg.eval.mode}" + (f" (chunk size {cfg.eval.chunk_size})" if cfg.eval.mode == "streaming" else "")
+    lines = [
+        f"# kvquant report: {cfg.name}",
+        "",
+        f"**Decision: {doc['decision'].upper()}** — {doc['reason']}.",
+        "",
+        f"- command: `{doc['command']}`",
+        f"- model: `{cfg.model.path}` ({cfg.model.dtype}); evaluation mode: {mode}; seed {cfg.eval.seed}",
+        f"- gate: accuracy ratio >= {cfg.gate.min_relative_accuracy}, perplexity ratio <= "
+        f"{cfg.gate.max_perplexity_ratio}, decided on the {'lower confidence bound' if doc['decide_on'] == 'lower_bound' else 'point estimate'}; "
+        f"{int(cfg.gate.confidence * 100)}% paired bootstrap intervals ({cfg.gate.bootstrap} resamples)",
+        f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
+        "is the fp16 identity quantizer through the same cache code",
+        f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "
+        f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']}; git {env['git_commit']}; "
+        f"{env['date']}",
+        "",
+        "## Candidates",
+        "",
+        "| candidate | settings | bits/element | memory vs fp16 | passed |",
+        "|---|---|---:|---:|---|",
+    ]
+    for c in doc["candidates"]:
+        settings = ", ".join(f"{k}={v}" for k, v in c["settings"].items())
+        lines.append(f"| {c['name']} | {settings} | {c['bits_per_element']:.2f} | {c['memory_ratio']:.3f} | "
+                     f"{'yes' if c['passed'] else 'no'} |")
+    mem = doc["baseline"]["memory"]
+    lines += ["", f"Memory from `memory_report()` after {mem['tokens']} tokens; the baseline holds "
+              f"{mem['bits_per_element']:.0f} bits/element (the model's dtype).", "", "## Metrics", "",
+              "| candidate | metric | value | baseline | relative | 95% CI | threshold | gated | passed | n |",
+              "|---|---|---:|---:|---:|---|---:|---|---|---:|"]
+    for _, r in frame.iterrows():
+        lines.append(f"| {r.candidate} | {r.metric} | {r.value:.4f} | {r.baseline:.4f} | {r.relative:.4f} | "
+                     f"[{r.ci_low:.4f}, {r.ci_high:.4f}] | {r.threshold:.4f} | {'yes' if r.gated else 'no'} | "
+                     f"{'yes' if r.passed else 'no'} | {r.n} |")
+    small = sorted({int(r.n) for _, r in frame.iterrows() if r.gated and r.n < 100})
+    if small:
+        lines += ["", f"Note: some gated metrics rest on few samples (n = {small}); read their intervals."]
+    lines += ["", "Perplexity rows: value = exp(summed NLL / tokens); summed NLL and token counts are in "
+              "results.json. Relative = baseline/candidate for perplexity, candidate/baseline for accuracy.",
+              "", "![quality vs bits](plot.png)", ""]
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""lm-eval tasks that run offline from the data directory, plus ``tinystories_lastword``.
+
+A config names tasks by lm-eval's own names (``lambada_openai``, ``hellaswag``, ...). Where the data directory
+holds a copy of a task's data, :func:`task_manager` writes a small YAML that includes lm-eval's built-in task
+and swaps its dataset for the local file, and :func:`resolve_task` maps the name to that offline task; on a
+machine without the data the built-in (hub) task is used unchanged.
+
+``tinystories_lastword`` is a task the tiny stories260K model can actually do: predict the last word of a
+TinyStories validation story (stories 500-999, held apart from the perplexity stories 0-199), scored like
+LAMBADA (accuracy = the whole word is the greedy continuation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from .paths import data_dir
+
+#: task -> (built-in YAML under lm_eval/tasks, split name, data file under the data directory, extra keys)
+OFFLINE_TASKS = {
+    "lambada_openai": ("lambada/lambada_openai.yaml", "test", "tasks/lambada_openai/lambada_test_en.jsonl", {}),
+    "hellaswag": ("hellaswag/hellaswag.yaml", "validation", "tasks/hellaswag/hellaswag_val_sample1000.jsonl",
+                  {"training_split": None}),
+    "arc_easy": ("arc/arc_easy.yaml", "test", "tasks/arc_easy/test.jsonl",
+                 {"training_split": None, "validation_split": None}),
+    "arc_challenge": ("arc/arc_easy.yaml", "test", "tasks/arc_challenge/test.jsonl",
+                      {"training_split": None, "validation_split": None}),
+    "piqa": ("piqa/piqa.yaml", "validation", "tasks/piqa/validation.jsonl", {"training_split": None}),
+    "boolq": ("super_glue/boolq/default.yaml", "validation", "tasks/boolq/validation.jsonl", {"training_split": None}),
+    "winogrande": ("winogrande/default.yaml", "validation", "tasks/winogrande/validation.jsonl",
+                   {"training_split": None}),
+}
+LASTWORD = "tinystories_lastword"
+LASTWORD_SOURCE = "text/tinystories/validation-first1000.jsonl"
+LASTWORD_STORIES = slice(500, 1000)
+
+
+def _lastword_docs(stories: list[str]) -> list[dict[str, str]]:
+    """Context = the story up to its last word; target = ' ' + that word (closing punctuation dropped)."""
+    docs = []
+    for story in stories:
+        text = re.sub(r"[\s.!?\"',;:)]+$", "", story.strip())
+        context, _, word = text.rpartition(" ")
+        if context and word.isalpha():
+            docs.append({"context": context, "target": " " + word})
+    return docs
+
+
+def _write(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text(encoding="utf-8") != content:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(content, encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def write_task_dir(directory: Path) -> Path:
+    """Write the offline task YAMLs (and the last-word data) for the current data directory into ``directory``."""
+    import lm_eval
+
+    builtin = Path(lm_eval.__file__).parent / "tasks"
+    root = data_dir()
+    stories = _stories(root)
+    docs = _lastword_docs(stories[LASTWORD_STORIES])
+    data_file = directory / f"{LASTWORD}.jsonl"
+    _write(data_file, "".join(json.dumps(d) + "\n" for d in docs))
+    lastword = {
+        "task": LASTWORD,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+        "output_type": "loglikelihood",
+        "doc_to_text": "{{context}}",
+        "doc_to_target": "{{target}}",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0, "source": f"TinyStories validation stories {LASTWORD_STORIES.start}-"
+                     f"{LASTWORD_STORIES.stop - 1}"},
+    }
+    _write(directory / f"{LASTWORD}.yaml", yaml.safe_dump(lastword, sort_keys=False))
+    if root is not None:
+        for task, (include, split, rel, extra) in OFFLINE_TASKS.items():
+            if not (root / rel).exists():
+                continue
+            spec = {"include": str(builtin / include), "task": f"{task}_local", "tag": [], "dataset_path": "json",
+                    "dataset_name": None, "dataset_kwargs": {"data_files": {split: str(root / rel)}}, **extra}
+            _write(directory / f"{task}_local.yaml", yaml.safe_dump(spec, sort_keys=False))
+    return directory
+
+
+def _stories(root: Path | None) -> list[str]:
+    if root is not None and (root / LASTWORD_SOURCE).exists():
+        with (root / LASTWORD_SOURCE).open(encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f]
+    import datasets
+
+    ds = datasets.load_dataset("roneneldan/TinyStories", split=f"validation[:{LASTWORD_STORIES.stop}]")
+    return list(ds["text"])
+
+
+def task_dir() -> Path:
+    """Where the offline task files of this data directory live (``$KVQUANT_TASK_DIR`` or a temp folder)."""
+    base = os.environ.get("KVQUANT_TASK_DIR") or os.path.join(tempfile.gettempdir(), "kvquant-tasks")
+    root = data_dir()
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", str(root)) if root else "hub"
+    return write_task_dir(Path(base) / tag)
+
+
+def resolve_task(name: str) -> str:
+    """The task to run for a config's task name: its offline copy where the data directory has one."""
+    root = data_dir()
+    if name in OFFLINE_TASKS and root is not None and (root / OFFLINE_TASKS[name][2]).exists():
+        return f"{name}_local"
+    return name
+
+
+def task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(task_dir()))
