@@ -97,6 +97,8 @@ class _Stream:
 
 
 def _check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
+    if x.device.type == "meta":  # shapes only (capacity planning): nothing to check
+        return
     amax = float(x.abs().amax()) if x.numel() else 0.0
     if math.isfinite(amax) and amax <= max_abs:
         return
@@ -219,40 +221,60 @@ class KVQuantCache(Cache):
         """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows),
         ``fp16_bytes`` (an fp16 ``DynamicCache`` for the same tokens), ``ratio``, ``bits_per_element``,
         the breakdown by role and ``tokens`` (sequence length)."""
-        report = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0}
-        for layer in self.layers:
-            if isinstance(layer, QuantizedLayer):
-                for key, nbytes in layer.memory().items():
-                    report[key] += nbytes
-        total = report["payload_bytes"] + report["scale_bytes"] + report["full_precision_bytes"]
-        fp16 = report["fp16_bytes"]
-        return {
-            "total_bytes": total,
-            **report,
-            "ratio": total / fp16 if fp16 else float("nan"),
-            "bits_per_element": 16 * total / fp16 if fp16 else float("nan"),
-            "tokens": self.get_seq_length(),
-        }
+        parts = [layer.memory() for layer in self.layers if isinstance(layer, QuantizedLayer)]
+        return _summarize(parts, self.get_seq_length())
 
 
-def make_cache(
-    model_or_config,
-    quantizer: str | Quantizer = "int4",
-    *,
-    residual_length: int | None = None,
-    sink_tokens: int = 0,
-    **options,
-) -> KVQuantCache:
-    """Build a quantized cache for a decoder model (or its config).
+def _summarize(parts: list[dict[str, int]], tokens: int) -> dict[str, float]:
+    report = {key: sum(p[key] for p in parts) for key in ("payload_bytes", "scale_bytes", "full_precision_bytes",
+                                                           "fp16_bytes")}
+    total = report["payload_bytes"] + report["scale_bytes"] + report["full_precision_bytes"]
+    fp16 = report["fp16_bytes"]
+    return {
+        "total_bytes": total,
+        **report,
+        "ratio": total / fp16 if fp16 else float("nan"),
+        "bits_per_element": 16 * total / fp16 if fp16 else float("nan"),
+        "tokens": tokens,
+    }
 
-    quantizer: a registered name (see ``kvquant.available_quantizers()``) or a :class:`Quantizer`.
-    residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
-    sink_tokens: first tokens kept in full precision (full-attention layers only).
-    options: the quantizer's own options, e.g. ``group_size=32``, ``key_bits=8``.
-    """
+
+def attention_layout(model_or_config) -> list[int | None | str]:
+    """Per decoder layer: ``None`` for full attention, the window for sliding-window attention, ``"shared"`` for a
+    layer that reuses another layer's KV (it stores nothing). Errors name layers kvquant cannot cache."""
     config = getattr(model_or_config, "config", model_or_config)
     if not hasattr(config, "get_text_config"):
-        raise KVQuantError(f"make_cache needs a transformers model or config, got {type(model_or_config).__name__}")
+        raise KVQuantError(f"need a transformers model or config, got {type(model_or_config).__name__}")
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "is_encoder_decoder", False):
+        raise KVQuantError("kvquant quantizes decoder-only self-attention caches; this model is encoder-decoder")
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    except (AttributeError, TypeError) as err:
+        raise KVQuantError(f"cannot read the attention layers of {type(config).__name__}: {err}") from err
+    layout = []
+    for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        if kind == "full_attention":
+            layout.append(None)
+        elif kind in SLIDING_TYPES:
+            layout.append(kwargs["sliding_window"])
+        elif kind == "dummy":
+            layout.append("shared")
+        else:
+            raise KVQuantError(
+                f"layer {i} is {kind!r}, which keeps no attention KV cache kvquant can quantize "
+                f"(supported: full_attention, {', '.join(SLIDING_TYPES)})"
+            )
+    if all(w == "shared" for w in layout):
+        raise KVQuantError(f"{type(config).__name__} has no attention layers with a KV cache to quantize")
+    return layout
+
+
+def build_cache(
+    layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
+    sink_tokens: int = 0, **options
+) -> KVQuantCache:
+    """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments."""
     if isinstance(quantizer, str):
         quantizer = get_quantizer(quantizer, **options)
     elif options:
@@ -262,29 +284,38 @@ def make_cache(
     for name, value in (("residual_length", residual_length), ("sink_tokens", sink_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise KVQuantError(f"{name} must be a non-negative integer, got {value!r}")
-    text_config = config.get_text_config(decoder=True)
-    if getattr(text_config, "is_encoder_decoder", False):
-        raise KVQuantError("kvquant quantizes decoder-only self-attention caches; this model is encoder-decoder")
-    try:
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    except (AttributeError, TypeError) as err:
-        raise KVQuantError(f"cannot read the attention layers of {type(config).__name__}: {err}") from err
-    layers = []
-    for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if kind == "full_attention":
-            layers.append(QuantizedLayer(quantizer, residual_length, sink_tokens))
-        elif kind in SLIDING_TYPES:
-            layers.append(QuantizedLayer(quantizer, residual_length, sink_tokens, sliding_window=kwargs["sliding_window"]))
-        elif kind == "dummy":
-            layers.append(DummyLayer())
-        else:
-            raise KVQuantError(
-                f"layer {i} is {kind!r}, which keeps no attention KV cache kvquant can quantize "
-                f"(supported: full_attention, {', '.join(SLIDING_TYPES)})"
-            )
-    if not any(isinstance(layer, QuantizedLayer) for layer in layers):
-        raise KVQuantError(f"{type(config).__name__} has no attention layers with a KV cache to quantize")
+    layers = [DummyLayer() if w == "shared" else QuantizedLayer(quantizer, residual_length, sink_tokens, w)
+              for w in layout]
     return KVQuantCache(layers, quantizer, residual_length, sink_tokens)
+
+
+def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
+    """Build a quantized cache for a decoder model (or its config).
+
+    quantizer: a registered name (see ``kvquant.available_quantizers()``) or a :class:`Quantizer`.
+    residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
+    sink_tokens: first tokens kept in full precision (full-attention layers only).
+    Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
+    """
+    return build_cache(attention_layout(model_or_config), quantizer, **options)
+
+
+def simulate_memory(
+    layout: list[int | None | str], settings: dict, *, batch: int, kv_heads: int, head_dim: int, tokens: int,
+    dtype: torch.dtype = torch.float16,
+) -> dict[str, float]:
+    """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
+    cache's own code on meta tensors (shapes only, no data, no compute). ``settings``: make_cache arguments,
+    ``{"quantizer": "int4", "group_size": 32, ...}``."""
+    settings = dict(settings)
+    quantizer = settings.pop("quantizer")
+    states = torch.empty(batch, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
+    parts = []
+    for window in {w for w in layout if w != "shared"}:  # layers of one kind store the same: simulate one each
+        layer = build_cache([window], quantizer, **settings).layers[0]
+        layer.update(states, states)
+        parts += [layer.memory()] * layout.count(window)
+    return _summarize(parts, tokens)
 
 
 def stored_bytes(cache: Cache) -> int:

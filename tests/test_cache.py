@@ -210,7 +210,7 @@ def test_all_zero_states_stay_zero(model, name):
 def test_bad_cache_arguments(model):
     with pytest.raises(kvquant.KVQuantError, match="residual_length must be a non-negative integer"):
         kvquant.make_cache(model, "int4", residual_length=-1)
-    with pytest.raises(kvquant.KVQuantError, match="needs a transformers model or config"):
+    with pytest.raises(kvquant.KVQuantError, match="need a transformers model or config"):
         kvquant.make_cache(object(), "int4")
     with pytest.raises(kvquant.KVQuantError, match="has no option 'groupsize'"):
         kvquant.make_cache(model, "int4", groupsize=32)

@@ -1,0 +1,27 @@
+# One command each, on a fresh machine (Python 3.11, no GPU needed):
+#   make run    the main job: configs/int4.yaml on the real stories260K model and data (a few minutes)
+#   make test   the test suite
+# Both create .venv and install what they need first. torch 2.13.0 is pinned because on these machines it is
+# a local CPU build; an unpinned torch would download a multi-GB CUDA build.
+PY := .venv/bin/python
+CONFIG ?= configs/int4.yaml
+
+.PHONY: setup run test bench
+
+.venv/installed: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,extras]"
+	touch $@
+
+setup: .venv/installed
+
+run: setup
+	$(PY) -m kvquant.run $(CONFIG)
+
+test: setup
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+
+bench: setup
+	$(PY) experiments/bench_decode.py --contexts 512 2048 8192 --steps 160

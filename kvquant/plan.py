@@ -1,0 +1,312 @@
+"""Capacity planner: how much KV cache, how many sequences, how long a context fit a GPU, per cache setting.
+
+    python -m kvquant.plan --model llama-3.1-8b --context 32768 --gpu-memory 80GB --cache fp16 --cache int4
+    python -m kvquant.plan --model llama-2-70b --context 32768 --batch 1 --cache fp16 --json
+
+KV bytes come from running kvquant's own cache code on meta tensors (shapes, no data), so a plan counts what a
+cache really stores: payload, scales, zero points, residual and sink windows, incomplete groups; fp16, bf16
+and fp32 are the identity quantizer at that dtype. Sliding-window layers stop growing at their window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .cache import attention_layout, simulate_memory
+from .errors import KVQuantError
+from .quantizers import available_quantizers
+
+FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_SETTINGS = ["fp16", "fp8_e4m3", "int8", "int4", "int2"]
+MAX_CONTEXT = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache of a decoder depends on; ``layout`` as :func:`kvquant.cache.attention_layout`."""
+
+    name: str
+    layout: list
+    kv_heads: int
+    head_dim: int
+    params: float  # for the weights estimate
+    max_positions: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def layers(self) -> int:
+        return len(self.layout)
+
+
+def _known(name, layers, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
+    layout = [window if pattern and i % pattern == 0 else None for i in range(layers)] if pattern else [window] * layers
+    return ModelShape(name, layout, kv_heads, head_dim, params, max_positions)
+
+
+#: Published architecture facts (layers, KV heads, head_dim, parameters, trained context).
+KNOWN_MODELS = {
+    "llama-2-7b": _known("llama-2-7b", 32, 32, 128, 6.74e9, 4096),
+    "llama-2-13b": _known("llama-2-13b", 40, 40, 128, 13.02e9, 4096),
+    "llama-2-70b": _known("llama-2-70b", 80, 8, 128, 68.98e9, 4096),
+    "llama-3.1-8b": _known("llama-3.1-8b", 32, 8, 128, 8.03e9, 131072),
+    "llama-3.1-70b": _known("llama-3.1-70b", 80, 8, 128, 70.55e9, 131072),
+    "mistral-7b": _known("mistral-7b", 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
+    "mistral-7b-v0.1": _known("mistral-7b-v0.1", 32, 8, 128, 7.24e9, 32768, window=4096),
+    "qwen2.5-7b": _known("qwen2.5-7b", 28, 4, 128, 7.62e9, 131072),
+    "gemma-2-9b": _known("gemma-2-9b", 42, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other layer
+}
+
+
+def _count_params(cfg) -> float:
+    """Parameters of a decoder from its config (attention, gated MLP, embeddings); an estimate for the weights."""
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    experts = getattr(cfg, "num_local_experts", None) or 1
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * inter * experts
+    embed = cfg.vocab_size * hidden * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    return float(layers * (attn + mlp) + embed)
+
+
+def shape_from_config(cfg, name: str) -> ModelShape:
+    """Facts from a transformers config; missing ``num_key_value_heads`` means MHA, missing ``head_dim`` means
+    hidden / heads."""
+    text = cfg.get_text_config(decoder=True)
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(text, k, None) is None]
+    if missing:
+        raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    notes = [] if getattr(text, "num_key_value_heads", None) else ["num_key_value_heads missing: MHA assumed"]
+    return ModelShape(name, attention_layout(cfg), kv_heads, head_dim, _count_params(text),
+                      getattr(text, "max_position_embeddings", None), notes)
+
+
+def resolve_model(name: str) -> ModelShape:
+    """A known architecture name, a directory or ``config.json``, or a hub id (needs network)."""
+    key = name.lower().removeprefix("meta-llama/").removeprefix("mistralai/").removeprefix("qwen/")
+    key = re.sub(r"[-_]?(hf|instruct|chat)$", "", key)
+    if key in KNOWN_MODELS:
+        return KNOWN_MODELS[key]
+    from transformers import AutoConfig, PretrainedConfig
+
+    path = Path(name)
+    if not path.exists() and "/" not in name:
+        raise KVQuantError(f"unknown model {name!r}: not a known architecture ({', '.join(KNOWN_MODELS)}), "
+                           "a local directory or config.json, or a hub id (org/name)")
+    try:
+        if path.is_file():
+            data = json.loads(path.read_text())
+            model_type = data.get("model_type")
+            from transformers import CONFIG_MAPPING
+
+            cfg = CONFIG_MAPPING[model_type].from_dict(data) if model_type in CONFIG_MAPPING else \
+                PretrainedConfig.from_dict(data)
+        else:
+            cfg = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        known = ", ".join(KNOWN_MODELS)
+        raise KVQuantError(f"unknown model {name!r}: not a known architecture ({known}), and no config could be "
+                           f"read ({str(err).splitlines()[0]})") from None
+    return shape_from_config(cfg, name)
+
+
+def parse_setting(text: str) -> dict:
+    """``int4`` or ``int4:group_size=64,residual_length=0`` -> make_cache settings; ``fp16``/``bf16``/``fp32``."""
+    name, _, opts = text.partition(":")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise KVQuantError(f"cache setting {text!r}: options are key=value, got {item!r}")
+        options[key.strip()] = _number(value.strip())
+    if name in FULL_PRECISION:
+        if options:
+            raise KVQuantError(f"cache setting {text!r}: {name} takes no options")
+        return {"quantizer": "fp16"}
+    if name not in available_quantizers():
+        raise KVQuantError(f"unknown cache setting {name!r}; use one of {', '.join([*FULL_PRECISION, *available_quantizers()])}")
+    return {"quantizer": name, **options}
+
+
+def _number(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``80GB`` (decimal), ``80GiB`` (binary) or a plain byte count."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise KVQuantError(f"cannot read {text!r} as a size; write e.g. 80GB, 80GiB or 85899345920")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def human(nbytes: float) -> str:
+    return f"{nbytes:,.0f} B ({nbytes / 2**30:,.2f} GiB = {nbytes / 1e9:,.2f} GB)"
+
+
+class Planner:
+    """KV bytes of one model and one cache setting at any batch and context."""
+
+    def __init__(self, shape: ModelShape, settings: dict, dtype: torch.dtype = torch.float16):
+        self.shape, self.settings, self.dtype = shape, settings, dtype
+        simulate_memory(shape.layout[:1], settings, batch=1, kv_heads=1, head_dim=shape.head_dim, tokens=1,
+                        dtype=dtype)  # reject bad options (e.g. a group that does not fit head_dim) up front
+
+    def memory(self, batch: int, context: int) -> dict:
+        return simulate_memory(self.shape.layout, self.settings, batch=batch, kv_heads=self.shape.kv_heads,
+                               head_dim=self.shape.head_dim, tokens=context, dtype=self.dtype)
+
+    def kv_bytes(self, batch: int, context: int) -> int:
+        return int(self.memory(batch, context)["total_bytes"]) if context > 0 and batch > 0 else 0
+
+    def max_batch(self, context: int, available: int) -> int:
+        """Every stored tensor has a batch dimension, so bytes are linear in the batch."""
+        per_sequence = self.kv_bytes(1, context)
+        return available // per_sequence if per_sequence else 0
+
+    def max_context(self, batch: int, available: int) -> int:
+        """Longest context whose cache fits ``available`` bytes (bytes never shrink as the context grows)."""
+        if self.kv_bytes(batch, 1) > available:
+            return 0
+        lo, hi = 1, 2
+        while hi < MAX_CONTEXT and self.kv_bytes(batch, hi) <= available:
+            lo, hi = hi, hi * 2
+        if hi >= MAX_CONTEXT and self.kv_bytes(batch, MAX_CONTEXT) <= available:
+            return MAX_CONTEXT  # sliding-window-only models stop growing
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.kv_bytes(batch, mid) <= available else (lo, mid)
+        return lo
+
+
+def build_plan(args) -> dict:
+    shape = resolve_model(args.model)
+    if args.context is None or args.context <= 0 or args.context > MAX_CONTEXT:
+        raise KVQuantError(f"--context must be between 1 and {MAX_CONTEXT:,} tokens, got {args.context}")
+    if args.batch <= 0 or args.batch > 1_000_000:
+        raise KVQuantError(f"--batch must be between 1 and 1,000,000, got {args.batch}")
+    if args.shared_prefix < 0 or args.shared_prefix > args.context:
+        raise KVQuantError(f"--shared-prefix must be between 0 and --context ({args.context}), got {args.shared_prefix}")
+    weight_size = torch.empty(0, dtype=getattr(torch, args.weights_dtype)).element_size()
+    weights = parse_bytes(args.weights) if args.weights else int(shape.params * weight_size)
+    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    available = None
+    if budget is not None:
+        reserve = int(budget * float(args.reserve[:-1]) / 100) if args.reserve.endswith("%") else parse_bytes(args.reserve)
+        available = budget - weights - reserve
+        if available <= 0:
+            raise KVQuantError(f"the budget {human(budget)} does not cover the weights {human(weights)} plus the "
+                               f"reserve {human(reserve)}")
+    rows = []
+    for text in args.cache or DEFAULT_SETTINGS:
+        name = text.partition(":")[0]
+        planner = Planner(shape, parse_setting(text), FULL_PRECISION.get(name, getattr(torch, args.dtype)))
+        mem = planner.memory(args.batch, args.context)
+        row = {"cache": text, "settings": planner.settings, "kv_bytes": int(mem["total_bytes"]),
+               "bytes_per_token": mem["total_bytes"] / (args.batch * args.context),
+               "bits_per_element": mem["bits_per_element"], "breakdown": {k: int(mem[k]) for k in (
+                   "payload_bytes", "scale_bytes", "full_precision_bytes")}}
+        if args.shared_prefix:
+            # the prefix stored once instead of once per sequence
+            row["shared_prefix_saving_bytes"] = (args.batch - 1) * planner.kv_bytes(1, args.shared_prefix)
+        if available is not None:
+            row["max_batch_at_context"] = planner.max_batch(args.context, available)
+            row["max_context_at_batch"] = planner.max_context(args.batch, available)
+            row["fits"] = row["kv_bytes"] <= available
+        rows.append(row)
+    fp16 = next((r["kv_bytes"] for r in rows if r["settings"] == {"quantizer": "fp16"} and r["cache"] == "fp16"), None)
+    fp16 = fp16 or Planner(shape, {"quantizer": "fp16"}, torch.float16).kv_bytes(args.batch, args.context)
+    for row in rows:
+        row["gain_over_fp16"] = fp16 / row["kv_bytes"]
+    return {"model": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+            "sliding_layers": sum(isinstance(w, int) for w in shape.layout),
+            "context": args.context, "batch": args.batch, "weights_bytes": weights, "gpu_memory_bytes": budget,
+            "available_for_kv_bytes": available, "kv_bytes": rows[0]["kv_bytes"], "settings": rows,
+            "max_positions": shape.max_positions, "notes": shape.notes}
+
+
+def render(plan: dict) -> str:
+    lines = [f"model {plan['model']}: {plan['layers']} layers ({plan['sliding_layers']} sliding-window), "
+             f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
+             f"batch {plan['batch']} x context {plan['context']:,} tokens; B = bytes, GiB = 2^30 B, GB = 10^9 B"]
+    if plan["max_positions"] and plan["context"] > plan["max_positions"]:
+        lines.append(f"note: the context exceeds the model's trained length ({plan['max_positions']:,})")
+    lines += [f"note: {n}" for n in plan["notes"]]
+    if plan["available_for_kv_bytes"] is not None:
+        lines += [f"GPU memory {human(plan['gpu_memory_bytes'])}, weights {human(plan['weights_bytes'])}, "
+                  f"left for the KV cache {human(plan['available_for_kv_bytes'])}"]
+    lines.append("")
+    header = ["cache", "KV bytes", "GiB", "bits/elem", "vs fp16"]
+    if plan["available_for_kv_bytes"] is not None:
+        header += ["max batch @context", "max context @batch"]
+    if "shared_prefix_saving_bytes" in plan["settings"][0]:
+        header += ["prefix shared saves (GiB)"]
+    table = [header]
+    for r in plan["settings"]:
+        row = [r["cache"], f"{r['kv_bytes']:,}", f"{r['kv_bytes'] / 2**30:,.2f}", f"{r['bits_per_element']:.2f}",
+               f"{r['gain_over_fp16']:.2f}x"]
+        if plan["available_for_kv_bytes"] is not None:
+            row += [f"{r['max_batch_at_context']:,}", f"{r['max_context_at_batch']:,}"]
+        if "shared_prefix_saving_bytes" in r:
+            row += [f"{r['shared_prefix_saving_bytes'] / 2**30:,.2f}"]
+        table.append(row)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvquant.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help=f"known name ({', '.join(KNOWN_MODELS)}), a directory or "
+                        "config.json, or a hub id")
+    parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
+    parser.add_argument("--cache", action="append", help="fp16, bf16, fp32 or a quantizer with options, e.g. "
+                        "int4:group_size=32,residual_length=128 (repeatable; default: fp16 fp8_e4m3 int8 int4 int2)")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                        help="dtype of the full-precision windows of quantized caches (the model's dtype)")
+    parser.add_argument("--gpu-memory", help="memory budget, e.g. 80GB or 80GiB")
+    parser.add_argument("--weights", help="weights size (default: parameter count x --weights-dtype)")
+    parser.add_argument("--weights-dtype", default="float16", choices=["float16", "bfloat16", "float32", "int8",
+                        "float8_e4m3fn"])
+    parser.add_argument("--reserve", default="10%", help="held back for activations and the runtime: a share of "
+                        "--gpu-memory (10%%) or a size (4GiB)")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                        help="a prompt prefix shared by all sequences: how much storing it once saves")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (kv_bytes: the first --cache)")
+    args = parser.parse_args(argv)
+    try:
+        plan = build_plan(args)
+    except KVQuantError as err:
+        print(f"kvquant.plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+          if args.json else render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
