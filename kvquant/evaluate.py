@@ -1,8 +1,9 @@
 """Scoring text through a quantized cache: every log-probability here comes from attention reading the
 quantized K/V, in one of two modes (see ``../shared/docs/measurement.md``):
 
-- ``simulated``: one forward pass over the sequence with a fresh cache; K/V are quantized as they are written
-  and attention reads the dequantized states in the same pass.
+- ``simulated``: one forward pass over the whole sequence with a fresh cache; K/V are quantized as they are
+  written and attention reads the dequantized states in the same pass (as in KIVI/KVQuant's perplexity: the
+  last token is written too, so its key shares its group's scale).
 - ``streaming``: the context is fed ``chunk_size`` tokens at a time, then the scored tokens, each chunk
   attending to what the cache stored for the earlier ones (``chunk_size=1`` is token-by-token decoding).
 """
@@ -42,18 +43,19 @@ class Scorer:
     @torch.inference_mode()
     def score(self, ids: list[int], score_from: int) -> Scored:
         """Score ``ids[score_from:]`` given everything before them (``1 <= score_from < len(ids)``)."""
-        inputs = torch.tensor([ids[:-1]], device=self.device)
         cache = self.make_cache()
         if self.mode == "simulated":
+            inputs = torch.tensor([ids], device=self.device)
             bounds = [0, inputs.shape[1]]
         else:  # chunks of the context, then chunks of the scored part, so no chunk straddles the boundary
+            inputs = torch.tensor([ids[:-1]], device=self.device)
             context_end = score_from - 1
             bounds = sorted({*range(0, context_end, self.chunk_size), *range(context_end, inputs.shape[1], self.chunk_size),
                              inputs.shape[1]})
         logits = [
             self.model(inputs[:, a:b], cache=cache, use_cache=True).logits[0] for a, b in zip(bounds, bounds[1:])
         ]
-        logits = torch.cat(logits)[score_from - 1 :].float()
+        logits = torch.cat(logits)[score_from - 1 : len(ids) - 1].float()
         targets = torch.tensor(ids[score_from:], device=logits.device)
         logprobs = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
         return Scored(logprobs.cpu(), (logits.argmax(-1) == targets).cpu())

@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from . import ops
+from . import kernels, ops
 from .errors import KVQuantError
 
 Encoded = dict[str, torch.Tensor]
@@ -81,14 +81,24 @@ class IntCodec(Codec):
         return {"payload": ops.pack_bits(codes, self.bits), "scale": scale, "zero": zero}
 
     def decode_into(self, enc, out):
+        if kernels.usable(out, out.shape[-1]):
+            token = self.axis == "token"
+            scale, zero = (t.flatten(0, 1).flatten(-2) if token else t.flatten(0, 1).squeeze(2) for t in (enc["scale"], enc["zero"]))
+            payload = enc["payload"].flatten(0, 1) if token else enc["payload"].flatten(0, 1).flatten(1, 2)
+            kernels.dequantize_into(payload, scale, zero, self.bits, self.group, token, out.flatten(0, 1))
+            return
+        # Eager path (GPU, or no kernel): arithmetic in fp32, rounded once to a 16-bit output dtype.
+        work = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         codes = ops.unpack_bits(enc["payload"], self.bits)
         if self.axis == "token":
-            out.copy_(codes)
-            grouped = out.unflatten(-1, (-1, self.group))
+            work.copy_(codes)
+            grouped = work.unflatten(-1, (-1, self.group))
         else:
-            grouped = out.unflatten(2, (-1, self.group))
+            grouped = work.unflatten(2, (-1, self.group))
             grouped.copy_(codes)
         ops.minmax_dequantize_(grouped, enc["scale"], enc["zero"])
+        if work is not out:
+            out.copy_(work)
 
 
 @dataclass(frozen=True)
