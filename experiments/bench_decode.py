@@ -11,8 +11,6 @@ run) to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,9 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedCache
 
 import kvquant
+from kvquant import kernels
 from kvquant.cache import stored_bytes
+from kvquant.report import environment
 
 GROUP, RESIDUAL = 32, 128
 
@@ -120,14 +120,15 @@ def target_lines(df):
 
 def render(df, args):
     command = "python " + " ".join([sys.argv[0], *sys.argv[1:]])
-    table = df.to_markdown(index=False, floatfmt=".3f") if hasattr(df, "to_markdown") else df.to_string(index=False)
+    env = environment()
     return "\n".join([
         "# Decode speed and KV-cache memory",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        f"- date: {env['date']}; git {env['git_commit']}",
+        f"- machine: {env['machine']}, {torch.get_num_threads()} torch threads; torch {env['torch']}, transformers "
+        f"{env['transformers']}",
+        f"- kvquant's fused CPU dequantization kernel: {'used' if kernels.available() else 'unavailable (eager path)'}",
         f"- model: random-init Llama, {args.layers} layers, hidden 1024, 8 KV heads, head_dim 128, {args.dtype}",
         "- kvquant settings (defaults): "
         + "; ".join(f"{n}: {kvquant.make_cache(LlamaConfig(), n).settings()}" for n in kvquant.available_quantizers()),

@@ -31,7 +31,6 @@ class _Stream:
 
     def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, x: torch.Tensor):
         self.codec, self.sink_tokens, self.residual_length = codec, sink_tokens, residual_length
-        self.dtype = x.dtype
         empty = x.new_empty(*x.shape[:2], 0, x.shape[3])
         self.sinks, self.tail = empty, empty
         self.enc: dict[str, torch.Tensor] = {}
@@ -67,11 +66,9 @@ class _Stream:
         return out if last is None else out[:, :, len(self) - last :]
 
     def drop_front(self, keep: int) -> None:
-        """Forget all but the last ``keep`` tokens, in whole units (a sliding window never reads them again)."""
+        """Forget all but the last ``keep`` tokens, in whole units (a sliding window never reads them again).
+        Only sliding-window layers call it, and they keep no sinks."""
         excess = len(self) - keep
-        drop_sinks = min(excess, self.sinks.shape[2])
-        if drop_sinks:
-            self.sinks, excess = self.sinks[:, :, drop_sinks:].clone(), excess - drop_sinks
         unit = self.codec.tokens_per_unit
         units = min(excess, self.n_enc) // unit
         if units:
@@ -107,7 +104,8 @@ def _check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
             f"{name} hold NaN or Inf; kvquant does not store non-finite states, since one of them would corrupt the "
             "scale of its whole group. Check the model's dtype (fp16 overflow) and inputs."
         )
-    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:g} that fp16 scales and zero points hold")
+    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:g} its scales and zero points "
+                       "can hold (scale_dtype='float32' holds more)")
 
 
 class QuantizedLayer(CacheLayerMixin):

@@ -27,7 +27,7 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load
 
-        print("kvquant: building the fused CPU dequantization kernel (once, about 30 s)", file=sys.stderr)
+        print("kvquant: loading the fused CPU dequantization kernel (compiled on first use, about 30 s)", file=sys.stderr)
         return load(name="kvquant_dequant", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no headers, ...: the eager path still works
