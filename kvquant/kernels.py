@@ -1,38 +1,71 @@
-"""Optional fused CPU kernel for integer dequantization, built on first use with PyTorch's C++ extension
-tooling (needs a C++ compiler; ~30 s once, then cached by torch in ``~/.cache/torch_extensions``).
+"""Optional fused CPU kernel for integer dequantization, compiled on first use with PyTorch's C++ extension
+tooling (needs a C++ compiler; about 30 s once).
 
 It turns packed codes into the model's dtype in one pass where eager PyTorch needs four (unpack, convert,
 scale, shift), which is most of a quantized cache's decode overhead on the CPU. Where it cannot be built, or
 with ``KVQUANT_KERNELS=0``, the eager path in :mod:`kvquant.quantizers` is used: same codes, same results up
 to float rounding.
+
+The build lands in ``$KVQUANT_KERNEL_DIR`` (default ``~/.cache/kvquant/kernels``) under a key of the source,
+flags and versions. A built kernel is imported directly, without torch's build lock, so a run killed while
+loading it can never leave later runs waiting on that lock; a lock left by a build killed midway is removed
+once it is older than any build.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "dequant.cpp"
+NAME = "kvquant_dequant"
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
 OUT_DTYPES = (torch.float32, torch.bfloat16)
+STALE_LOCK_S = 600
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*FLAGS, torch.__version__, sys.version]).encode())
+    root = os.environ.get("KVQUANT_KERNEL_DIR") or Path.home() / ".cache" / "kvquant" / "kernels"
+    return Path(root) / key.hexdigest()[:16]
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)
 def _extension():
     if os.environ.get("KVQUANT_KERNELS", "1") == "0":
         return None
+    directory = build_dir()
+    built = directory / f"{NAME}.so"
     try:
+        if built.exists():
+            return _import(built)
         from torch.utils.cpp_extension import load
 
-        print("kvquant: loading the fused CPU dequantization kernel (compiled on first use, about 30 s)", file=sys.stderr)
-        return load(name="kvquant_dequant", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = directory / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+        print("kvquant: compiling the fused CPU dequantization kernel (once, about 30 s)", file=sys.stderr)
+        return load(name=NAME, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=FLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no headers, ...: the eager path still works
-        print(f"kvquant: fused CPU kernel unavailable, using eager PyTorch ({type(err).__name__}: "
-              f"{str(err).splitlines()[0] if str(err) else ''})", file=sys.stderr)
+        message = str(err).splitlines()[0] if str(err) else ""
+        print(f"kvquant: fused CPU kernel unavailable, using eager PyTorch ({type(err).__name__}: {message})",
+              file=sys.stderr)
         return None
 
 

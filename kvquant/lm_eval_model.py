@@ -8,6 +8,8 @@ in ``__init__`` are handed to ``kvquant.make_cache`` (``group_size``, ``residual
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import yaml
 from lm_eval.api.model import TemplateLM
@@ -45,6 +47,9 @@ class KVQuantLM(TemplateLM):
         **cache_options,
     ):
         super().__init__()
+        if device and device.startswith("cuda") and not torch.cuda.is_available():
+            print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
+            device = "cpu"
         if isinstance(pretrained, str):
             spec = ModelConfig(path=pretrained, tokenizer=tokenizer, dtype=dtype, device=device or "auto",
                                device_map=device_map, gguf_file=gguf_file, max_length=_parse(max_length))

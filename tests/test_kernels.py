@@ -1,6 +1,8 @@
 """The fused CPU dequantization kernel gives the eager path's values."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,3 +38,16 @@ def test_kernel_matches_eager(monkeypatch, dtype, name, options):
         else:  # both compute in fp32 and round once to bf16; FMA contraction may flip a rounding
             diff = (fused[:, :, 3:67].float() - eager.float()).abs()
             assert (diff <= eager.float().abs() * 2**-7 + 1e-6).all()
+
+
+def test_a_left_over_build_lock_never_blocks_loading():
+    """A run killed while torch held its build lock must not make later runs wait forever."""
+    if not kernels.available():
+        pytest.skip("no fused kernel on this machine")
+    lock = kernels.build_dir() / "lock"
+    lock.touch()
+    try:
+        code = "import kvquant.kernels as k; assert k.available()"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    finally:
+        lock.unlink(missing_ok=True)
