@@ -73,9 +73,9 @@ def available() -> bool:
     return _extension() is not None
 
 
-def usable(out: torch.Tensor, head_dim: int) -> bool:
+def usable(out: torch.Tensor) -> bool:
     """Whether the fused kernel can write ``out`` (CPU, float32 or bfloat16, head_dim up to 1024)."""
-    return out.device.type == "cpu" and out.dtype in OUT_DTYPES and head_dim <= 1024 and available()
+    return out.device.type == "cpu" and out.dtype in OUT_DTYPES and out.shape[-1] <= 1024 and available()
 
 
 def dequantize_into(payload, scale, zero, bits: int, group: int, token_axis: bool, out: torch.Tensor) -> None:

@@ -47,7 +47,7 @@ class ModelShape:
 
 
 def _known(name, layers, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
-    layout = [window if pattern and i % pattern == 0 else None for i in range(layers)] if pattern else [window] * layers
+    layout = [window if i % (pattern or 1) == 0 else None for i in range(layers)]
     return ModelShape(name, layout, kv_heads, head_dim, params, max_positions)
 
 

@@ -81,10 +81,13 @@ class IntCodec(Codec):
         return {"payload": ops.pack_bits(codes, self.bits), "scale": scale, "zero": zero}
 
     def decode_into(self, enc, out):
-        if kernels.usable(out, out.shape[-1]):
+        if kernels.usable(out):
+            # the kernel's layout: batch and heads merged; scales [BH, T, groups] or [BH, T / group, D]
             token = self.axis == "token"
-            scale, zero = (t.flatten(0, 1).flatten(-2) if token else t.flatten(0, 1).squeeze(2) for t in (enc["scale"], enc["zero"]))
-            payload = enc["payload"].flatten(0, 1) if token else enc["payload"].flatten(0, 1).flatten(1, 2)
+            scale, zero = (t.flatten(0, 1) for t in (enc["scale"], enc["zero"]))
+            scale, zero = (scale.flatten(-2), zero.flatten(-2)) if token else (scale.squeeze(2), zero.squeeze(2))
+            payload = enc["payload"].flatten(0, 1)
+            payload = payload if token else payload.flatten(1, 2)
             kernels.dequantize_into(payload, scale, zero, self.bits, self.group, token, out.flatten(0, 1))
             return
         # Eager path (GPU, or no kernel): arithmetic in fp32, rounded once to a 16-bit output dtype.

@@ -99,12 +99,12 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store: ResultStore) -> tupl
     for candidate in [BASELINE, *cfg.candidates]:
         label = candidate.label
         make = lambda c=candidate: make_cache(model, c.quantizer, **c.options)  # noqa: E731
-        make()  # bad quantizer settings fail here, before any measurement
+        settings = make().settings()  # bad quantizer settings fail here, before any measurement
         key = {**base_key, "quantizer": candidate.quantizer, "options": candidate.options}
         scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size)
         memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
                                                 lambda: memory_probe(model, make, probe)),
-                         "settings": make().settings()}
+                         "settings": settings}
         results[label] = {}
         for pset in cfg.eval.perplexity:
             metric = f"ppl/{pset.name}"
