@@ -9,13 +9,14 @@ token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
 from .errors import KVQuantError, NonFiniteKVError
-from .quantizers import Codec, Quantizer, get_quantizer
+from .quantizers import Codec, Quantizer, available_quantizers, get_quantizer
 
 FP16_BYTES = 2
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -23,24 +24,42 @@ _ROLE = {"payload": "payload_bytes", "scale": "scale_bytes", "zero": "scale_byte
 
 
 class _Stream:
-    """One stream (keys or values) of one layer, in token order:
+    """Keys (or values) of one batch row in one layer. Positions count from the row's first real token:
 
-    ``sinks`` ``[B, H, s, D]`` full precision | ``enc`` quantized units (dim 2 counts units) | ``tail``
-    ``[B, H, t, D]`` full precision (the residual window plus tokens short of a whole unit).
+    ``[0, s)`` sinks, full precision ``[1, H, s, D]`` | ``evicted`` tokens a sliding window dropped | ``enc``
+    quantized units (dim 2 counts units of ``codec.tokens_per_unit`` tokens) | ``tail`` full precision
+    ``[1, H, t, D]`` (the residual window plus tokens short of a whole unit).
+
+    Units are aligned at position ``s`` and only whole units are ever evicted, so every stored unit was encoded from
+    all of its tokens and no unit is ever split: a key group that a sliding window has partly left stays stored
+    whole (at most ``tokens_per_unit - 1`` tokens more than the window) until all of it has left. Stored counts are
+    derived from the tensors; ``evicted`` is the one count of what is no longer stored. Tensors are never modified
+    in place, so a shallow copy of a stream is an independent fork (beam search, prefix sharing).
     """
 
-    def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, x: torch.Tensor):
+    def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, like: torch.Tensor):
         self.codec, self.sink_tokens, self.residual_length = codec, sink_tokens, residual_length
-        empty = x.new_empty(*x.shape[:2], 0, x.shape[3])
+        empty = like.new_empty(1, like.shape[1], 0, like.shape[3])
         self.sinks, self.tail = empty, empty
         self.enc: dict[str, torch.Tensor] = {}
-        self.n_enc = 0
+        self.evicted = 0
+
+    @property
+    def n_enc(self) -> int:
+        """Tokens held in quantized units."""
+        return next(iter(self.enc.values())).shape[2] * self.codec.tokens_per_unit if self.enc else 0
 
     def __len__(self) -> int:
+        """Tokens stored."""
         return self.sinks.shape[2] + self.n_enc + self.tail.shape[2]
 
+    @property
+    def length(self) -> int:
+        """Tokens ever written to this row."""
+        return len(self) + self.evicted
+
     def append(self, x: torch.Tensor, name: str) -> None:
-        """Store ``x`` ``[B, H, n, D]``: fill the sinks, then quantize every whole unit beyond the residual window."""
+        """Store ``x`` ``[1, H, n, D]``: fill the sinks, then quantize every whole unit beyond the residual window."""
         _check_states(x, self.codec.max_abs, name)
         take = min(self.sink_tokens - self.sinks.shape[2], x.shape[2])
         if take > 0:
@@ -52,39 +71,45 @@ class _Stream:
         if flush > 0:
             new = self.codec.encode(self.tail[:, :, :flush])
             self.enc = {k: torch.cat([self.enc[k], v], dim=2) for k, v in new.items()} if self.enc else new
-            self.n_enc += flush
             self.tail = self.tail[:, :, flush:].clone()  # a slice would keep the whole block alive
 
-    def materialize(self, last: int | None = None) -> torch.Tensor:
-        """The dequantized stream ``[B, H, N, D]``, or only its ``last`` tokens."""
-        s, q = self.sinks.shape[2], self.n_enc
-        out = self.tail.new_empty(*self.tail.shape[:2], len(self), self.tail.shape[3])
-        out[:, :, :s] = self.sinks
-        if q:
-            self.codec.decode_into(self.enc, out[:, :, s : s + q])
-        out[:, :, s + q :] = self.tail
-        return out if last is None else out[:, :, len(self) - last :]
-
-    def drop_front(self, keep: int) -> None:
-        """Forget all but the last ``keep`` tokens, in whole units (a sliding window never reads them again).
-        Only sliding-window layers call it, and they keep no sinks."""
-        excess = len(self) - keep
+    def evict(self, keep: int) -> None:
+        """Forget the oldest tokens in whole units so that at least the last ``keep`` stay (sliding windows, which
+        keep no sinks)."""
         unit = self.codec.tokens_per_unit
-        units = min(excess, self.n_enc) // unit
-        if units:
-            self.enc = {k: v[:, :, units:].clone() for k, v in self.enc.items()}
-            self.n_enc -= units * unit
-            excess -= units * unit
-        if excess > 0 and self.n_enc == 0:
-            self.tail = self.tail[:, :, excess:].clone()
+        drop = max(self.length - keep, 0) // unit * unit - self.evicted
+        if drop <= 0:
+            return
+        from_enc = min(drop, self.n_enc)
+        if from_enc:
+            units = from_enc // unit
+            self.enc = {k: v[:, :, units:].clone() for k, v in self.enc.items()} if from_enc < self.n_enc else {}
+        if drop > from_enc:
+            self.tail = self.tail[:, :, drop - from_enc :].clone()
+        self.evicted += drop
+
+    def materialize_into(self, out: torch.Tensor) -> None:
+        """Write the last ``m`` stored tokens, dequantized, into ``out`` ``[1, H, m, D]`` (``m <= len(self)``)."""
+        s, q, m = self.sinks.shape[2], self.n_enc, out.shape[2]
+        skip = len(self) - m  # stored tokens in front of what is asked for
+        if skip < s:
+            out[:, :, : s - skip] = self.sinks[:, :, skip:]
+        first = max(skip - s, 0)  # first quantized token asked for
+        if first < q:
+            unit = self.codec.tokens_per_unit
+            enc = {k: v[:, :, first // unit :] for k, v in self.enc.items()} if first >= unit else self.enc
+            dst = out[:, :, s + first - skip : s + q - skip]
+            if first % unit:  # starts inside a unit: decode the whole unit aside
+                whole = out.new_empty(1, out.shape[1], q - first // unit * unit, out.shape[3])
+                self.codec.decode_into(enc, whole)
+                dst.copy_(whole[:, :, first % unit :])
+            else:
+                self.codec.decode_into(enc, dst)
+        first = max(skip - s - q, 0)
+        out[:, :, s + q + first - skip :] = self.tail[:, :, first:]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"sinks": self.sinks, "tail": self.tail, **self.enc}
-
-    def map_batch(self, fn) -> None:
-        """Apply ``fn`` to the batch dimension of every stored tensor (beam reorder, repeat, select)."""
-        self.sinks, self.tail = fn(self.sinks), fn(self.tail)
-        self.enc = {k: fn(v) for k, v in self.enc.items()}
 
     def nbytes(self) -> dict[str, int]:
         out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0}
@@ -104,12 +129,30 @@ def _check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
             f"{name} hold NaN or Inf; kvquant does not store non-finite states, since one of them would corrupt the "
             "scale of its whole group. Check the model's dtype (fp16 overflow) and inputs."
         )
-    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:g} its scales and zero points "
+    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:.4g} its scales and zero points "
                        "can hold (scale_dtype='float32' holds more)")
 
 
+def left_padding(attention_mask: torch.Tensor) -> list[int]:
+    """Padding tokens at the front of each row of a ``[B, T]`` 0/1 mask; any other padding is an error."""
+    if attention_mask.dim() != 2:
+        raise KVQuantError(f"attention_mask must be [batch, tokens], got shape {tuple(attention_mask.shape)}")
+    real = attention_mask.bool()
+    pads = (~real).sum(1)
+    positions = torch.arange(real.shape[1], device=real.device)
+    if not torch.equal(real, positions[None, :] >= pads[:, None]):
+        raise KVQuantError("kvquant caches support left padding only (every row: padding first, then real tokens)")
+    return [int(p) for p in pads]
+
+
 class QuantizedLayer(CacheLayerMixin):
-    """One attention layer's quantized cache; with ``sliding_window`` it keeps what that window needs."""
+    """One attention layer's quantized cache; with ``sliding_window`` it keeps what that window needs.
+
+    Each batch row is stored on its own (a :class:`_Stream` per row and per K/V), holding only the row's real
+    tokens: padding declared with :meth:`KVQuantCache.set_padding` is neither stored nor allowed into any scale,
+    and groups start at the row's first real token, exactly as when the row runs alone. Attention gets the
+    padded ``[B, H, kv_len, D]`` layout back, zeros at padding positions (which its mask hides).
+    """
 
     is_croppable = False
 
@@ -120,31 +163,65 @@ class QuantizedLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         # Sinks would fall out of a sliding window: such layers keep none.
         self.sink_tokens = 0 if self.is_sliding else sink_tokens
-        self.cumulative_length = 0
-        self.k: _Stream | None = None
-        self.v: _Stream | None = None
+        self.cumulative_length = 0  # positions written, padding included (transformers' sequence length)
+        self.padding: list[int] | None = None
+        self.k: list[_Stream] = []
+        self.v: list[_Stream] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        key_codec, value_codec = self.quantizer.codecs(key_states.shape[-1])
-        self.k = _Stream(key_codec, self.sink_tokens, self.residual_length, key_states)
-        self.v = _Stream(value_codec, self.sink_tokens, self.residual_length, value_states)
+        batch = key_states.shape[0]
+        if self.padding is None:
+            self.padding = [0] * batch
+        elif len(self.padding) != batch:
+            raise KVQuantError(f"set_padding() described {len(self.padding)} rows, the model wrote {batch}")
+        key_codec, _ = self.quantizer.codecs(key_states.shape[-1])
+        _, value_codec = self.quantizer.codecs(value_states.shape[-1])
+        self.k = [_Stream(key_codec, self.sink_tokens, self.residual_length, key_states) for _ in range(batch)]
+        self.v = [_Stream(value_codec, self.sink_tokens, self.residual_length, value_states) for _ in range(batch)]
         self.device = key_states.device
         self.is_initialized = True
+
+    def held(self, row: int) -> int:
+        """Real tokens of ``row`` that attention may still read (a sliding window keeps its last window - 1)."""
+        written = max(self.cumulative_length - self.padding[row], 0)
+        return min(written, self.sliding_window - 1) if self.is_sliding else written
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Store ``[B, H, n, D]`` keys and values, return the dequantized ``[B, H, kv_len, D]`` views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = key_states.shape[2]
-        past_visible = self.cumulative_length if not self.is_sliding else min(self.cumulative_length, self.sliding_window - 1)
+        if key_states.shape[0] != len(self.k):
+            raise KVQuantError(f"this cache holds {len(self.k)} rows, the model wrote {key_states.shape[0]}")
+        key_states, value_states = key_states.detach(), value_states.detach()  # a cache stores data, not graphs
+        n, past = key_states.shape[2], self.cumulative_length
+        kv_len = n + (min(past, self.sliding_window - 1) if self.is_sliding else past)
         self.cumulative_length += n
-        self.k.append(key_states, "keys")
-        self.v.append(value_states, "values")
-        keys, values = self.k.materialize(past_visible + n), self.v.materialize(past_visible + n)
-        if self.is_sliding:
-            self.k.drop_front(self.sliding_window - 1)
-            self.v.drop_front(self.sliding_window - 1)
+        keys = key_states.new_empty(*key_states.shape[:2], kv_len, key_states.shape[3])
+        values = value_states.new_empty(*value_states.shape[:2], kv_len, value_states.shape[3])
+        for row, pad in enumerate(self.padding):
+            real = min(max(self.cumulative_length - pad, 0), n)  # real tokens of this row in this update
+            for stream, states, out, name in ((self.k[row], key_states, keys, "keys"),
+                                              (self.v[row], value_states, values, "values")):
+                if real:
+                    stream.append(states[row : row + 1, :, n - real :], name)
+                visible = min(kv_len, max(self.cumulative_length - pad, 0))
+                stream.materialize_into(out[row : row + 1, :, kv_len - visible :])
+                out[row, :, : kv_len - visible] = 0
+                if self.is_sliding:
+                    stream.evict(self.sliding_window - 1)
+        self._check()
         return keys, values
+
+    def _check(self) -> None:
+        """Stored tokens agree with what was written (cheap; a disagreement is a bug, never a silent result)."""
+        for row, pad in enumerate(self.padding):
+            written = max(self.cumulative_length - pad, 0)
+            for stream in (self.k[row], self.v[row]):
+                slack = stream.codec.tokens_per_unit - 1 if self.is_sliding else 0
+                if stream.length != written or not self.held(row) <= len(stream) <= self.held(row) + slack:
+                    raise KVQuantError(
+                        f"internal error: row {row} stores {len(stream)} of {stream.length} tokens, expected "
+                        f"{self.held(row)} (+{slack}) of {written}; please report this")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if not self.is_sliding:
@@ -162,24 +239,27 @@ class QuantizedLayer(CacheLayerMixin):
         return self.sliding_window if self.is_sliding else -1
 
     def reset(self) -> None:
-        self.k = self.v = None
+        self.k, self.v = [], []
         self.cumulative_length = 0
         self.is_initialized = False
 
-    def _map_batch(self, fn) -> None:
+    def _select_rows(self, rows: list[int]) -> None:
+        """Keep these rows, in this order (repeats allowed: each gets an independent fork)."""
         if self.is_initialized:
-            self.k.map_batch(fn)
-            self.v.map_batch(fn)
+            self.k = [copy.copy(self.k[r]) for r in rows]
+            self.v = [copy.copy(self.v[r]) for r in rows]
+        if self.padding is not None:
+            self.padding = [self.padding[r] for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: quantized codes are per sequence, so they reorder exactly."""
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        """Beam search: rows are stored apart, so they reorder exactly."""
+        self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._select_rows([r for r in range(len(self.padding or self.k)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        self._select_rows(torch.arange(len(self.padding or self.k))[indices].tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
         raise KVQuantError("a quantized cache cannot be cropped (quantized groups cannot be split); use a fresh cache")
@@ -190,16 +270,16 @@ class QuantizedLayer(CacheLayerMixin):
     prefetch = offload
 
     def memory(self) -> dict[str, int]:
-        """Bytes really stored, by role, and what an fp16 ``DynamicCache`` layer would hold for the same tokens."""
+        """Bytes really stored, by role, and what fp16 would take for the tokens attention can read."""
         out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0}
         if not self.is_initialized:
             return out
-        for stream in (self.k, self.v):
-            for key, nbytes in stream.nbytes().items():
-                out[key] += nbytes
-        held = self.cumulative_length if not self.is_sliding else min(self.cumulative_length, self.sliding_window - 1)
-        batch, heads, _, head_dim = self.k.tail.shape
-        out["fp16_bytes"] = 2 * batch * heads * head_dim * held * FP16_BYTES
+        for row in range(len(self.k)):
+            for stream in (self.k[row], self.v[row]):
+                for key, nbytes in stream.nbytes().items():
+                    out[key] += nbytes
+                heads, head_dim = stream.tail.shape[1], stream.tail.shape[3]
+                out["fp16_bytes"] += heads * head_dim * self.held(row) * FP16_BYTES
         return out
 
 
@@ -207,17 +287,35 @@ class KVQuantCache(Cache):
     """A ``transformers.Cache`` of :class:`QuantizedLayer` (plus transformers' ``DummyLayer`` for layers that
     reuse another layer's KV). Pass it as ``model(..., cache=cache)`` or ``model.generate(..., cache=cache)``."""
 
-    def __init__(self, layers: list, quantizer: Quantizer, residual_length: int, sink_tokens: int):
+    def __init__(self, layers: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
+                 head_dim: int | None = None):
         super().__init__(layers=layers)
         self.quantizer, self.residual_length, self.sink_tokens = quantizer, residual_length, sink_tokens
+        self.head_dim = head_dim
+
+    def set_padding(self, attention_mask: torch.Tensor) -> KVQuantCache:
+        """Declare the left padding of the batch about to be written (call before the first forward, with the
+        ``[B, T]`` attention mask given to the model). Padding positions are then not stored, never enter a scale,
+        and each row is grouped from its own first real token, as if it ran alone. Without it, every position is
+        stored as a real token. Returns the cache."""
+        if self.get_seq_length() > 0:
+            raise KVQuantError("set_padding() must be called before the first forward of a cache")
+        pads = left_padding(attention_mask)
+        for layer in self.layers:
+            if isinstance(layer, QuantizedLayer):
+                layer.padding = list(pads)
+        return self
 
     def settings(self) -> dict[str, object]:
-        """Everything needed to rebuild this cache with :func:`make_cache`."""
-        return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens}
+        """The make_cache options of this cache (enough to rebuild it), plus what the quantizer derived for the
+        model's head_dim (e.g. ``key_group``/``value_group`` actually used)."""
+        derived = self.quantizer.resolved(self.head_dim) if self.head_dim else {}
+        return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens,
+                **derived}
 
     def memory_report(self) -> dict[str, float]:
         """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows),
-        ``fp16_bytes`` (an fp16 ``DynamicCache`` for the same tokens), ``ratio``, ``bits_per_element``,
+        ``fp16_bytes`` (fp16 for the tokens attention can read), ``ratio``, ``bits_per_element``,
         the breakdown by role and ``tokens`` (sequence length)."""
         parts = [layer.memory() for layer in self.layers if isinstance(layer, QuantizedLayer)]
         return _summarize(parts, self.get_seq_length())
@@ -268,23 +366,39 @@ def attention_layout(model_or_config) -> list[int | None | str]:
     return layout
 
 
+def head_dim_of(model_or_config) -> int | None:
+    """The attention head dimension of a model or config (``head_dim``, else hidden_size / heads)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
+        head_dim = text.hidden_size // text.num_attention_heads
+    return head_dim
+
+
 def build_cache(
     layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
-    sink_tokens: int = 0, **options
+    sink_tokens: int = 0, head_dim: int | None = None, **options
 ) -> KVQuantCache:
-    """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments."""
+    """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
+    ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
     if isinstance(quantizer, str):
         quantizer = get_quantizer(quantizer, **options)
+    elif not isinstance(quantizer, Quantizer):
+        raise KVQuantError(f"quantizer must be a name ({', '.join(available_quantizers())}) or a Quantizer, "
+                           f"got {type(quantizer).__name__} {quantizer!r}")
     elif options:
         raise KVQuantError(f"options {sorted(options)} given with a Quantizer instance; set them on the instance")
     if residual_length is None:
         residual_length = quantizer.default_residual_length
     for name, value in (("residual_length", residual_length), ("sink_tokens", sink_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise KVQuantError(f"{name} must be a non-negative integer, got {value!r}")
+            raise KVQuantError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
+    if head_dim is not None:
+        quantizer.codecs(head_dim)
     layers = [DummyLayer() if w == "shared" else QuantizedLayer(quantizer, residual_length, sink_tokens, w)
               for w in layout]
-    return KVQuantCache(layers, quantizer, residual_length, sink_tokens)
+    return KVQuantCache(layers, quantizer, residual_length, sink_tokens, head_dim)
 
 
 def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
@@ -294,8 +408,9 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
     sink_tokens: first tokens kept in full precision (full-attention layers only).
     Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
+    For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     """
-    return build_cache(attention_layout(model_or_config), quantizer, **options)
+    return build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config), **options)
 
 
 def simulate_memory(
@@ -303,16 +418,18 @@ def simulate_memory(
     dtype: torch.dtype = torch.float16,
 ) -> dict[str, float]:
     """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
-    cache's own code on meta tensors (shapes only, no data, no compute). ``settings``: make_cache arguments,
+    cache's own code on meta tensors (shapes only, no data, no compute) for one row; rows are stored apart and
+    alike, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
     ``{"quantizer": "int4", "group_size": 32, ...}``."""
     settings = dict(settings)
     quantizer = settings.pop("quantizer")
-    states = torch.empty(batch, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
+    states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
     parts = []
     for window in {w for w in layout if w != "shared"}:  # layers of one kind store the same: simulate one each
-        layer = build_cache([window], quantizer, **settings).layers[0]
+        layer = build_cache([window], quantizer, head_dim=head_dim, **settings).layers[0]
         layer.update(states, states)
-        parts += [layer.memory()] * layout.count(window)
+        part = {key: nbytes * batch for key, nbytes in layer.memory().items()}
+        parts += [part] * layout.count(window)
     return _summarize(parts, tokens)
 
 

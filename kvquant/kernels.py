@@ -27,7 +27,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "dequant.cpp"
 NAME = "kvquant_dequant"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
-OUT_DTYPES = (torch.float32, torch.bfloat16)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STALE_LOCK_S = 600
 
 
@@ -74,11 +74,14 @@ def available() -> bool:
 
 
 def usable(out: torch.Tensor) -> bool:
-    """Whether the fused kernel can write ``out`` (CPU, float32 or bfloat16, head_dim up to 1024)."""
-    return out.device.type == "cpu" and out.dtype in OUT_DTYPES and out.shape[-1] <= 1024 and available()
+    """Whether the fused kernel can write ``out`` (CPU, float32/bfloat16/float16, head_dim up to 1024, no autograd)."""
+    return (out.device.type == "cpu" and out.dtype in OUT_DTYPES and out.shape[-1] <= 1024 and not out.requires_grad
+            and available())
 
 
 def dequantize_into(payload, scale, zero, bits: int, group: int, token_axis: bool, out: torch.Tensor) -> None:
-    """payload ``[BH, T, Dp]`` uint8; scale/zero ``[BH, T, ng]`` (token axis) or ``[BH, T/group, D]`` (channel
-    axis); out ``[BH, T, D]`` with a contiguous last dimension."""
-    _extension().dequantize_into(payload, scale.float(), zero.float(), bits, group, token_axis, out)
+    """payload ``[BH, T, Dp]`` uint8; scale/zero ``[BH, T, D/group]`` (token axis) or ``[BH, T/group, D]`` (channel
+    axis); out ``[B, H, T, D]`` (a view is fine: it is written in place, never through a copy). The kernel checks
+    every size and raises on a mismatch."""
+    target = out.view(-1, *out.shape[2:])  # a view of out, or an error: never a silent copy
+    _extension().dequantize_into(payload.contiguous(), scale.float(), zero.float(), bits, group, token_axis, target)

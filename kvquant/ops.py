@@ -104,9 +104,21 @@ def fp8_quantize(
 
 
 def fp8_dequantize_into(out: torch.Tensor, payload: torch.Tensor, scale: torch.Tensor) -> None:
-    """Write ``payload * scale`` into ``out``."""
-    out.copy_(payload)
-    out.mul_(scale.to(out.dtype))
+    """Write ``payload * scale`` into ``out``, computed in fp32 and rounded once (clamped to out's range)."""
+    store_clamped(out, payload.float() * scale.float())
+
+
+def store_clamped(out: torch.Tensor, x: torch.Tensor) -> None:
+    """Copy fp32 ``x`` into ``out``, clamping to the finite range of out's dtype.
+
+    Dequantized values can land a rounding step beyond the largest state written (a group spanning ±65504 in fp16
+    rounds its top level to 65520 -> inf in fp16); the clamp keeps finite states finite.
+    """
+    if out.dtype == x.dtype:
+        out.copy_(x)
+        return
+    limit = torch.finfo(out.dtype).max
+    out.copy_(x.clamp_(-limit, limit))
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

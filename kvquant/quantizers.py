@@ -88,9 +88,9 @@ class IntCodec(Codec):
             scale, zero = (scale.flatten(-2), zero.flatten(-2)) if token else (scale.squeeze(2), zero.squeeze(2))
             payload = enc["payload"].flatten(0, 1)
             payload = payload if token else payload.flatten(1, 2)
-            kernels.dequantize_into(payload, scale, zero, self.bits, self.group, token, out.flatten(0, 1))
+            kernels.dequantize_into(payload, scale, zero, self.bits, self.group, token, out)
             return
-        # Eager path (GPU, or no kernel): arithmetic in fp32, rounded once to a 16-bit output dtype.
+        # Eager path (GPU, or no kernel): arithmetic in fp32, rounded once to the output dtype.
         work = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         codes = ops.unpack_bits(enc["payload"], self.bits)
         if self.axis == "token":
@@ -101,7 +101,7 @@ class IntCodec(Codec):
             grouped.copy_(codes)
         ops.minmax_dequantize_(grouped, enc["scale"], enc["zero"])
         if work is not out:
-            out.copy_(work)
+            ops.store_clamped(out, work)
 
 
 @dataclass(frozen=True)
@@ -109,13 +109,18 @@ class Fp8Codec(Codec):
     """fp8 payload with a dynamic fp16 scale computed from the states being written.
 
     granularity="token": one scale per token and head, ``[B, H, T, 1]``.
-    granularity="tensor": one scale per sequence for all heads and channels of one write, ``[B, 1, T, 1]``
-    (the value repeats over the tokens of that write).
+    granularity="tensor": one scale per sequence (batch row) for all heads and channels of one write,
+    ``[B, 1, T, 1]`` (the value repeats over the tokens of that write).
     """
 
     dtype: torch.dtype
     granularity: Literal["token", "tensor"]
     scale_dtype: torch.dtype = torch.float16
+
+    @property
+    def max_abs(self) -> float:
+        """The largest |state| whose scale (amax / fp8 max) the scale dtype can hold."""
+        return torch.finfo(self.dtype).max * ops.scale_limits(self.scale_dtype)[1]
 
     def encode(self, x):
         dims = (-1,) if self.granularity == "token" else (1, 2, 3)
@@ -160,7 +165,7 @@ def quantizer_options(name: str) -> dict[str, object]:
 
 
 def _quantizer_class(name: str) -> type[Quantizer]:
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise KVQuantError(f"unknown quantizer {name!r}; available: {', '.join(available_quantizers())}")
     return _REGISTRY[name]
 
@@ -185,7 +190,7 @@ class Quantizer:
     default_residual_length: ClassVar[int] = 0
 
     def _scale_dtype(self) -> torch.dtype:
-        if self.scale_dtype not in ops.SCALE_DTYPES:
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in ops.SCALE_DTYPES:
             raise KVQuantError(f"{self.name}: scale_dtype must be one of {sorted(ops.SCALE_DTYPES)}, got {self.scale_dtype!r}")
         return ops.SCALE_DTYPES[self.scale_dtype]
 
@@ -195,6 +200,10 @@ class Quantizer:
     def describe(self) -> dict[str, object]:
         """Name and options, enough to rebuild it with :func:`get_quantizer`."""
         return {"quantizer": self.name, **dataclasses.asdict(self)}
+
+    def resolved(self, head_dim: int) -> dict[str, object]:
+        """Settings this quantizer derives for a head dimension (e.g. the groups actually used)."""
+        return {}
 
 
 @register_quantizer("fp16")
@@ -206,16 +215,43 @@ class Identity(Quantizer):
         return IdentityCodec(), IdentityCodec()
 
 
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` that is ``<= at_most`` (1 at least)."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def _check_int(owner: str, field: str, value, allowed=None, minimum: int | None = None) -> None:
+    """One-line errors for an option that must be an integer (never a bool or a float)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KVQuantError(f"{owner}: {field} must be an integer, got {type(value).__name__} {value!r}")
+    if allowed is not None and value not in allowed:
+        raise KVQuantError(f"{owner}: {field} must be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise KVQuantError(f"{owner}: {field} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_choice(owner: str, field: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise KVQuantError(f"{owner}: {field} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class IntQuantizer(Quantizer):
     """KIVI-style integers: keys per-channel (groups of ``group_size`` tokens), values per-token (groups of
-    ``group_size`` channels, capped at head_dim). ``key_bits``/``value_bits`` may differ (e.g. K8/V4).
-    ``scale_dtype`` is how scales and zero points are stored ("float16", or "float32" at twice the bytes)."""
+    channels). ``key_bits``/``value_bits`` may differ (e.g. K8/V4). ``scale_dtype`` is how scales and zero points
+    are stored ("float16", or "float32" at twice the bytes).
+
+    ``group_size=None`` (the default) means the quantizer's default group (``default_group_size``) where it fits:
+    per-channel groups take it as is (tokens), per-token groups take the largest divisor of head_dim not above it
+    (head_dim 80 with 32 -> 20), so every common head_dim works. An explicit ``group_size`` is used as given
+    (per-token groups are capped at head_dim) and must divide head_dim for per-token groups.
+    """
 
     default_residual_length: ClassVar[int] = 128
+    default_group_size: ClassVar[int] = 32
     key_bits: int = 8
     value_bits: int = 8
-    group_size: int = 32
+    group_size: int | None = None
     key_axis: Axis = "channel"
     value_axis: Axis = "token"
     scale_dtype: str = "float16"
@@ -223,31 +259,42 @@ class IntQuantizer(Quantizer):
     def __post_init__(self):
         self._scale_dtype()
         for field in ("key_bits", "value_bits"):
-            if getattr(self, field) not in (2, 4, 8):
-                raise KVQuantError(f"{self.name}: {field} must be 2, 4 or 8, got {getattr(self, field)!r}")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
-            raise KVQuantError(f"{self.name}: group_size must be a positive integer, got {self.group_size!r}")
+            _check_int(self.name, field, getattr(self, field), allowed=(2, 4, 8))
+        if self.group_size is not None:
+            _check_int(self.name, "group_size", self.group_size, minimum=1)
         for field in ("key_axis", "value_axis"):
-            if getattr(self, field) not in ("token", "channel"):
-                raise KVQuantError(f"{self.name}: {field} must be 'token' or 'channel', got {getattr(self, field)!r}")
+            _check_choice(self.name, field, getattr(self, field), ("token", "channel"))
+
+    def group_for(self, axis: Axis, head_dim: int) -> int:
+        """Tokens (channel axis) or channels (token axis) sharing one scale and zero point at this head_dim."""
+        if axis == "channel":
+            return self.group_size or self.default_group_size
+        if self.group_size is None:
+            return largest_divisor(head_dim, self.default_group_size)
+        group = min(self.group_size, head_dim)
+        if head_dim % group:
+            raise KVQuantError(
+                f"{self.name}: group_size {self.group_size} does not divide head_dim {head_dim} for per-token groups; "
+                f"use a divisor of {head_dim} (e.g. {largest_divisor(head_dim, self.group_size)}) or leave group_size "
+                "unset for the default rule"
+            )
+        return group
 
     def _codec(self, bits: int, axis: Axis, head_dim: int, stream: str) -> IntCodec:
         per_byte = 8 // bits
         if head_dim % per_byte:
             raise KVQuantError(f"{self.name}: head_dim {head_dim} cannot be packed {per_byte} {stream} codes per byte")
-        group = min(self.group_size, head_dim) if axis == "token" else self.group_size
-        if axis == "token" and head_dim % group:
-            raise KVQuantError(
-                f"{self.name}: group_size {self.group_size} does not divide head_dim {head_dim} for per-token "
-                f"{stream}; use a divisor of {head_dim}"
-            )
-        return IntCodec(bits=bits, axis=axis, group=group, scale_dtype=self._scale_dtype())
+        return IntCodec(bits=bits, axis=axis, group=self.group_for(axis, head_dim), scale_dtype=self._scale_dtype())
 
     def codecs(self, head_dim):
         return (
             self._codec(self.key_bits, self.key_axis, head_dim, "key"),
             self._codec(self.value_bits, self.value_axis, head_dim, "value"),
         )
+
+    def resolved(self, head_dim: int) -> dict[str, object]:
+        return {"key_group": self.group_for(self.key_axis, head_dim),
+                "value_group": self.group_for(self.value_axis, head_dim)}
 
 
 @register_quantizer("int8")
@@ -256,7 +303,7 @@ class Int8(IntQuantizer):
     """8-bit integers. Groups of 128 by default: 8-bit codes keep plenty of resolution over a wide group, while
     fp16 scale and zero per 32 elements would add a whole bit per element (9 bits, 0.56x of fp16)."""
 
-    group_size: int = 128
+    default_group_size: ClassVar[int] = 128
 
 
 @register_quantizer("int4")
@@ -288,8 +335,7 @@ class Fp8Quantizer(Quantizer):
 
     def __post_init__(self):
         self._scale_dtype()
-        if self.granularity not in ("token", "tensor"):
-            raise KVQuantError(f"{self.name}: granularity must be 'token' or 'tensor', got {self.granularity!r}")
+        _check_choice(self.name, "granularity", self.granularity, ("token", "tensor"))
 
     def codecs(self, head_dim):
         codec = Fp8Codec(dtype=self.dtype, granularity=self.granularity, scale_dtype=self._scale_dtype())

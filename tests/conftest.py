@@ -6,6 +6,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvquant.paths import resolve
 
+# Poison unwritten memory for the whole session: torch.empty (and new_empty) return NaN for floats and 255 for
+# uint8, so a cache that hands attention memory nobody wrote fails loudly instead of by chance.
+torch.utils.deterministic.fill_uninitialized_memory = True
+torch.use_deterministic_algorithms(True, warn_only=True)
+
 MODEL = "local:models/stories260K/hf"
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
 

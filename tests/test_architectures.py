@@ -1,4 +1,5 @@
-"""make_cache on small random decoders of several families, sliding-window layers included."""
+"""make_cache on small random decoders of several families and head_dims, checked by value against
+``DynamicCache`` (fp16, bit-exact) and the independent fake-quant reference (int4 with default options)."""
 
 import pytest
 import torch
@@ -6,21 +7,28 @@ import transformers
 from transformers import DynamicCache
 
 import kvquant
+from reference import FakeQuantReference, Spec
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
-CONFIGS = {
-    "llama": ("LlamaConfig", dict(num_key_value_heads=2)),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=24)),
-    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0)),
-    "gpt_neox": ("GPTNeoXConfig", dict()),
-    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=24)),
-    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, sliding_window=24)),
+COMMON = dict(vocab_size=128, intermediate_size=128, num_hidden_layers=3)
+CONFIGS = {  # name: (config class, options, head_dim)
+    "llama": ("LlamaConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 16),
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2), 16),
+    "mistral": ("MistralConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      sliding_window=24), 16),
+    "phi3_head_dim_96": ("Phi3Config", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=2,
+                                            pad_token_id=0), 96),
+    "llama_head_dim_80": ("LlamaConfig", dict(hidden_size=160, num_attention_heads=2, num_key_value_heads=1), 80),
+    "llama_head_dim_112": ("LlamaConfig", dict(hidden_size=224, num_attention_heads=2, num_key_value_heads=1), 112),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=64, num_attention_heads=4), 16),
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    sliding_window=24), 16),
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=24), 16),
 }
 
 
 def build(name):
-    config_cls, extra = CONFIGS[name]
+    config_cls, extra, _ = CONFIGS[name]
     config = getattr(transformers, config_cls)(**COMMON, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -35,24 +43,23 @@ def run(model, ids, cache, prefill=40):
     return torch.cat(logits, dim=1)
 
 
+def largest_divisor(n, at_most):
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_architecture(name):
     model = build(name)
+    head_dim = CONFIGS[name][2]
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
     ref = run(model, ids, DynamicCache(config=model.config))
-    fp16_cache = kvquant.make_cache(model, "fp16")
-    assert torch.equal(run(model, ids, fp16_cache), ref)
-    sliding = [layer.is_sliding for layer in fp16_cache.layers]
-    if getattr(model.config, "sliding_window", None):
-        assert any(sliding)  # kept, not rejected: the window of 24 is crossed by these 64 tokens
-        report = fp16_cache.memory_report()
-        held = [23 if s else 64 for s in sliding]  # a sliding layer holds window - 1 tokens, as DynamicCache
-        head_dim = fp16_cache.layers[0].k.tail.shape[-1]
-        kv_heads = fp16_cache.layers[0].k.tail.shape[1]
-        assert report["fp16_bytes"] == sum(2 * 2 * kv_heads * head_dim * h * 2 for h in held)
-    cache = kvquant.make_cache(model, "int4", group_size=8, residual_length=0)
+    assert torch.equal(run(model, ids, kvquant.make_cache(model, "fp16")), ref)
+    # int4 with its defaults (groups of 32 tokens for keys, the largest divisor of head_dim <= 32 for values),
+    # no residual window so every token beyond an incomplete key group is read quantized
+    cache = kvquant.make_cache(model, "int4", residual_length=0)
+    value_group = largest_divisor(head_dim, 32)
+    assert cache.settings()["key_group"] == 32 and cache.settings()["value_group"] == value_group
+    reference = FakeQuantReference(model, Spec("int", 4, "channel", 32), Spec("int", 4, "token", value_group))
     quantized = run(model, ids, cache)
+    torch.testing.assert_close(quantized, run(model, ids, reference), rtol=0, atol=2e-5)
     assert (quantized - ref).abs().max() > 1e-3
-    out = model.generate(ids[:, :20], cache=kvquant.make_cache(model, "int4", group_size=8, residual_length=4),
-                         max_new_tokens=8, do_sample=False)
-    assert out.shape == (2, 28)

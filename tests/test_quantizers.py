@@ -109,3 +109,33 @@ def test_fp32_scales_are_more_precise_and_twice_the_bytes(real_kv):
     f16, f32 = (kvquant.get_quantizer("int8", group_size=32, scale_dtype=d).codecs(8)[0] for d in ("float16", "float32"))
     assert f32.encode(keys)["scale"].element_size() == 2 * f16.encode(keys)["scale"].element_size()
     assert _sqnr(f32, keys) >= _sqnr(f16, keys) - 0.5
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"group_size": True}, "group_size must be an integer, got bool"),
+    ({"group_size": 32.0}, "group_size must be an integer, got float"),
+    ({"key_bits": 4.0}, "key_bits must be an integer, got float"),
+    ({"value_bits": "4"}, "value_bits must be an integer, got str"),
+    ({"key_axis": "row"}, "key_axis must be one of 'token', 'channel'"),
+    ({"scale_dtype": None}, "scale_dtype must be one of"),
+])
+def test_option_types_are_checked(options, message):
+    with pytest.raises(kvquant.KVQuantError, match=message):
+        kvquant.get_quantizer("int4", **options)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 256])
+def test_default_groups_fit_every_common_head_dim(name, head_dim):
+    quantizer = kvquant.get_quantizer(name)
+    default = 128 if name == "int8" else 32
+    expected = max(d for d in range(1, default + 1) if head_dim % d == 0)
+    key_codec, value_codec = quantizer.codecs(head_dim)
+    assert (key_codec.group, value_codec.group) == (default, expected)
+    assert quantizer.resolved(head_dim) == {"key_group": default, "value_group": expected}
+
+
+def test_an_explicit_group_that_does_not_fit_is_an_error():
+    with pytest.raises(kvquant.KVQuantError, match="group_size 32 does not divide head_dim 80.*e.g. 20"):
+        kvquant.get_quantizer("int4", group_size=32).codecs(80)
+    assert kvquant.get_quantizer("int4", group_size=256).codecs(80)[1].group == 80  # capped at head_dim

@@ -1,11 +1,14 @@
 // Fused CPU dequantization of kvquant's packed min-max integer codes: one pass from packed bytes to the
-// model's dtype (float32 or bfloat16), where eager PyTorch needs four (unpack, convert, scale, shift).
+// model's dtype (float32, bfloat16 or float16), where eager PyTorch needs four (unpack, convert, scale, shift).
 //
 // payload [BH, T, Dp] uint8, block layout: the code of channel j * Dp + i sits in byte i at bit j * bits.
-// token axis:   scale/zero [BH, T, ng] float32, group = D / ng channels.
+// token axis:   scale/zero [BH, T, D / group] float32: channels c share the pair c / group (any group dividing D,
+//               whether or not it tiles the packed width Dp).
 // channel axis: scale/zero [BH, T / group, D] float32, group = tokens per scale.
-// out [BH, T, D]: any strides for the first two dimensions, the last contiguous.
+// out [BH, T, D]: any strides for the first two dimensions, the last contiguous. Every element of out is written.
 #include <torch/extension.h>
+
+#include <algorithm>
 
 static inline void store(const float* row, float* out, int64_t n) {
   for (int64_t c = 0; c < n; ++c) out[c] = row[c];
@@ -22,6 +25,11 @@ static inline void store(const float* row, at::BFloat16* out, int64_t n) {
   }
 }
 
+// float -> float16, clamped to its finite range (a top level may round one step past 65504).
+static inline void store(const float* row, at::Half* out, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<at::Half>(std::min(std::max(row[c], -65504.0f), 65504.0f));
+}
+
 template <typename scalar_t>
 static void run(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero, int64_t bits,
                 int64_t group, bool token_axis, torch::Tensor& out) {
@@ -34,22 +42,27 @@ static void run(const torch::Tensor& payload, const torch::Tensor& scale, const 
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t ss0 = scale.stride(0), ss1 = scale.stride(1);
+  const int64_t zs0 = zero.stride(0), zs1 = zero.stride(1);
   at::parallel_for(0, BH * T, 64, [&](int64_t begin, int64_t end) {
     float row[1024];
     for (int64_t r = begin; r < end; ++r) {
       const int64_t bh = r / T, t = r % T;
       const uint8_t* pr = p + r * Dp;
       scalar_t* orow = o + bh * os0 + t * os1;
-      const float* sr = token_axis ? s + bh * ss0 + t * ss1 : s + bh * ss0 + (t / group) * ss1;
-      const float* zr = token_axis ? z + bh * ss0 + t * ss1 : z + bh * ss0 + (t / group) * ss1;
+      const int64_t srow = token_axis ? t : t / group;
+      const float* sr = s + bh * ss0 + srow * ss1;
+      const float* zr = z + bh * zs0 + srow * zs1;
       for (int64_t j = 0; j < k; ++j) {
         const int shift = static_cast<int>(j * bits);
         float* rb = row + j * Dp;
         if (token_axis) {
-          for (int64_t c0 = 0; c0 < Dp; c0 += group < Dp ? group : Dp) {
-            const int64_t len = group < Dp ? group : Dp;
-            const float sc = sr[(j * Dp + c0) / group], ze = zr[(j * Dp + c0) / group];
-            for (int64_t i = c0; i < c0 + len; ++i) rb[i] = ze + static_cast<float>((pr[i] >> shift) & mask) * sc;
+          // block j holds channels [j * Dp, (j + 1) * Dp); walk it in runs that share one group
+          int64_t i = 0;
+          while (i < Dp) {
+            const int64_t g = (j * Dp + i) / group;
+            const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
+            const float sc = sr[g], ze = zr[g];
+            for (; i < run_end; ++i) rb[i] = ze + static_cast<float>((pr[i] >> shift) & mask) * sc;
           }
         } else {
           const float* sc = sr + j * Dp;
@@ -64,14 +77,36 @@ static void run(const torch::Tensor& payload, const torch::Tensor& scale, const 
 
 void dequantize_into(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero, int64_t bits,
                      int64_t group, bool token_axis, torch::Tensor out) {
-  TORCH_CHECK(payload.is_contiguous() && scale.scalar_type() == torch::kFloat && zero.scalar_type() == torch::kFloat);
-  TORCH_CHECK(out.stride(2) == 1 && payload.size(2) * (8 / bits) <= 1024, "unsupported layout");
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "kvquant kernel: bits must be 2, 4 or 8, got ", bits);
+  TORCH_CHECK(group >= 1, "kvquant kernel: group must be >= 1, got ", group);
+  TORCH_CHECK(payload.dim() == 3 && payload.scalar_type() == torch::kByte && payload.is_contiguous(),
+              "kvquant kernel: payload must be a contiguous uint8 [BH, T, Dp] tensor");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && zero.scalar_type() == torch::kFloat,
+              "kvquant kernel: scale and zero must be float32");
+  TORCH_CHECK(scale.dim() == 3 && zero.sizes() == scale.sizes() && scale.stride(2) == 1 && zero.stride(2) == 1,
+              "kvquant kernel: scale and zero must be [BH, rows, n] with a contiguous last dimension");
+  const int64_t BH = payload.size(0), T = payload.size(1), D = payload.size(2) * (8 / bits);
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == BH && out.size(1) == T && out.size(2) == D && out.stride(2) == 1,
+              "kvquant kernel: out must be [", BH, ", ", T, ", ", D, "] with a contiguous last dimension, got ",
+              out.sizes(), " strides ", out.strides());
+  TORCH_CHECK(D <= 1024, "kvquant kernel: head_dim ", D, " > 1024");
+  if (token_axis) {
+    TORCH_CHECK(D % group == 0 && scale.size(0) == BH && scale.size(1) == T && scale.size(2) == D / group,
+                "kvquant kernel: token-axis scales must be [", BH, ", ", T, ", ", D / std::max<int64_t>(group, 1),
+                "] with group dividing ", D, ", got ", scale.sizes(), " for group ", group);
+  } else {
+    TORCH_CHECK(T % group == 0 && scale.size(0) == BH && scale.size(1) == T / group && scale.size(2) == D,
+                "kvquant kernel: channel-axis scales must be [", BH, ", ", T / group, ", ", D, "] with group dividing ",
+                T, ", got ", scale.sizes(), " for group ", group);
+  }
   if (out.scalar_type() == torch::kFloat) {
     run<float>(payload, scale, zero, bits, group, token_axis, out);
   } else if (out.scalar_type() == torch::kBFloat16) {
     run<at::BFloat16>(payload, scale, zero, bits, group, token_axis, out);
+  } else if (out.scalar_type() == torch::kHalf) {
+    run<at::Half>(payload, scale, zero, bits, group, token_axis, out);
   } else {
-    TORCH_CHECK(false, "unsupported output dtype");
+    TORCH_CHECK(false, "kvquant kernel: unsupported output dtype ", out.scalar_type());
   }
 }
 

@@ -1,0 +1,92 @@
+"""memory_report() and the planner equal closed-form bytes, written here from the storage rules alone, for full,
+sliding and hybrid models at contexts below, at and above the window."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import kvquant
+from kvquant.plan import main as plan_main
+
+
+def stream_bytes(tokens, window, unit, bits, scale_pairs_per_unit, sinks, residual, heads, head_dim, elt):
+    """Bytes of one stream of one layer and one row after ``tokens`` tokens.
+
+    unit: tokens per quantized unit; scale_pairs_per_unit: fp16 (scale, zero) pairs per unit and head;
+    bits 16 means the identity (everything in the model's dtype)."""
+    if bits == 16:
+        held = min(tokens, window - 1) if window else tokens
+        return heads * head_dim * held * elt
+    if window:  # sliding: no sinks; whole units leave once the window no longer needs any of their tokens
+        sinks = 0
+        evicted = max(tokens - (window - 1), 0) // unit * unit
+    else:
+        evicted = 0
+    quantized_ever = max(tokens - sinks - residual, 0) // unit * unit
+    quantized = max(quantized_ever - evicted, 0)
+    stored = tokens - evicted
+    full = stored - quantized
+    payload = heads * quantized * head_dim * bits // 8
+    scales = 2 * heads * (quantized // unit) * scale_pairs_per_unit * 2
+    return payload + scales + full * heads * head_dim * elt
+
+
+def layer_bytes(tokens, window, setting, heads, head_dim, elt):
+    name, group, sinks, residual = setting
+    if name == "fp16":
+        return 2 * stream_bytes(tokens, window, 1, 16, 0, 0, 0, heads, head_dim, elt)
+    bits = {"int8": 8, "int4": 4, "int2": 2}[name]
+    value_group = max(d for d in range(1, min(group, head_dim) + 1) if head_dim % d == 0)
+    keys = stream_bytes(tokens, window, group, bits, head_dim, sinks, residual, heads, head_dim, elt)
+    values = stream_bytes(tokens, window, 1, bits, head_dim // value_group, sinks, residual, heads, head_dim, elt)
+    return keys + values
+
+
+WINDOW = 24
+SETTINGS = [("fp16", 0, 0, 0), ("int4", 8, 2, 3), ("int2", 32, 0, 5), ("int8", 8, 0, 0)]
+
+
+@pytest.mark.parametrize("tokens", [10, WINDOW - 1, WINDOW, WINDOW + 1, 61])
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s[0])
+def test_memory_report_equals_closed_form_on_a_hybrid_model(setting, tokens):
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                                       num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                       sliding_window=WINDOW)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    name, group, sinks, residual = setting
+    options = {} if name == "fp16" else dict(group_size=group, sink_tokens=sinks, residual_length=residual)
+    cache = kvquant.make_cache(model, name, **options)
+    ids = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    prefill = min(7, tokens)
+    with torch.no_grad():
+        model(ids[:, :prefill], cache=cache)
+        for i in range(prefill, tokens):
+            model(ids[:, i : i + 1], cache=cache)
+    expected = sum(layer_bytes(tokens, WINDOW if kind == "sliding_attention" else None, setting, 2, 16, 4)
+                   for kind in config.layer_types)
+    report = cache.memory_report()
+    assert report["total_bytes"] == expected
+    held = sum(min(tokens, WINDOW - 1) if kind == "sliding_attention" else tokens for kind in config.layer_types)
+    assert report["fp16_bytes"] == 2 * 2 * 16 * 2 * held
+
+
+def plan_bytes(capsys, cache, context):
+    assert plan_main(["--model", "gemma-2-9b", "--context", str(context), "--cache", cache, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["kv_bytes"]
+
+
+@pytest.mark.parametrize("context", [1000, 4000, 4096, 8192])
+def test_planner_equals_closed_form_for_gemma_2_9b(capsys, context):
+    """gemma-2-9b: 42 layers alternating sliding (window 4096) and full, 8 KV heads, head_dim 256."""
+    def model_bytes(setting):
+        return 21 * (layer_bytes(context, 4096, setting, 8, 256, 2) + layer_bytes(context, None, setting, 8, 256, 2))
+
+    fp16 = plan_bytes(capsys, "fp16", context)
+    assert fp16 == model_bytes(("fp16", 0, 0, 0))
+    if context == 4000:
+        assert fp16 == 1_376_256_000  # 42 layers x 4000 tokens x 2 x 8 x 256 x 2 bytes
+    int4 = plan_bytes(capsys, "int4:group_size=32,residual_length=128,sink_tokens=4", context)
+    assert int4 == model_bytes(("int4", 32, 4, 128))
