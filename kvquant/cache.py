@@ -133,16 +133,67 @@ def _check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
                        "can hold (scale_dtype='float32' holds more)")
 
 
-def left_padding(attention_mask: torch.Tensor) -> list[int]:
-    """Padding tokens at the front of each row of a ``[B, T]`` 0/1 mask; any other padding is an error."""
-    if attention_mask.dim() != 2:
-        raise KVQuantError(f"attention_mask must be [batch, tokens], got shape {tuple(attention_mask.shape)}")
-    real = attention_mask.bool()
-    pads = (~real).sum(1)
-    positions = torch.arange(real.shape[1], device=real.device)
-    if not torch.equal(real, positions[None, :] >= pads[:, None]):
-        raise KVQuantError("kvquant caches support left padding only (every row: padding first, then real tokens)")
-    return [int(p) for p in pads]
+def _write(stream: _Stream, states: torch.Tensor, real: torch.Tensor, name: str) -> None:
+    """Append the real positions (``real`` ``[n]`` bool) of one row's ``states`` ``[1, H, n, D]``."""
+    count = int(real.sum())
+    if count == real.numel():
+        stream.append(states, name)
+    elif count:
+        stream.append(states[:, :, real.nonzero()[:, 0]], name)
+
+
+def _read(stream: _Stream, out: torch.Tensor, real: torch.Tensor) -> None:
+    """Write one row's visible window into ``out`` ``[1, H, m, D]``: its last stored tokens at the real positions
+    (``real`` ``[m]`` bool), zeros at padding."""
+    m, count = real.numel(), int(real.sum())
+    if count == m:
+        stream.materialize_into(out)
+        return
+    positions = real.nonzero()[:, 0]
+    if count and int(positions[0]) == m - count:  # one block at the end (left padding): write in place
+        stream.materialize_into(out[:, :, m - count :])
+        out[:, :, : m - count] = 0
+        return
+    out.zero_()
+    if count:
+        block = out.new_empty(*out.shape[:2], count, out.shape[3])
+        stream.materialize_into(block)
+        out.index_copy_(2, positions.to(out.device), block)
+
+
+class Padding:
+    """Which positions of each batch row hold real tokens; the rest is padding, which a cache never stores.
+
+    ``mask`` ``[B, T]`` bool covers the positions declared so far (:meth:`KVQuantCache.set_padding`); positions
+    beyond it are real. One object is shared by all layers of a cache.
+    """
+
+    def __init__(self):
+        self.mask: torch.Tensor | None = None
+
+    def declare(self, attention_mask: torch.Tensor, written: int) -> None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise KVQuantError(f"set_padding needs the [batch, tokens] attention mask, got {shape}")
+        mask = attention_mask.detach().to("cpu").bool()
+        if self.mask is not None and mask.shape[0] != self.mask.shape[0]:
+            raise KVQuantError(f"set_padding: the mask has {mask.shape[0]} rows, the cache {self.mask.shape[0]}")
+        known = self.real(0, min(written, mask.shape[1]), mask.shape[0])
+        if not torch.equal(mask[:, : known.shape[1]], known):
+            raise KVQuantError("set_padding: the mask disagrees with positions this cache has already stored")
+        self.mask = mask
+
+    def real(self, start: int, stop: int, batch: int) -> torch.Tensor:
+        """``[batch, stop - start]`` bool: which of these positions are real tokens."""
+        out = torch.ones(batch, stop - start, dtype=torch.bool)
+        if self.mask is not None and start < self.mask.shape[1]:
+            declared = self.mask[:, start:stop]
+            out[:, : declared.shape[1]] = declared
+        return out
+
+    def select(self, rows: list[int]) -> None:
+        if self.mask is not None:
+            self.mask = self.mask[rows]
 
 
 class QuantizedLayer(CacheLayerMixin):
@@ -150,13 +201,14 @@ class QuantizedLayer(CacheLayerMixin):
 
     Each batch row is stored on its own (a :class:`_Stream` per row and per K/V), holding only the row's real
     tokens: padding declared with :meth:`KVQuantCache.set_padding` is neither stored nor allowed into any scale,
-    and groups start at the row's first real token, exactly as when the row runs alone. Attention gets the
-    padded ``[B, H, kv_len, D]`` layout back, zeros at padding positions (which its mask hides).
+    and groups start at the row's first real token, so a row computes what it computes alone. Attention gets
+    the padded ``[B, H, kv_len, D]`` layout back, zeros at padding positions (which its mask hides).
     """
 
     is_croppable = False
 
-    def __init__(self, quantizer: Quantizer, residual_length: int, sink_tokens: int, sliding_window: int | None = None):
+    def __init__(self, quantizer: Quantizer, residual_length: int, sink_tokens: int, sliding_window: int | None = None,
+                 padding: Padding | None = None):
         super().__init__()
         self.quantizer, self.residual_length = quantizer, residual_length
         self.sliding_window = sliding_window
@@ -164,16 +216,12 @@ class QuantizedLayer(CacheLayerMixin):
         # Sinks would fall out of a sliding window: such layers keep none.
         self.sink_tokens = 0 if self.is_sliding else sink_tokens
         self.cumulative_length = 0  # positions written, padding included (transformers' sequence length)
-        self.padding: list[int] | None = None
+        self.padding = padding or Padding()
         self.k: list[_Stream] = []
         self.v: list[_Stream] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch = key_states.shape[0]
-        if self.padding is None:
-            self.padding = [0] * batch
-        elif len(self.padding) != batch:
-            raise KVQuantError(f"set_padding() described {len(self.padding)} rows, the model wrote {batch}")
         key_codec, _ = self.quantizer.codecs(key_states.shape[-1])
         _, value_codec = self.quantizer.codecs(value_states.shape[-1])
         self.k = [_Stream(key_codec, self.sink_tokens, self.residual_length, key_states) for _ in range(batch)]
@@ -181,47 +229,53 @@ class QuantizedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
-    def held(self, row: int) -> int:
-        """Real tokens of ``row`` that attention may still read (a sliding window keeps its last window - 1)."""
-        written = max(self.cumulative_length - self.padding[row], 0)
-        return min(written, self.sliding_window - 1) if self.is_sliding else written
+    def _window(self) -> int:
+        """First position still held (a sliding window keeps the last window - 1)."""
+        return max(self.cumulative_length - self.sliding_window + 1, 0) if self.is_sliding else 0
+
+    def held(self) -> list[int]:
+        """Per row: real tokens attention may still read."""
+        batch = len(self.k)
+        return self.padding.real(self._window(), self.cumulative_length, batch).sum(1).tolist()
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Store ``[B, H, n, D]`` keys and values, return the dequantized ``[B, H, kv_len, D]`` views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != len(self.k):
-            raise KVQuantError(f"this cache holds {len(self.k)} rows, the model wrote {key_states.shape[0]}")
+        batch = key_states.shape[0]
+        if batch != len(self.k):
+            raise KVQuantError(f"this cache holds {len(self.k)} rows, the model wrote {batch}")
         key_states, value_states = key_states.detach(), value_states.detach()  # a cache stores data, not graphs
         n, past = key_states.shape[2], self.cumulative_length
-        kv_len = n + (min(past, self.sliding_window - 1) if self.is_sliding else past)
+        first = self._window()  # DynamicCache returns positions [first, past + n): min(past, W - 1) + n of them
+        kv_len = past + n - first
+        real = self.padding.real(first, past + n, batch)  # [B, kv_len]
         self.cumulative_length += n
+        keep = self.held()  # per row, what the window still needs after this update
         keys = key_states.new_empty(*key_states.shape[:2], kv_len, key_states.shape[3])
         values = value_states.new_empty(*value_states.shape[:2], kv_len, value_states.shape[3])
-        for row, pad in enumerate(self.padding):
-            real = min(max(self.cumulative_length - pad, 0), n)  # real tokens of this row in this update
+        for row in range(batch):
+            new = real[row, kv_len - n :]
+            visible = real[row]
             for stream, states, out, name in ((self.k[row], key_states, keys, "keys"),
                                               (self.v[row], value_states, values, "values")):
-                if real:
-                    stream.append(states[row : row + 1, :, n - real :], name)
-                visible = min(kv_len, max(self.cumulative_length - pad, 0))
-                stream.materialize_into(out[row : row + 1, :, kv_len - visible :])
-                out[row, :, : kv_len - visible] = 0
+                _write(stream, states[row : row + 1], new, name)
+                _read(stream, out[row : row + 1], visible)
                 if self.is_sliding:
-                    stream.evict(self.sliding_window - 1)
+                    stream.evict(keep[row])
         self._check()
         return keys, values
 
     def _check(self) -> None:
         """Stored tokens agree with what was written (cheap; a disagreement is a bug, never a silent result)."""
-        for row, pad in enumerate(self.padding):
-            written = max(self.cumulative_length - pad, 0)
+        written = self.padding.real(0, self.cumulative_length, len(self.k)).sum(1).tolist()
+        for row, held in enumerate(self.held()):
             for stream in (self.k[row], self.v[row]):
                 slack = stream.codec.tokens_per_unit - 1 if self.is_sliding else 0
-                if stream.length != written or not self.held(row) <= len(stream) <= self.held(row) + slack:
+                if stream.length != written[row] or not held <= len(stream) <= held + slack:
                     raise KVQuantError(
                         f"internal error: row {row} stores {len(stream)} of {stream.length} tokens, expected "
-                        f"{self.held(row)} (+{slack}) of {written}; please report this")
+                        f"{held} (+{slack}) of {written[row]}; please report this")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if not self.is_sliding:
@@ -244,22 +298,22 @@ class QuantizedLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _select_rows(self, rows: list[int]) -> None:
-        """Keep these rows, in this order (repeats allowed: each gets an independent fork)."""
+        """Keep these rows, in this order (repeats allowed: each becomes an independent fork; stored tensors are
+        never modified in place, so forks share them safely). The cache selects the padding rows once."""
         if self.is_initialized:
             self.k = [copy.copy(self.k[r]) for r in rows]
             self.v = [copy.copy(self.v[r]) for r in rows]
-        if self.padding is not None:
-            self.padding = [self.padding[r] for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows are stored apart, so they reorder exactly."""
         self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows([r for r in range(len(self.padding or self.k)) for _ in range(repeats)])
+        self._select_rows([r for r in range(len(self.k)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(torch.arange(len(self.padding or self.k))[indices].tolist())
+        if self.is_initialized:
+            self._select_rows(torch.arange(len(self.k))[indices].tolist())
 
     def crop(self, tokens_to_remove: int) -> None:
         raise KVQuantError("a quantized cache cannot be cropped (quantized groups cannot be split); use a fresh cache")
@@ -274,12 +328,12 @@ class QuantizedLayer(CacheLayerMixin):
         out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0}
         if not self.is_initialized:
             return out
-        for row in range(len(self.k)):
+        for row, held in enumerate(self.held()):
             for stream in (self.k[row], self.v[row]):
                 for key, nbytes in stream.nbytes().items():
                     out[key] += nbytes
                 heads, head_dim = stream.tail.shape[1], stream.tail.shape[3]
-                out["fp16_bytes"] += heads * head_dim * self.held(row) * FP16_BYTES
+                out["fp16_bytes"] += heads * head_dim * held * FP16_BYTES
         return out
 
 
@@ -292,19 +346,36 @@ class KVQuantCache(Cache):
         super().__init__(layers=layers)
         self.quantizer, self.residual_length, self.sink_tokens = quantizer, residual_length, sink_tokens
         self.head_dim = head_dim
+        self.padding = next((layer.padding for layer in layers if isinstance(layer, QuantizedLayer)), Padding())
 
     def set_padding(self, attention_mask: torch.Tensor) -> KVQuantCache:
-        """Declare the left padding of the batch about to be written (call before the first forward, with the
-        ``[B, T]`` attention mask given to the model). Padding positions are then not stored, never enter a scale,
-        and each row is grouped from its own first real token, as if it ran alone. Without it, every position is
-        stored as a real token. Returns the cache."""
-        if self.get_seq_length() > 0:
-            raise KVQuantError("set_padding() must be called before the first forward of a cache")
-        pads = left_padding(attention_mask)
-        for layer in self.layers:
-            if isinstance(layer, QuantizedLayer):
-                layer.padding = list(pads)
+        """Declare which positions are padding: the ``[B, T]`` attention mask given to the model (0 = padding),
+        covering the positions written so far and those about to be written (later positions are real). Padding
+        is then not stored and never enters a scale, and each row is grouped from its own first real token, as if
+        it ran alone. Call it before the forward (or ``generate``) that writes the padded positions; without it,
+        every position is stored as a real token. Returns the cache."""
+        self.padding.declare(attention_mask, self.get_seq_length())
         return self
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.padding.select(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = self.padding.mask.shape[0] if self.padding.mask is not None else None
+        super().batch_repeat_interleave(repeats)
+        if rows is not None:
+            self.padding.select([r for r in range(rows) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.padding.mask is not None:
+            self.padding.select(torch.arange(self.padding.mask.shape[0])[indices].tolist())
+
+    def fork(self, rows: list[int]) -> None:
+        """Keep these rows in this order; a row listed several times becomes independent copies that share the
+        stored prefix until they write (prefix sharing: prefill a context once, then extend each copy)."""
+        self.batch_select_indices(torch.tensor(rows, dtype=torch.long))
 
     def settings(self) -> dict[str, object]:
         """The make_cache options of this cache (enough to rebuild it), plus what the quantizer derived for the
@@ -396,7 +467,8 @@ def build_cache(
             raise KVQuantError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
     if head_dim is not None:
         quantizer.codecs(head_dim)
-    layers = [DummyLayer() if w == "shared" else QuantizedLayer(quantizer, residual_length, sink_tokens, w)
+    padding = Padding()
+    layers = [DummyLayer() if w == "shared" else QuantizedLayer(quantizer, residual_length, sink_tokens, w, padding)
               for w in layout]
     return KVQuantCache(layers, quantizer, residual_length, sink_tokens, head_dim)
 

@@ -6,6 +6,13 @@ quantized K/V, in one of two modes (see ``../shared/docs/measurement.md``):
   last token is written too, so its key shares its group's scale).
 - ``streaming``: the context is fed ``chunk_size`` tokens at a time, then the scored tokens, each chunk
   attending to what the cache stored for the earlier ones (``chunk_size=1`` is token-by-token decoding).
+
+Requests are scored in batches of up to ``batch_size`` rows. Each row is its own sequence: the cache stores rows
+apart and is told which positions are padding (``KVQuantCache.set_padding``), so a row in a batch computes what
+it computes alone (up to float noise of batched matmuls). In streaming mode, requests that share a context (the
+choices of a multiple-choice question) prefill it once; the cache is then forked into one row per continuation
+(``KVQuantCache.fork``), which is exactly what each would have stored after the same context chunks. Simulated
+mode writes context and continuation in one pass, so it has nothing to share.
 """
 
 from __future__ import annotations
@@ -18,6 +25,17 @@ from tqdm import tqdm
 
 from .cache import KVQuantCache
 from .data import Window
+from .errors import KVQuantError
+
+MODES = ("simulated", "streaming")
+
+
+def check_mode(mode, chunk_size) -> None:
+    """One-line errors for an evaluation mode or chunk size that cannot be honoured."""
+    if mode not in MODES:
+        raise KVQuantError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise KVQuantError(f"chunk_size must be an integer >= 1, got {type(chunk_size).__name__} {chunk_size!r}")
 
 
 @dataclass
@@ -28,47 +46,141 @@ class Scored:
     greedy: torch.Tensor
 
 
-class Scorer:
-    """Scores token sequences with ``model``, reading K/V through a fresh ``make_cache()`` per sequence."""
+@dataclass
+class _Row:
+    """What one batch row feeds after the fork: ``chunks`` of tokens, and from which fed position on (counted
+    over the concatenated chunks) the logits predict ``targets``."""
 
-    def __init__(self, model, make_cache: Callable[[], KVQuantCache], mode: str = "simulated", chunk_size: int = 64):
-        if mode not in ("simulated", "streaming"):
-            raise ValueError(f"mode must be 'simulated' or 'streaming', got {mode!r}")
+    chunks: list[list[int]]
+    score_from: int
+    targets: list[int]
+
+
+def _chunks(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+class _Batch:
+    """Feeds rows of different lengths through one cache, one step at a time, padding what a row does not fill."""
+
+    def __init__(self, model, cache: KVQuantCache, rows: int):
+        self.model, self.cache = model, cache
+        self.device = model.get_input_embeddings().weight.device
+        self.masks: list[torch.Tensor] = []  # [rows, width] per step
+        self.counts = torch.zeros(rows, dtype=torch.long)  # real tokens fed per row
+
+    def step(self, tokens: list[list[int]], logits: bool) -> torch.Tensor | None:
+        """Feed ``tokens[r]`` to row ``r`` (maybe none); logits ``[rows, width, vocab]`` when asked."""
+        width = max(map(len, tokens))
+        if width == 0:
+            return None
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
+        step_mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in tokens])
+        self.masks.append(step_mask)
+        mask = torch.cat(self.masks, dim=1)
+        lengths = torch.tensor([len(t) for t in tokens])
+        offsets = torch.minimum(torch.arange(width)[None, :], (lengths - 1).clamp(min=0)[:, None])
+        positions = (self.counts[:, None] + offsets - (lengths == 0)[:, None].long()).clamp(min=0)
+        self.counts += lengths
+        padded = not bool(mask.all())
+        if padded:
+            self.cache.set_padding(mask)
+        out = self.model(ids.to(self.device), cache=self.cache, use_cache=True,
+                         attention_mask=mask.to(self.device) if padded else None,
+                         position_ids=positions.to(self.device) if padded else None,
+                         logits_to_keep=0 if logits else 1)
+        return out.logits if logits else None
+
+    def fork(self, rows: list[int]) -> None:
+        self.cache.fork(rows)
+        self.masks = [m[rows] for m in self.masks]
+        self.counts = self.counts[rows]
+
+
+class Scorer:
+    """Scores token sequences with ``model``, reading K/V through a fresh ``make_cache()`` per batch."""
+
+    def __init__(self, model, make_cache: Callable[[], KVQuantCache], mode: str = "simulated", chunk_size: int = 64,
+                 batch_size: int = 1, share_prefix: bool = True):
+        check_mode(mode, chunk_size)
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise KVQuantError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
+        self.batch_size, self.share_prefix = batch_size, share_prefix
 
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
-    @torch.inference_mode()
     def score(self, ids: list[int], score_from: int) -> Scored:
         """Score ``ids[score_from:]`` given everything before them (``1 <= score_from < len(ids)``)."""
-        cache = self.make_cache()
+        return self.score_many([(ids[:score_from], ids[score_from:])])[0]
+
+    def _plan(self, context: list[int], continuation: list[int]) -> tuple[list[list[int]], _Row]:
+        """(prefix chunks shared by requests with this context, the request's own row)."""
         if self.mode == "simulated":
-            inputs = torch.tensor([ids], device=self.device)
-            bounds = [0, inputs.shape[1]]
-        else:  # chunks of the context, then chunks of the scored part, so no chunk straddles the boundary
-            inputs = torch.tensor([ids[:-1]], device=self.device)
-            context_end = score_from - 1
-            bounds = sorted({*range(0, context_end, self.chunk_size), *range(context_end, inputs.shape[1], self.chunk_size),
-                             inputs.shape[1]})
-        logits = [
-            self.model(inputs[:, a:b], cache=cache, use_cache=True).logits[0] for a, b in zip(bounds, bounds[1:])
-        ]
-        logits = torch.cat(logits)[score_from - 1 : len(ids) - 1].float()
-        targets = torch.tensor(ids[score_from:], device=logits.device)
-        logprobs = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
-        return Scored(logprobs.cpu(), (logits.argmax(-1) == targets).cpu())
+            ids = context + continuation
+            return [], _Row([ids], len(context) - 1, continuation)
+        scored = context[-1:] + continuation[:-1]
+        return _chunks(context[:-1], self.chunk_size), _Row(_chunks(scored, self.chunk_size), 0, continuation)
+
+    @torch.inference_mode()
+    def score_many(self, requests: list[tuple[list[int], list[int]]], desc: str | None = None) -> list[Scored]:
+        """Score each ``(context, continuation)`` (both non-empty token lists); results in request order."""
+        for context, continuation in requests:
+            if not context or not continuation:
+                raise KVQuantError("every scored request needs at least one context and one continuation token")
+        share = self.share_prefix and self.mode == "streaming"
+        groups: dict[tuple, list[int]] = {}
+        for i, (context, _) in enumerate(requests):
+            groups.setdefault(tuple(context) if share else (i,), []).append(i)
+        # longest first: the first batch shows the memory peak at once; similar lengths share batches
+        order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
+        batches, current = [], []
+        for members in order:
+            for start in range(0, len(members), self.batch_size):
+                part = members[start : start + self.batch_size]
+                if sum(map(len, current)) + len(part) > self.batch_size:
+                    batches.append(current)
+                    current = []
+                current.append(part)
+        if current:
+            batches.append(current)
+        results: list[Scored | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc=desc, leave=False, disable=desc is None) as bar:
+            for batch in batches:
+                for i, scored in zip([i for part in batch for i in part], self._score_batch(requests, batch)):
+                    results[i] = scored
+                bar.update(sum(map(len, batch)))
+        return results
+
+    def _score_batch(self, requests, batch: list[list[int]]) -> list[Scored]:
+        """One batch: each part is a list of requests sharing a prefix (one prefix row, one row per request)."""
+        prefixes = [self._plan(*requests[part[0]])[0] for part in batch]
+        rows = [self._plan(*requests[i])[1] for part in batch for i in part]
+        runner = _Batch(self.model, self.make_cache(), len(batch))
+        for step in range(max(map(len, prefixes))):
+            runner.step([p[step] if step < len(p) else [] for p in prefixes], logits=False)
+        runner.fork([g for g, part in enumerate(batch) for _ in part])
+        logits: list[list[torch.Tensor]] = [[] for _ in rows]
+        for step in range(max(len(r.chunks) for r in rows)):
+            tokens = [r.chunks[step] if step < len(r.chunks) else [] for r in rows]
+            out = runner.step(tokens, logits=True)
+            for r, t in enumerate(tokens):
+                logits[r].append(out[r, : len(t)])
+        scored = []
+        for row, parts in zip(rows, logits):
+            row_logits = torch.cat(parts)[row.score_from : row.score_from + len(row.targets)].float()
+            targets = torch.tensor(row.targets, device=row_logits.device)
+            logprobs = row_logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
+            scored.append(Scored(logprobs.cpu(), (row_logits.argmax(-1) == targets).cpu()))
+        return scored
 
 
 def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str = "perplexity") -> dict[str, list[float]]:
     """Per-window summed negative log-likelihood and predicted-token count."""
-    nll, tokens = [], []
-    for w in tqdm(windows, desc=desc, leave=False):
-        scored = scorer.score(w.ids, w.score_from)
-        nll.append(float(-scored.logprobs.double().sum()))
-        tokens.append(len(scored.logprobs))
-    return {"nll": nll, "tokens": tokens}
+    scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows], desc=desc)
+    return {"nll": [float(-s.logprobs.double().sum()) for s in scored], "tokens": [len(s.logprobs) for s in scored]}
 
 
 @torch.inference_mode()

@@ -2,8 +2,10 @@
 
 ``lm_eval.simple_evaluate(model="kvquant", model_args="pretrained=DIR,quantizer=int4,group_size=32")``.
 Loglikelihood and multiple-choice requests go through :class:`kvquant.evaluate.Scorer` (simulated or
-streaming mode); generation builds a fresh quantized cache per request. Options other than the ones named
-in ``__init__`` are handed to ``kvquant.make_cache`` (``group_size``, ``residual_length``, ``key_bits``, ...).
+streaming mode) in batches of ``batch_size`` rows; in streaming mode the choices of one question prefill their
+shared context once (``share_prefix``). Generation builds a fresh quantized cache per request. Options other
+than the ones named in ``__init__`` are handed to ``kvquant.make_cache`` (``group_size``, ``residual_length``,
+``key_bits``, ...).
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ from tqdm import tqdm
 
 from .cache import make_cache
 from .config import ModelConfig
-from .evaluate import Scorer
+from .errors import KVQuantError
+from .evaluate import Scorer, check_mode
 from .models import load_model, max_length as model_max_length
 
 
+#: rows per batch for lm-eval's ``batch_size=auto`` (kvquant does not probe memory)
+DEFAULT_AUTO_BATCH = 16
+
+
 def _parse(value):
-    """model_args values arrive as strings: '32' -> 32, 'true' -> True."""
-    return yaml.safe_load(value) if isinstance(value, str) else value
+    """model_args values arrive as strings: '32' -> 32, 'true' -> True, 'abc' -> 'abc'."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
 
 
 @register_model("kvquant")
@@ -42,27 +54,38 @@ class KVQuantLM(TemplateLM):
         device_map: str | None = None,
         max_length: int | None = None,
         gguf_file: str | None = None,
-        batch_size=None,
+        batch_size=1,
         max_batch_size=None,
+        share_prefix=True,
         **cache_options,
     ):
         super().__init__()
+        chunk_size, max_length, batch_size, share_prefix = map(_parse, (chunk_size, max_length, batch_size, share_prefix))
+        batch_size = 1 if batch_size is None else batch_size
+        if batch_size == "auto":
+            batch_size = DEFAULT_AUTO_BATCH
+        check_mode(mode, chunk_size)
+        if not isinstance(share_prefix, bool):
+            raise KVQuantError(f"share_prefix must be true or false, got {share_prefix!r}")
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length < 2):
+            raise KVQuantError(f"max_length must be an integer >= 2, got {max_length!r}")
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
             device = "cpu"
         if isinstance(pretrained, str):
             spec = ModelConfig(path=pretrained, tokenizer=tokenizer, dtype=dtype, device=device or "auto",
-                               device_map=device_map, gguf_file=gguf_file, max_length=_parse(max_length))
+                               device_map=device_map, gguf_file=gguf_file, max_length=max_length)
             self.model, self.tokenizer = load_model(spec)
         else:  # an already loaded model and tokenizer (the runner reuses one model for every candidate)
             self.model, self.tokenizer = pretrained, tokenizer
-            spec = ModelConfig(max_length=_parse(max_length))
+            spec = ModelConfig(max_length=max_length)
         self.max_length = model_max_length(self.model, spec)
         options = {k: _parse(v) for k, v in cache_options.items()}
         self.quantizer = quantizer
         self.cache_options = options
         make_cache(self.model, quantizer, **options)  # validate the settings now, not at the first request
-        self.scorer = Scorer(self.model, self.new_cache, mode, int(_parse(chunk_size)))
+        self.scorer = Scorer(self.model, self.new_cache, mode, chunk_size, batch_size, share_prefix)
 
     def new_cache(self):
         return make_cache(self.model, self.quantizer, **self.cache_options)
@@ -79,20 +102,23 @@ class KVQuantLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer(string, add_special_tokens=True if add_special_tokens is None else add_special_tokens).input_ids
 
-    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        ids = (context + continuation)[-(self.max_length + 1) :]
-        scored = self.scorer.score(ids, len(ids) - len(continuation))
-        return float(scored.logprobs.double().sum()), bool(scored.greedy.all())
+    def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str | None) -> list[tuple[float, bool]]:
+        """Log-likelihood and greedy match of each continuation, keeping the last max_length + 1 tokens."""
+        cut = []
+        for context, continuation in pairs:
+            ids = (context + continuation)[-(self.max_length + 1) :]
+            cut.append((ids[: len(ids) - len(continuation)], ids[len(ids) - len(continuation) :]))
+        return [(float(s.logprobs.double().sum()), bool(s.greedy.all())) for s in self.scorer.score_many(cut, desc)]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        return [self._score(ctx, cont) for _, ctx, cont in tqdm(requests, desc="kvquant loglikelihood", disable=disable_tqdm)]
+        return self._score([(ctx, cont) for _, ctx, cont in requests], None if disable_tqdm else "kvquant loglikelihood")
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         out = []
         for (string,) in tqdm([r.args for r in requests], desc="kvquant rolling", disable=disable_tqdm):
             tokens = self.tok_encode(string, add_special_tokens=False)
             pairs = map(make_disjoint_window, get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1))
-            out.append(sum(self._score(ctx, pred)[0] for ctx, pred in pairs))
+            out.append(sum(logprob for logprob, _ in self._score(list(pairs), None)))
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):

@@ -1,0 +1,78 @@
+"""Batched, prefix-shared scoring computes what one-request-at-a-time scoring computes.
+
+float64 copies of stories260K: a batch runs matmuls of other shapes than a single row, which moves fp32 states by
+~1e-6 and can push an element across a quantizer's rounding boundary; in float64 that noise vanishes when the
+cache rounds states to fp32 before quantizing, so batched and single scores can be compared to 1e-9."""
+
+import copy
+
+import pytest
+import torch
+
+import kvquant
+from kvquant.evaluate import Scorer
+
+
+@pytest.fixture(scope="module")
+def model64(model):
+    return copy.deepcopy(model).double()
+
+
+@pytest.fixture(scope="module")
+def requests(tokenizer, stories):
+    """Multiple-choice-like requests: 3 contexts of different lengths, each with 3 continuations."""
+    out = []
+    for k, story in enumerate(stories[10:13]):
+        ids = tokenizer(story).input_ids
+        cut = 12 + 11 * k
+        for c in range(3):
+            out.append((ids[:cut], ids[cut + 3 * c : cut + 3 * c + 4 + c]))
+    return out
+
+
+def scores(model, name, requests, **kwargs):
+    options = {"residual_length": 0, "group_size": 8} if name.startswith("int") else {}
+    scorer = Scorer(model, lambda: kvquant.make_cache(model, name, **options), **kwargs)
+    return scorer.score_many(requests)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int4", "int2"])
+@pytest.mark.parametrize("mode, chunk", [("streaming", 8), ("streaming", 3), ("simulated", 64)])
+def test_batched_and_shared_scoring_equals_one_request_at_a_time(model64, requests, name, mode, chunk):
+    single = scores(model64, name, requests, mode=mode, chunk_size=chunk, batch_size=1, share_prefix=False)
+    batched = scores(model64, name, requests, mode=mode, chunk_size=chunk, batch_size=5, share_prefix=True)
+    for a, b in zip(single, batched):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+        assert torch.equal(a.greedy, b.greedy)
+
+
+def test_a_forked_cache_scores_exactly_as_a_fresh_one(model64, requests):
+    """Prefill a context once, fork it into two rows, extend each: every row equals a fresh cache fed the same
+    chunks (and the forks do not see each other's writes)."""
+    context, (cont_a, cont_b) = requests[4][0], (requests[4][1][:4], requests[5][1][:4])
+    make = lambda: kvquant.make_cache(model64, "int4", residual_length=0, group_size=8)  # noqa: E731
+    shared = make()
+    with torch.no_grad():
+        model64(torch.tensor([context]), cache=shared)
+        shared.fork([0, 0])
+        forked = model64(torch.tensor([cont_a, cont_b]), cache=shared).logits
+        for row, cont in enumerate((cont_a, cont_b)):
+            fresh = make()
+            model64(torch.tensor([context]), cache=fresh)
+            alone = model64(torch.tensor([cont]), cache=fresh).logits[0]
+            torch.testing.assert_close(forked[row], alone, rtol=0, atol=1e-9)
+            assert torch.equal(shared.layers[0].k[row].tail, fresh.layers[0].k[0].tail)
+
+
+def test_sharing_feeds_each_context_once(model64, requests, monkeypatch):
+    from kvquant import evaluate
+
+    fed = []
+    original = evaluate._Batch.step
+    monkeypatch.setattr(evaluate._Batch, "step", lambda self, tokens, logits: fed.append(sum(map(len, tokens)))
+                        or original(self, tokens, logits))
+    scores(model64, "fp16", requests, mode="streaming", chunk_size=512, batch_size=9, share_prefix=True)
+    shared, fed[:] = sum(fed), []
+    scores(model64, "fp16", requests, mode="streaming", chunk_size=512, batch_size=1, share_prefix=False)
+    contexts = {tuple(c) for c, _ in requests}
+    assert sum(fed) - shared == sum(len(c) - 1 for c, _ in requests) - sum(len(c) - 1 for c in contexts)
