@@ -1,25 +1,73 @@
-"""Experiment configs: YAML validated into frozen dataclasses.
+"""Experiment configs: YAML validated into frozen dataclasses; the one place that knows which values are valid.
 
-Unknown keys and wrong types are errors naming the key and the file; ``--set a.b=value`` overrides a key
-before validation (``value`` is parsed as YAML, list items are addressed by index: ``candidates.0.quantizer``).
+Unknown keys, wrong types (no bool where an int is wanted, no float for an int, no NaN or infinity), values
+out of range and names the gate refers to that do not exist are errors naming the key, the value and the
+valid choices (and the file). ``--set a.b=value`` overrides a key before validation (``value`` is parsed as
+YAML, list items are addressed by index: ``candidates.0.quantizer``). What needs the filesystem, the model or
+lm-eval (data files, quantizer options on the model's shapes, task names) is checked by ``kvquant.run``'s
+preflight, still before any model loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 
 from .errors import KVQuantError
 
+#: Names that become file or directory names (report name, candidate and perplexity set names).
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+#: accelerate's device map strategies (``model.device_map``).
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+MAX_BOOTSTRAP = 100_000
+MAX_SEED = 2**32 - 1
+
 
 class ConfigError(KVQuantError):
     """A config file or override that does not validate."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _at_least(key: str, value, low: int, nullable: bool = False) -> None:
+    """``value >= low`` (or None when ``nullable``)."""
+    if value is None and nullable:
+        return
+    _require(value is not None and value >= low,
+             f"{key} must be >= {low}{' or null' if nullable else ''}, got {value!r}")
+
+
+def check_plain_name(key: str, value: str) -> None:
+    """A name used as a file or directory name: letters, digits, ``_ . + = -``; no path separators, no ``..``."""
+    _require(bool(PLAIN_NAME.fullmatch(value)) and ".." not in value,
+             f"{key} {value!r} must be a plain name (letters, digits, _ . + = -; no '/' or '..'), since it names "
+             "a directory")
+
+
+def check_device(key: str, device: str) -> None:
+    """``auto`` or a device torch can address: ``cpu``, ``cuda``, ``cuda:N``, ``mps`` (whether it is present is
+    :func:`kvquant.models.check_device_present`'s question)."""
+    if device == "auto":
+        return
+    valid = "use auto, cpu, cuda, cuda:N or mps"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{key} {device!r} is not a device; {valid}") from None
+    _require(parsed.type in DEVICE_TYPES, f"{key} {device!r} is not a device to run a model on; {valid}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +88,14 @@ class ModelConfig:
     #: Longest sequence fed to the model (defaults to the model's ``max_position_embeddings``).
     max_length: int | None = None
 
+    def __post_init__(self):
+        _require(bool(self.path), "path must name a model (local:REL, a directory or a hub id)")
+        _require(self.gguf_file is None or bool(self.gguf_file), "gguf_file must be a file name or null")
+        _at_least("max_length", self.max_length, 2, nullable=True)
+        check_device("device", self.device)
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            check_device(f"device_map (one of {', '.join(DEVICE_MAPS)} or a device)", self.device_map)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -49,6 +105,10 @@ class Candidate:
     options: dict[str, Any] = field(default_factory=dict)
     #: Label in reports (default: derived from quantizer and options).
     name: str | None = None
+
+    def __post_init__(self):
+        _require(bool(self.quantizer), "quantizer must name a quantizer, got ''")
+        check_plain_name("name" if self.name else "label (derived from quantizer and options; set name)", self.label)
 
     @property
     def label(self) -> str:
@@ -77,6 +137,15 @@ class PerplexitySet:
     #: Stream layout: tokens between window starts (= max_length: non-overlapping windows).
     stride: int | None = None
 
+    def __post_init__(self):
+        check_plain_name("name", self.name)
+        _require(bool(self.source or self.hub), "source or hub: a perplexity set needs a file or a datasets id")
+        _at_least("limit", self.limit, 1, nullable=True)
+        _at_least("max_length", self.max_length, 2)
+        _require(self.stride is None or 1 <= self.stride <= self.max_length,
+                 f"stride must be in 1..max_length ({self.max_length}) or null, got {self.stride!r}")
+        _require(bool(self.text_field), "text_field must name a field, got ''")
+
 
 @dataclass(frozen=True)
 class TaskSet:
@@ -88,6 +157,16 @@ class TaskSet:
     limits: dict[str, Any] = field(default_factory=dict)
     num_fewshot: int = 0
 
+    def __post_init__(self):
+        _require(all(self.names), "names must be task names, got an empty name")
+        _require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
+        _at_least("limit", self.limit, 1, nullable=True)
+        for task, limit in self.limits.items():
+            _require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")
+            _require(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1),
+                     f"limits.{task} must be an integer >= 1 or null, got {limit!r}")
+        _at_least("num_fewshot", self.num_fewshot, 0)
+
     def limit_for(self, task: str) -> int | None:
         return self.limits[task] if task in self.limits else self.limit
 
@@ -98,12 +177,22 @@ class EvalConfig:
     #: cache ``chunk_size`` tokens at a time (1 = token-by-token decoding).
     mode: Literal["simulated", "streaming"] = "simulated"
     chunk_size: int = 64
+    #: Rows (sequences or task requests) per forward pass; rows never share quantization groups.
+    batch_size: int = 1
     seed: int = 1234
     perplexity: list[PerplexitySet] = field(default_factory=list)
     tasks: TaskSet = field(default_factory=TaskSet)
     #: Tokens of perplexity text (windows joined, capped at the model's length) put through each cache to
     #: read ``memory_report()``.
     memory_probe_tokens: int = 512
+
+    def __post_init__(self):
+        _at_least("chunk_size", self.chunk_size, 1)
+        _at_least("batch_size", self.batch_size, 1)
+        _at_least("memory_probe_tokens", self.memory_probe_tokens, 2)
+        _require(0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed!r}")
+        names = [p.name for p in self.perplexity]
+        _require(len(set(names)) == len(names), f"perplexity: set names must be unique, got {names}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +209,15 @@ class GateConfig:
     tasks: list[str] | None = None
     perplexity: list[str] | None = None
 
+    def __post_init__(self):
+        _require(0 < self.min_relative_accuracy <= 1,
+                 f"min_relative_accuracy must be in (0, 1], got {self.min_relative_accuracy!r}")
+        _require(1 <= self.max_perplexity_ratio < math.inf,
+                 f"max_perplexity_ratio must be a finite number >= 1, got {self.max_perplexity_ratio!r}")
+        _require(0 < self.confidence < 1, f"confidence must be in (0, 1), got {self.confidence!r}")
+        _require(1 <= self.bootstrap <= MAX_BOOTSTRAP,
+                 f"bootstrap must be in 1..{MAX_BOOTSTRAP} resamples, got {self.bootstrap!r}")
+
 
 @dataclass(frozen=True)
 class ExperimentConfig:
@@ -132,19 +230,29 @@ class ExperimentConfig:
     output_dir: str = "reports"
 
     def __post_init__(self):
-        if not self.candidates:
-            raise ConfigError("candidates: at least one cache setting is needed")
+        check_plain_name("name", self.name)
+        _require(bool(self.output_dir), "output_dir must name a directory, got ''")
+        _require(bool(self.candidates), "candidates: at least one cache setting is needed")
         labels = [c.label for c in self.candidates]
         if len(set(labels)) != len(labels) or "baseline" in labels:
             raise ConfigError(f"candidates: names must be unique and not 'baseline', got {labels}")
-        if self.eval.chunk_size < 1 or self.eval.memory_probe_tokens < 2:
-            raise ConfigError("eval.chunk_size must be >= 1 and eval.memory_probe_tokens >= 2")
-        if not self.eval.perplexity and not self.eval.tasks.names:
-            raise ConfigError("eval: nothing to measure; list perplexity sets and/or tasks")
-        if not 0 < self.gate.confidence < 1 or self.gate.bootstrap < 1:
-            raise ConfigError("gate.confidence must be in (0, 1) and gate.bootstrap >= 1")
-        if not 0 < self.gate.min_relative_accuracy <= 1 or self.gate.max_perplexity_ratio < 1:
-            raise ConfigError("gate.min_relative_accuracy must be in (0, 1] and gate.max_perplexity_ratio >= 1")
+        _require(bool(self.eval.perplexity or self.eval.tasks.names),
+                 "eval: nothing to measure; list perplexity sets and/or tasks")
+        gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
+                                                                              [p.name for p in self.eval.perplexity])]
+        _require(bool(gated), "gate: nothing is gated (gate.tasks and gate.perplexity select no task and no "
+                 "perplexity set), so every candidate would pass; gate at least one")
+
+    def _gated(self, kind: str, measured: list[str]) -> list[str]:
+        """The gated names of one kind; a gated name that is not measured is an error naming the measured ones."""
+        listed = getattr(self.gate, kind)
+        if listed is None:
+            return measured
+        where = "eval.tasks.names" if kind == "tasks" else "eval.perplexity"
+        for name in listed:
+            _require(name in measured, f"gate.{kind}: {name!r} is not measured, so it would never be gated; "
+                     f"{where} has: {', '.join(measured) or 'nothing'}")
+        return list(listed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -176,13 +284,18 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {type(value).__name__} {value!r}")
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{where}: keys must be names, got {bad[0]!r}")
         return dict(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        value = float(value)
+    if not isinstance(value, tp) or (tp in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{where} must be {tp.__name__}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
     return value
 
 
@@ -200,7 +313,15 @@ def _build(cls, data: Any, where: str):
     if missing:
         raise ConfigError(f"missing key {where + '.' if where else ''}{missing[0]}")
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:  # the dataclass names its own key; say where it sits
+        raise ConfigError(f"{where}.{err}" if where else str(err)) from None
+
+
+def build(cls, data: Any, where: str = ""):
+    """Validate a mapping into config dataclass ``cls`` (types, ranges); errors name the key under ``where``."""
+    return _build(cls, data, where)
 
 
 def apply_override(data: dict, assignment: str) -> None:
@@ -209,16 +330,27 @@ def apply_override(data: dict, assignment: str) -> None:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {key!r}: not a key (write e.g. eval.tasks.limit=50)")
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
                 raise ConfigError(f"--set {key}: {'.'.join(parts[:i]) or 'list'} has no item {part}")
             node = node[int(part)]
-        else:
+        elif isinstance(node, dict):
             node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is {type(node).__name__} {node!r}, which has no "
+                              f"key {part!r}")
     last = parts[-1]
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key}: {raw!r} is not a YAML value ({_first_line(err)})") from None
+    if not isinstance(node, (list, dict)):
+        raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is {type(node).__name__} {node!r}, which has no "
+                          f"key {last!r}")
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
             raise ConfigError(f"--set {key}: no list item {last}")
@@ -227,17 +359,38 @@ def apply_override(data: dict, assignment: str) -> None:
         node[last] = value
 
 
+def _first_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """The UTF-8 text of ``path``; a missing, unreadable, binary or non-UTF-8 file is an error naming it."""
+    if not path.exists():
+        raise ConfigError(f"{path}: no such {what}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a {what}")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
+    if b"\0" in raw:
+        raise ConfigError(f"{path}: a binary file (holds NUL bytes), not a {what}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the {what} as UTF-8") from None
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
     """Read, override and validate an experiment config; errors name the file and the key."""
     path = Path(path)
+    text = read_text_file(path, "config file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_first_line(err)}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the config must be a mapping")
+        raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
     data.setdefault("name", path.stem)
     try:
         for assignment in overrides:

@@ -1,4 +1,23 @@
-"""Errors kvquant raises for bad settings and bad inputs (never a silent wrong result)."""
+"""Errors kvquant raises for bad settings and bad inputs (never a silent wrong result), and how its commands
+report them.
+
+Exit codes of ``python -m kvquant.run``, ``kvquant.plan`` and ``kvquant.lm_eval``: 0 pass (or done), 1 the
+gate failed, 2 bad input (config, data, model, device, options: one line naming the key, file or value),
+3 an internal error (one line on the screen, the traceback in a log file), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+ERROR_LOG = "error.log"
 
 
 class KVQuantError(ValueError):
@@ -11,3 +30,61 @@ class NonFiniteKVError(KVQuantError):
     kvquant refuses to store it: a min-max or amax scale computed over a group holding NaN/Inf would
     silently corrupt every other element of that group, so the update raises instead.
     """
+
+
+def one_line(err: BaseException | str) -> str:
+    """An error message on one line (line breaks inside it become spaces)."""
+    return re.sub(r"\s*\n\s*", " ", str(err).strip())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (exit 2) starting ``<name>: error:``, like every other bad input."""
+
+    def __init__(self, name: str, **kwargs):
+        super().__init__(**kwargs)
+        self.name = name
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.name}: error: {one_line(message)} (see --help)\n")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:
+    """``parser.parse_args(argv)``, or the exit code where argparse would exit (a usage error, ``--help``)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else EXIT_BAD_INPUT
+
+
+def write_error_log(directory: Path | None) -> Path:
+    """The current exception's traceback in ``directory/error.log`` (or a temp file where that cannot be)."""
+    text = traceback.format_exc()
+    if directory is not None and directory.is_dir():
+        try:
+            path = directory / ERROR_LOG
+            path.write_text(text, encoding="utf-8")
+            return path
+        except OSError:
+            pass
+    with tempfile.NamedTemporaryFile("w", prefix="kvquant-error-", suffix=".log", delete=False) as f:
+        f.write(text)
+        return Path(f.name)
+
+
+def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
+            on_interrupt: Callable[[], str] = lambda: "") -> int:
+    """Run a command's ``body`` so that no input reaches a raw traceback: :class:`KVQuantError` is one line and
+    exit 2, Ctrl-C exit 130, anything else one line naming a log file with the traceback and exit 3."""
+    try:
+        return body()
+    except KVQuantError as err:
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted{on_interrupt()}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - the point: every other failure becomes one line and a log
+        log = write_error_log(log_dir())
+        print(f"{prog}: internal error ({type(err).__name__}: {one_line(err)[:300]}); the traceback is in {log}; "
+              "please report it", file=sys.stderr)
+        return EXIT_INTERNAL

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .cache import attention_layout, simulate_memory
-from .errors import KVQuantError
+from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .quantizers import available_quantizers
 
 FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -86,6 +86,10 @@ def shape_from_config(cfg, name: str) -> ModelShape:
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(text, k, None) is None]
     if missing:
         raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
+    for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim"):
+        value = getattr(text, k, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise KVQuantError(f"{name}: {k} must be a positive integer, got {value!r}")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -108,7 +112,13 @@ def resolve_model(name: str) -> ModelShape:
                            "a local directory or config.json, or a hub id (org/name)")
     try:
         if path.is_file():
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise ValueError(f"config.json holds a {type(data).__name__}, not a mapping")
+            text = data.get("text_config") or data
+            missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
+            if missing:  # transformers would fill in its defaults: a plan for some other model
+                raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
             model_type = data.get("model_type")
             from transformers import CONFIG_MAPPING
 
@@ -116,10 +126,12 @@ def resolve_model(name: str) -> ModelShape:
                 PretrainedConfig.from_dict(data)
         else:
             cfg = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+    except KVQuantError:
+        raise
+    except Exception as err:  # transformers and json raise many types for a config they cannot read
         known = ", ".join(KNOWN_MODELS)
         raise KVQuantError(f"unknown model {name!r}: not a known architecture ({known}), and no config could be "
-                           f"read ({str(err).splitlines()[0]})") from None
+                           f"read ({type(err).__name__}: {one_line(err)[:200]})") from None
     return shape_from_config(cfg, name)
 
 
@@ -154,12 +166,22 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """``80GB`` (decimal), ``80GiB`` (binary) or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
+def parse_bytes(text: str, flag: str = "size") -> int:
+    """``80GB`` (decimal), ``80GiB`` (binary) or a plain byte count (never negative)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise KVQuantError(f"cannot read {text!r} as a size; write e.g. 80GB, 80GiB or 85899345920")
+        raise KVQuantError(f"{flag}: cannot read {text!r} as a size; write e.g. 80GB, 80GiB or 85899345920")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_reserve(text: str, budget: int) -> int:
+    """``--reserve``: a share of the budget (``10%``, from 0 up to but excluding 100%) or a size (``4GiB``)."""
+    if not text.strip().endswith("%"):
+        return parse_bytes(text, "--reserve")
+    share = text.strip()[:-1]
+    if not re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", share) or not 0 <= float(share) < 100:
+        raise KVQuantError(f"--reserve: {text!r} must be a share from 0% to below 100% or a size such as 4GiB")
+    return int(budget * float(share) / 100)
 
 
 def human(nbytes: float) -> str:
@@ -210,11 +232,11 @@ def build_plan(args) -> dict:
     if args.shared_prefix < 0 or args.shared_prefix > args.context:
         raise KVQuantError(f"--shared-prefix must be between 0 and --context ({args.context}), got {args.shared_prefix}")
     weight_size = torch.empty(0, dtype=getattr(torch, args.weights_dtype)).element_size()
-    weights = parse_bytes(args.weights) if args.weights else int(shape.params * weight_size)
-    budget = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    weights = parse_bytes(args.weights, "--weights") if args.weights else int(shape.params * weight_size)
+    budget = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     available = None
     if budget is not None:
-        reserve = int(budget * float(args.reserve[:-1]) / 100) if args.reserve.endswith("%") else parse_bytes(args.reserve)
+        reserve = parse_reserve(args.reserve, budget)
         available = budget - weights - reserve
         if available <= 0:
             raise KVQuantError(f"the budget {human(budget)} does not cover the weights {human(weights)} plus the "
@@ -278,8 +300,9 @@ def render(plan: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvquant.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Exit code: 0 done, 2 bad input (one line), 3 internal error (traceback in a log file), 130 interrupted."""
+    parser = OneLineParser("kvquant.plan", prog="python -m kvquant.plan", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"known name ({', '.join(KNOWN_MODELS)}), a directory or "
                         "config.json, or a hub id")
     parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
@@ -297,15 +320,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                         help="a prompt prefix shared by all sequences: how much storing it once saves")
     parser.add_argument("--json", action="store_true", help="print one JSON object (kv_bytes: the first --cache)")
-    args = parser.parse_args(argv)
-    try:
-        plan = build_plan(args)
-    except KVQuantError as err:
-        print(f"kvquant.plan: error: {err}", file=sys.stderr)
-        return 2
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
+    return guarded("kvquant.plan", lambda: _print_plan(args))
+
+
+def _print_plan(args) -> int:
+    plan = build_plan(args)
     print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
           if args.json else render(plan))
-    return 0
+    return EXIT_PASS
 
 
 if __name__ == "__main__":

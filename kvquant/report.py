@@ -1,14 +1,25 @@
-"""Writing a run's report: results.json, results.csv, report.md and plot.png in ``reports/<name>/``."""
+"""Writing a run's report: results.json, results.csv, report.md, plot.png and config.resolved.yaml in
+``reports/<name>/``.
+
+All five are rendered first and then moved into place together, and share a run id, so they always describe
+the same run; nothing is written into the directory before that.
+"""
 
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
+import io
 import json
 import os
 import platform
 import subprocess
+import uuid
 from importlib import metadata
 from pathlib import Path
+
+import yaml
 
 import numpy as np
 import pandas as pd
@@ -18,19 +29,29 @@ from .gate import PERPLEXITY, Decision, MetricRow
 from .paths import PROJECT_ROOT
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict[str, str]:
+    """What measured a result: kvquant's version and a hash of its own sources (``*.py``, ``csrc/*``), and the
+    versions of torch, transformers and lm-eval. Part of every resume key, so results of other code are
+    recomputed."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("csrc/*")]):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"kvquant": _version("kvquant"), "kvquant_source_sha256": digest.hexdigest()[:16],
+            **{pkg: _version(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
 
 
 def environment() -> dict[str, str]:
-    versions = {}
-    for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = "not installed"
+    versions = {pkg: _version(pkg) for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets")}
+    versions["kvquant_source_sha256"] = code_version()["kvquant_source_sha256"]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
@@ -59,8 +80,11 @@ def _metric_entry(verdict, results: dict) -> dict:
 
 
 def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision: Decision, memory: dict,
-          results: dict, command: str) -> dict[str, Path]:
+          results: dict, command: str, provenance: dict) -> dict[str, Path]:
+    """Write the report of one run. ``provenance``: ``reused`` and ``computed`` result counts, ``set_aside``
+    (unreadable partial results that were recomputed) and ``warnings``."""
     env = environment()
+    run_id = uuid.uuid4().hex[:12]
     candidates = []
     for c in cfg.candidates:
         mem = memory[c.label]
@@ -72,26 +96,46 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
             "metrics": {v.row.metric: _metric_entry(v, results) for v in verdicts},
         })
     doc = {
-        "decision": decision.decision, "chosen": decision.chosen, "reason": decision.reason,
+        "run_id": run_id, "decision": decision.decision, "chosen": decision.chosen, "reason": decision.reason,
         "decide_on": cfg.gate.decide_on, "mode": cfg.eval.mode,
         "chunk_size": cfg.eval.chunk_size if cfg.eval.mode == "streaming" else None,
         "command": command, "environment": env, "config": cfg.to_dict(),
+        "results": {"computed": provenance["computed"], "reused_from_partial": provenance["reused"],
+                    "set_aside": provenance["set_aside"]},
+        "warnings": provenance["warnings"],
         "baseline": {"settings": memory["baseline"]["settings"],
                      "memory": {k: v for k, v in memory["baseline"].items() if k != "settings"}},
         "candidates": candidates,
     }
-    _atomic_write(out_dir / "results.json", json.dumps(doc, indent=2, default=float))
     frame = pd.DataFrame([{"candidate": c["name"], "bits_per_element": c["bits_per_element"],
                            "memory_ratio": c["memory_ratio"], "metric": m, **e}
                           for c in candidates for m, e in c["metrics"].items()])
-    _atomic_write(out_dir / "results.csv", frame.to_csv(index=False))
-    plot = out_dir / "plot.png"
-    _plot(plot, candidates, cfg)
-    _atomic_write(out_dir / "report.md", _markdown(doc, frame, cfg))
-    return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": plot}
+    resolved = (f"# run {run_id}: the config of the run that results.json and report.md describe\n"
+                + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    files = {"results.json": json.dumps(doc, indent=2, default=float), "results.csv": frame.to_csv(index=False),
+             "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
+             "report.md": _markdown(doc, frame, cfg)}
+    _write_together(out_dir, files)
+    return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}
 
 
-def _plot(path: Path, candidates: list[dict], cfg: ExperimentConfig) -> None:
+def _write_together(out_dir: Path, files: dict[str, str | bytes]) -> None:
+    """Write every file to a temporary name first, then move them all into place."""
+    staged = []
+    try:
+        for name, content in files.items():
+            tmp = out_dir / f".{name}.tmp"
+            tmp.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+            staged.append((tmp, out_dir / name))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
+    """The PNG of relative score vs bits per element, thresholds drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,8 +159,10 @@ def _plot(path: Path, candidates: list[dict], cfg: ExperimentConfig) -> None:
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
+    return buffer.getvalue()
 
 
 def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
@@ -135,8 +181,14 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "
-        f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']}; git {env['git_commit']}; "
-        f"{env['date']}",
+        f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']} (sources "
+        f"{env['kvquant_source_sha256']}); git {env['git_commit']}; {env['date']}",
+        f"- run {doc['run_id']} (also in results.json and config.resolved.yaml); results: "
+        f"{doc['results']['computed']} measured in this run, {doc['results']['reused_from_partial']} reused from "
+        "partial/ (same inputs, same code version)"
+        + (f"; unreadable partial results set aside and recomputed: {', '.join(doc['results']['set_aside'])}"
+           if doc["results"]["set_aside"] else ""),
+        *(f"- warning: {w}" for w in doc["warnings"]),
         "",
         "## Candidates",
         "",

@@ -2,9 +2,14 @@
 
 Measures the fp16 baseline (the identity quantizer, through the same cache code) and every candidate on the
 same model, token windows and task documents, with the quantized K/V read by attention; gates the result and
-writes ``reports/<name>/``. Exit code: 0 when the gate passes, 1 when it fails, 2 for a bad config or missing
-data. Every finished (candidate, metric) result is saved at once, so an interrupted run resumes where it
-stopped.
+writes ``reports/<name>/``.
+
+Exit code: 0 the gate passes, 1 it fails, 2 bad input (config, data, model, device, quantizer options: one
+line naming the key, file or value), 3 an internal error (the traceback goes to error.log in the report
+directory), 130 interrupted. Everything is checked before the model loads, and nothing is written into the
+report directory until then. Every finished (candidate, metric) result is saved at once under a key of its
+inputs and the code version, so an interrupted run resumes where it stopped; a lock refuses a second run
+into the same directory.
 """
 
 from __future__ import annotations
@@ -21,44 +26,131 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from . import data, report
-from .cache import make_cache
+from .cache import make_cache, simulate_memory
 from .config import Candidate, ExperimentConfig, load_config
-from .errors import KVQuantError
+from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .evaluate import Scorer, memory_probe, perplexity_samples
 from .gate import ACCURACY, PERPLEXITY, MetricRow, bootstrap_interval, decide
-from .models import load_model, max_length
-from .paths import resolve
-from .quantizers import get_quantizer
+from .models import check_model, load_model, max_length, trained_context
+from .plan import ModelShape, shape_from_config
+from .tasks import check_tasks, gated_metric
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
+LOCK = ".lock"
+
+
+def warn(warnings: list[str], message: str) -> None:
+    """Print a warning now and keep it for the report."""
+    print(f"kvquant: warning: {message}", file=sys.stderr)
+    warnings.append(message)
 
 
 class ResultStore:
-    """One JSON file per (candidate, metric), written atomically, reused only when its inputs are unchanged."""
+    """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code
+    version (:func:`kvquant.report.code_version`) are unchanged; an unreadable file is named in a warning, set
+    aside (``*.json.corrupt``) and recomputed. Counts what it reused and computed."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, directory: Path, code: dict, warnings: list[str]):
+        self.directory, self.code, self.warnings = directory, code, warnings
+        self.reused, self.computed, self.set_aside = 0, 0, []
 
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / (metric.replace("/", "__") + ".json")
 
     def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
         path = self._path(candidate, metric)
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-        if path.exists():
-            saved = json.loads(path.read_text())
-            if saved.get("key") == digest:
-                return saved["result"]
+        inputs = {**key, "code": self.code}
+        digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+        saved = self._read(path)
+        if saved is not None and saved.get("key") == digest and "result" in saved:
+            self.reused += 1
+            return saved["result"]
         result = compute()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": digest, "inputs": key, "result": result}))
+        tmp.write_text(json.dumps({"key": digest, "inputs": inputs, "result": result}, default=str))
         os.replace(tmp, path)
+        self.computed += 1
         return result
+
+    def _read(self, path: Path) -> dict | None:
+        if not path.exists():
+            return None
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(saved, dict):
+                raise ValueError(f"holds a {type(saved).__name__}, not a result")
+            return saved
+        except (OSError, ValueError) as err:
+            aside = path.with_name(path.name + ".corrupt")
+            os.replace(path, aside)
+            self.set_aside.append(str(path.relative_to(self.directory)))
+            warn(self.warnings, f"partial result {path} is unreadable ({one_line(err)[:120]}); moved to "
+                 f"{aside.name} and recomputed")
+            return None
+
+
+class RunLock:
+    """``<report dir>/.lock`` holds the id of the process writing there: a second run into the same directory is
+    refused while that process lives; a lock left by a dead process is taken over. A report directory this run
+    created and left empty is removed again (except after an internal error: it receives the error log)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.path = directory, directory / LOCK
+        self.created = False
+
+    def __enter__(self) -> RunLock:
+        self.created = not self.directory.exists()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f"{LOCK}.{os.getpid()}"
+        tmp.write_text(str(os.getpid()))
+        try:
+            while True:
+                try:
+                    os.link(tmp, self.path)  # atomic: the lock appears with its owner already written in it
+                    return self
+                except FileExistsError:
+                    owner = _lock_owner(self.path)
+                    if owner is not None and _alive(owner):
+                        self._cleanup()
+                        raise KVQuantError(
+                            f"{self.directory} is in use by another run (process {owner}, lock {self.path}); wait "
+                            "for it to finish or write elsewhere (--set name=... or --set output_dir=...)") from None
+                    print(f"kvquant: note: taking over {self.path} from process {owner}, which is no longer running",
+                          file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if _lock_owner(self.path) == os.getpid():
+            self.path.unlink(missing_ok=True)
+        if exc_type is None or issubclass(exc_type, (KVQuantError, KeyboardInterrupt)):
+            self._cleanup()  # after an internal error the directory stays, for its error.log
+
+    def _cleanup(self) -> None:
+        if self.created and self.directory.is_dir() and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
+
+def _lock_owner(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (possibly another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        pass
+    return True
 
 
 def seed_everything(seed: int) -> None:
@@ -75,7 +167,8 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
     from .tasks import resolve_task, task_manager
 
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.quantizer, mode=cfg.eval.mode,
-                   chunk_size=cfg.eval.chunk_size, max_length=maxlen, **candidate.options)
+                   chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
+                   **candidate.options)
     name = resolve_task(task)
     seed = cfg.eval.seed
     out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.num_fewshot,
@@ -87,21 +180,23 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
     return {"task": name, **{m: [float(s[m]) for s in samples] for m in metrics}}
 
 
-def measure(cfg: ExperimentConfig, model, tokenizer, store: ResultStore) -> tuple[dict, dict]:
-    """Results of the baseline and every candidate: {label: {metric: result}} and {label: memory report}."""
+def measure(cfg: ExperimentConfig, model, tokenizer, store: ResultStore,
+            rows: dict[str, list[str]]) -> tuple[dict, dict]:
+    """Results of the baseline and every candidate: {label: {metric: result}} and {label: memory report}.
+    ``rows``: the text of every perplexity set, read by :func:`preflight`."""
     maxlen = max_length(model, cfg.model)
-    windows = {p.name: data.windows(p, tokenizer, maxlen) for p in cfg.eval.perplexity}
+    windows = {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity}
     probe = [t for ws in windows.values() for w in ws for t in w.ids] or tokenizer("Once upon a time").input_ids
     probe = probe[: min(cfg.eval.memory_probe_tokens, maxlen)]
     base_key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
-                "seed": cfg.eval.seed}
+                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed}
     results, memory = {}, {}
     for candidate in [BASELINE, *cfg.candidates]:
         label = candidate.label
         make = lambda c=candidate: make_cache(model, c.quantizer, **c.options)  # noqa: E731
-        settings = make().settings()  # bad quantizer settings fail here, before any measurement
+        settings = make().settings()  # what the cache really uses, defaults filled in
         key = {**base_key, "quantizer": candidate.quantizer, "options": candidate.options}
-        scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size)
+        scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size)
         memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
                                                 lambda: memory_probe(model, make, probe)),
                          "settings": settings}
@@ -137,7 +232,8 @@ def table(cfg: ExperimentConfig, results: dict) -> list[MetricRow]:
             else:
                 name = metric[5:]
                 entries = [(f"{m}/{name}", ACCURACY, float(np.mean(res[m])), float(np.mean(ref[m])), len(ref[m]),
-                            np.array(ref[m]), np.array(res[m]), m == "acc" and (gate.tasks is None or name in gate.tasks))
+                            np.array(ref[m]), np.array(res[m]),
+                            m == gated_metric(name) and (gate.tasks is None or name in gate.tasks))
                            for m in ("acc", "acc_norm") if m in res]
             for metric_name, kind, value, baseline, n, b, c, gated in entries:
                 low, high = bootstrap_interval(kind, b, c, gate.bootstrap, gate.confidence, cfg.eval.seed)
@@ -145,50 +241,101 @@ def table(cfg: ExperimentConfig, results: dict) -> list[MetricRow]:
     return rows
 
 
-def preflight(cfg: ExperimentConfig) -> None:
-    """Fail on missing data or bad quantizer settings before loading anything heavy."""
-    for pset in cfg.eval.perplexity:
-        if pset.source and not pset.hub:
-            resolve(pset.source)
-    for candidate in cfg.candidates:
-        options = {k: v for k, v in candidate.options.items() if k not in ("residual_length", "sink_tokens")}
-        get_quantizer(candidate.quantizer, **options)
+def check_candidate(candidate: Candidate, shape: ModelShape, key: str) -> None:
+    """The candidate's quantizer and options on the model's shapes, through kvquant's own cache code (on meta
+    tensors: no data, no compute), so a bad name, type, range or a group that does not fit head_dim fails now."""
+    if "quantizer" in candidate.options:
+        raise KVQuantError(f"{key}.options: 'quantizer' is not an option; set {key}.quantizer")
+    try:
+        simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
+                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=1)
+    except KVQuantError as err:
+        raise KVQuantError(f"{key}: {one_line(err)}") from None
+
+
+def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
+    """Sequences past the model's trained context, and perplexity windows cut shorter than configured."""
+    trained = trained_context(model_config)
+    out = []
+    if trained and cfg.model.max_length and cfg.model.max_length > trained:
+        out.append(f"model.max_length {cfg.model.max_length} is past the model's trained context ({trained} "
+                   "positions): scores on longer sequences measure extrapolation, not the model")
+    limit = cfg.model.max_length or trained or 2048
+    out += [f"perplexity set {p.name!r}: max_length {p.max_length} is cut to the model's {limit} tokens"
+            for p in cfg.eval.perplexity if p.max_length > limit]
+    return out
+
+
+def check_report_dir(out_dir: Path) -> None:
+    """The report directory can be created and written (checked without creating anything)."""
+    existing = next(p for p in [out_dir, *out_dir.parents] if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        raise KVQuantError(f"output_dir/name: {existing} exists and is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise KVQuantError(f"output_dir/name: cannot write into {existing}")
+
+
+def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
+    """Check everything a run needs before loading anything heavy: the report directory, the model (path, GGUF
+    file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
+    perplexity set's text and every task name. Returns the perplexity rows and warnings."""
+    check_report_dir(Path(cfg.output_dir) / cfg.name)
+    model_config = check_model(cfg.model)
+    shape = shape_from_config(model_config, cfg.model.path)
+    for i, candidate in enumerate(cfg.candidates):
+        check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
+    rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
+    check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
+    warnings = []
+    for message in context_warnings(cfg, model_config):
+        warn(warnings, message)
+    return rows, warnings
+
+
+def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
+    """Measure, gate and report a validated config into ``out_dir`` (held under its lock)."""
+    seed_everything(cfg.eval.seed)
+    model, tokenizer = load_model(cfg.model)
+    store = ResultStore(out_dir / "partial", report.code_version(), warnings)
+    results, memory = measure(cfg, model, tokenizer, store, rows)
+    table_rows = table(cfg, results)
+    bits = {c.label: memory[c.label]["bits_per_element"] for c in cfg.candidates}
+    decision = decide(table_rows, bits, cfg.gate)
+    provenance = {"reused": store.reused, "computed": store.computed, "set_aside": store.set_aside,
+                  "warnings": warnings}
+    paths = report.write(out_dir, cfg, table_rows, decision, memory, results, command, provenance)
+    verdict = "PASS" if decision.decision == "pass" else "FAIL"
+    print(f"\nkvquant: {verdict}: {decision.reason}")
+    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}")
+    print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name})")
+    return EXIT_PASS if decision.decision == "pass" else EXIT_FAIL
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvquant.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser("kvquant", prog="python -m kvquant.run", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
     command = "python -m kvquant.run " + shlex.join(sys.argv[1:] if argv is None else argv)
-    out_dir = None
-    try:
+    held: list[Path] = []  # the report directory, once this run holds it
+
+    def run() -> int:
         cfg = load_config(args.config, args.overrides)
         out_dir = Path(cfg.output_dir) / cfg.name
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.resolved.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        preflight(cfg)
-        seed_everything(cfg.eval.seed)
-        model, tokenizer = load_model(cfg.model)
-        results, memory = measure(cfg, model, tokenizer, ResultStore(out_dir / "partial"))
-    except KVQuantError as err:
-        print(f"kvquant: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        where = f" in {out_dir / 'partial'}" if out_dir else ""
-        print(f"\nkvquant: interrupted; finished results are kept{where}; run the same command to resume",
-              file=sys.stderr)
-        return 130
-    rows = table(cfg, results)
-    bits = {c.label: memory[c.label]["bits_per_element"] for c in cfg.candidates}
-    decision = decide(rows, bits, cfg.gate)
-    paths = report.write(out_dir, cfg, rows, decision, memory, results, command)
-    verdict = "PASS" if decision.decision == "pass" else "FAIL"
-    print(f"\nkvquant: {verdict}: {decision.reason}")
-    print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name})")
-    return 0 if decision.decision == "pass" else 1
+        rows, warnings = preflight(cfg)
+        with RunLock(out_dir):
+            held.append(out_dir)
+            return execute(cfg, out_dir, command, rows, warnings)
+
+    def resume_hint() -> str:
+        return (f"; finished results are kept in {held[0] / 'partial'}; run the same command to resume"
+                if held else "")
+
+    return guarded("kvquant", run, log_dir=lambda: held[0] if held else None, on_interrupt=resume_hint)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,30 @@ LAMBADA (accuracy = the whole word is the greedy continuation).
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
+import functools
 import json
 import os
 import re
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 import yaml
 
+from .errors import KVQuantError
 from .paths import data_dir
+
+#: The metric a task is gated on where it is not ``acc``: the one its literature reports (length-normalized
+#: accuracy for HellaSwag, PIQA and ARC-Challenge); both are always reported.
+GATED_METRIC = {"hellaswag": "acc_norm", "piqa": "acc_norm", "arc_challenge": "acc_norm"}
+
+
+def gated_metric(task: str) -> str:
+    """``acc`` or ``acc_norm``: the metric of ``task`` (a config's task name) that the gate judges."""
+    return GATED_METRIC.get(task, "acc")
+
 
 #: task -> (built-in YAML under lm_eval/tasks, split name, data file under the data directory, extra keys)
 OFFLINE_TASKS = {
@@ -119,7 +134,48 @@ def resolve_task(name: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=1)
 def task_manager():
+    """lm-eval's TaskManager with the offline tasks on its include path (built once per process: ~15 s)."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(task_dir()))
+
+
+def known_tasks() -> dict[str, list[str]]:
+    """``{"tasks": [...], "groups": [...], "tags": [...]}`` that :func:`task_manager` knows, from an index kept
+    beside the offline task files (keyed by the lm-eval version and those files), so checking a name is cheap."""
+    directory = task_dir()
+    files = sorted(p.name for p in directory.glob("*.yaml"))
+    key = f"{metadata.version('lm_eval')}|{'|'.join(files)}"
+    index = directory / "task-index.json"
+    try:
+        saved = json.loads(index.read_text(encoding="utf-8"))
+        if saved.get("key") == key:
+            return saved["names"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    manager = task_manager()
+    names = {"tasks": sorted(manager.all_subtasks), "groups": sorted(manager.all_groups),
+             "tags": sorted(manager.all_tags)}
+    _write(index, json.dumps({"key": key, "names": names}))
+    return names
+
+
+def check_tasks(names: list[str], key: str, single: bool = True) -> None:
+    """Every name is a task lm-eval knows (``single``: a task, not a group or tag, since the runner scores one
+    task at a time); an unknown one is an error with the closest known names."""
+    offline = {LASTWORD, *OFFLINE_TASKS, *map(resolve_task, OFFLINE_TASKS)}
+    unchecked = [n for n in names if n not in offline]
+    if not unchecked:
+        return
+    index = known_tasks()
+    valid = set(index["tasks"]) | (set() if single else set(index["groups"]) | set(index["tags"]))
+    for name in unchecked:
+        if name in valid or (not single and any(fnmatch.fnmatchcase(v, name) for v in valid)):
+            continue
+        if single and name in set(index["groups"]) | set(index["tags"]):
+            raise KVQuantError(f"{key}: {name!r} is a group of lm-eval tasks; list its tasks one by one")
+        close = difflib.get_close_matches(name, sorted(valid | offline), n=5, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "see `python -m kvquant.lm_eval ls tasks`"
+        raise KVQuantError(f"{key}: unknown task {name!r}; {hint} (offline here: {', '.join(sorted(offline))})")

@@ -6,18 +6,19 @@ import pytest
 
 from kvquant.config import ConfigError, load_config
 
-CONFIGS = sorted(Path(__file__).parents[1].glob("configs/*.yaml"))
+ROOT = Path(__file__).parents[1]
+CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
-    assert cfg.candidates and cfg.name == path.stem
+    assert cfg.candidates and cfg.name
 
 
 def test_shipped_configs_cover_the_quantizers():
-    names = {p.stem for p in CONFIGS}
-    assert {"fp8", "int8", "int4", "int2", "sweep"} <= names
+    quantizers = {c.quantizer for p in CONFIGS for c in load_config(p).candidates}
+    assert {"fp8_e4m3", "int8", "int4", "int2"} <= quantizers
 
 
 def write(tmp_path, text):
@@ -76,3 +77,51 @@ def test_set_overrides(tmp_path):
         load_config(path, ["candidates.3.quantizer=int8"])
     with pytest.raises(ConfigError, match="unknown key eval.sed"):
         load_config(path, ["eval.sed=3"])
+
+
+def test_gate_names_must_be_measured_and_something_gated(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"gate\.perplexity: 'tt' is not measured.*eval\.perplexity has: t$"):
+        load_config(path, ["gate.perplexity=[tt]"])
+    with pytest.raises(ConfigError, match=r"gate\.tasks: 'x' is not measured.*has: nothing"):
+        load_config(path, ["gate.tasks=[x]"])
+    with pytest.raises(ConfigError, match="nothing is gated"):
+        load_config(path, ["gate.perplexity=[]"])
+    assert load_config(path, ["gate.perplexity=[t]"]).gate.perplexity == ["t"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.perplexity.0.limit=0", r"eval\.perplexity\[0\]\.limit must be >= 1 or null, got 0"),
+    ("eval.perplexity.0.max_length=-1", r"eval\.perplexity\[0\]\.max_length must be >= 2, got -1"),
+    ("gate.max_perplexity_ratio=.nan", r"gate\.max_perplexity_ratio must be a finite number, got nan"),
+    ("gate.bootstrap=100001", r"gate\.bootstrap must be in 1\.\.100000"),
+    ("eval.chunk_size=true", r"eval\.chunk_size must be int, got bool True"),
+    ("eval.seed=1.0", r"eval\.seed must be int, got float 1\.0"),
+    ("name=../x", r"name '\.\./x' must be a plain name"),
+    ("model.device=banana", r"model\.device 'banana' is not a device"),
+    ("eval.tasks.limits={a: 3}", r"eval\.tasks\.limits: 'a' is not among names \(none\)"),
+])
+def test_values_are_range_checked(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, MINIMAL), [override])
+
+
+def test_set_through_a_scalar_is_an_error(tmp_path):
+    path = write(tmp_path, MINIMAL + "gate: {bootstrap: 50}\n")
+    with pytest.raises(ConfigError, match=r"--set gate\.bootstrap\.x: gate\.bootstrap is int 50, which has no key 'x'"):
+        load_config(path, ["gate.bootstrap.x=1"])
+    with pytest.raises(ConfigError, match=r"gate\.bootstrap is int 50, which has no key 'x'"):
+        load_config(path, ["gate.bootstrap.x.y=1"])
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x00\x01name: x", "a binary file"), ("name: caf\xe9".encode("latin-1"), "not UTF-8 text"),
+    (b"- a\n", "must be a mapping of keys, got list"), (b"a: [", "not valid YAML"),
+])
+def test_unreadable_config_files(tmp_path, content, message):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)

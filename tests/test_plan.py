@@ -89,7 +89,7 @@ def test_plan_equals_memory_report_of_a_filled_cache(setting):
         if not any(isinstance(w, int) for w in shape.layout):
             assert planned == real, name
         else:  # a sliding layer trims whole groups: within one group of tokens per layer
-            unit = max(layer.k.codec.tokens_per_unit for layer in cache.layers if hasattr(layer, "k"))
+            unit = max(codec.tokens_per_unit for codec in cache.quantizer.codecs(shape.head_dim))
             per_token = Planner(shape, parse_setting("fp32"), torch.float32).kv_bytes(2, 1)
             assert abs(planned - real) <= unit * per_token, name
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvquant import report, run
+from kvquant.config import load_config
 from kvquant.run import main
 
 ROOT = Path(__file__).parents[1]
@@ -83,7 +85,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
     partial = tmp_path / "reports" / "small" / "partial"
     proc = subprocess.Popen([sys.executable, "-m", "kvquant.run", str(path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + 600
     while time.time() < deadline and len(list(partial.glob("*/*.json"))) < 4:
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
@@ -98,3 +100,107 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
     assert main([str(write_config(fresh_dir))]) in (0, 1)
     fresh = json.loads((fresh_dir / "reports" / "small" / "results.json").read_text())
     assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]
+
+
+TINY = """
+name: tiny
+output_dir: {out}
+candidates:
+  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
+eval:
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 48}}
+gate: {{bootstrap: 50}}
+"""
+
+
+def read_report(out_dir):
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_path, capsys, monkeypatch):
+    path = write_config(tmp_path, TINY)
+    out_dir = tmp_path / "reports" / "tiny"
+    assert main([str(path)]) == 0
+    first = read_report(out_dir)
+    assert first["results"] == {"computed": 4, "reused_from_partial": 0, "set_aside": []}
+    for name in ("report.md", "config.resolved.yaml"):  # the three files describe the same run
+        assert first["run_id"] in (out_dir / name).read_text()
+    assert "4 measured in this run, 0 reused" in (out_dir / "report.md").read_text()
+    victim = out_dir / "partial" / "int8" / "ppl__tinystories.json"
+    victim.write_text(victim.read_text()[:40])  # a truncated write
+    capsys.readouterr()
+    assert main([str(path)]) == 0
+    err = capsys.readouterr().err
+    assert str(victim) in err and "moved to ppl__tinystories.json.corrupt and recomputed" in err
+    second = read_report(out_dir)
+    assert second["results"] == {"computed": 1, "reused_from_partial": 3, "set_aside": ["int8/ppl__tinystories.json"]}
+    assert [c["metrics"] for c in second["candidates"]] == [c["metrics"] for c in first["candidates"]]
+    assert "1 measured in this run, 3 reused" in (out_dir / "report.md").read_text()
+    real = report.code_version()
+    monkeypatch.setattr(report, "code_version", lambda: {**real, "kvquant_source_sha256": "other-code"})
+    assert main([str(path)]) == 0
+    assert read_report(out_dir)["results"]["computed"] == 4  # results of other code are not reused
+
+
+def test_a_busy_report_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    path = write_config(tmp_path, TINY)
+    out_dir = tmp_path / "reports" / "tiny"
+    out_dir.mkdir(parents=True)
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        (out_dir / ".lock").write_text(str(holder.pid))
+        assert main([str(path)]) == 2
+        assert f"is in use by another run (process {holder.pid}" in capsys.readouterr().err
+        assert sorted(p.name for p in out_dir.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main([str(path)]) == 0  # its process is gone: the lock is taken over
+    assert "taking over" in capsys.readouterr().err and not (out_dir / ".lock").exists()
+
+
+def test_internal_error_is_one_line_and_a_log_in_the_report_dir(tmp_path, capsys, monkeypatch):
+    def boom(spec):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(run, "load_model", boom)
+    assert main([str(write_config(tmp_path, TINY))]) == 3
+    err = capsys.readouterr().err
+    log = tmp_path / "reports" / "tiny" / "error.log"
+    assert len(err.strip().splitlines()) == 1 and "internal error (RuntimeError: boom)" in err and str(log) in err
+    assert "Traceback" not in err and "Traceback" in log.read_text()
+    assert not (log.parent / ".lock").exists()
+
+
+def test_interrupt_exits_130_and_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    def interrupted(spec):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "load_model", interrupted)
+    assert main([str(write_config(tmp_path, TINY))]) == 130
+    assert "interrupted" in capsys.readouterr().err and not (tmp_path / "reports" / "tiny").exists()
+
+
+def test_a_model_past_its_trained_context_is_warned(tmp_path, capsys):
+    cfg = load_config(write_config(tmp_path, TINY), ["model.max_length=2048", "eval.perplexity.0.max_length=4096"])
+    _, warnings = run.preflight(cfg)
+    assert "model.max_length 2048 is past the model's trained context (512 positions)" in warnings[0]
+    assert "max_length 4096 is cut to the model's 2048 tokens" in warnings[1]
+    assert "kvquant: warning: model.max_length 2048" in capsys.readouterr().err
+
+
+def test_each_task_is_gated_on_its_standard_metric():
+    """acc_norm for hellaswag and piqa (as their literature reports), acc elsewhere; both are reported."""
+    from types import SimpleNamespace
+
+    from kvquant.config import Candidate, GateConfig
+    from kvquant.run import table
+
+    outcome = {"acc": [1, 0, 1, 1], "acc_norm": [1, 1, 0, 1]}
+    results = {"baseline": {"task/hellaswag": outcome, "task/lambada_openai": outcome},
+               "int4": {"task/hellaswag": outcome, "task/lambada_openai": outcome}}
+    cfg = SimpleNamespace(candidates=[Candidate(quantizer="int4", name="int4")], gate=GateConfig(bootstrap=10),
+                          eval=SimpleNamespace(seed=0))
+    gated = {row.metric for row in table(cfg, results) if row.gated}
+    assert gated == {"acc_norm/hellaswag", "acc/lambada_openai"}

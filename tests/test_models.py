@@ -1,0 +1,75 @@
+"""Loading models: a GGUF file is converted once into a cached directory whose model equals the GGUF's."""
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvquant.config import ModelConfig
+from kvquant.errors import KVQuantError
+from kvquant.models import check_model, load_model
+from kvquant.paths import resolve
+
+GGUF_DIR = "local:models/stories260K"
+GGUF = "stories260K.gguf"
+DIGEST16 = "270cba1bd5109f42"  # first 16 hex digits of the file's sha256 (shared/data/README.md)
+HF_TOKENIZER = "local:models/stories260K/hf"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path))
+    return tmp_path / "models"
+
+
+def test_gguf_is_converted_once_and_its_copy_equals_the_gguf(cache, capsys):
+    spec = ModelConfig(path=GGUF_DIR, gguf_file=GGUF, tokenizer=HF_TOKENIZER)
+    model, tokenizer = load_model(spec)
+    assert "converting" in capsys.readouterr().err
+    assert [p.name for p in cache.iterdir()] == [DIGEST16]  # atomically: no temp directory left
+    again, _ = load_model(spec)
+    assert "converting" not in capsys.readouterr().err
+    reference = AutoModelForCausalLM.from_pretrained(resolve(GGUF_DIR), gguf_file=GGUF, pad_token_id=None).eval()
+    ids = tokenizer("Once upon a time, there was a little girl", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert torch.equal(model(ids).logits, expected) and torch.equal(again(ids).logits, expected)
+    assert check_model(spec).max_position_embeddings == reference.config.max_position_embeddings
+
+
+def test_gguf_tokenizer_is_loaded_with_gguf_file_and_kept_with_the_copy(cache, monkeypatch):
+    calls = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def recording(cls, source, *args, **kwargs):
+        calls.append((str(source), kwargs.get("gguf_file")))
+        if kwargs.pop("gguf_file", None):  # stories260K's own GGUF tokenizer does not load; stand in for it
+            source = resolve(HF_TOKENIZER)
+        return real(cls, source, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(recording))
+    _, tokenizer = load_model(ModelConfig(path=GGUF_DIR, gguf_file=GGUF))
+    assert calls[0] == (resolve(GGUF_DIR), GGUF)
+    assert tokenizer("Once upon a time").input_ids[0] == 1
+    calls.clear()
+    load_model(ModelConfig(path=GGUF_DIR, gguf_file=GGUF))
+    assert calls == [(str(cache / DIGEST16), None)]  # the converted copy holds the tokenizer
+
+
+def test_a_gguf_tokenizer_that_does_not_load_is_one_clear_error(cache):
+    spec = ModelConfig(path=GGUF_DIR, gguf_file=GGUF)
+    for call in (check_model, load_model):
+        with pytest.raises(KVQuantError, match=r"tokenizer of .*stories260K.gguf .*set model.tokenizer"):
+            call(spec)
+    assert not cache.exists()  # nothing converted for a model that cannot be used
+
+
+@pytest.mark.parametrize("spec, message", [
+    (ModelConfig(path="/nonexistent/model"), "model.path: '/nonexistent/model' does not exist"),
+    (ModelConfig(path=GGUF_DIR, gguf_file="nope.gguf"), "model.gguf_file: .*nope.gguf does not exist"),
+    (ModelConfig(path=GGUF_DIR), "holds no config.json"),
+    (ModelConfig(tokenizer="/nonexistent/tokenizer"), "model.tokenizer: '/nonexistent/tokenizer' does not exist"),
+])
+def test_check_model_names_what_is_missing(spec, message):
+    with pytest.raises(KVQuantError, match=message):
+        check_model(spec)
