@@ -171,20 +171,31 @@ class Padding:
     def __init__(self):
         self.mask: torch.Tensor | None = None
 
-    def declare(self, attention_mask: torch.Tensor, written: int) -> None:
+    def declare(self, attention_mask: torch.Tensor, written: int, rows: int | None) -> None:
+        """Take the mask of ``rows`` rows (None: not yet known); it must cover the ``written`` positions and agree
+        with what was declared for them."""
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
             raise KVQuantError(f"set_padding needs the [batch, tokens] attention mask, got {shape}")
         mask = attention_mask.detach().to("cpu").bool()
-        if self.mask is not None and mask.shape[0] != self.mask.shape[0]:
-            raise KVQuantError(f"set_padding: the mask has {mask.shape[0]} rows, the cache {self.mask.shape[0]}")
-        known = self.real(0, min(written, mask.shape[1]), mask.shape[0])
-        if not torch.equal(mask[:, : known.shape[1]], known):
+        rows = rows if rows is not None else (self.mask.shape[0] if self.mask is not None else None)
+        if rows is not None and mask.shape[0] != rows:
+            raise KVQuantError(f"set_padding: the mask has {mask.shape[0]} rows, the cache {rows}")
+        if mask.shape[1] < written:
+            raise KVQuantError(f"set_padding: the mask covers {mask.shape[1]} positions, the cache has written "
+                               f"{written}; pass the whole attention mask (past and new positions)")
+        if not torch.equal(mask[:, :written], self.real(0, written, mask.shape[0])):
             raise KVQuantError("set_padding: the mask disagrees with positions this cache has already stored")
         self.mask = mask
 
     def real(self, start: int, stop: int, batch: int) -> torch.Tensor:
-        """``[batch, stop - start]`` bool: which of these positions are real tokens."""
+        """``[batch, stop - start]`` bool: which of these positions are real tokens. A mask of B rows read for
+        ``k * B`` rows is first expanded as ``generate`` expands its inputs for beams or several returned
+        sequences (each row repeated ``k`` times)."""
+        if self.mask is not None and self.mask.shape[0] != batch:
+            if batch % self.mask.shape[0]:
+                raise KVQuantError(f"set_padding described {self.mask.shape[0]} rows, the model wrote {batch}")
+            self.mask = self.mask.repeat_interleave(batch // self.mask.shape[0], dim=0)
         out = torch.ones(batch, stop - start, dtype=torch.bool)
         if self.mask is not None and start < self.mask.shape[1]:
             declared = self.mask[:, start:stop]
@@ -354,7 +365,9 @@ class KVQuantCache(Cache):
         is then not stored and never enters a scale, and each row is grouped from its own first real token, as if
         it ran alone. Call it before the forward (or ``generate``) that writes the padded positions; without it,
         every position is stored as a real token. Returns the cache."""
-        self.padding.declare(attention_mask, self.get_seq_length())
+        rows = next((len(layer.k) for layer in self.layers if isinstance(layer, QuantizedLayer) and layer.is_initialized),
+                    None)
+        self.padding.declare(attention_mask, self.get_seq_length(), rows)
         return self
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import PerplexitySet
+from .config import PerplexitySet, read_text_file
 from .errors import KVQuantError, one_line
 from .paths import resolve
 
@@ -73,12 +73,12 @@ def _read_hub(spec: PerplexitySet) -> list[str]:
 def _read_file(path: Path, text_field: str) -> list[str]:
     suffix = path.suffix.lower()
     if suffix in (".txt", ".raw"):
-        return [_utf8(path)]
+        return [read_text_file(path, "text file")]
     if suffix == ".jsonl":
-        rows = [_json(line, f"{path}, line {i}") for i, line in enumerate(_utf8(path).splitlines(), 1)
+        rows = [_json(line, f"{path}, line {i}") for i, line in enumerate(read_text_file(path, "text file").splitlines(), 1)
                 if line.strip()]
     elif suffix == ".json":
-        rows = _json(_utf8(path), str(path))
+        rows = _json(read_text_file(path, "text file"), str(path))
         if not isinstance(rows, list):
             raise KVQuantError(f"{path}: a .json text file must hold a list of rows, got {type(rows).__name__}")
     elif suffix == ".parquet":
@@ -98,20 +98,6 @@ def _texts(rows, where: str, text_field: str) -> list[str]:
                                + (f" (fields: {', '.join(map(str, row))})" if isinstance(row, dict) else ""))
         texts.append(text)
     return texts
-
-
-def _utf8(path: Path) -> str:
-    """The text of a data file; unreadable, binary or non-UTF-8 files are errors naming the file."""
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise KVQuantError(f"{path}: cannot read ({err.strerror or err})") from None
-    if b"\0" in raw:
-        raise KVQuantError(f"{path}: a binary file (holds NUL bytes), not text")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise KVQuantError(f"{path}: not UTF-8 text (byte {err.start})") from None
 
 
 def _json(text: str, where: str):

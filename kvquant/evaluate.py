@@ -61,30 +61,31 @@ def _chunks(ids: list[int], size: int) -> list[list[int]]:
 
 
 class _Batch:
-    """Feeds rows of different lengths through one cache, one step at a time, padding what a row does not fill."""
+    """Feeds rows of different lengths through one cache, one step at a time, padding what a row does not fill.
+
+    Padding only ever comes before all of a row's real tokens or after them, never between two of them: a
+    sliding-window mask counts positions, padding included, so padding inside a row would shrink its window."""
 
     def __init__(self, model, cache: KVQuantCache, rows: int):
         self.model, self.cache = model, cache
         self.device = model.get_input_embeddings().weight.device
         self.masks: list[torch.Tensor] = []  # [rows, width] per step
-        self.counts = torch.zeros(rows, dtype=torch.long)  # real tokens fed per row
 
-    def step(self, tokens: list[list[int]], logits: bool) -> torch.Tensor | None:
-        """Feed ``tokens[r]`` to row ``r`` (maybe none); logits ``[rows, width, vocab]`` when asked."""
+    def step(self, tokens: list[list[int]], logits: bool, pad_first: bool = False) -> torch.Tensor | None:
+        """Feed ``tokens[r]`` to row ``r`` (maybe none), padded after them (before with ``pad_first``); logits
+        ``[rows, width, vocab]`` with each row's tokens first, when asked."""
         width = max(map(len, tokens))
         if width == 0:
             return None
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens])
-        step_mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in tokens])
-        self.masks.append(step_mask)
+        pads = [[0] * (width - len(t)) for t in tokens]
+        ids = torch.tensor([p + t if pad_first else t + p for t, p in zip(tokens, pads)])
+        real = [[0] * len(p) + [1] * len(t) if pad_first else [1] * len(t) + [0] * len(p) for t, p in zip(tokens, pads)]
+        self.masks.append(torch.tensor(real))
         mask = torch.cat(self.masks, dim=1)
-        lengths = torch.tensor([len(t) for t in tokens])
-        offsets = torch.minimum(torch.arange(width)[None, :], (lengths - 1).clamp(min=0)[:, None])
-        positions = (self.counts[:, None] + offsets - (lengths == 0)[:, None].long()).clamp(min=0)
-        self.counts += lengths
         padded = not bool(mask.all())
         if padded:
             self.cache.set_padding(mask)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]  # each row counts its own real tokens
         out = self.model(ids.to(self.device), cache=self.cache, use_cache=True,
                          attention_mask=mask.to(self.device) if padded else None,
                          position_ids=positions.to(self.device) if padded else None,
@@ -94,7 +95,6 @@ class _Batch:
     def fork(self, rows: list[int]) -> None:
         self.cache.fork(rows)
         self.masks = [m[rows] for m in self.masks]
-        self.counts = self.counts[rows]
 
 
 class Scorer:
@@ -136,14 +136,21 @@ class Scorer:
             groups.setdefault(tuple(context) if share else (i,), []).append(i)
         # longest first: the first batch shows the memory peak at once; similar lengths share batches
         order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
+        # A batch holds either context groups whose shared prefix is one chunk at most (fed in one step, padded
+        # in front), or a single group (its prefix fed chunk by chunk, unpadded): see _Batch.
         batches, current = [], []
         for members in order:
+            members = sorted(members, key=lambda i: -len(requests[i][1]))
+            alone = len(self._plan(*requests[members[0]])[0]) > 1
             for start in range(0, len(members), self.batch_size):
                 part = members[start : start + self.batch_size]
-                if sum(map(len, current)) + len(part) > self.batch_size:
+                if current and (alone or sum(map(len, current)) + len(part) > self.batch_size):
                     batches.append(current)
                     current = []
                 current.append(part)
+                if alone:
+                    batches.append(current)
+                    current = []
         if current:
             batches.append(current)
         results: list[Scored | None] = [None] * len(requests)
@@ -159,8 +166,8 @@ class Scorer:
         prefixes = [self._plan(*requests[part[0]])[0] for part in batch]
         rows = [self._plan(*requests[i])[1] for part in batch for i in part]
         runner = _Batch(self.model, self.make_cache(), len(batch))
-        for step in range(max(map(len, prefixes))):
-            runner.step([p[step] if step < len(p) else [] for p in prefixes], logits=False)
+        for step in range(max(map(len, prefixes))):  # one step, or one unpadded row (see score_many)
+            runner.step([p[step] if step < len(p) else [] for p in prefixes], logits=False, pad_first=True)
         runner.fork([g for g, part in enumerate(batch) for _ in part])
         logits: list[list[torch.Tensor]] = [[] for _ in rows]
         for step in range(max(len(r.chunks) for r in rows)):

@@ -69,10 +69,33 @@ def test_sharing_feeds_each_context_once(model64, requests, monkeypatch):
 
     fed = []
     original = evaluate._Batch.step
-    monkeypatch.setattr(evaluate._Batch, "step", lambda self, tokens, logits: fed.append(sum(map(len, tokens)))
-                        or original(self, tokens, logits))
+    monkeypatch.setattr(evaluate._Batch, "step", lambda self, tokens, *args, **kwargs: fed.append(sum(map(len, tokens)))
+                        or original(self, tokens, *args, **kwargs))
     scores(model64, "fp16", requests, mode="streaming", chunk_size=512, batch_size=9, share_prefix=True)
     shared, fed[:] = sum(fed), []
     scores(model64, "fp16", requests, mode="streaming", chunk_size=512, batch_size=1, share_prefix=False)
     contexts = {tuple(c) for c, _ in requests}
     assert sum(fed) - shared == sum(len(c) - 1 for c, _ in requests) - sum(len(c) - 1 for c in contexts)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int4"])
+@pytest.mark.parametrize("mode, chunk", [("streaming", 4), ("streaming", 1), ("streaming", 64), ("simulated", 64)])
+def test_batched_scoring_on_a_sliding_window_model(name, mode, chunk):
+    """A sliding-window mask counts positions, padding included: batches must never put padding between two real
+    tokens of a row. Window 6, contexts of 1 to 12 tokens, shared and not."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, sliding_window=6)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().double()
+    gen = torch.Generator().manual_seed(3)
+    requests = []
+    for length in (1, 3, 9, 12, 5):
+        context = torch.randint(0, 64, (length,), generator=gen).tolist()
+        for c in range(3):
+            requests.append((context, torch.randint(0, 64, (1 + 2 * c,), generator=gen).tolist()))
+    single = scores(model, name, requests, mode=mode, chunk_size=chunk, batch_size=1, share_prefix=False)
+    batched = scores(model, name, requests, mode=mode, chunk_size=chunk, batch_size=6, share_prefix=True)
+    for a, b in zip(single, batched):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)

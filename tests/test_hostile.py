@@ -53,7 +53,7 @@ def env(tmp_path_factory):
     """A finished report (a committed one, copied), the base config that targets it, and hostile files."""
     root = tmp_path_factory.mktemp("hostile")
     finished = root / "reports" / "finished"
-    shutil.copytree(ROOT / "reports" / "int4", finished)
+    shutil.copytree(ROOT / "reports" / "int4", finished, ignore=shutil.ignore_patterns(".lock", "partial"))
     cfg = root / "base.yaml"
     cfg.write_text(yaml.safe_dump({**BASE, "output_dir": str(root / "reports")}))
     files = root / "files"
