@@ -1,5 +1,5 @@
 # One command each, on a fresh machine (Python 3.11, no GPU needed):
-#   make run    the main job: configs/int4.yaml on the real stories260K model and data (a few minutes)
+#   make run    the main job: configs/int4.yaml, int4 KV on the real SmolLM2-135M-Instruct (under 10 minutes)
 #   make test   the test suite
 # Both create .venv and install what they need first. torch 2.13.0 is pinned because on these machines it is
 # a local CPU build; an unpinned torch would download a multi-GB CUDA build.

@@ -227,6 +227,26 @@ def test_set_padding_rejects_what_it_cannot_honour(model):
         cache.set_padding(torch.tensor([[1, 1, 1, 1]]))
     with pytest.raises(kvquant.KVQuantError, match="the mask has 2 rows, the cache 1"):
         cache.set_padding(torch.ones(2, 4))
+    with pytest.raises(kvquant.KVQuantError, match="covers 2 positions, the cache has written 3"):
+        cache.set_padding(torch.tensor([[0, 1]]))  # would forget the padding declared for position 0
+    two_rows = kvquant.make_cache(model, "int4")
+    forward(model, torch.tensor([[5, 2, 3], [4, 4, 4]]), two_rows)
+    with pytest.raises(kvquant.KVQuantError, match="the mask has 3 rows, the cache 2"):
+        two_rows.set_padding(torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("name", ["fp16", "int4"])
+def test_padded_batch_with_beam_search(model64, tokenizer, stories, name):
+    """generate expands a batch of B rows to B x beams before the first forward; the declared mask follows."""
+    batch = padded_batch(tokenizer, [stories[0][:300], stories[1][:120]])
+    kwargs = dict(max_new_tokens=6, num_beams=2, do_sample=False)
+    cache = kvquant.make_cache(model64, name, residual_length=0).set_padding(batch.attention_mask)
+    out = model64.generate(**batch, cache=cache, **kwargs)
+    for row in range(2):
+        pad = int((batch.attention_mask[row] == 0).sum())
+        alone = model64.generate(batch.input_ids[row : row + 1, pad:],
+                                 cache=kvquant.make_cache(model64, name, residual_length=0), **kwargs)
+        assert torch.equal(out[row, pad:], alone[0])
 
 
 @pytest.mark.parametrize("name", ["fp16", "int4", "fp8_e4m3"])
