@@ -104,6 +104,10 @@ def _checked_flags(argv: list[str]) -> argparse.Namespace:
     return parser.parse_known_args(argv)[0]
 
 
+#: model arguments lm-eval always hands the model from its own flags (``--batch_size`` defaults to 1)
+LM_EVAL_FLAGS = ("batch_size",)
+
+
 def check(argv: list[str]) -> None:
     """Task names (unless a user include path adds tasks we cannot see) and the kvquant model's arguments."""
     flags = _checked_flags(argv)
@@ -113,7 +117,12 @@ def check(argv: list[str]) -> None:
     if flags.device:
         check_device("--device", flags.device)
     if flags.model == "kvquant":
-        check_kvquant_args(parse_model_args(flags.model_args or []))
+        model_args = parse_model_args(flags.model_args or [])
+        for name in LM_EVAL_FLAGS:  # lm-eval passes these itself, so a model_args copy would collide
+            if name in model_args:
+                raise KVQuantError(f"model_args: {name} is set with lm-eval's own flag: pass --{name} "
+                                   f"{model_args[name]} instead")
+        check_kvquant_args(model_args)
 
 
 def _evaluate(argv: list[str]) -> int:

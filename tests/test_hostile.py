@@ -259,6 +259,7 @@ LM_EVAL_CASES = [
     ("gguf-tokenizer", ["pretrained={data}/models/stories260K,gguf_file=stories260K.gguf"], "tokenizer="),
     ("gguf-missing", ["pretrained={data}/models/stories260K,gguf_file=nope.gguf"], "nope.gguf does not exist"),
     ("model-args-no-equals", [f"{HF},int4"], "expected key=value, got 'int4'"),
+    ("batch-size-in-model-args", [f"{HF},batch_size=4"], "pass --batch_size 4 instead"),
 ]
 
 
