@@ -202,6 +202,12 @@ class Padding:
             out[:, : declared.shape[1]] = declared
         return out
 
+    def count(self, start: int, stop: int, batch: int) -> list[int]:
+        """Per row: real tokens among positions ``[start, stop)`` (no tensor work when nothing is declared)."""
+        if self.mask is None:
+            return [stop - start] * batch
+        return self.real(start, stop, batch).sum(1).tolist()
+
     def select(self, rows: list[int]) -> None:
         if self.mask is not None:
             self.mask = self.mask[rows]
@@ -247,7 +253,7 @@ class QuantizedLayer(CacheLayerMixin):
     def held(self) -> list[int]:
         """Per row: real tokens attention may still read."""
         batch = len(self.k)
-        return self.padding.real(self._window(), self.cumulative_length, batch).sum(1).tolist()
+        return self.padding.count(self._window(), self.cumulative_length, batch)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Store ``[B, H, n, D]`` keys and values, return the dequantized ``[B, H, kv_len, D]`` views."""
@@ -279,7 +285,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def _check(self) -> None:
         """Stored tokens agree with what was written (cheap; a disagreement is a bug, never a silent result)."""
-        written = self.padding.real(0, self.cumulative_length, len(self.k)).sum(1).tolist()
+        written = self.padding.count(0, self.cumulative_length, len(self.k))
         for row, held in enumerate(self.held()):
             for stream in (self.k[row], self.v[row]):
                 slack = stream.codec.tokens_per_unit - 1 if self.is_sliding else 0
