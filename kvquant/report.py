@@ -36,14 +36,24 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+#: Tokens per sequence at which the report also states each setting's memory (the planner's arithmetic).
+LONG_CONTEXT = 8192
+
+#: Modules that only orchestrate, check or render (runner, config, gate, planner, report, CLI): they run afresh
+#: every time and decide no measured value, so a change to them keeps finished results reusable.
+NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "config.py", "errors.py", "lm_eval.py"})
+
+
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict[str, str]:
-    """What measured a result: kvquant's version and a hash of its own sources (``*.py``, ``csrc/*``), and the
-    versions of torch, transformers and lm-eval. Part of every resume key, so results of other code are
-    recomputed."""
+    """What measured a result: kvquant's version and a hash of the sources that compute results (every ``*.py``
+    but :data:`NOT_MEASURING`, and ``csrc/*``), and the versions of torch, transformers and lm-eval. Part of
+    every resume key, so results of other code are recomputed."""
     root = Path(__file__).parent
     digest = hashlib.sha256()
     for path in sorted([*root.glob("*.py"), *root.glob("csrc/*")]):
+        if path.name in NOT_MEASURING:
+            continue
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return {"kvquant": _version("kvquant"), "kvquant_source_sha256": digest.hexdigest()[:16],
             **{pkg: _version(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
@@ -91,7 +101,9 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
         verdicts = [v for v in decision.verdicts if v.row.candidate == c.label]
         candidates.append({
             "name": c.label, "settings": mem["settings"], "bits_per_element": mem["bits_per_element"],
-            "memory_ratio": mem["ratio"], "memory": {k: v for k, v in mem.items() if k != "settings"},
+            "memory_ratio": mem["ratio"], "memory_ratio_long": mem["long"]["ratio"],
+            "bits_per_element_long": mem["long"]["bits_per_element"],
+            "memory": {k: v for k, v in mem.items() if k != "settings"},
             "passed": decision.passed[c.label],
             "metrics": {v.row.metric: _metric_entry(v, results) for v in verdicts},
         })
@@ -181,8 +193,8 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "
-        f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']} (sources "
-        f"{env['kvquant_source_sha256']}); git {env['git_commit']}; {env['date']}",
+        f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']} (measuring "
+        f"sources {env['kvquant_source_sha256']}); git {env['git_commit']}; {env['date']}",
         f"- run {doc['run_id']} (also in results.json and config.resolved.yaml); results: "
         f"{doc['results']['computed']} measured in this run, {doc['results']['reused_from_partial']} reused from "
         "partial/ (same inputs, same code version)"
@@ -192,16 +204,20 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         "",
         "## Candidates",
         "",
-        "| candidate | settings | bits/element | memory vs fp16 | passed |",
-        "|---|---|---:|---:|---|",
+        f"| candidate | settings | bits/element | memory vs fp16 | memory vs fp16 at {LONG_CONTEXT:,} tokens | "
+        "passed |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for c in doc["candidates"]:
         settings = ", ".join(f"{k}={v}" for k, v in c["settings"].items())
         lines.append(f"| {c['name']} | {settings} | {c['bits_per_element']:.2f} | {c['memory_ratio']:.3f} | "
-                     f"{'yes' if c['passed'] else 'no'} |")
+                     f"{c['memory_ratio_long']:.3f} | {'yes' if c['passed'] else 'no'} |")
     mem = doc["baseline"]["memory"]
-    lines += ["", f"Memory from `memory_report()` after {mem['tokens']} tokens; the baseline holds "
-              f"{mem['bits_per_element']:.0f} bits/element (the model's dtype).", "", "## Metrics", "",
+    lines += ["", f"Bits/element and memory vs fp16: measured by `memory_report()` after {mem['tokens']} tokens "
+              "through the model (payload, scales and full-precision tokens, all counted; the gate's 'cheapest' "
+              f"uses these bits); at {LONG_CONTEXT:,} tokens: the same cache code run on shape-only tensors of this "
+              f"model's layers ({mem['long']['total_bytes'] / 2**20:.1f} MiB per sequence in fp16). The baseline "
+              f"holds {mem['bits_per_element']:.0f} bits/element (the model's dtype).", "", "## Metrics", "",
               "| candidate | metric | value | baseline | relative | 95% CI | threshold | gated | passed | n |",
               "|---|---|---:|---:|---:|---|---:|---|---|---:|"]
     for _, r in frame.iterrows():

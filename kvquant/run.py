@@ -21,23 +21,21 @@ import os
 import random
 import shlex
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import data, report
-from .cache import make_cache, simulate_memory
+from .cache import simulate_memory
 from .config import Candidate, ExperimentConfig, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
-from .evaluate import Scorer, memory_probe, perplexity_samples
 from .gate import ACCURACY, PERPLEXITY, MetricRow, bootstrap_interval, decide
-from .models import check_model, load_model, max_length, trained_context
+from .measure import BASELINE, measure
+from .models import check_model, load_model, trained_context
 from .plan import ModelShape, shape_from_config
 from .tasks import check_tasks, gated_metric
 
-BASELINE = Candidate(quantizer="fp16", name="baseline")
 LOCK = ".lock"
 
 
@@ -159,61 +157,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int) -> dict:
-    """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes."""
-    import lm_eval
-
-    from .lm_eval_model import KVQuantLM
-    from .tasks import resolve_task, task_manager
-
-    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.quantizer, mode=cfg.eval.mode,
-                   chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
-                   **candidate.options)
-    name = resolve_task(task)
-    seed = cfg.eval.seed
-    out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.num_fewshot,
-                                  limit=cfg.eval.tasks.limit_for(task), task_manager=task_manager(), log_samples=True,
-                                  bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
-    samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
-    metrics = [m for m in ("acc", "acc_norm") if f"{m},none" in out["results"][name]]
-    return {"task": name, **{m: [float(s[m]) for s in samples] for m in metrics}}
-
-
-def measure(cfg: ExperimentConfig, model, tokenizer, store: ResultStore,
-            rows: dict[str, list[str]]) -> tuple[dict, dict]:
-    """Results of the baseline and every candidate: {label: {metric: result}} and {label: memory report}.
-    ``rows``: the text of every perplexity set, read by :func:`preflight`."""
-    maxlen = max_length(model, cfg.model)
-    windows = {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity}
-    probe = [t for ws in windows.values() for w in ws for t in w.ids] or tokenizer("Once upon a time").input_ids
-    probe = probe[: min(cfg.eval.memory_probe_tokens, maxlen)]
-    base_key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
-                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed}
-    results, memory = {}, {}
-    for candidate in [BASELINE, *cfg.candidates]:
-        label = candidate.label
-        make = lambda c=candidate: make_cache(model, c.quantizer, **c.options)  # noqa: E731
-        settings = make().settings()  # what the cache really uses, defaults filled in
-        key = {**base_key, "quantizer": candidate.quantizer, "options": candidate.options}
-        scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size)
-        memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
-                                                lambda: memory_probe(model, make, probe)),
-                         "settings": settings}
-        results[label] = {}
-        for pset in cfg.eval.perplexity:
-            metric = f"ppl/{pset.name}"
-            results[label][metric] = store.get_or_compute(
-                label, metric, {**key, "set": asdict(pset), "max_length": maxlen},
-                lambda p=pset: perplexity_samples(scorer, windows[p.name], desc=f"{label} {p.name}"))
-        for task in cfg.eval.tasks.names:
-            results[label][f"task/{task}"] = store.get_or_compute(
-                label, f"task/{task}", {**key, "task": task, "limit": cfg.eval.tasks.limit_for(task),
-                                        "num_fewshot": cfg.eval.tasks.num_fewshot, "max_length": maxlen},
-                lambda t=task, c=candidate: run_task(model, tokenizer, c, cfg, t, maxlen))
-    return results, memory
-
-
 def table(cfg: ExperimentConfig, results: dict) -> list[MetricRow]:
     """One row per candidate x metric, with paired bootstrap intervals of the relative score."""
     gate = cfg.gate
@@ -298,6 +241,11 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     model, tokenizer = load_model(cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings)
     results, memory = measure(cfg, model, tokenizer, store, rows)
+    shape = shape_from_config(model.config, cfg.model.path)
+    for c in [BASELINE, *cfg.candidates]:  # the planner's arithmetic at a long context, by the cache's own code
+        memory[c.label]["long"] = simulate_memory(shape.layout, {"quantizer": c.quantizer, **c.options}, batch=1,
+                                                  kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                                                  tokens=report.LONG_CONTEXT)
     table_rows = table(cfg, results)
     bits = {c.label: memory[c.label]["bits_per_element"] for c in cfg.candidates}
     decision = decide(table_rows, bits, cfg.gate)

@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvquant
-from kvquant.errors import NonFiniteKVError
 from reference import FakeQuantReference, Spec
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
