@@ -26,7 +26,8 @@ import yaml
 from . import _register_with_lm_eval
 from .config import Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device
 from .errors import EXIT_PASS, KVQuantError, guarded
-from .tasks import check_tasks, task_dir
+from .models import check_model, load_tokenizer, trained_context
+from .tasks import check_probe_lengths, check_tasks, probe_tasks, task_dir
 
 #: model_args of ``--model kvquant`` that configure the model, by their :class:`ModelConfig` field.
 MODEL_ARGS = {"pretrained": "path", "tokenizer": "tokenizer", "gguf_file": "gguf_file", "dtype": "dtype",
@@ -73,7 +74,6 @@ def check_kvquant_args(model_args: dict) -> None:
     """The model arguments of ``--model kvquant`` (model, device, mode, chunk_size, quantizer and its options),
     by the runner's own checks, without loading the model's weights."""
     from .lm_eval_model import KVQuantLM
-    from .models import check_model
     from .plan import shape_from_config
     from .run import check_candidate
 
@@ -101,6 +101,7 @@ def _checked_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tasks", "-t", nargs="+")
     parser.add_argument("--device")
     parser.add_argument("--include_path")
+    parser.add_argument("--limit", "-L")
     return parser.parse_known_args(argv)[0]
 
 
@@ -108,28 +109,49 @@ def _checked_flags(argv: list[str]) -> argparse.Namespace:
 LM_EVAL_FLAGS = ("batch_size",)
 
 
-def check(argv: list[str]) -> None:
-    """Task names (unless a user include path adds tasks we cannot see) and the kvquant model's arguments."""
+def _documents(limit: str | None) -> int | None:
+    """Documents per task that ``--limit`` asks for (None: all, a fraction, or not a number: lm-eval's to judge)."""
+    try:
+        value = float(limit) if limit is not None else 0.0
+    except ValueError:
+        return None
+    return int(value) if value >= 1 else None
+
+
+def check(argv: list[str]) -> Path | None:
+    """Task names (unless a user include path adds tasks we cannot see) and the kvquant model's arguments.
+    Returns the folder of task files to include (None where the user gave ``--include_path``): for
+    ``passkey_<D>`` tasks, one holding their documents cut with the model's tokenizer."""
     flags = _checked_flags(argv)
     tasks = [t for v in flags.tasks or [] for t in v.split(",") if t]
     if flags.include_path is None:
         check_tasks([t for t in tasks if not Path(t).exists()], "--tasks", single=False)
     if flags.device:
         check_device("--device", flags.device)
+    model_args = parse_model_args(flags.model_args or []) if flags.model == "kvquant" else {}
     if flags.model == "kvquant":
-        model_args = parse_model_args(flags.model_args or [])
         for name in LM_EVAL_FLAGS:  # lm-eval passes these itself, so a model_args copy would collide
             if name in model_args:
                 raise KVQuantError(f"model_args: {name} is set with lm-eval's own flag: pass --{name} "
                                    f"{model_args[name]} instead")
         check_kvquant_args(model_args)
+    probes = probe_tasks(tasks, lambda _: _documents(flags.limit))
+    if not probes:
+        return None if flags.include_path else task_dir()
+    if flags.include_path or flags.model != "kvquant":
+        raise KVQuantError("--tasks: passkey_<D> documents are cut with the model's tokenizer: run them with "
+                           "--model kvquant and without --include_path")
+    spec = _model_spec(dict(model_args))
+    context = spec.max_length or trained_context(check_model(dataclasses.replace(spec, device="cpu")))
+    check_probe_lengths(list(probes), context, "--tasks")
+    return task_dir(load_tokenizer(spec), probes)
 
 
 def _evaluate(argv: list[str]) -> int:
     if not PASS_THROUGH & set(argv[:1]):
-        check(argv)
-        if "--include_path" not in argv:
-            argv = [*argv, "--include_path", str(task_dir())]
+        folder = check(argv)
+        if folder is not None:
+            argv = [*argv, "--include_path", str(folder)]
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = [sys.argv[0], *argv]

@@ -8,6 +8,7 @@ runner, config, gate and report code only orchestrate and render, so they are no
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 
 from . import data
@@ -15,16 +16,18 @@ from .cache import make_cache
 from .config import Candidate, ExperimentConfig
 from .evaluate import Scorer, memory_probe, perplexity_samples
 from .models import max_length
+from .tasks import probe_tasks, resolve_task, task_dir, task_manager
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 
 
-def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int) -> dict:
-    """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes."""
+def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
+             folder: str) -> dict:
+    """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
+    task files (:func:`kvquant.tasks.task_dir`)."""
     import lm_eval
 
     from .lm_eval_model import KVQuantLM
-    from .tasks import resolve_task, task_manager
 
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.quantizer, mode=cfg.eval.mode,
                    chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
@@ -32,7 +35,7 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
     name = resolve_task(task)
     seed = cfg.eval.seed
     out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.num_fewshot,
-                                  limit=cfg.eval.tasks.limit_for(task), task_manager=task_manager(), log_samples=True,
+                                  limit=cfg.eval.tasks.limit_for(task), task_manager=task_manager(folder), log_samples=True,
                                   bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
@@ -46,10 +49,14 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store,
     ``rows``: the text of every perplexity set, read by :func:`preflight`."""
     maxlen = max_length(model, cfg.model)
     windows = {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity}
+    size = min(cfg.eval.memory_probe_tokens, maxlen)
     probe = [t for ws in windows.values() for w in ws for t in w.ids] or tokenizer("Once upon a time").input_ids
-    probe = probe[: min(cfg.eval.memory_probe_tokens, maxlen)]
+    probe = (probe * -(-size // len(probe)))[:size]  # without perplexity text, a phrase repeated: bytes are alike
     base_key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
                 "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed}
+    # task files (probe documents are cut with this tokenizer), written when a task is first measured
+    folder = functools.cache(lambda: str(task_dir(tokenizer, probe_tasks(cfg.eval.tasks.names,
+                                                                          cfg.eval.tasks.limit_for))))
     results, memory = {}, {}
     for candidate in [BASELINE, *cfg.candidates]:
         label = candidate.label
@@ -70,5 +77,5 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store,
             results[label][f"task/{task}"] = store.get_or_compute(
                 label, f"task/{task}", {**key, "task": task, "limit": cfg.eval.tasks.limit_for(task),
                                         "num_fewshot": cfg.eval.tasks.num_fewshot, "max_length": maxlen},
-                lambda t=task, c=candidate: run_task(model, tokenizer, c, cfg, t, maxlen))
+                lambda t=task, c=candidate: run_task(model, tokenizer, c, cfg, t, maxlen, folder()))
     return results, memory

@@ -199,6 +199,14 @@ def _load_tokenizer(spec: ModelConfig, path: str, converted: Path | None):
                            f"{type(err).__name__}: {one_line(err)[:200]}{hint}") from None
 
 
+def load_tokenizer(spec: ModelConfig):
+    """The tokenizer :func:`load_model` would load, without the weights."""
+    path = resolve_model_path(spec)
+    gguf = _gguf_path(path, spec.gguf_file) if spec.gguf_file else None
+    converted = converted_dir(gguf) if gguf else None
+    return _load_tokenizer(spec, path, converted if converted and converted.is_dir() else None)
+
+
 def load_model(spec: ModelConfig):
     """``(model, tokenizer)``, the model in eval mode on its device(s); a model or tokenizer that cannot be
     loaded is one :class:`KVQuantError`. A local GGUF file is read from its converted copy (made on first use)."""

@@ -26,6 +26,7 @@ import pandas as pd
 
 from .config import ExperimentConfig
 from .gate import PERPLEXITY, Decision, MetricRow
+from .tasks import probe_distance
 from .paths import PROJECT_ROOT
 
 
@@ -127,6 +128,9 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
     files = {"results.json": json.dumps(doc, indent=2, default=float), "results.csv": frame.to_csv(index=False),
              "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
              "report.md": _markdown(doc, frame, cfg)}
+    curve = _probe_curve(candidates)
+    if curve:
+        files["probe.png"] = _probe_plot(curve, cfg)
     _write_together(out_dir, files)
     return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}
 
@@ -144,6 +148,73 @@ def _write_together(out_dir: Path, files: dict[str, str | bytes]) -> None:
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+
+
+def _probe_curve(candidates: list[dict]) -> dict[str, dict[int, tuple[float, int]]]:
+    """``{candidate or "baseline": {distance: (acc, n)}}`` of the long-range probe tasks (``passkey_<D>``)."""
+    curve: dict[str, dict[int, tuple[float, int]]] = {}
+    for c in candidates:
+        for metric, e in c["metrics"].items():
+            kind, _, task = metric.partition("/")
+            distance = probe_distance(task)
+            if kind == "acc" and distance is not None:
+                curve.setdefault("baseline", {})[distance] = (e["baseline"], e["n"])
+                curve.setdefault(c["name"], {})[distance] = (e["value"], e["n"])
+    return curve
+
+
+def _probe_plot(curve: dict[str, dict[int, tuple[float, int]]], cfg: ExperimentConfig) -> bytes:
+    """The PNG of probe accuracy vs distance, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curve.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x][0] for x in xs], "o-", label=name, lw=2.5 if name == "baseline" else 1.5,
+                color="black" if name == "baseline" else None)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("distance to the pass key (tokens)")
+    ax.set_ylabel("accuracy (pass key retrieved)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"{cfg.name}: long-range probe ({cfg.eval.mode} mode)")
+    ax.legend(fontsize=8, loc="lower left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _probe_table(curve: dict[str, dict[int, tuple[float, int]]]) -> list[str]:
+    names = list(curve)
+    distances = sorted({d for points in curve.values() for d in points})
+    lines = ["## Long-range probe", "", "Accuracy of pass-key retrieval by distance (`kvquant.probe`): correct / n, "
+             "with its 95% Wilson interval.", "",
+             "| distance | " + " | ".join(names) + " |", "|---:|" + "---|" * len(names)]
+    for d in distances:
+        cells = []
+        for name in names:
+            if d not in curve[name]:
+                cells.append("")
+                continue
+            acc, n = curve[name][d]
+            k = round(acc * n)
+            low, high = wilson_interval(k, n)
+            cells.append(f"{k}/{n} [{low:.2f}, {high:.2f}]")
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return [*lines, "", "![long-range probe](probe.png)", ""]
+
+
+def wilson_interval(k: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of ``k`` successes in ``n`` trials."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return ci.low, ci.high
 
 
 def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
@@ -230,4 +301,7 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
     lines += ["", "Perplexity rows: value = exp(summed NLL / tokens); summed NLL and token counts are in "
               "results.json. Relative = baseline/candidate for perplexity, candidate/baseline for accuracy.",
               "", "![quality vs bits](plot.png)", ""]
+    curve = _probe_curve(doc["candidates"])
+    if curve:
+        lines += _probe_table(curve)
     return "\n".join(lines)

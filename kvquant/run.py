@@ -34,7 +34,7 @@ from .gate import ACCURACY, PERPLEXITY, MetricRow, bootstrap_interval, decide
 from .measure import BASELINE, measure
 from .models import check_model, load_model, trained_context
 from .plan import ModelShape, shape_from_config
-from .tasks import check_tasks, gated_metric
+from .tasks import check_probe_lengths, check_tasks, gated_metric
 
 LOCK = ".lock"
 
@@ -229,6 +229,8 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
         check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
+    check_probe_lengths(cfg.eval.tasks.names, cfg.model.max_length or trained_context(model_config),
+                        "eval.tasks.names")
     warnings = []
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)

@@ -8,6 +8,10 @@ machine without the data the built-in (hub) task is used unchanged.
 ``tinystories_lastword`` is a task the tiny stories260K model can actually do: predict the last word of a
 TinyStories validation story (stories 500-999, held apart from the perplexity stories 0-199), scored like
 LAMBADA (accuracy = the whole word is the greedy continuation).
+
+``passkey_<D>`` (e.g. ``passkey_4096``) is the long-range probe of :mod:`kvquant.probe`: retrieve a pass key
+stated D tokens earlier, scored like LAMBADA. Its documents are cut with the model's own tokenizer, so they are
+written per tokenizer (:func:`task_dir` with a tokenizer) before lm-eval's task manager is built.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import functools
+import hashlib
 import json
 import os
 import re
@@ -52,6 +57,13 @@ OFFLINE_TASKS = {
                    {"training_split": None}),
 }
 LASTWORD = "tinystories_lastword"
+PROBE = re.compile(r"passkey_([0-9]+)")
+#: shortest probe distance: the question alone is ~12 tokens
+MIN_PROBE_DISTANCE = 32
+#: tokens of a probe document before its distance counts (BOS, intro, key sentence), rounded up
+PROBE_HEAD = 48
+#: documents written per probe distance where the config sets no limit
+PROBE_DOCUMENTS = 50
 LASTWORD_SOURCE = "text/tinystories/validation-first1000.jsonl"
 LASTWORD_STORIES = slice(500, 1000)
 
@@ -118,12 +130,54 @@ def _stories(root: Path | None) -> list[str]:
     return list(ds["text"])
 
 
-def task_dir() -> Path:
-    """Where the offline task files of this data directory live (``$KVQUANT_TASK_DIR`` or a temp folder)."""
+def probe_distance(name: str) -> int | None:
+    """D of a ``passkey_<D>`` task name, else None."""
+    match = PROBE.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def probe_tasks(names: list[str], limit_for) -> dict[str, int]:
+    """``{passkey task: documents to write}`` among ``names`` (``limit_for(name)``, or :data:`PROBE_DOCUMENTS`)."""
+    return {n: limit_for(n) or PROBE_DOCUMENTS for n in names if probe_distance(n) is not None}
+
+
+def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> None:
+    """``passkey_<D>.yaml`` and its documents (cut with ``tokenizer``) for each ``{task: documents}``."""
+    from .probe import probe_documents
+
+    for name, count in probes.items():
+        docs = probe_documents(tokenizer, [probe_distance(name)], count)
+        data_file = directory / f"{name}.jsonl"
+        _write(data_file, "".join(json.dumps(d) + "\n" for d in docs))
+        spec = {
+            "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+            "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{context}}",
+            "doc_to_target": "{{target}}",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+            "metadata": {"version": 1.0, "distance": probe_distance(name),
+                         "source": "kvquant.probe: pass key, WikiText-2 test filler"},
+        }
+        _write(directory / f"{name}.yaml", yaml.safe_dump(spec, sort_keys=False))
+
+
+def _tokenizer_tag(tokenizer) -> str:
+    """A short hash of everything that decides how ``tokenizer`` cuts text."""
+    text = tokenizer.backend_tokenizer.to_str() if getattr(tokenizer, "is_fast", False) else repr(tokenizer)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def task_dir(tokenizer=None, probes: dict[str, int] | None = None) -> Path:
+    """Where the offline task files of this data directory live (``$KVQUANT_TASK_DIR`` or a temp folder); with
+    ``probes`` (:func:`probe_tasks`), a folder of this tokenizer that also holds those probe tasks."""
     base = os.environ.get("KVQUANT_TASK_DIR") or os.path.join(tempfile.gettempdir(), "kvquant-tasks")
     root = data_dir()
     tag = re.sub(r"[^A-Za-z0-9]+", "_", str(root)) if root else "hub"
-    return write_task_dir(Path(base) / tag)
+    if probes:
+        tag += f"-tok{_tokenizer_tag(tokenizer)}"
+    directory = write_task_dir(Path(base) / tag)
+    if probes:
+        write_probe_tasks(directory, tokenizer, probes)
+    return directory
 
 
 def resolve_task(name: str) -> str:
@@ -134,12 +188,13 @@ def resolve_task(name: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=1)
-def task_manager():
-    """lm-eval's TaskManager with the offline tasks on its include path (built once per process: ~15 s)."""
+@functools.lru_cache(maxsize=2)
+def task_manager(directory: str | None = None):
+    """lm-eval's TaskManager with ``directory`` (default: :func:`task_dir`) on its include path (built once per
+    process and folder: ~15 s). Probe tasks must be written into the folder before."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(task_dir()))
+    return TaskManager(include_path=directory or str(task_dir()))
 
 
 def known_tasks() -> dict[str, list[str]]:
@@ -162,11 +217,24 @@ def known_tasks() -> dict[str, list[str]]:
     return names
 
 
+def check_probe_lengths(names: list[str], context: int | None, key: str) -> None:
+    """Every ``passkey_<D>`` document (D tokens plus the key's sentences, ~40 tokens) fits ``context`` tokens."""
+    for name in names:
+        distance = probe_distance(name)
+        if distance is not None and context and distance + PROBE_HEAD > context:
+            raise KVQuantError(f"{key}: {name!r} needs about {distance + PROBE_HEAD} tokens per document; the model "
+                               f"takes {context} (largest distance here: {context - PROBE_HEAD})")
+
+
 def check_tasks(names: list[str], key: str, single: bool = True) -> None:
     """Every name is a task lm-eval knows (``single``: a task, not a group or tag, since the runner scores one
     task at a time); an unknown one is an error with the closest known names."""
     offline = {LASTWORD, *OFFLINE_TASKS, *map(resolve_task, OFFLINE_TASKS)}
-    unchecked = [n for n in names if n not in offline]
+    for name in names:
+        distance = probe_distance(name)
+        if distance is not None and distance < MIN_PROBE_DISTANCE:
+            raise KVQuantError(f"{key}: {name!r}: the probe distance must be at least {MIN_PROBE_DISTANCE} tokens")
+    unchecked = [n for n in names if n not in offline and probe_distance(n) is None]
     if not unchecked:
         return
     index = known_tasks()
@@ -178,4 +246,4 @@ def check_tasks(names: list[str], key: str, single: bool = True) -> None:
             raise KVQuantError(f"{key}: {name!r} is a group of lm-eval tasks; list its tasks one by one")
         close = difflib.get_close_matches(name, sorted(valid | offline), n=5, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "see `python -m kvquant.lm_eval ls tasks`"
-        raise KVQuantError(f"{key}: unknown task {name!r}; {hint} (offline here: {', '.join(sorted(offline))})")
+        raise KVQuantError(f"{key}: unknown task {name!r}; {hint} (offline here: {', '.join(sorted(offline))}, passkey_<D>)")
