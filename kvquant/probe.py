@@ -24,6 +24,7 @@ at D = 512) were weaker in a pilot.
 
 from __future__ import annotations
 
+import functools
 import random
 
 from .errors import KVQuantError
@@ -46,11 +47,22 @@ def _filler_text() -> str:
     return path.read_text(encoding="utf-8")
 
 
+@functools.lru_cache(maxsize=2)
+def _filler(tokenizer) -> tuple[str, list[tuple[int, int]], list[int]]:
+    """The filler text, its token spans and the tokens where a paragraph (not a heading) starts (the filler of a
+    document begins at one of these); kept for the last tokenizers (tokenizing it takes seconds)."""
+    filler = _filler_text()
+    spans = _token_spans(tokenizer, filler)
+    starts = [i for i, (a, b) in enumerate(spans)
+              if a > 0 and filler[a - 1] == "\n" and filler[a:b].strip() and not filler[a:b].strip().startswith("=")]
+    return filler, spans, starts
+
+
 def _token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
     """Character span ``(start, end)`` of each token of ``text`` (needs a fast tokenizer)."""
     if not getattr(tokenizer, "is_fast", False):
         raise KVQuantError("the long-range probe needs a fast tokenizer (it cuts the filler at token offsets)")
-    return tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"]
 
 
 def _distance(tokenizer, context: str, char: int) -> int:
@@ -84,11 +96,7 @@ def probe_documents(tokenizer, distances: list[int], per_distance: int, seed: in
     distances or documents leaves the others unchanged. ``baseline=True`` gives the same documents without the key
     sentences (the ``distance`` field keeps the informed document's D).
     """
-    filler = _filler_text()
-    spans = _token_spans(tokenizer, filler)
-    # paragraph starts (not headings): the filler begins at one of these tokens
-    starts = [i for i, (a, b) in enumerate(spans)
-              if a > 0 and filler[a - 1] == "\n" and filler[a:b].strip() and not filler[a:b].strip().startswith("=")]
+    filler, spans, starts = _filler(tokenizer)
     docs = []
     for d in distances:
         for index in range(per_distance):
@@ -96,6 +104,10 @@ def probe_documents(tokenizer, distances: list[int], per_distance: int, seed: in
             key = str(rng.randint(10000, 99999))
             head = INTRO + STATEMENT.format(key=key)
             key_char = head.rindex(key)
+            shortest = len(_token_spans(tokenizer, head[key_char:] + QUESTION)) + 1
+            if d < shortest:
+                raise KVQuantError(f"probe distance {d} is shorter than the probe's own text from the key on "
+                                   f"({shortest} tokens with this tokenizer, at least one filler token included)")
             for _ in range(20):  # another paragraph where this one's end cannot be cut to exactly d tokens
                 context = _fit(tokenizer, head, key_char, filler, spans, rng.choice(starts), d)
                 if context is not None:

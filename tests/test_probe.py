@@ -1,0 +1,129 @@
+"""The long-range probe: documents with exactly the distance they claim, and lm-eval tasks ``passkey_<D>`` that
+score them through the quantized cache exactly as kvquant's own scorer does."""
+
+import lm_eval
+import pytest
+
+import kvquant  # noqa: F401  (registers model "kvquant")
+from kvquant.errors import KVQuantError
+from kvquant.evaluate import Scorer
+from kvquant.cache import make_cache
+from kvquant.lm_eval_model import KVQuantLM
+from kvquant.paths import resolve
+from kvquant.probe import probe_documents
+from kvquant.report import _probe_curve, _probe_table, wilson_interval
+from kvquant.tasks import check_probe_lengths, check_tasks, probe_distance, probe_tasks, task_dir, task_manager
+
+
+def tokens_after(tokenizer, context: str, char: int) -> int:
+    """Tokens of ``context`` from the one holding character ``char`` to the end (independent of probe.py)."""
+    spans = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return sum(1 for _, end in spans if end > char)
+
+
+@pytest.mark.parametrize("distance", [64, 100, 333])
+def test_documents_have_the_distance_they_claim(tokenizer, distance):
+    docs = probe_documents(tokenizer, [distance], 3, seed=7)
+    keys = [d["target"].strip() for d in docs]
+    assert len(set(keys)) == 3 and all(k.isdigit() and len(k) == 5 for k in keys)
+    for doc, key in zip(docs, keys):
+        context = doc["context"]
+        assert doc["distance"] == distance and doc["target"] == " " + key
+        assert context.count(key) == 2 and context.endswith("The pass key is")
+        assert tokens_after(tokenizer, context, context.rindex(key)) == distance
+
+
+def test_documents_are_reproducible_and_independent_of_each_other(tokenizer):
+    both = probe_documents(tokenizer, [64, 100], 2, seed=3)
+    assert both == probe_documents(tokenizer, [64, 100], 2, seed=3)
+    assert both[2:] == probe_documents(tokenizer, [100], 2, seed=3)  # adding a distance changes no other document
+    assert probe_documents(tokenizer, [64], 3, seed=3)[:2] == both[:2]  # nor does adding documents
+    assert probe_documents(tokenizer, [64], 2, seed=4) != both[:2]
+
+
+def test_a_distance_shorter_than_the_question_is_one_clear_error(tokenizer):
+    with pytest.raises(KVQuantError, match="probe distance 40 is shorter than the probe's own text"):
+        probe_documents(tokenizer, [40], 1)
+
+
+def test_baseline_documents_hold_no_key(tokenizer):
+    informed = probe_documents(tokenizer, [100], 2)
+    blind = probe_documents(tokenizer, [100], 2, baseline=True)
+    for a, b in zip(informed, blind):
+        key = a["target"].strip()
+        assert key not in b["context"] and a["context"].endswith(b["context"]) and a["target"] == b["target"]
+
+
+def test_probe_names_and_lengths_are_checked():
+    assert probe_distance("passkey_4096") == 4096 and probe_distance("passkey_x") is None
+    assert probe_distance("lambada_openai") is None
+    assert probe_tasks(["passkey_64", "arc_easy"], lambda t: 5) == {"passkey_64": 5}
+    check_tasks(["passkey_64", "lambada_openai"], "tasks")
+    with pytest.raises(KVQuantError, match="at least 32"):
+        check_tasks(["passkey_8"], "tasks")
+    check_probe_lengths(["passkey_400"], 512, "tasks")
+    with pytest.raises(KVQuantError, match="passkey_500.*the model takes 512"):
+        check_probe_lengths(["passkey_500"], 512, "tasks")
+
+
+def test_lm_eval_task_scores_the_documents_like_the_scorer(model, tokenizer, tmp_path, monkeypatch):
+    """``passkey_<D>`` through lm-eval and the kvquant model (int4, streaming) gives, document by document, the
+    log-likelihood and greedy outcome of scoring the same (context, target) directly."""
+    monkeypatch.setenv("KVQUANT_TASK_DIR", str(tmp_path))
+    folder = task_dir(tokenizer, {"passkey_120": 3})
+    assert folder.is_relative_to(tmp_path)
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer="int4", mode="streaming", chunk_size=32, batch_size=4,
+                   residual_length=0)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["passkey_120"], limit=3, task_manager=task_manager(str(folder)),
+                                  log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+    samples = sorted(out["samples"]["passkey_120"], key=lambda s: s["doc_id"])
+    docs = probe_documents(tokenizer, [120], 3)
+    assert [s["doc"]["context"] for s in samples] == [d["context"] for d in docs]
+    scorer = Scorer(model, lambda: make_cache(model, "int4", residual_length=0), "streaming", 32)
+    for sample, doc in zip(samples, docs):
+        ids = tokenizer(doc["context"]).input_ids
+        scored = scorer.score_many([(ids, tokenizer(doc["target"], add_special_tokens=False).input_ids)])[0]
+        assert sample["resps"][0][0][0] == pytest.approx(float(scored.logprobs.double().sum()), abs=1e-4)
+        assert sample["acc"] == float(scored.greedy.all())
+
+
+def test_wilson_interval_matches_the_formula():
+    z = 1.959963984540054
+    for k, n in [(0, 6), (5, 6), (29, 30), (8, 8)]:
+        p = k / n
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+        low, high = wilson_interval(k, n)
+        assert low == pytest.approx(max(0.0, centre - half), abs=1e-9)
+        assert high == pytest.approx(min(1.0, centre + half), abs=1e-9)
+
+
+def test_report_lists_the_probe_by_distance():
+    entry = lambda value, base: {"value": value, "baseline": base, "n": 8}  # noqa: E731
+    candidates = [{"name": "int2", "metrics": {"acc/passkey_1024": entry(0.25, 1.0), "acc/passkey_256": entry(0.5, 1.0),
+                                               "acc/arc_easy": entry(0.4, 0.5)}}]
+    curve = _probe_curve(candidates)
+    assert curve == {"baseline": {1024: (1.0, 8), 256: (1.0, 8)}, "int2": {1024: (0.25, 8), 256: (0.5, 8)}}
+    table = "\n".join(_probe_table(curve))
+    assert "| 256 | 8/8 [0.68, 1.00] | 4/8 [0.22, 0.78] |" in table
+    assert table.index("| 256 |") < table.index("| 1024 |")
+
+
+def test_lm_eval_cli_runs_probe_tasks_with_the_models_tokenizer(tmp_path, monkeypatch, capsys):
+    from kvquant.lm_eval import main
+
+    monkeypatch.setenv("KVQUANT_TASK_DIR", str(tmp_path))
+    tiny = resolve("local:models/stories260K/hf")
+    code = main(["--model", "kvquant", "--model_args", f"pretrained={tiny},quantizer=int4,residual_length=0",
+                 "--tasks", "passkey_64", "--limit", "2", "--output_path", str(tmp_path / "out")])
+    assert code == 0
+    assert "passkey_64" in capsys.readouterr().out
+    assert len((next(tmp_path.glob("*-tok*")) / "passkey_64.jsonl").read_text().splitlines()) == 2
+
+
+def test_lm_eval_cli_refuses_probe_tasks_without_the_kvquant_model(capsys):
+    from kvquant.lm_eval import main
+
+    assert main(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "passkey_64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cut with the model's tokenizer" in err[0] and "Traceback" not in err[0]
