@@ -125,3 +125,22 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+def hadamard_rotation(head_dim: int, seed: int) -> torch.Tensor:
+    """An orthonormal ``[head_dim, head_dim]`` float64 matrix ``R = diag(s) @ blockdiag(H, ..., H)``: random signs
+    ``s`` (from ``seed``) times normalized Hadamard blocks of the largest power of two dividing ``head_dim`` (the
+    whole head_dim where it is a power of two; 80 -> blocks of 16). States ``x [..., D]`` are rotated as
+    ``x @ R`` and restored as ``y @ R.T``."""
+    from scipy.linalg import hadamard
+
+    block = head_dim & -head_dim
+    h = torch.from_numpy(hadamard(block)).double() / block**0.5
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
+    return signs[:, None] * torch.block_diag(*[h] * (head_dim // block))
+
+
+def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x @ matrix`` along the last dimension, computed in at least fp32 and returned in ``x``'s dtype."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(work) @ matrix.to(device=x.device, dtype=work)).to(x.dtype)

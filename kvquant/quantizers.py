@@ -6,7 +6,8 @@ turns a block of states ``[B, H, T, D]`` into a dict of stored tensors whose dim
 (``tokens_per_unit`` tokens each) and writes the dequantized block back into a preallocated view.
 Appending units never touches those already stored.
 
-Adding a quantizer is one class plus ``@register_quantizer("name")``.
+Adding a quantizer is one class (its codecs in ``_codecs``) plus ``@register_quantizer("name")``; every
+quantizer takes ``rotation="hadamard"`` (:class:`RotatedCodec` around its codecs) without code of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from . import kernels, ops
 from .errors import KVQuantError
 
 Encoded = dict[str, torch.Tensor]
+ROTATIONS = ("hadamard",)
 Axis = Literal["token", "channel"]
 
 
@@ -133,6 +135,32 @@ class Fp8Codec(Codec):
         ops.fp8_dequantize_into(out, enc["payload"], enc["scale"])
 
 
+@dataclass(frozen=True, eq=False)
+class RotatedCodec(Codec):
+    """Another codec applied to the states rotated along head_dim (``x @ R``, R orthonormal: see
+    :func:`kvquant.ops.hadamard_rotation`); reads rotate back (``y @ R.T``). Same stored tensors and bytes as the
+    inner codec. Shapes as :class:`Codec`; ``matrix`` ``[D, D]``."""
+
+    inner: Codec
+    matrix: torch.Tensor
+
+    @property
+    def tokens_per_unit(self) -> int:
+        return self.inner.tokens_per_unit
+
+    @property
+    def max_abs(self) -> float:
+        """A rotation can gather a state's whole norm into one channel: at most sqrt(block) x its largest |x|."""
+        return self.inner.max_abs * float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
+
+    def encode(self, x):
+        return self.inner.encode(ops.rotate(x, self.matrix))
+
+    def decode_into(self, enc, out):
+        self.inner.decode_into(enc, out)
+        out.copy_(ops.rotate(out, self.matrix.T))
+
+
 # --------------------------------------------------------------------------------------------------
 # Registry
 
@@ -188,13 +216,30 @@ class Quantizer:
     name: ClassVar[str]
     #: Most recent tokens kept in full precision unless ``make_cache(residual_length=...)`` says otherwise.
     default_residual_length: ClassVar[int] = 0
+    #: ``"hadamard"``: quantize K and V rotated along head_dim by a seeded random-sign (block) Hadamard matrix
+    #: and rotate back on read (QuaRot-style; spreads outlier channels over the block). None: no rotation.
+    rotation: str | None = dataclasses.field(default=None, kw_only=True)
+    rotation_seed: int = dataclasses.field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        if self.rotation is not None:
+            _check_choice(self.name, "rotation", self.rotation, ROTATIONS)
+        _check_int(self.name, "rotation_seed", self.rotation_seed, minimum=0)
 
     def _scale_dtype(self) -> torch.dtype:
         if not isinstance(self.scale_dtype, str) or self.scale_dtype not in ops.SCALE_DTYPES:
             raise KVQuantError(f"{self.name}: scale_dtype must be one of {sorted(ops.SCALE_DTYPES)}, got {self.scale_dtype!r}")
         return ops.SCALE_DTYPES[self.scale_dtype]
 
-    def codecs(self, head_dim: int) -> tuple[Codec, Codec]:  # pragma: no cover - interface
+    def codecs(self, head_dim: int) -> tuple[Codec, Codec]:
+        """The key and value codecs at ``head_dim``, rotated where ``rotation`` asks for it."""
+        key, value = self._codecs(head_dim)
+        if self.rotation is None:
+            return key, value
+        matrix = ops.hadamard_rotation(head_dim, self.rotation_seed)
+        return RotatedCodec(key, matrix), RotatedCodec(value, matrix)
+
+    def _codecs(self, head_dim: int) -> tuple[Codec, Codec]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def describe(self) -> dict[str, object]:
@@ -203,7 +248,7 @@ class Quantizer:
 
     def resolved(self, head_dim: int) -> dict[str, object]:
         """Settings this quantizer derives for a head dimension (e.g. the groups actually used)."""
-        return {}
+        return {"rotation_block": head_dim & -head_dim} if self.rotation else {}
 
 
 @register_quantizer("fp16")
@@ -211,7 +256,7 @@ class Quantizer:
 class Identity(Quantizer):
     """No quantization: the states are kept in the model's dtype (the baseline)."""
 
-    def codecs(self, head_dim):
+    def _codecs(self, head_dim):
         return IdentityCodec(), IdentityCodec()
 
 
@@ -257,6 +302,7 @@ class IntQuantizer(Quantizer):
     scale_dtype: str = "float16"
 
     def __post_init__(self):
+        super().__post_init__()
         self._scale_dtype()
         for field in ("key_bits", "value_bits"):
             _check_int(self.name, field, getattr(self, field), allowed=(2, 4, 8))
@@ -286,7 +332,7 @@ class IntQuantizer(Quantizer):
             raise KVQuantError(f"{self.name}: head_dim {head_dim} cannot be packed {per_byte} {stream} codes per byte")
         return IntCodec(bits=bits, axis=axis, group=self.group_for(axis, head_dim), scale_dtype=self._scale_dtype())
 
-    def codecs(self, head_dim):
+    def _codecs(self, head_dim):
         return (
             self._codec(self.key_bits, self.key_axis, head_dim, "key"),
             self._codec(self.value_bits, self.value_axis, head_dim, "value"),
@@ -294,7 +340,7 @@ class IntQuantizer(Quantizer):
 
     def resolved(self, head_dim: int) -> dict[str, object]:
         return {"key_group": self.group_for(self.key_axis, head_dim),
-                "value_group": self.group_for(self.value_axis, head_dim)}
+                "value_group": self.group_for(self.value_axis, head_dim), **super().resolved(head_dim)}
 
 
 @register_quantizer("int8")
@@ -334,10 +380,11 @@ class Fp8Quantizer(Quantizer):
     scale_dtype: str = "float16"
 
     def __post_init__(self):
+        super().__post_init__()
         self._scale_dtype()
         _check_choice(self.name, "granularity", self.granularity, ("token", "tensor"))
 
-    def codecs(self, head_dim):
+    def _codecs(self, head_dim):
         codec = Fp8Codec(dtype=self.dtype, granularity=self.granularity, scale_dtype=self._scale_dtype())
         return codec, codec
 

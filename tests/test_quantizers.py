@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvquant
 from kvquant.ops import sqnr_db
-from kvquant.quantizers import IdentityCodec, Quantizer, _REGISTRY, register_quantizer
+from kvquant.quantizers import IdentityCodec, Quantizer, RotatedCodec, _REGISTRY, register_quantizer
 
 #: SQNR floors in dB on the real keys and values of stories260K (measured minima: int8 54/50, int4 29/26,
 #: int2 15/12, fp8_e4m3 36/34, fp8_e5m2 30/25 for keys/values).
@@ -54,12 +54,14 @@ def test_a_new_quantizer_is_one_class_and_one_decorator():
     @register_quantizer("test_identity")
     @dataclass(frozen=True)
     class TestIdentity(Quantizer):
-        def codecs(self, head_dim):
+        def _codecs(self, head_dim):
             return IdentityCodec(), IdentityCodec()
 
     try:
         assert "test_identity" in kvquant.available_quantizers()
         assert isinstance(kvquant.get_quantizer("test_identity"), TestIdentity)
+        rotated = kvquant.get_quantizer("test_identity", rotation="hadamard").codecs(16)  # rotation comes free
+        assert all(isinstance(c, RotatedCodec) and isinstance(c.inner, IdentityCodec) for c in rotated)
         with pytest.raises(kvquant.KVQuantError, match="already registered"):
             register_quantizer("test_identity")(TestIdentity)
     finally:
