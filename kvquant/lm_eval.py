@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import sys
 from pathlib import Path
 
@@ -26,8 +27,8 @@ import yaml
 from . import _register_with_lm_eval
 from .config import Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device
 from .errors import EXIT_PASS, KVQuantError, guarded
-from .models import check_model, load_tokenizer, trained_context
-from .tasks import check_probe_lengths, check_tasks, probe_tasks, task_dir
+from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, trained_context
+from .tasks import check_tasks, prepare_probe_tasks, probe_tasks, task_dir
 
 #: model_args of ``--model kvquant`` that configure the model, by their :class:`ModelConfig` field.
 MODEL_ARGS = {"pretrained": "path", "tokenizer": "tokenizer", "gguf_file": "gguf_file", "dtype": "dtype",
@@ -101,7 +102,7 @@ def _checked_flags(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tasks", "-t", nargs="+")
     parser.add_argument("--device")
     parser.add_argument("--include_path")
-    parser.add_argument("--limit", "-L")
+    parser.add_argument("--limit", "-L", nargs="?")
     return parser.parse_known_args(argv)[0]
 
 
@@ -110,12 +111,13 @@ LM_EVAL_FLAGS = ("batch_size",)
 
 
 def _documents(limit: str | None) -> int | None:
-    """Documents per task that ``--limit`` asks for (None: all, a fraction, or not a number: lm-eval's to judge)."""
+    """Documents per task that ``--limit`` asks for (None: all, a fraction, or not a finite number: lm-eval's to
+    judge)."""
     try:
         value = float(limit) if limit is not None else 0.0
     except ValueError:
         return None
-    return int(value) if value >= 1 else None
+    return int(value) if math.isfinite(value) and value >= 1 else None
 
 
 def check(argv: list[str]) -> Path | None:
@@ -142,9 +144,9 @@ def check(argv: list[str]) -> Path | None:
         raise KVQuantError("--tasks: passkey_<D> documents are cut with the model's tokenizer: run them with "
                            "--model kvquant and without --include_path")
     spec = _model_spec(dict(model_args))
-    context = spec.max_length or trained_context(check_model(dataclasses.replace(spec, device="cpu")))
-    check_probe_lengths(list(probes), context, "--tasks")
-    return task_dir(load_tokenizer(spec), probes)
+    context = (spec.max_length or trained_context(check_model(dataclasses.replace(spec, device="cpu")))
+               or DEFAULT_MAX_LENGTH)
+    return prepare_probe_tasks(load_tokenizer(spec), probes, context, "--tasks")
 
 
 def _evaluate(argv: list[str]) -> int:

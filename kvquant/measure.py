@@ -16,7 +16,7 @@ from .cache import make_cache
 from .config import Candidate, ExperimentConfig
 from .evaluate import Scorer, memory_probe, perplexity_samples
 from .models import max_length
-from .tasks import probe_tasks, resolve_task, task_dir, task_manager
+from .tasks import PROBE_DOCUMENTS, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task, task_manager
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 
@@ -34,8 +34,9 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
                    **candidate.options)
     name = resolve_task(task)
     seed = cfg.eval.seed
+    limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
     out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.num_fewshot,
-                                  limit=cfg.eval.tasks.limit_for(task), task_manager=task_manager(folder), log_samples=True,
+                                  limit=limit, task_manager=task_manager(folder), log_samples=True,
                                   bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
@@ -55,8 +56,8 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store,
     base_key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
                 "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed}
     # task files (probe documents are cut with this tokenizer), written when a task is first measured
-    folder = functools.cache(lambda: str(task_dir(tokenizer, probe_tasks(cfg.eval.tasks.names,
-                                                                          cfg.eval.tasks.limit_for))))
+    probes = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, maxlen, "eval.tasks.names")))
     results, memory = {}, {}
     for candidate in [BASELINE, *cfg.candidates]:
         label = candidate.label

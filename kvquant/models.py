@@ -243,6 +243,10 @@ def trained_context(config) -> int | None:
     return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
+#: tokens fed at most where neither the config nor the model says
+DEFAULT_MAX_LENGTH = 2048
+
+
 def max_length(model, spec: ModelConfig) -> int:
     """Longest sequence to feed: the config's ``max_length``, else the model's trained context."""
-    return spec.max_length or trained_context(model.config) or 2048
+    return spec.max_length or trained_context(model.config) or DEFAULT_MAX_LENGTH

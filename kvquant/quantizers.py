@@ -23,6 +23,7 @@ from .errors import KVQuantError
 
 Encoded = dict[str, torch.Tensor]
 ROTATIONS = ("hadamard",)
+MAX_SEED = 2**63 - 1
 Axis = Literal["token", "channel"]
 
 
@@ -150,15 +151,27 @@ class RotatedCodec(Codec):
 
     @property
     def max_abs(self) -> float:
-        """A rotation can gather a state's whole norm into one channel: at most sqrt(block) x its largest |x|."""
-        return self.inner.max_abs * float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
+        """States beyond this cannot fit once rotated (a rotated block keeps its norm, so its largest |y| is at
+        least |x| / sqrt(block)); states below it are checked after the rotation, in :meth:`encode`."""
+        return self.inner.max_abs / float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
 
     def encode(self, x):
-        return self.inner.encode(ops.rotate(x, self.matrix))
+        y = ops.rotate(x, self.matrix)
+        if y.device.type != "meta" and y.numel() and float(y.abs().amax()) > self.inner.max_abs:
+            raise KVQuantError(f"rotated states reach |y| = {float(y.abs().amax()):.4g}, beyond the "
+                               f"±{self.inner.max_abs:.4g} their scales and zero points can hold (scale_dtype='float32' "
+                               "holds more)")
+        return self.inner.encode(y)
 
     def decode_into(self, enc, out):
-        self.inner.decode_into(enc, out)
-        out.copy_(ops.rotate(out, self.matrix.T))
+        """Dequantized in fp32 at least, rotated back, then rounded once to ``out``'s dtype."""
+        if out.dtype in (torch.float16, torch.bfloat16):
+            work = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+            self.inner.decode_into(enc, work)
+            ops.store_clamped(out, ops.rotate(work, self.matrix.T))
+        else:
+            self.inner.decode_into(enc, out)
+            out.copy_(ops.rotate(out, self.matrix.T))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,6 +187,8 @@ def register_quantizer(name: str):
     def wrap(cls):
         if name in _REGISTRY:
             raise KVQuantError(f"quantizer {name!r} is already registered")
+        if "codecs" in cls.__dict__:  # Quantizer.codecs adds the rotation around _codecs
+            raise KVQuantError(f"quantizer {name!r}: define _codecs(head_dim), not codecs")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
@@ -222,9 +237,12 @@ class Quantizer:
     rotation_seed: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self):
+        self._check_rotation()
+
+    def _check_rotation(self) -> None:
         if self.rotation is not None:
             _check_choice(self.name, "rotation", self.rotation, ROTATIONS)
-        _check_int(self.name, "rotation_seed", self.rotation_seed, minimum=0)
+        _check_int(self.name, "rotation_seed", self.rotation_seed, minimum=0, maximum=MAX_SEED)
 
     def _scale_dtype(self) -> torch.dtype:
         if not isinstance(self.scale_dtype, str) or self.scale_dtype not in ops.SCALE_DTYPES:
@@ -233,6 +251,7 @@ class Quantizer:
 
     def codecs(self, head_dim: int) -> tuple[Codec, Codec]:
         """The key and value codecs at ``head_dim``, rotated where ``rotation`` asks for it."""
+        self._check_rotation()  # also where a subclass's __post_init__ forgot to
         key, value = self._codecs(head_dim)
         if self.rotation is None:
             return key, value
@@ -265,7 +284,8 @@ def largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
-def _check_int(owner: str, field: str, value, allowed=None, minimum: int | None = None) -> None:
+def _check_int(owner: str, field: str, value, allowed=None, minimum: int | None = None,
+               maximum: int | None = None) -> None:
     """One-line errors for an option that must be an integer (never a bool or a float)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise KVQuantError(f"{owner}: {field} must be an integer, got {type(value).__name__} {value!r}")
@@ -273,6 +293,8 @@ def _check_int(owner: str, field: str, value, allowed=None, minimum: int | None 
         raise KVQuantError(f"{owner}: {field} must be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {value!r}")
     if minimum is not None and value < minimum:
         raise KVQuantError(f"{owner}: {field} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise KVQuantError(f"{owner}: {field} must be an integer <= {maximum}, got {value!r}")
 
 
 def _check_choice(owner: str, field: str, value, choices) -> None:

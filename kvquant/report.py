@@ -40,9 +40,9 @@ def _version(package: str) -> str:
 #: Tokens per sequence at which the report also states each setting's memory (the planner's arithmetic).
 LONG_CONTEXT = 8192
 
-#: Modules that only orchestrate, check or render (runner, config, gate, planner, report, CLI): they run afresh
+#: Modules that only orchestrate, check or render (runner, gate, planner, report, CLI): they run afresh
 #: every time and decide no measured value, so a change to them keeps finished results reusable.
-NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "config.py", "errors.py", "lm_eval.py"})
+NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "errors.py", "lm_eval.py"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,6 +131,8 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
     curve = _probe_curve(candidates)
     if curve:
         files["probe.png"] = _probe_plot(curve, cfg)
+    else:
+        (out_dir / "probe.png").unlink(missing_ok=True)  # a previous run's
     _write_together(out_dir, files)
     return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}
 
@@ -287,7 +289,8 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
     lines += ["", f"Bits/element and memory vs fp16: measured by `memory_report()` after {mem['tokens']} tokens "
               "through the model (payload, scales and full-precision tokens, all counted; the gate's 'cheapest' "
               f"uses these bits); at {LONG_CONTEXT:,} tokens: the same cache code run on shape-only tensors of this "
-              f"model's layers ({mem['long']['total_bytes'] / 2**20:.1f} MiB per sequence in fp16). The baseline "
+              f"model's layers, states in the model's dtype (fp16 takes {mem['long']['fp16_bytes'] / 2**20:.1f} MiB "
+              "per sequence there). The baseline "
               f"holds {mem['bits_per_element']:.0f} bits/element (the model's dtype).", "", "## Metrics", "",
               "| candidate | metric | value | baseline | relative | 95% CI | threshold | gated | passed | n |",
               "|---|---|---:|---:|---:|---|---:|---|---|---:|"]

@@ -32,9 +32,9 @@ from .config import Candidate, ExperimentConfig, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .gate import ACCURACY, PERPLEXITY, MetricRow, bootstrap_interval, decide
 from .measure import BASELINE, measure
-from .models import check_model, load_model, trained_context
+from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, trained_context
 from .plan import ModelShape, shape_from_config
-from .tasks import check_probe_lengths, check_tasks, gated_metric
+from .tasks import check_tasks, gated_metric, prepare_probe_tasks, probe_tasks
 
 LOCK = ".lock"
 
@@ -229,8 +229,10 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
         check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
-    check_probe_lengths(cfg.eval.tasks.names, cfg.model.max_length or trained_context(model_config),
-                        "eval.tasks.names")
+    probes = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    if probes:  # documents are cut with the model's tokenizer: write and check them now
+        context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
+        prepare_probe_tasks(load_tokenizer(cfg.model), probes, context, "eval.tasks.names")
     warnings = []
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)
@@ -247,8 +249,12 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     for c in [BASELINE, *cfg.candidates]:  # the planner's arithmetic at a long context, by the cache's own code
         memory[c.label]["long"] = simulate_memory(shape.layout, {"quantizer": c.quantizer, **c.options}, batch=1,
                                                   kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                                                  tokens=report.LONG_CONTEXT)
+                                                  tokens=report.LONG_CONTEXT, dtype=model.dtype)
     table_rows = table(cfg, results)
+    for row in table_rows:
+        if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == cfg.candidates[0].label:
+            warn(warnings, f"gated metric {row.metric}: the baseline scores 0, so every candidate keeps it (relative "
+                 "1.0) and the gate says nothing about it")
     bits = {c.label: memory[c.label]["bits_per_element"] for c in cfg.candidates}
     decision = decide(table_rows, bits, cfg.gate)
     provenance = {"reused": store.reused, "computed": store.computed, "set_aside": store.set_aside,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import KVQuantError
+from .errors import KVQuantError, one_line
 from .paths import data_dir
 
 #: The metric a task is gated on where it is not ``acc``: the one its literature reports (length-normalized
@@ -58,12 +58,10 @@ OFFLINE_TASKS = {
 }
 LASTWORD = "tinystories_lastword"
 PROBE = re.compile(r"passkey_([0-9]+)")
-#: shortest probe distance: the question alone is ~12 tokens
-MIN_PROBE_DISTANCE = 32
-#: tokens of a probe document before its distance counts (BOS, intro, key sentence), rounded up
-PROBE_HEAD = 48
-#: documents written per probe distance where the config sets no limit
+#: documents per probe distance where the config sets no limit; at least this many are written
 PROBE_DOCUMENTS = 50
+#: most documents per probe distance
+MAX_PROBE_DOCUMENTS = 10_000
 LASTWORD_SOURCE = "text/tinystories/validation-first1000.jsonl"
 LASTWORD_STORIES = slice(500, 1000)
 
@@ -141,14 +139,28 @@ def probe_tasks(names: list[str], limit_for) -> dict[str, int]:
     return {n: limit_for(n) or PROBE_DOCUMENTS for n in names if probe_distance(n) is not None}
 
 
-def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> None:
-    """``passkey_<D>.yaml`` and its documents (cut with ``tokenizer``) for each ``{task: documents}``."""
+def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> dict[str, int]:
+    """``passkey_<D>.yaml`` and its documents (cut with ``tokenizer``) for each ``{task: documents}``; returns
+    ``{task: tokens of its longest requested document, target included}``. A document depends only on (D, its
+    index), so a file only ever grows (never below :data:`PROBE_DOCUMENTS`): runs sharing the folder read the same
+    first documents, and lm-eval's ``limit`` takes the first ones."""
     from .probe import probe_documents
 
+    longest = {}
     for name, count in probes.items():
-        docs = probe_documents(tokenizer, [probe_distance(name)], count)
         data_file = directory / f"{name}.jsonl"
-        _write(data_file, "".join(json.dumps(d) + "\n" for d in docs))
+        try:
+            existing = [json.loads(line) for line in data_file.read_text(encoding="utf-8").splitlines()]
+        except (OSError, ValueError):
+            existing = []
+        if len(existing) < max(count, PROBE_DOCUMENTS) or not all("tokens" in d for d in existing):
+            docs = probe_documents(tokenizer, [probe_distance(name)], max(count, PROBE_DOCUMENTS))
+            for doc in docs:
+                doc["tokens"] = (len(tokenizer(doc["context"]).input_ids)
+                                 + len(tokenizer(doc["target"], add_special_tokens=False).input_ids))
+            _write(data_file, "".join(json.dumps(d) + "\n" for d in docs))
+            existing = docs
+        longest[name] = max(d["tokens"] for d in existing[:count])
         spec = {
             "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}},
             "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{context}}",
@@ -158,6 +170,28 @@ def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> Non
                          "source": "kvquant.probe: pass key, WikiText-2 test filler"},
         }
         _write(directory / f"{name}.yaml", yaml.safe_dump(spec, sort_keys=False))
+    return longest
+
+
+def prepare_probe_tasks(tokenizer, probes: dict[str, int], context: int, key: str) -> Path:
+    """The task folder of ``tokenizer`` with the ``probes`` written (see :func:`task_dir`), checked: every distance
+    fits the model's ``context`` tokens (as the kvquant lm-eval model keeps them: ``context + 1`` with the
+    target). Errors name ``key``."""
+    for name, count in probes.items():
+        if probe_distance(name) >= context:  # a document holds at least its distance and the question
+            raise KVQuantError(f"{key}: {name!r}: the model reads {context} tokens, fewer than the distance")
+        if count > MAX_PROBE_DOCUMENTS:
+            raise KVQuantError(f"{key}: {name}: {count} documents asked for; at most {MAX_PROBE_DOCUMENTS} per distance")
+    try:
+        folder, longest = _task_dir(tokenizer, probes)
+    except KVQuantError as err:
+        raise KVQuantError(f"{key}: {one_line(err)}") from None
+    for name, tokens in longest.items():
+        if tokens > context + 1:
+            distance = probe_distance(name)
+            raise KVQuantError(f"{key}: {name!r}: its documents take up to {tokens} tokens; the model reads {context} "
+                               f"(largest distance here: {distance - (tokens - context - 1)})")
+    return folder
 
 
 def _tokenizer_tag(tokenizer) -> str:
@@ -169,15 +203,17 @@ def _tokenizer_tag(tokenizer) -> str:
 def task_dir(tokenizer=None, probes: dict[str, int] | None = None) -> Path:
     """Where the offline task files of this data directory live (``$KVQUANT_TASK_DIR`` or a temp folder); with
     ``probes`` (:func:`probe_tasks`), a folder of this tokenizer that also holds those probe tasks."""
+    return _task_dir(tokenizer, probes)[0]
+
+
+def _task_dir(tokenizer, probes: dict[str, int] | None) -> tuple[Path, dict[str, int]]:
     base = os.environ.get("KVQUANT_TASK_DIR") or os.path.join(tempfile.gettempdir(), "kvquant-tasks")
     root = data_dir()
     tag = re.sub(r"[^A-Za-z0-9]+", "_", str(root)) if root else "hub"
     if probes:
         tag += f"-tok{_tokenizer_tag(tokenizer)}"
     directory = write_task_dir(Path(base) / tag)
-    if probes:
-        write_probe_tasks(directory, tokenizer, probes)
-    return directory
+    return directory, write_probe_tasks(directory, tokenizer, probes) if probes else {}
 
 
 def resolve_task(name: str) -> str:
@@ -188,13 +224,18 @@ def resolve_task(name: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=2)
 def task_manager(directory: str | None = None):
-    """lm-eval's TaskManager with ``directory`` (default: :func:`task_dir`) on its include path (built once per
-    process and folder: ~15 s). Probe tasks must be written into the folder before."""
+    """lm-eval's TaskManager with ``directory`` (default: :func:`task_dir`) on its include path; built once per
+    process for a folder and the task files in it (~15 s), so tasks written later are seen."""
+    directory = directory or str(task_dir())
+    return _task_manager(directory, tuple(sorted(p.name for p in Path(directory).glob("*.yaml"))))
+
+
+@functools.lru_cache(maxsize=2)
+def _task_manager(directory: str, files: tuple[str, ...]):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=directory or str(task_dir()))
+    return TaskManager(include_path=directory)
 
 
 def known_tasks() -> dict[str, list[str]]:
@@ -217,23 +258,13 @@ def known_tasks() -> dict[str, list[str]]:
     return names
 
 
-def check_probe_lengths(names: list[str], context: int | None, key: str) -> None:
-    """Every ``passkey_<D>`` document (D tokens plus the key's sentences, ~40 tokens) fits ``context`` tokens."""
-    for name in names:
-        distance = probe_distance(name)
-        if distance is not None and context and distance + PROBE_HEAD > context:
-            raise KVQuantError(f"{key}: {name!r} needs about {distance + PROBE_HEAD} tokens per document; the model "
-                               f"takes {context} (largest distance here: {context - PROBE_HEAD})")
-
-
 def check_tasks(names: list[str], key: str, single: bool = True) -> None:
     """Every name is a task lm-eval knows (``single``: a task, not a group or tag, since the runner scores one
     task at a time); an unknown one is an error with the closest known names."""
     offline = {LASTWORD, *OFFLINE_TASKS, *map(resolve_task, OFFLINE_TASKS)}
     for name in names:
-        distance = probe_distance(name)
-        if distance is not None and distance < MIN_PROBE_DISTANCE:
-            raise KVQuantError(f"{key}: {name!r}: the probe distance must be at least {MIN_PROBE_DISTANCE} tokens")
+        if probe_distance(name) == 0:
+            raise KVQuantError(f"{key}: {name!r}: the probe distance must be a positive number of tokens")
     unchecked = [n for n in names if n not in offline and probe_distance(n) is None]
     if not unchecked:
         return

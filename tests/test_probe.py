@@ -1,6 +1,8 @@
 """The long-range probe: documents with exactly the distance they claim, and lm-eval tasks ``passkey_<D>`` that
 score them through the quantized cache exactly as kvquant's own scorer does."""
 
+import json
+
 import lm_eval
 import pytest
 
@@ -12,7 +14,8 @@ from kvquant.lm_eval_model import KVQuantLM
 from kvquant.paths import resolve
 from kvquant.probe import probe_documents
 from kvquant.report import _probe_curve, _probe_table, wilson_interval
-from kvquant.tasks import check_probe_lengths, check_tasks, probe_distance, probe_tasks, task_dir, task_manager
+from kvquant.tasks import (PROBE_DOCUMENTS, check_tasks, prepare_probe_tasks, probe_distance, probe_tasks, task_dir,
+                           task_manager)
 
 
 def tokens_after(tokenizer, context: str, char: int) -> int:
@@ -54,16 +57,45 @@ def test_baseline_documents_hold_no_key(tokenizer):
         assert key not in b["context"] and a["context"].endswith(b["context"]) and a["target"] == b["target"]
 
 
-def test_probe_names_and_lengths_are_checked():
+def test_probe_names_and_lengths_are_checked(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVQUANT_TASK_DIR", str(tmp_path))
     assert probe_distance("passkey_4096") == 4096 and probe_distance("passkey_x") is None
     assert probe_distance("lambada_openai") is None
     assert probe_tasks(["passkey_64", "arc_easy"], lambda t: 5) == {"passkey_64": 5}
     check_tasks(["passkey_64", "lambada_openai"], "tasks")
-    with pytest.raises(KVQuantError, match="at least 32"):
-        check_tasks(["passkey_8"], "tasks")
-    check_probe_lengths(["passkey_400"], 512, "tasks")
-    with pytest.raises(KVQuantError, match="passkey_500.*the model takes 512"):
-        check_probe_lengths(["passkey_500"], 512, "tasks")
+    with pytest.raises(KVQuantError, match="positive"):
+        check_tasks(["passkey_0"], "tasks")
+    folder = prepare_probe_tasks(tokenizer, {"passkey_100": 3}, 512, "tasks")
+    longest = max(json.loads(line)["tokens"] for line in (folder / "passkey_100.jsonl").read_text().splitlines()[:3])
+    docs = probe_documents(tokenizer, [100], 3)
+    assert longest == max(len(tokenizer(d["context"]).input_ids) + len(tokenizer(d["target"], add_special_tokens=False).input_ids)
+                          for d in docs)
+    prepare_probe_tasks(tokenizer, {"passkey_100": 3}, longest - 1, "tasks")  # the model keeps max_length + 1
+    with pytest.raises(KVQuantError, match=f"tasks: 'passkey_100': its documents take up to {longest} tokens; the "
+                       f"model reads {longest - 2} .largest distance here: 99."):
+        prepare_probe_tasks(tokenizer, {"passkey_100": 3}, longest - 2, "tasks")
+    with pytest.raises(KVQuantError, match="tasks: probe distance 40 is shorter than the probe's own text"):
+        prepare_probe_tasks(tokenizer, {"passkey_40": 3}, 512, "tasks")
+    with pytest.raises(KVQuantError, match="fewer than the distance"):
+        prepare_probe_tasks(tokenizer, {"passkey_600": 3}, 512, "tasks")
+    with pytest.raises(KVQuantError, match="at most 10000"):
+        prepare_probe_tasks(tokenizer, {"passkey_64": 10**9}, 512, "tasks")
+
+
+def test_probe_files_only_grow_and_managers_see_new_tasks(tokenizer, tmp_path, monkeypatch):
+    """Two runs sharing a folder: the second asking fewer documents does not shrink the file (the first run's
+    documents stay what they were), and a task written after a manager was built is found."""
+    monkeypatch.setenv("KVQUANT_TASK_DIR", str(tmp_path))
+    folder = task_dir(tokenizer, {"passkey_64": 60})
+    first = (folder / "passkey_64.jsonl").read_text()
+    assert len(first.splitlines()) == 60
+    task_dir(tokenizer, {"passkey_64": 2})
+    assert (folder / "passkey_64.jsonl").read_text() == first
+    before = task_manager(str(folder))
+    assert "passkey_64" in before.all_subtasks and "passkey_100" not in before.all_subtasks
+    task_dir(tokenizer, {"passkey_100": 2})
+    assert len((folder / "passkey_100.jsonl").read_text().splitlines()) == PROBE_DOCUMENTS
+    assert "passkey_100" in task_manager(str(folder)).all_subtasks
 
 
 def test_lm_eval_task_scores_the_documents_like_the_scorer(model, tokenizer, tmp_path, monkeypatch):
@@ -118,7 +150,7 @@ def test_lm_eval_cli_runs_probe_tasks_with_the_models_tokenizer(tmp_path, monkey
                  "--tasks", "passkey_64", "--limit", "2", "--output_path", str(tmp_path / "out")])
     assert code == 0
     assert "passkey_64" in capsys.readouterr().out
-    assert len((next(tmp_path.glob("*-tok*")) / "passkey_64.jsonl").read_text().splitlines()) == 2
+    assert len((next(tmp_path.glob("*-tok*")) / "passkey_64.jsonl").read_text().splitlines()) == PROBE_DOCUMENTS
 
 
 def test_lm_eval_cli_refuses_probe_tasks_without_the_kvquant_model(capsys):

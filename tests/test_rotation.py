@@ -135,3 +135,44 @@ def test_bad_rotation_options_are_one_clear_error(model, options, needle):
 def test_settings_name_the_rotation_block(model):
     settings = kvquant.make_cache(model, "int4", rotation="hadamard", rotation_seed=2).settings()
     assert settings["rotation"] == "hadamard" and settings["rotation_seed"] == 2 and settings["rotation_block"] == 8
+
+
+def test_a_single_outlier_channel_fits_once_rotated():
+    """One channel at 9000 rotates to 9000/8 per channel (head_dim 64): storable with fp16 scales, although the
+    worst case (a whole block's norm in one channel) would not be; beyond what any rotation can fit: refused."""
+    key_codec, _ = get_quantizer("int8", rotation="hadamard").codecs(64)
+    x = torch.zeros(1, 1, 128, 64)
+    x[..., 3] = 9000.0
+    out = torch.empty_like(x)
+    key_codec.decode_into(key_codec.encode(x), out)
+    assert (out - x).abs().max() <= 9000 * 2**-6
+    with pytest.raises(KVQuantError, match="rotated states reach"):
+        key_codec.encode(torch.full((1, 1, 128, 64), 60000.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotated_16_bit_states_are_rounded_once(dtype):
+    """Read into a 16-bit view: dequantized and rotated back in fp32, rounded to the model's dtype once."""
+    key_codec, _ = get_quantizer("int8", rotation="hadamard").codecs(64)
+    x = outlier_states(3).to(dtype)
+    enc = key_codec.encode(x)
+    once = torch.empty(x.shape)
+    key_codec.inner.decode_into(enc, once)
+    expected = (once @ key_codec.matrix.T.float()).to(dtype)  # as ops.rotate: fp32
+    out = torch.empty_like(x)
+    key_codec.decode_into(enc, out)
+    assert torch.equal(out, expected)
+
+
+def test_seed_and_extension_point_are_guarded():
+    with pytest.raises(KVQuantError, match="rotation_seed must be an integer <= 9223372036854775807"):
+        get_quantizer("int4", rotation="hadamard", rotation_seed=2**64)
+    from kvquant.quantizers import IdentityCodec, Quantizer, register_quantizer
+    from dataclasses import dataclass
+
+    with pytest.raises(KVQuantError, match="define _codecs"):
+        @register_quantizer("test_overrides_codecs")
+        @dataclass(frozen=True)
+        class Legacy(Quantizer):
+            def codecs(self, head_dim):
+                return IdentityCodec(), IdentityCodec()
