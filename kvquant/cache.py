@@ -44,6 +44,10 @@ class _Stream:
         self.enc: dict[str, torch.Tensor] = {}
         self.evicted = 0
 
+    def empty(self) -> _Stream:
+        """A stream with the same settings and nothing stored."""
+        return _Stream(self.codec, self.sink_tokens, self.residual_length, self.tail)
+
     @property
     def n_enc(self) -> int:
         """Tokens held in quantized units."""
@@ -58,9 +62,11 @@ class _Stream:
         """Tokens ever written to this row."""
         return len(self) + self.evicted
 
-    def append(self, x: torch.Tensor, name: str) -> None:
-        """Store ``x`` ``[1, H, n, D]``: fill the sinks, then quantize every whole unit beyond the residual window."""
-        _check_states(x, self.codec.max_abs, name)
+    def append(self, x: torch.Tensor, name: str, checked: bool = False) -> None:
+        """Store ``x`` ``[1, H, n, D]``: fill the sinks, then quantize every whole unit beyond the residual window.
+        ``checked``: the caller has already found ``x`` storable (:func:`_fits`)."""
+        if not checked:
+            _check_states(x, self.codec.max_abs, name)
         take = min(self.sink_tokens - self.sinks.shape[2], x.shape[2])
         if take > 0:
             self.sinks = torch.cat([self.sinks, x[:, :, :take]], dim=2)
@@ -118,12 +124,18 @@ class _Stream:
         return out
 
 
+def _fits(x: torch.Tensor, max_abs: float) -> bool:
+    """Every element of ``x`` is finite and within ``±max_abs`` (one reduction; true for shapes-only tensors)."""
+    if x.device.type == "meta" or not x.numel():  # shapes only (capacity planning): nothing to check
+        return True
+    amax = float(x.abs().amax())
+    return math.isfinite(amax) and amax <= max_abs
+
+
 def _check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
-    if x.device.type == "meta":  # shapes only (capacity planning): nothing to check
+    if _fits(x, max_abs):
         return
-    amax = float(x.abs().amax()) if x.numel() else 0.0
-    if math.isfinite(amax) and amax <= max_abs:
-        return
+    amax = float(x.abs().amax())
     if not torch.isfinite(x).all():
         raise NonFiniteKVError(
             f"{name} hold NaN or Inf; kvquant does not store non-finite states, since one of them would corrupt the "
@@ -133,32 +145,34 @@ def _check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
                        "can hold (scale_dtype='float32' holds more)")
 
 
-def _write(stream: _Stream, states: torch.Tensor, real: torch.Tensor, name: str) -> None:
-    """Append the real positions (``real`` ``[n]`` bool) of one row's ``states`` ``[1, H, n, D]``."""
-    count = int(real.sum())
-    if count == real.numel():
-        stream.append(states, name)
-    elif count:
-        stream.append(states[:, :, real.nonzero()[:, 0]], name)
+def _write(stream: _Stream, states: torch.Tensor, span: tuple[int, int, int], real, name: str,
+           checked: bool) -> None:
+    """Append the real positions of one row's ``states`` ``[1, H, n, D]``: ``span`` as from :meth:`Padding.spans`;
+    ``real()`` gives the ``[n]`` bool mask when they are not one block."""
+    count, first, last = span
+    if count == last - first:
+        if count:
+            stream.append(states if count == states.shape[2] else states[:, :, first:last], name, checked)
+    else:
+        stream.append(states[:, :, real().nonzero()[:, 0]], name, checked)
 
 
-def _read(stream: _Stream, out: torch.Tensor, real: torch.Tensor) -> None:
+def _read(stream: _Stream, out: torch.Tensor, span: tuple[int, int, int], real) -> None:
     """Write one row's visible window into ``out`` ``[1, H, m, D]``: its last stored tokens at the real positions
-    (``real`` ``[m]`` bool), zeros at padding."""
-    m, count = real.numel(), int(real.sum())
-    if count == m:
-        stream.materialize_into(out)
-        return
-    positions = real.nonzero()[:, 0]
-    if count and int(positions[0]) == m - count:  # one block at the end (left padding): write in place
-        stream.materialize_into(out[:, :, m - count :])
-        out[:, :, : m - count] = 0
+    (``span`` and ``real()`` as for :func:`_write`), zeros at padding."""
+    count, first, last = span
+    if count == last - first:  # one block (left or right padding): write in place
+        if count:
+            stream.materialize_into(out[:, :, first:last])
+        if first:
+            out[:, :, :first] = 0
+        if last < out.shape[2]:
+            out[:, :, last:] = 0
         return
     out.zero_()
-    if count:
-        block = out.new_empty(*out.shape[:2], count, out.shape[3])
-        stream.materialize_into(block)
-        out.index_copy_(2, positions.to(out.device), block)
+    block = out.new_empty(*out.shape[:2], count, out.shape[3])
+    stream.materialize_into(block)
+    out.index_copy_(2, real().nonzero()[:, 0].to(out.device), block)
 
 
 class Padding:
@@ -170,6 +184,30 @@ class Padding:
 
     def __init__(self):
         self.mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return self._mask
+
+    @mask.setter
+    def mask(self, value: torch.Tensor | None) -> None:
+        self._mask = value
+        self._spans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # every layer asks the same
+
+    def spans(self, start: int, stop: int, batch: int) -> list[tuple[int, int, int]]:
+        """Per row ``(count, first, last)``: real tokens among positions ``[start, stop)``, and the bounds (from
+        ``start``) of the block they span; ``count == last - first`` when they are one block (padding only in
+        front or behind). Worked out once per mask and range, since all layers of a forward ask the same."""
+        key = (start, stop, batch)
+        if self.mask is None or stop <= start:
+            return [(max(stop - start, 0), 0, max(stop - start, 0))] * batch
+        if key not in self._spans:
+            real = self.real(start, stop, batch)
+            counts = real.sum(1).tolist()
+            ends = torch.where(real.any(1), real.int().argmax(1), 0).tolist()  # first real position
+            lasts = torch.where(real.any(1), real.shape[1] - real.flip(1).int().argmax(1), 0).tolist()
+            self._spans[key] = list(zip(counts, ends, lasts))
+        return self._spans[key]
 
     def declare(self, attention_mask: torch.Tensor, written: int, rows: int | None) -> None:
         """Take the mask of ``rows`` rows (None: not yet known); it must cover the ``written`` positions and agree
@@ -204,9 +242,7 @@ class Padding:
 
     def count(self, start: int, stop: int, batch: int) -> list[int]:
         """Per row: real tokens among positions ``[start, stop)`` (no tensor work when nothing is declared)."""
-        if self.mask is None:
-            return [stop - start] * batch
-        return self.real(start, stop, batch).sum(1).tolist()
+        return [count for count, _, _ in self.spans(start, stop, batch)]
 
     def select(self, rows: list[int]) -> None:
         if self.mask is not None:
@@ -266,18 +302,19 @@ class QuantizedLayer(CacheLayerMixin):
         n, past = key_states.shape[2], self.cumulative_length
         first = self._window()  # DynamicCache returns positions [first, past + n): min(past, W - 1) + n of them
         kv_len = past + n - first
-        real = self.padding.real(first, past + n, batch)  # [B, kv_len]
+        new, visible = self.padding.spans(past, past + n, batch), self.padding.spans(first, past + n, batch)
         self.cumulative_length += n
         keep = self.held()  # per row, what the window still needs after this update
         keys = key_states.new_empty(*key_states.shape[:2], kv_len, key_states.shape[3])
         values = value_states.new_empty(*value_states.shape[:2], kv_len, value_states.shape[3])
+        # one reduction for the whole batch; if it fails, each row's real tokens are checked (padding may hold any)
+        checked = (_fits(key_states, self.k[0].codec.max_abs), _fits(value_states, self.v[0].codec.max_abs))
         for row in range(batch):
-            new = real[row, kv_len - n :]
-            visible = real[row]
-            for stream, states, out, name in ((self.k[row], key_states, keys, "keys"),
-                                              (self.v[row], value_states, values, "values")):
-                _write(stream, states[row : row + 1], new, name)
-                _read(stream, out[row : row + 1], visible)
+            real = lambda: self.padding.real(first, past + n, batch)[row]  # noqa: E731 (only for scattered padding)
+            for stream, states, out, name, ok in ((self.k[row], key_states, keys, "keys", checked[0]),
+                                                  (self.v[row], value_states, values, "values", checked[1])):
+                _write(stream, states[row : row + 1], new[row], lambda: real()[kv_len - n :], name, ok)
+                _read(stream, out[row : row + 1], visible[row], real)
                 if self.is_sliding:
                     stream.evict(keep[row])
         self._check()
@@ -371,9 +408,7 @@ class KVQuantCache(Cache):
         is then not stored and never enters a scale, and each row is grouped from its own first real token, as if
         it ran alone. Call it before the forward (or ``generate``) that writes the padded positions; without it,
         every position is stored as a real token. Returns the cache."""
-        rows = next((len(layer.k) for layer in self.layers if isinstance(layer, QuantizedLayer) and layer.is_initialized),
-                    None)
-        self.padding.declare(attention_mask, self.get_seq_length(), rows)
+        self.padding.declare(attention_mask, self.get_seq_length(), self.rows())
         return self
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -396,6 +431,12 @@ class KVQuantCache(Cache):
         stored prefix until they write (prefix sharing: prefill a context once, then extend each copy)."""
         self.batch_select_indices(torch.tensor(rows, dtype=torch.long))
 
+    def rows(self) -> int | None:
+        """Batch rows this cache holds (None before its first write)."""
+        return next((len(layer.k) for layer in self.layers if isinstance(layer, QuantizedLayer) and layer.is_initialized),
+                    None)
+
+
     def settings(self) -> dict[str, object]:
         """The make_cache options of this cache (enough to rebuild it), plus what the quantizer derived for the
         model's head_dim (e.g. ``key_group``/``value_group`` actually used)."""
@@ -409,6 +450,53 @@ class KVQuantCache(Cache):
         the breakdown by role and ``tokens`` (sequence length)."""
         parts = [layer.memory() for layer in self.layers if isinstance(layer, QuantizedLayer)]
         return _summarize(parts, self.get_seq_length())
+
+
+def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
+    """A new cache whose row ``i`` continues row ``r`` of cache ``c`` for ``sources[i] = (c, r)`` (the sources stay
+    as they are; a row listed several times forks, as in :meth:`KVQuantCache.fork`). A cache with nothing written
+    yet gives an empty row. Rows that were written over fewer positions than the longest source are padded in
+    front: padding before all of a row's tokens changes nothing it stores or computes, so each row continues as it
+    would in its own cache. This lets rows prefilled in separate batches (contexts of similar lengths) continue in
+    one batch (continuations of similar lengths)."""
+    if not sources:
+        raise KVQuantError("stack_rows needs at least one (cache, row)")
+    first = sources[0][0]
+    for cache, row in sources:
+        if not isinstance(cache, KVQuantCache) or cache.settings() != first.settings() or \
+                [type(layer) for layer in cache.layers] != [type(layer) for layer in first.layers]:
+            raise KVQuantError("stack_rows: every source must be a KVQuantCache built with the same settings for the "
+                               "same model")
+        rows = cache.rows()
+        if rows is not None and not 0 <= row < rows:
+            raise KVQuantError(f"stack_rows: row {row} of a cache with {rows} rows")
+    width = max(cache.get_seq_length() for cache, _ in sources)
+    mask = torch.zeros(len(sources), width, dtype=torch.bool)
+    for i, (cache, row) in enumerate(sources):
+        written = cache.get_seq_length()
+        if written:
+            mask[i, width - written :] = cache.padding.real(0, written, cache.rows())[row]
+    padding = Padding()
+    if not bool(mask.all()):
+        padding.mask = mask
+    layers = []
+    for index, layer in enumerate(first.layers):
+        if not isinstance(layer, QuantizedLayer):
+            layers.append(copy.copy(layer))
+            continue
+        new = QuantizedLayer(layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, padding)
+        template = next((c.layers[index] for c, _ in sources if c.layers[index].is_initialized), None)
+        if template is not None:  # else nothing was written anywhere: the new layer initializes at its first write
+            new.k = [copy.copy(c.layers[index].k[r]) if c.layers[index].is_initialized else template.k[0].empty()
+                     for c, r in sources]
+            new.v = [copy.copy(c.layers[index].v[r]) if c.layers[index].is_initialized else template.v[0].empty()
+                     for c, r in sources]
+            new.device, new.is_initialized = template.device, True
+        new.cumulative_length = width
+        if new.is_initialized:
+            new._check()
+        layers.append(new)
+    return KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim)
 
 
 def _summarize(parts: list[dict[str, int]], tokens: int) -> dict[str, float]:

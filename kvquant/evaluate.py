@@ -10,20 +10,23 @@ quantized K/V, in one of two modes (see ``../shared/docs/measurement.md``):
 Requests are scored in batches of up to ``batch_size`` rows. Each row is its own sequence: the cache stores rows
 apart and is told which positions are padding (``KVQuantCache.set_padding``), so a row in a batch computes what
 it computes alone (up to float noise of batched matmuls). In streaming mode, requests that share a context (the
-choices of a multiple-choice question) prefill it once; the cache is then forked into one row per continuation
-(``KVQuantCache.fork``), which is exactly what each would have stored after the same context chunks. Simulated
-mode writes context and continuation in one pass, so it has nothing to share.
+choices of a multiple-choice question) prefill it once; each continuation's row then starts from a copy of the
+context's cached row (``stack_rows``), which is exactly what it would have stored after the same context chunks.
+Contexts are prefilled in batches of similar context lengths and continuations run in batches of similar
+continuation lengths, so little is padded; only the scored positions are projected onto the vocabulary.
+Simulated mode writes context and continuation in one pass, so it has nothing to share.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from .cache import KVQuantCache
+from .cache import KVQuantCache, stack_rows
 from .data import Window
 from .errors import KVQuantError
 
@@ -60,6 +63,33 @@ def _chunks(ids: list[int], size: int) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
+#: A forward pass costs about as much as this many padded positions on top of its tokens (it reads every weight
+#: once, which dominates short batches on a CPU): the price of one more batch when rows are cut into batches.
+FORWARD_COST = 32
+#: Rows of up to this many batches are prefilled before their continuations are regrouped by length (see
+#: Scorer.score_many); their prefix caches stay alive meanwhile.
+POOL_BATCHES = 8
+
+
+def _cut(lengths: list[int], most: int, forward_cost: int | None = None) -> list[int]:
+    """Sizes of the consecutive runs (at most ``most`` rows each) into which ``lengths``, sorted longest first, are
+    cut so that padded positions (each run pads to its first row) plus ``forward_cost`` (default
+    :data:`FORWARD_COST`) per run are fewest."""
+    forward_cost = FORWARD_COST if forward_cost is None else forward_cost
+    n = len(lengths)
+    best, start = [0] + [math.inf] * n, [0] * (n + 1)
+    for stop in range(1, n + 1):
+        for first in range(max(0, stop - most), stop):
+            cost = best[first] + lengths[first] * (stop - first) + forward_cost
+            if cost < best[stop]:
+                best[stop], start[stop] = cost, first
+    sizes = []
+    while n:
+        sizes.append(n - start[n])
+        n = start[n]
+    return sizes[::-1]
+
+
 class _Batch:
     """Feeds rows of different lengths through one cache, one step at a time, padding what a row does not fill.
 
@@ -69,32 +99,44 @@ class _Batch:
     def __init__(self, model, cache: KVQuantCache, rows: int):
         self.model, self.cache = model, cache
         self.device = model.get_input_embeddings().weight.device
-        self.masks: list[torch.Tensor] = []  # [rows, width] per step
+        written = cache.get_seq_length()
+        self.mask = cache.padding.real(0, written, rows) if written else torch.ones(rows, 0, dtype=torch.bool)
 
-    def step(self, tokens: list[list[int]], logits: bool, pad_first: bool = False) -> torch.Tensor | None:
-        """Feed ``tokens[r]`` to row ``r`` (maybe none), padded after them (before with ``pad_first``); logits
-        ``[rows, width, vocab]`` with each row's tokens first, when asked."""
+    def step(self, tokens: list[list[int]], keep: list[list[bool]] | None = None,
+             pad_first: bool = False) -> torch.Tensor | None:
+        """Feed ``tokens[r]`` to row ``r`` (maybe none), padded after them (before with ``pad_first``). With
+        ``keep`` (per row, one flag per token), the logits ``[kept, vocab]`` of the kept positions, row by row:
+        padding and positions nobody scores never reach the output layer."""
         width = max(map(len, tokens))
         if width == 0:
             return None
         pads = [[0] * (width - len(t)) for t in tokens]
         ids = torch.tensor([p + t if pad_first else t + p for t, p in zip(tokens, pads)])
-        real = [[0] * len(p) + [1] * len(t) if pad_first else [1] * len(t) + [0] * len(p) for t, p in zip(tokens, pads)]
-        self.masks.append(torch.tensor(real))
-        mask = torch.cat(self.masks, dim=1)
-        padded = not bool(mask.all())
+        real = [[False] * len(p) + [True] * len(t) if pad_first else [True] * len(t) + [False] * len(p)
+                for t, p in zip(tokens, pads)]
+        self.mask = torch.cat([self.mask, torch.tensor(real)], dim=1)
+        padded = not bool(self.mask.all())
         if padded:
-            self.cache.set_padding(mask)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]  # each row counts its own real tokens
+            self.cache.set_padding(self.mask)
+        positions = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -width:]  # each row counts its own real tokens
+        wanted = None
+        if keep is not None:
+            wanted = torch.tensor([k + [False] * len(p) for k, p in zip(keep, pads)])
+        some = wanted is not None and bool(wanted.any())
+        # A single row keeps transformers' own projection of all its positions, so that one request scores bit for
+        # bit what a plain forward gives (another matmul shape would round differently); batched rows differ from
+        # a row alone by such float noise anyway, so they project only what is kept.
+        to_keep = (wanted.to(self.device) if len(tokens) > 1 else 0) if some else 1
         out = self.model(ids.to(self.device), cache=self.cache, use_cache=True,
-                         attention_mask=mask.to(self.device) if padded else None,
+                         attention_mask=self.mask.long().to(self.device) if padded else None,
                          position_ids=positions.to(self.device) if padded else None,
-                         logits_to_keep=0 if logits else 1)
-        return out.logits if logits else None
-
-    def fork(self, rows: list[int]) -> None:
-        self.cache.fork(rows)
-        self.masks = [m[rows] for m in self.masks]
+                         logits_to_keep=to_keep)
+        if wanted is None:
+            return None
+        if not some:
+            return out.logits.new_empty(0, out.logits.shape[-1])
+        # transformers flattens the kept positions to [kept, vocab]; all positions come back as [rows, width, vocab]
+        return out.logits if out.logits.dim() == 2 else out.logits[wanted.to(out.logits.device)]
 
 
 class Scorer:
@@ -126,7 +168,13 @@ class Scorer:
 
     @torch.inference_mode()
     def score_many(self, requests: list[tuple[list[int], list[int]]], desc: str | None = None) -> list[Scored]:
-        """Score each ``(context, continuation)`` (both non-empty token lists); results in request order."""
+        """Score each ``(context, continuation)`` (both non-empty token lists); results in request order.
+
+        Requests are taken in pools of groups (the requests sharing a context, or each request alone). In a pool,
+        the contexts are prefilled in batches of similar lengths (a context longer than one chunk alone, chunk by
+        chunk); then every request's row continues from its context's cached row (:func:`stack_rows`) in batches
+        of similar continuation lengths. So padding stays small in both steps, although context and continuation
+        lengths hardly go together (LAMBADA: long contexts, one-token continuations; PIQA: the reverse)."""
         for context, continuation in requests:
             if not context or not continuation:
                 raise KVQuantError("every scored request needs at least one context and one continuation token")
@@ -134,54 +182,96 @@ class Scorer:
         groups: dict[tuple, list[int]] = {}
         for i, (context, _) in enumerate(requests):
             groups.setdefault(tuple(context) if share else (i,), []).append(i)
-        # longest first: the first batch shows the memory peak at once; similar lengths share batches
+        # longest first: the first pool shows the memory peak at once; similar lengths share pools
         order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
-        # A batch holds either context groups whose shared prefix is one chunk at most (fed in one step, padded
-        # in front), or a single group (its prefix fed chunk by chunk, unpadded): see _Batch.
-        batches, current = [], []
+        # A pool holds at most POOL_BATCHES batches of rows and batch_size chunks of context (what one batch of
+        # contexts could hold), or a single group whose context is longer than a chunk.
+        pools, current, rows, tokens = [], [], 0, 0
         for members in order:
-            members = sorted(members, key=lambda i: -len(requests[i][1]))
-            alone = len(self._plan(*requests[members[0]])[0]) > 1
-            for start in range(0, len(members), self.batch_size):
-                part = members[start : start + self.batch_size]
-                if current and (alone or sum(map(len, current)) + len(part) > self.batch_size):
-                    batches.append(current)
-                    current = []
-                current.append(part)
-                if alone:
-                    batches.append(current)
-                    current = []
+            prefix = len(requests[members[0]][0]) - 1 if self.mode == "streaming" else 0
+            alone = prefix > self.chunk_size
+            if current and (alone or rows + len(members) > POOL_BATCHES * self.batch_size
+                            or tokens + prefix > self.batch_size * self.chunk_size):
+                pools.append(current)
+                current, rows, tokens = [], 0, 0
+            current.append(members)
+            rows, tokens = rows + len(members), tokens + prefix
+            if alone:
+                pools.append(current)
+                current, rows, tokens = [], 0, 0
         if current:
-            batches.append(current)
+            pools.append(current)
         results: list[Scored | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc=desc, leave=False, disable=desc is None) as bar:
-            for batch in batches:
-                for i, scored in zip([i for part in batch for i in part], self._score_batch(requests, batch)):
+            for pool in pools:
+                for i, scored in self._score_pool(requests, pool):
                     results[i] = scored
-                bar.update(sum(map(len, batch)))
+                bar.update(sum(map(len, pool)))
         return results
 
-    def _score_batch(self, requests, batch: list[list[int]]) -> list[Scored]:
-        """One batch: each part is a list of requests sharing a prefix (one prefix row, one row per request)."""
-        prefixes = [self._plan(*requests[part[0]])[0] for part in batch]
-        rows = [self._plan(*requests[i])[1] for part in batch for i in part]
-        runner = _Batch(self.model, self.make_cache(), len(batch))
-        for step in range(max(map(len, prefixes))):  # one step, or one unpadded row (see score_many)
-            runner.step([p[step] if step < len(p) else [] for p in prefixes], logits=False, pad_first=True)
-        runner.fork([g for g, part in enumerate(batch) for _ in part])
-        logits: list[list[torch.Tensor]] = [[] for _ in rows]
+    def _prefill(self, prefixes: list[list[list[int]]]) -> list[tuple[KVQuantCache, int]]:
+        """Feed each prefix (a list of chunks) through a cache; per prefix, the cache and row that now hold it.
+        One-chunk prefixes are batched by length (padded in front), longer ones go alone (unpadded, chunk by
+        chunk; see _Batch), empty ones share a fresh cache."""
+        fresh = self.make_cache()
+        where: list[tuple[KVQuantCache, int]] = [(fresh, 0)] * len(prefixes)
+        short = sorted((g for g, p in enumerate(prefixes) if len(p) == 1), key=lambda g: -len(prefixes[g][0]))
+        start = 0
+        for size in _cut([len(prefixes[g][0]) for g in short], self.batch_size):
+            run = short[start : start + size]
+            start += size
+            cache = self.make_cache()
+            _Batch(self.model, cache, len(run)).step([prefixes[g][0] for g in run], pad_first=True)
+            for row, g in enumerate(run):
+                where[g] = (cache, row)
+        for g, prefix in enumerate(prefixes):
+            if len(prefix) > 1:
+                cache = self.make_cache()
+                runner = _Batch(self.model, cache, 1)
+                for chunk in prefix:
+                    runner.step([chunk])
+                where[g] = (cache, 0)
+        return where
+
+    def _score_pool(self, requests, pool: list[list[int]]) -> list[tuple[int, Scored]]:
+        """Score the requests of a pool of groups (requests sharing a context): (request index, result) pairs."""
+        where = self._prefill([self._plan(*requests[members[0]])[0] for members in pool])
+        rows = sorted(((i, self._plan(*requests[i])[1], g) for g, members in enumerate(pool) for i in members),
+                      key=lambda item: -sum(map(len, item[1].chunks)))
+        out, start = [], 0
+        for size in _cut([sum(map(len, row.chunks)) for _, row, _ in rows], self.batch_size):
+            run = rows[start : start + size]
+            start += size
+            runner = _Batch(self.model, stack_rows([where[g] for _, _, g in run]), len(run))
+            out += zip([i for i, _, _ in run], self._continue(runner, [row for _, row, _ in run]))
+        return out
+
+    def _continue(self, runner: _Batch, rows: list[_Row]) -> list[Scored]:
+        """Feed each row's chunks, step by step, and score its targets from the logits of its scored positions."""
+        logprobs: list[list[torch.Tensor]] = [[] for _ in rows]
+        greedy: list[list[torch.Tensor]] = [[] for _ in rows]
+        fed = [0] * len(rows)
         for step in range(max(len(r.chunks) for r in rows)):
             tokens = [r.chunks[step] if step < len(r.chunks) else [] for r in rows]
-            out = runner.step(tokens, logits=True)
-            for r, t in enumerate(tokens):
-                logits[r].append(out[r, : len(t)])
-        scored = []
-        for row, parts in zip(rows, logits):
-            row_logits = torch.cat(parts)[row.score_from : row.score_from + len(row.targets)].float()
-            targets = torch.tensor(row.targets, device=row_logits.device)
-            logprobs = row_logits.log_softmax(-1).gather(1, targets[:, None])[:, 0]
-            scored.append(Scored(logprobs.cpu(), (row_logits.argmax(-1) == targets).cpu()))
-        return scored
+            keep, targets, counts = [], [], []
+            for r, (row, chunk) in enumerate(zip(rows, tokens)):
+                first, stop = row.score_from - fed[r], row.score_from + len(row.targets) - fed[r]
+                keep.append([first <= j < stop for j in range(len(chunk))])
+                taken = range(max(first, 0), min(stop, len(chunk)))
+                targets += [row.targets[fed[r] + j - row.score_from] for j in taken]
+                counts.append(len(taken))
+                fed[r] += len(chunk)
+            logits = runner.step(tokens, keep)
+            if logits is None or not targets:
+                continue
+            logits = logits.float()
+            wanted = torch.tensor(targets, device=logits.device)
+            lp = logits.log_softmax(-1).gather(1, wanted[:, None])[:, 0].cpu()
+            hit = (logits.argmax(-1) == wanted).cpu()
+            for r, (a, b) in enumerate(zip(lp.split(counts), hit.split(counts))):
+                logprobs[r].append(a)
+                greedy[r].append(b)
+        return [Scored(torch.cat(lp), torch.cat(hit)) for lp, hit in zip(logprobs, greedy)]
 
 
 def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str = "perplexity") -> dict[str, list[float]]:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvquant
+from kvquant.cache import stack_rows
 from reference import FakeQuantReference, Spec
 
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
@@ -301,3 +302,90 @@ def test_fp8_states_beyond_what_its_scales_hold_raise(model):
     layer = kvquant.make_cache(model, "fp8_e4m3", scale_dtype="float32").layers[0]
     keys, _ = layer.update(torch.full((1, 4, 2, 8), 3e7), torch.ones(1, 4, 2, 8))
     assert torch.isfinite(keys).all()
+
+
+def _feed(model, cache, parts, mask, pad_first=False):
+    """One padded forward of ``parts`` (a token list per row) through ``cache``; ``mask`` is the history so far
+    ([rows, written] long), returned extended. Logits of each row's real positions."""
+    width = max(map(len, parts))
+    pad = [[0] * (width - len(p)) for p in parts]
+    ids = torch.tensor([z + p if pad_first else p + z for p, z in zip(parts, pad)])
+    step = torch.tensor([[0] * len(z) + [1] * len(p) if pad_first else [1] * len(p) + [0] * len(z)
+                         for p, z in zip(parts, pad)])
+    mask = torch.cat([mask, step], dim=1)
+    cache.set_padding(mask)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits
+    return [logits[b][step[b].bool()] for b in range(len(parts))], mask
+
+
+@pytest.mark.parametrize("name", ["fp16", "int4", "int2"])
+def test_stacked_rows_continue_as_in_their_own_caches(model64, story_ids, name):
+    """Rows prefilled in different caches (a left-padded batch, a single row, a cache with nothing written) are
+    stacked into one batch and extended with continuations of different lengths: every row's logits equal that
+    row fed alone through its own cache (float64), and the sources are left as they were."""
+    model, ids = model64, story_ids[0].tolist()
+    options = {"residual_length": 0, "group_size": 8} if name.startswith("int") else {}
+    make = lambda: kvquant.make_cache(model, name, **options)  # noqa: E731
+    contexts = [ids[:30], ids[40:52], ids[60:80], []]
+    batch, single, fresh = make(), make(), make()
+    _, batch_mask = _feed(model, batch, contexts[:2], torch.ones(2, 0, dtype=torch.long), pad_first=True)
+    _feed(model, single, contexts[2:3], torch.ones(1, 0, dtype=torch.long))
+    stored = [len(s) for s in batch.layers[0].k]
+    sources = [(single, 0), (batch, 1), (batch, 0), (batch, 1), (fresh, 0)]
+    which = [2, 1, 0, 1, 3]  # the context of each stacked row
+    stacked = stack_rows(sources)
+    assert stacked.get_seq_length() == 30 and stacked.rows() == 5
+    assert [len(s) for s in stacked.layers[0].k] == [20, 12, 30, 12, 0]
+    continuations = [ids[100:109], ids[110:113], ids[120:125], ids[130:131], ids[140:147]]
+    history = stacked.padding.real(0, 30, 5).long()
+    assert history.sum(1).tolist() == [20, 12, 30, 12, 0] and history[:, -1].tolist() == [1, 1, 1, 1, 0]
+    logits, _ = _feed(model, stacked, continuations, history)
+    for row, (context, cont) in enumerate(zip(which, continuations)):
+        alone = make()
+        if contexts[context]:
+            forward(model, torch.tensor([contexts[context]]), alone)
+        torch.testing.assert_close(logits[row], forward(model, torch.tensor([cont]), alone)[0], rtol=0, atol=1e-9)
+    assert [len(s) for s in batch.layers[0].k] == stored and batch.padding.mask.shape == batch_mask.shape
+
+
+def test_stack_rows_rejects_what_it_cannot_stack(model):
+    a, b = kvquant.make_cache(model, "int4"), kvquant.make_cache(model, "int8")
+    forward(model, torch.tensor([[1, 2, 3]]), a)
+    with pytest.raises(kvquant.KVQuantError, match="same settings"):
+        stack_rows([(a, 0), (b, 0)])
+    with pytest.raises(kvquant.KVQuantError, match="row 1 of a cache with 1 rows"):
+        stack_rows([(a, 1)])
+    with pytest.raises(kvquant.KVQuantError, match="at least one"):
+        stack_rows([])
+
+
+def test_padding_spans_find_one_block_or_scattered_tokens():
+    from kvquant.cache import Padding
+
+    padding = Padding()
+    assert padding.spans(0, 4, 2) == [(4, 0, 4)] * 2  # nothing declared: all real
+    padding.declare(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]]), 0, None)
+    assert padding.spans(0, 5, 4) == [(3, 2, 5), (2, 0, 2), (2, 0, 3), (0, 0, 0)]
+    assert padding.spans(1, 7, 4) == [(5, 1, 6), (3, 0, 6), (3, 1, 6), (2, 4, 6)]  # beyond the mask: real
+    assert padding.count(0, 5, 4) == [3, 2, 2, 0]
+    padding.select([1, 0])  # a new mask forgets what was worked out for the old one
+    assert padding.spans(0, 5, 2) == [(2, 0, 2), (3, 2, 5)]
+
+
+def test_padding_is_never_checked_against_the_scale_limit(model):
+    """The range check runs once over the batch; when that fails, only rows' real tokens are checked: a padded
+    position holding a huge state is neither stored nor an error, a real one is."""
+    cache = kvquant.make_cache(model, "fp8_e4m3")
+    layer = cache.layers[0]
+    cache.set_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    keys = torch.ones(2, 4, 3, 8)
+    keys[0, :, 2] = 3e7  # padding
+    out, _ = layer.update(keys, torch.ones(2, 4, 3, 8))
+    assert torch.isfinite(out).all() and [len(s) for s in layer.k] == [2, 3]
+    cache = kvquant.make_cache(model, "fp8_e4m3")
+    cache.set_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    keys[1, :, 0] = 3e7  # real
+    with pytest.raises(kvquant.KVQuantError, match="beyond"):
+        cache.layers[0].update(keys, torch.ones(2, 4, 3, 8))

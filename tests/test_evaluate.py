@@ -99,3 +99,66 @@ def test_batched_scoring_on_a_sliding_window_model(name, mode, chunk):
     batched = scores(model, name, requests, mode=mode, chunk_size=chunk, batch_size=6, share_prefix=True)
     for a, b in zip(single, batched):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+
+
+def test_cut_finds_the_cheapest_runs():
+    from kvquant.evaluate import _cut
+
+    lengths = [9, 9, 8, 3, 3, 3, 1]
+    assert _cut(lengths, most=10, forward_cost=0) == [2, 1, 3, 1]  # no price per run: no padding at all
+    assert _cut(lengths, most=10, forward_cost=100) == [7]  # runs dearer than any padding: one
+    assert _cut(lengths, most=2, forward_cost=100) == [2, 1, 2, 2]  # at most 2 a run: 18 + 8 + 6 + 6 padded
+    # 9+9+8 padded to 9 costs 1 more than alone, a run costs 4: [9,9,8] [3,3,3,1] = 27 + 12 + 8 = 47
+    assert _cut(lengths, most=10, forward_cost=4) == [3, 4]
+    assert _cut([], most=4) == []
+
+
+def test_rows_are_regrouped_by_length_so_nothing_is_padded(model64, monkeypatch):
+    """Long contexts with short continuations and short contexts with long ones: contexts are prefilled in batches
+    of their own lengths and continuations in batches of theirs, so with no price per forward pass no position
+    is padding, and every score equals the request scored alone."""
+    from kvquant import evaluate
+
+    ids = list(range(3, 200))
+    requests = []
+    for k, (context, cont) in enumerate([(30, 1), (30, 2), (4, 20), (4, 21), (30, 1), (17, 9)]):
+        start = 7 * k
+        requests += [(ids[start : start + context], ids[start + context + c : start + context + c + cont + c])
+                     for c in range(2)]
+    fed, padded = [], []
+    original = evaluate._Batch.step
+
+    def step(self, tokens, *args, **kwargs):
+        fed.append(sum(map(len, tokens)))
+        padded.append(max(map(len, tokens)) * len(tokens))
+        return original(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate._Batch, "step", step)
+    monkeypatch.setattr(evaluate, "FORWARD_COST", 0)
+    batched = scores(model64, "int4", requests, mode="streaming", chunk_size=512, batch_size=12, share_prefix=True)
+    assert fed == padded and len(fed) == 3 + 8  # context lengths 29, 16, 3; 8 continuation lengths
+    monkeypatch.undo()
+    single = scores(model64, "int4", requests, mode="streaming", chunk_size=512, batch_size=1, share_prefix=False)
+    for a, b in zip(single, batched):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+        assert torch.equal(a.greedy, b.greedy)
+
+
+@pytest.mark.parametrize("mode", ["simulated", "streaming"])
+def test_only_scored_positions_reach_the_output_layer(model64, requests, mode, monkeypatch):
+    """Padding and context positions of batched rows are never projected onto the vocabulary: the output layer
+    sees one row per scored token (plus, in streaming mode, one per prefilled batch row, which transformers keeps
+    by default). Forward passes priced high, so that every batch has several rows (a row alone is projected
+    whole, as a plain forward does)."""
+    from kvquant import evaluate
+
+    monkeypatch.setattr(evaluate, "FORWARD_COST", 10**6)
+    seen = []
+    hook = model64.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[:-1].numel()))
+    try:
+        scores(model64, "fp16", requests, mode=mode, chunk_size=512, batch_size=5, share_prefix=True)
+    finally:
+        hook.remove()
+    contexts = len({tuple(c) for c, _ in requests}) if mode == "streaming" else 0
+    assert sum(seen) == sum(len(c) for _, c in requests) + contexts
