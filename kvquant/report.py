@@ -183,7 +183,15 @@ def _probe_plot(curve: dict[str, dict[int, tuple[float, int]]], cfg: ExperimentC
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(f"{cfg.name}: long-range probe ({cfg.eval.mode} mode)")
     ax.legend(fontsize=8, loc="lower left")
-    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _png(fig) -> bytes:
+    """The figure, gridded and laid out, as PNG bytes (the figure is closed)."""
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
@@ -242,12 +250,7 @@ def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
     ax.set_ylabel("relative score (1.0 = fp16 baseline)")
     ax.set_title(f"{cfg.name}: quality vs KV-cache size ({cfg.eval.mode} mode)")
     ax.legend(fontsize=7, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    return buffer.getvalue()
+    return _png(fig)
 
 
 def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
