@@ -37,6 +37,8 @@ def caches(config):
     }
     for name in kvquant.available_quantizers():  # each with its defaults (int4/int2: group 32, residual 128)
         out[f"kvquant-{name}"] = lambda name=name: kvquant.make_cache(config, name)
+    for name in ("int4", "int2"):  # what the Hadamard rotation costs (same bytes)
+        out[f"kvquant-{name}-hadamard"] = lambda name=name: kvquant.make_cache(config, name, rotation="hadamard")
     return out
 
 

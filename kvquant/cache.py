@@ -10,7 +10,9 @@ token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import re
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
@@ -396,10 +398,11 @@ class KVQuantCache(Cache):
     reuse another layer's KV). Pass it as ``model(..., cache=cache)`` or ``model.generate(..., cache=cache)``."""
 
     def __init__(self, layers: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
-                 head_dim: int | None = None):
+                 head_dim: int | None = None, layer_options: dict[str, dict] | None = None):
         super().__init__(layers=layers)
         self.quantizer, self.residual_length, self.sink_tokens = quantizer, residual_length, sink_tokens
         self.head_dim = head_dim
+        self.layer_options = layer_options or {}  # normalized ``layers=`` of make_cache
         self.padding = next((layer.padding for layer in layers if isinstance(layer, QuantizedLayer)), Padding())
 
     def set_padding(self, attention_mask: torch.Tensor) -> KVQuantCache:
@@ -441,14 +444,16 @@ class KVQuantCache(Cache):
         """The make_cache options of this cache (enough to rebuild it), plus what the quantizer derived for the
         model's head_dim (e.g. ``key_group``/``value_group`` actually used)."""
         derived = self.quantizer.resolved(self.head_dim) if self.head_dim else {}
+        layers = {"layers": copy.deepcopy(self.layer_options)} if self.layer_options else {}
         return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens,
-                **derived}
+                **derived, **layers}
 
     def memory_report(self) -> dict[str, float]:
         """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows),
         ``fp16_bytes`` (fp16 for the tokens attention can read), ``ratio``, ``bits_per_element``,
-        the breakdown by role and ``tokens`` (sequence length)."""
-        parts = [layer.memory() for layer in self.layers if isinstance(layer, QuantizedLayer)]
+        the breakdown by role, ``tokens`` (sequence length) and ``per_layer``: per decoder layer that stores
+        KV, ``{"layer", "total_bytes", "fp16_bytes", "bits_per_element"}``."""
+        parts = {i: layer.memory() for i, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
         return _summarize(parts, self.get_seq_length())
 
 
@@ -496,21 +501,27 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
         if new.is_initialized:
             new._check()
         layers.append(new)
-    return KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim)
+    return KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim,
+                        first.layer_options)
 
 
-def _summarize(parts: list[dict[str, int]], tokens: int) -> dict[str, float]:
-    report = {key: sum(p[key] for p in parts) for key in ("payload_bytes", "scale_bytes", "full_precision_bytes",
-                                                           "fp16_bytes")}
-    total = report["payload_bytes"] + report["scale_bytes"] + report["full_precision_bytes"]
-    fp16 = report["fp16_bytes"]
+def _summarize(parts: dict[int, dict[str, int]], tokens: int) -> dict[str, float]:
+    """``parts``: per layer index, :meth:`QuantizedLayer.memory`."""
+    report = {key: sum(p[key] for p in parts.values()) for key in ("payload_bytes", "scale_bytes",
+                                                                    "full_precision_bytes", "fp16_bytes")}
     return {
-        "total_bytes": total,
+        **_totals(report),
         **report,
-        "ratio": total / fp16 if fp16 else float("nan"),
-        "bits_per_element": 16 * total / fp16 if fp16 else float("nan"),
         "tokens": tokens,
+        "per_layer": [{"layer": i, **_totals(p), "fp16_bytes": p["fp16_bytes"]} for i, p in sorted(parts.items())],
     }
+
+
+def _totals(part: dict[str, int]) -> dict[str, float]:
+    total = part["payload_bytes"] + part["scale_bytes"] + part["full_precision_bytes"]
+    fp16 = part["fp16_bytes"]
+    return {"total_bytes": total, "ratio": total / fp16 if fp16 else float("nan"),
+            "bits_per_element": 16 * total / fp16 if fp16 else float("nan")}
 
 
 def attention_layout(model_or_config) -> list[int | None | str]:
@@ -554,9 +565,79 @@ def head_dim_of(model_or_config) -> int | None:
     return head_dim
 
 
+def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
+    """``quantizer`` with some of its options changed (validated as a new quantizer)."""
+    valid = {f.name for f in dataclasses.fields(quantizer)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise KVQuantError(f"quantizer {quantizer.name!r} has no option {', '.join(map(repr, unknown))}; its "
+                           f"options: {', '.join(sorted(valid)) or 'none'}")
+    return dataclasses.replace(quantizer, **options) if options else quantizer
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise KVQuantError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
+
+
+def layer_range(selector, count: int) -> range:
+    """Layers named by a ``layers=`` key: ``5``, ``"5"`` or the inclusive range ``"0-3"``, within ``count``."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", selector) if isinstance(selector, str) else None
+    if isinstance(selector, int) and not isinstance(selector, bool):
+        low = high = selector
+    elif match:
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+    else:
+        raise KVQuantError(f"layers: {selector!r} is not a layer or a layer range (write 5 or '0-3')")
+    if not 0 <= low <= high < count:
+        raise KVQuantError(f"layers: {selector!r} is outside the model's layers 0-{count - 1}" if low <= high else
+                           f"layers: {selector!r} runs backwards (write low-high)")
+    return range(low, high + 1)
+
+
+def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
+                   layers: dict | None) -> tuple[list[tuple[Quantizer, int, int] | None], dict[str, dict]]:
+    """Per layer of ``layout``: ``(quantizer, residual_length, sink_tokens)`` (None for a shared layer), and the
+    normalized ``layers`` mapping (keys ``"a-b"``). Each ``layers`` entry maps a layer or inclusive range to
+    options: without ``quantizer`` (or naming the same one) they change the cache's quantizer's options for
+    those layers; naming another quantizer, that quantizer with these options. ``residual_length`` and
+    ``sink_tokens`` default to the cache's. A layer named twice is an error."""
+    plan = [None if w == "shared" else (quantizer, residual_length, sink_tokens) for w in layout]
+    if layers is None:
+        return plan, {}
+    if not isinstance(layers, dict):
+        raise KVQuantError(f"layers must map layers or ranges ('0-3') to options, got {type(layers).__name__}")
+    owner: dict[int, object] = {}
+    normalized = {}
+    for selector, options in layers.items():
+        span = layer_range(selector, len(layout))
+        if not isinstance(options, dict):
+            raise KVQuantError(f"layers[{selector!r}] must be a mapping of options, got {type(options).__name__} "
+                               f"{options!r}")
+        clash = next((i for i in span if i in owner), None)
+        if clash is not None:
+            raise KVQuantError(f"layers: layer {clash} is named by both {owner[clash]!r} and {selector!r}")
+        owner.update(dict.fromkeys(span, selector))
+        options = dict(options)
+        name = options.pop("quantizer", quantizer.name)
+        residual, sinks = options.pop("residual_length", residual_length), options.pop("sink_tokens", sink_tokens)
+        _check_count(f"layers[{selector!r}].residual_length", residual)
+        _check_count(f"layers[{selector!r}].sink_tokens", sinks)
+        try:
+            chosen = _with_options(quantizer, options) if name == quantizer.name else get_quantizer(name, **options)
+        except KVQuantError as err:
+            raise KVQuantError(f"layers[{selector!r}]: {err}") from None
+        for i in span:
+            if plan[i] is not None:
+                plan[i] = (chosen, residual, sinks)
+        key = f"{span.start}-{span.stop - 1}" if len(span) > 1 else str(span.start)
+        normalized[key] = {"quantizer": name, **options, "residual_length": residual, "sink_tokens": sinks}
+    return plan, dict(sorted(normalized.items(), key=lambda item: int(item[0].split("-")[0])))
+
+
 def build_cache(
     layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
-    sink_tokens: int = 0, head_dim: int | None = None, **options
+    sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, **options
 ) -> KVQuantCache:
     """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
     ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
@@ -569,15 +650,16 @@ def build_cache(
         raise KVQuantError(f"options {sorted(options)} given with a Quantizer instance; set them on the instance")
     if residual_length is None:
         residual_length = quantizer.default_residual_length
-    for name, value in (("residual_length", residual_length), ("sink_tokens", sink_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise KVQuantError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
+    _check_count("residual_length", residual_length)
+    _check_count("sink_tokens", sink_tokens)
+    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers)
     if head_dim is not None:
-        quantizer.codecs(head_dim)
+        for chosen in {spec[0] for spec in plan if spec is not None}:
+            chosen.codecs(head_dim)
     padding = Padding()
-    layers = [DummyLayer() if w == "shared" else QuantizedLayer(quantizer, residual_length, sink_tokens, w, padding)
-              for w in layout]
-    return KVQuantCache(layers, quantizer, residual_length, sink_tokens, head_dim)
+    built = [DummyLayer() if spec is None else QuantizedLayer(*spec, window, padding) for spec, window in
+             zip(plan, layout)]
+    return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized)
 
 
 def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
@@ -586,6 +668,8 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     quantizer: a registered name (see ``kvquant.available_quantizers()``) or a :class:`Quantizer`.
     residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
     sink_tokens: first tokens kept in full precision (full-attention layers only).
+    layers: per-layer settings, e.g. ``{"0-3": {"quantizer": "int8"}, 5: {"key_bits": 8}}``: a layer or inclusive
+    range of layers and its options (see :func:`layer_settings`); the other layers use the arguments above.
     Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     """
@@ -599,16 +683,20 @@ def simulate_memory(
     """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
     cache's own code on meta tensors (shapes only, no data, no compute) for one row; rows are stored apart and
     alike, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
-    ``{"quantizer": "int4", "group_size": 32, ...}``."""
+    ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included)."""
     settings = dict(settings)
     quantizer = settings.pop("quantizer")
     states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
-    parts = []
-    for window in {w for w in layout if w != "shared"}:  # layers of one kind store the same: simulate one each
-        layer = build_cache([window], quantizer, head_dim=head_dim, **settings).layers[0]
-        layer.update(states, states)
-        part = {key: nbytes * batch for key, nbytes in layer.memory().items()}
-        parts += [part] * layout.count(window)
+    cache = build_cache(layout, quantizer, head_dim=head_dim, **settings)
+    parts, seen = {}, {}
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, QuantizedLayer):
+            continue
+        kind = (layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window)
+        if kind not in seen:  # layers of one kind store the same: simulate one each
+            layer.update(states, states)
+            seen[kind] = {key: nbytes * batch for key, nbytes in layer.memory().items()}
+        parts[i] = seen[kind]
     return _summarize(parts, tokens)
 
 

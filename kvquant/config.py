@@ -220,28 +220,76 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class SearchConfig:
+    """A per-layer bit allocation searched under the gate (:mod:`kvquant.search`); the map found is evaluated as
+    one more candidate, named ``name``, on the evaluation split."""
+
+    #: Per-layer settings, cheapest first (strictly more bits per element each); every layer gets one of them.
+    ladder: list[Candidate]
+    name: str = "searched"
+    #: The calibration split, held apart from evaluation: per gated perplexity set, this many windows after its
+    #: ``limit``; per gated task, this many documents after its limit.
+    windows: int = 8
+    documents: int = 50
+
+    def __post_init__(self):
+        check_plain_name("name", self.name)
+        _require(len(self.ladder) >= 2, f"ladder needs at least two settings to choose between, got {len(self.ladder)}")
+        labels = [rung.label for rung in self.ladder]
+        _require(len(set(labels)) == len(labels), f"ladder: names must be unique, got {labels}")
+        for i, rung in enumerate(self.ladder):
+            _require("layers" not in rung.options, f"ladder[{i}].options: 'layers' is what the search decides")
+        _at_least("windows", self.windows, 1)
+        _at_least("documents", self.documents, 1)
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     name: str
-    candidates: list[Candidate]
+    candidates: list[Candidate] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    #: Search a per-layer map under the gate before evaluating (null: evaluate the candidates only).
+    search: SearchConfig | None = None
     #: Reports go to ``<output_dir>/<name>/``.
     output_dir: str = "reports"
 
     def __post_init__(self):
         check_plain_name("name", self.name)
         _require(bool(self.output_dir), "output_dir must name a directory, got ''")
-        _require(bool(self.candidates), "candidates: at least one cache setting is needed")
-        labels = [c.label for c in self.candidates]
+        _require(bool(self.candidates or self.search), "candidates: at least one cache setting (or a search) is needed")
+        labels = [c.label for c in self.candidates] + ([self.search.name] if self.search else [])
         if len(set(labels)) != len(labels) or "baseline" in labels:
-            raise ConfigError(f"candidates: names must be unique and not 'baseline', got {labels}")
+            raise ConfigError(f"candidates: names must be unique and not 'baseline', got {labels}"
+                              + (" (search.name included)" if self.search else ""))
         _require(bool(self.eval.perplexity or self.eval.tasks.names),
                  "eval: nothing to measure; list perplexity sets and/or tasks")
         gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
                                                                               [p.name for p in self.eval.perplexity])]
         _require(bool(gated), "gate: nothing is gated (gate.tasks and gate.perplexity select no task and no "
                  "perplexity set), so every candidate would pass; gate at least one")
+        if self.search:
+            self._check_split()
+
+    def _check_split(self) -> None:
+        """A search calibrates on data held apart from evaluation: after each gated set's and task's limit."""
+        sets = self.gated_perplexity()
+        _require(bool(sets), "search: its layer sensitivities are perplexity increases; gate at least one "
+                 "perplexity set (gate.perplexity)")
+        for pset in sets:
+            _require(pset.limit is not None, f"search: perplexity set {pset.name!r} has no limit, so no windows are "
+                     "left to calibrate on apart from evaluation; set eval.perplexity[].limit")
+        for task in self.gated_tasks():
+            _require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
+                     "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")
+
+    def gated_perplexity(self) -> list[PerplexitySet]:
+        names = self._gated("perplexity", [p.name for p in self.eval.perplexity])
+        return [p for p in self.eval.perplexity if p.name in names]
+
+    def gated_tasks(self) -> list[str]:
+        return self._gated("tasks", self.eval.tasks.names)
 
     def _gated(self, kind: str, measured: list[str]) -> list[str]:
         """The gated names of one kind; a gated name that is not measured is an error naming the measured ones."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import GateConfig
+from .config import ExperimentConfig, GateConfig
+from .tasks import gated_metric
 
 ACCURACY, PERPLEXITY = "accuracy", "perplexity"
 
@@ -110,3 +111,31 @@ def bootstrap_interval(
     alpha = (1 - confidence) / 2
     low, high = np.quantile(ratios, [alpha, 1 - alpha], method="inverted_cdf")  # no interpolation across inf
     return float(low), float(high)
+
+
+def metric_rows(cfg: ExperimentConfig, results: dict, labels: list[str], baseline: str = "baseline") -> list[MetricRow]:
+    """One row per candidate in ``labels`` x metric of ``results`` (``{label: {metric: result}}``, as
+    :func:`kvquant.measure.measure` returns), with paired bootstrap intervals of the relative score against
+    ``results[baseline]``; gated as ``cfg.gate`` says."""
+    gate = cfg.gate
+    rows = []
+    base = results[baseline]
+    for label in labels:
+        for metric, res in results[label].items():
+            ref = base[metric]
+            if metric.startswith("ppl/"):
+                name = metric[4:]
+                b, c = np.column_stack([ref["nll"], ref["tokens"]]), np.column_stack([res["nll"], res["tokens"]])
+                entries = [(metric, PERPLEXITY, float(np.exp(c[:, 0].sum() / c[:, 1].sum())),
+                            float(np.exp(b[:, 0].sum() / b[:, 1].sum())), len(b), b, c,
+                            gate.perplexity is None or name in gate.perplexity)]
+            else:
+                name = metric[5:]
+                entries = [(f"{m}/{name}", ACCURACY, float(np.mean(res[m])), float(np.mean(ref[m])), len(ref[m]),
+                            np.array(ref[m]), np.array(res[m]),
+                            m == gated_metric(name) and (gate.tasks is None or name in gate.tasks))
+                           for m in ("acc", "acc_norm") if m in res]
+            for metric_name, kind, value, baseline_value, n, b, c, gated in entries:
+                low, high = bootstrap_interval(kind, b, c, gate.bootstrap, gate.confidence, cfg.eval.seed)
+                rows.append(MetricRow(label, metric_name, kind, value, baseline_value, n, gated, low, high))
+    return rows

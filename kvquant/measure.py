@@ -22,9 +22,10 @@ BASELINE = Candidate(quantizer="fp16", name="baseline")
 
 
 def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
-             folder: str) -> dict:
+             folder: str, documents: list[int] | None = None) -> dict:
     """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
-    task files (:func:`kvquant.tasks.task_dir`)."""
+    task files (:func:`kvquant.tasks.task_dir`); ``documents``: these document indices instead of the first
+    ``limit``."""
     import lm_eval
 
     from .lm_eval_model import KVQuantLM
@@ -36,7 +37,9 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
     out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.num_fewshot,
-                                  limit=limit, task_manager=task_manager(folder), log_samples=True,
+                                  limit=None if documents else limit,
+                                  samples={name: list(documents)} if documents else None,
+                                  task_manager=task_manager(folder), log_samples=True,
                                   bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
@@ -63,7 +66,7 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store,
         label = candidate.label
         make = lambda c=candidate: make_cache(model, c.quantizer, **c.options)  # noqa: E731
         settings = make().settings()  # what the cache really uses, defaults filled in
-        key = {**base_key, "quantizer": candidate.quantizer, "options": candidate.options}
+        key = {**base_key, "settings": settings}
         scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size)
         memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
                                                 lambda: memory_probe(model, make, probe)),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from .cache import attention_layout, simulate_memory
 from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
@@ -136,7 +137,18 @@ def resolve_model(name: str) -> ModelShape:
 
 
 def parse_setting(text: str) -> dict:
-    """``int4`` or ``int4:group_size=64,residual_length=0`` -> make_cache settings; ``fp16``/``bf16``/``fp32``."""
+    """``int4`` or ``int4:group_size=64,residual_length=0`` -> make_cache settings; ``fp16``/``bf16``/``fp32``;
+    or a YAML/JSON mapping of make_cache arguments, per-layer settings included:
+    ``{quantizer: int4, group_size: 32, layers: {0-3: {quantizer: int8}}}``."""
+    if text.strip().startswith("{"):
+        try:
+            settings = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise KVQuantError(f"cache setting {text!r} is not a YAML mapping ({' '.join(str(err).split())})") from None
+        if not isinstance(settings, dict) or settings.get("quantizer") not in available_quantizers():
+            raise KVQuantError(f"cache setting {text!r}: a mapping needs quantizer: one of "
+                               f"{', '.join(available_quantizers())}")
+        return settings
     name, _, opts = text.partition(":")
     options = {}
     for item in filter(None, opts.split(",")):
@@ -193,7 +205,7 @@ class Planner:
 
     def __init__(self, shape: ModelShape, settings: dict, dtype: torch.dtype = torch.float16):
         self.shape, self.settings, self.dtype = shape, settings, dtype
-        simulate_memory(shape.layout[:1], settings, batch=1, kv_heads=1, head_dim=shape.head_dim, tokens=1,
+        simulate_memory(shape.layout, settings, batch=1, kv_heads=1, head_dim=shape.head_dim, tokens=1,
                         dtype=dtype)  # reject bad options (e.g. a group that does not fit head_dim) up front
 
     def memory(self, batch: int, context: int) -> dict:
@@ -249,7 +261,9 @@ def build_plan(args) -> dict:
         row = {"cache": text, "settings": planner.settings, "kv_bytes": int(mem["total_bytes"]),
                "bytes_per_token": mem["total_bytes"] / (args.batch * args.context),
                "bits_per_element": mem["bits_per_element"], "breakdown": {k: int(mem[k]) for k in (
-                   "payload_bytes", "scale_bytes", "full_precision_bytes")}}
+                   "payload_bytes", "scale_bytes", "full_precision_bytes")},
+               "per_layer": [{"layer": p["layer"], "kv_bytes": int(p["total_bytes"]),
+                              "bits_per_element": p["bits_per_element"]} for p in mem["per_layer"]]}
         if args.shared_prefix:
             # the prefix stored once instead of once per sequence
             row["shared_prefix_saving_bytes"] = (args.batch - 1) * planner.kv_bytes(1, args.shared_prefix)
@@ -308,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
     parser.add_argument("--cache", action="append", help="fp16, bf16, fp32 or a quantizer with options, e.g. "
-                        "int4:group_size=32,residual_length=128 (repeatable; default: fp16 fp8_e4m3 int8 int4 int2)")
+                        "int4:group_size=32,residual_length=128, or a YAML mapping with per-layer settings, e.g. "
+                        "'{quantizer: int4, layers: {0-3: {quantizer: int8}}}' (repeatable; default: fp16 fp8_e4m3 "
+                        "int8 int4 int2)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                         help="dtype of the full-precision windows of quantized caches (the model's dtype)")
     parser.add_argument("--gpu-memory", help="memory budget, e.g. 80GB or 80GiB")

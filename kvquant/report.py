@@ -7,6 +7,7 @@ the same run; nothing is written into the directory before that.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -91,9 +92,10 @@ def _metric_entry(verdict, results: dict) -> dict:
 
 
 def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision: Decision, memory: dict,
-          results: dict, command: str, provenance: dict) -> dict[str, Path]:
+          results: dict, command: str, provenance: dict, search: dict | None = None) -> dict[str, Path]:
     """Write the report of one run. ``provenance``: ``reused`` and ``computed`` result counts, ``set_aside``
-    (unreadable partial results that were recomputed) and ``warnings``."""
+    (unreadable partial results that were recomputed) and ``warnings``; ``search``: what
+    :func:`kvquant.search.search` found (its map is the config's candidate named ``search.name``)."""
     env = environment()
     run_id = uuid.uuid4().hex[:12]
     candidates = []
@@ -119,15 +121,21 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
         "baseline": {"settings": memory["baseline"]["settings"],
                      "memory": {k: v for k, v in memory["baseline"].items() if k != "settings"}},
         "candidates": candidates,
+        **({"search": {k: v for k, v in search.items() if k != "config"}} if search else {}),
     }
     frame = pd.DataFrame([{"candidate": c["name"], "bits_per_element": c["bits_per_element"],
                            "memory_ratio": c["memory_ratio"], "metric": m, **e}
                           for c in candidates for m, e in c["metrics"].items()])
     resolved = (f"# run {run_id}: the config of the run that results.json and report.md describe\n"
-                + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                + yaml.safe_dump(search["config"] if search else cfg.to_dict(), sort_keys=False))
     files = {"results.json": json.dumps(doc, indent=2, default=float), "results.csv": frame.to_csv(index=False),
              "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
              "report.md": _markdown(doc, frame, cfg)}
+    if search:  # the map found, as a config that evaluates it alone (no search) on the same data
+        found = next(c for c in cfg.candidates if c.label == search["name"])
+        rerun = {**cfg.to_dict(), "name": f"{cfg.name}-{found.label}", "candidates": [dataclasses.asdict(found)]}
+        files["searched.yaml"] = (f"# the per-layer map searched by run {run_id}; rerun with\n# python -m kvquant.run "
+                                  f"{out_dir / 'searched.yaml'}\n" + yaml.safe_dump(rerun, sort_keys=False))
     curve = _probe_curve(candidates)
     if curve:
         files["probe.png"] = _probe_plot(curve, cfg)
@@ -285,7 +293,8 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         "|---|---|---:|---:|---:|---|",
     ]
     for c in doc["candidates"]:
-        settings = ", ".join(f"{k}={v}" for k, v in c["settings"].items())
+        settings = ", ".join(f"{k}={v}" if k != "layers" else f"layers=({len(v)} ranges, in results.json)"
+                             for k, v in c["settings"].items())
         lines.append(f"| {c['name']} | {settings} | {c['bits_per_element']:.2f} | {c['memory_ratio']:.3f} | "
                      f"{c['memory_ratio_long']:.3f} | {'yes' if c['passed'] else 'no'} |")
     mem = doc["baseline"]["memory"]
@@ -310,4 +319,33 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
     curve = _probe_curve(doc["candidates"])
     if curve:
         lines += _probe_table(curve)
+    if "search" in doc:
+        lines += _search_section(doc["search"])
     return "\n".join(lines)
+
+
+def _search_section(search: dict) -> list[str]:
+    cal = search["calibration"]
+    split = "; ".join([*(f"{name}: windows {a}-{b - 1}" for name, (a, b) in cal["windows"].items()),
+                       *(f"{task}: documents {a}-{b - 1}" for task, (a, b) in cal["documents"].items())])
+    outcome = (f"step {search['step']} of {search['steps']} is the first map that passes the gate on the "
+               "calibration split" if search["found"] else
+               f"no map passes the gate on the calibration split, not even step {search['steps']} (every layer "
+               "at the top rung); that map is evaluated")
+    lines = ["", "## Per-layer search", "",
+             f"Calibration split (held apart from evaluation, which reads the documents and windows before these): "
+             f"{split}. Ladder, cheapest first: "
+             + ", ".join(f"{r['name']} ({r['bits_per_element']:.3f} bits/element)" for r in search["ladder"])
+             + f". Loss with every layer at the top rung: {search['reference_loss']:.4f} nats/token. {outcome}; "
+             f"it is evaluated as candidate `{search['name']}` above, and `searched.yaml` reruns it alone.", "",
+             "| step | bits/element | passes on calibration | gated relative scores |", "|---:|---:|---|---|"]
+    for c in search["checked"]:
+        scores = ", ".join(f"{m} {v:.4f}" for m, v in c["metrics"].items())
+        lines.append(f"| {c['step']} | {c['bits_per_element']:.3f} | {'yes' if c['passed'] else 'no'} | {scores} |")
+    names = [r["name"] for r in search["ladder"]]
+    lines += ["", "| layer | rung | " + " | ".join(f"loss increase at {n}" for n in names[:-1]) + " |",
+              "|---:|---|" + "---:|" * (len(names) - 1)]
+    for layer, rung in search["map"].items():
+        lines.append(f"| {layer} | {rung} | "
+                     + " | ".join(f"{v:+.4f}" for v in search["sensitivity"][layer][:-1]) + " |")
+    return lines + [""]

@@ -15,6 +15,7 @@ into the same directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,11 +31,12 @@ from . import data, report
 from .cache import simulate_memory
 from .config import Candidate, ExperimentConfig, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
-from .gate import ACCURACY, PERPLEXITY, MetricRow, bootstrap_interval, decide
+from .gate import ACCURACY, decide, metric_rows
 from .measure import BASELINE, measure
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, trained_context
 from .plan import ModelShape, shape_from_config
-from .tasks import check_tasks, gated_metric, prepare_probe_tasks, probe_tasks
+from .search import ladder_bits, probe_counts, search
+from .tasks import check_tasks, prepare_probe_tasks
 
 LOCK = ".lock"
 
@@ -157,33 +159,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def table(cfg: ExperimentConfig, results: dict) -> list[MetricRow]:
-    """One row per candidate x metric, with paired bootstrap intervals of the relative score."""
-    gate = cfg.gate
-    rows = []
-    base = results[BASELINE.label]
-    for candidate in cfg.candidates:
-        label = candidate.label
-        for metric, res in results[label].items():
-            ref = base[metric]
-            if metric.startswith("ppl/"):
-                name = metric[4:]
-                b, c = np.column_stack([ref["nll"], ref["tokens"]]), np.column_stack([res["nll"], res["tokens"]])
-                entries = [(metric, PERPLEXITY, float(np.exp(c[:, 0].sum() / c[:, 1].sum())),
-                            float(np.exp(b[:, 0].sum() / b[:, 1].sum())), len(b), b, c,
-                            gate.perplexity is None or name in gate.perplexity)]
-            else:
-                name = metric[5:]
-                entries = [(f"{m}/{name}", ACCURACY, float(np.mean(res[m])), float(np.mean(ref[m])), len(ref[m]),
-                            np.array(ref[m]), np.array(res[m]),
-                            m == gated_metric(name) and (gate.tasks is None or name in gate.tasks))
-                           for m in ("acc", "acc_norm") if m in res]
-            for metric_name, kind, value, baseline, n, b, c, gated in entries:
-                low, high = bootstrap_interval(kind, b, c, gate.bootstrap, gate.confidence, cfg.eval.seed)
-                rows.append(MetricRow(label, metric_name, kind, value, baseline, n, gated, low, high))
-    return rows
-
-
 def check_candidate(candidate: Candidate, shape: ModelShape, key: str) -> None:
     """The candidate's quantizer and options on the model's shapes, through kvquant's own cache code (on meta
     tensors: no data, no compute), so a bad name, type, range or a group that does not fit head_dim fails now."""
@@ -228,8 +203,12 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     for i, candidate in enumerate(cfg.candidates):
         check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
+    if cfg.search:
+        for i, rung in enumerate(cfg.search.ladder):
+            check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
+        ladder_bits(cfg, shape, torch.float32 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype))
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
-    probes = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    probes = probe_counts(cfg)
     if probes:  # documents are cut with the model's tokenizer: write and check them now
         context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
         prepare_probe_tasks(load_tokenizer(cfg.model), probes, context, "eval.tasks.names")
@@ -244,13 +223,18 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     seed_everything(cfg.eval.seed)
     model, tokenizer = load_model(cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings)
-    results, memory = measure(cfg, model, tokenizer, store, rows)
     shape = shape_from_config(model.config, cfg.model.path)
+    searched = None
+    if cfg.search:  # the map found joins the candidates, evaluated like them; the search itself is done
+        found, searched = search(cfg, model, tokenizer, store, rows, shape)
+        searched["config"] = cfg.to_dict()
+        cfg = dataclasses.replace(cfg, candidates=[*cfg.candidates, found], search=None)
+    results, memory = measure(cfg, model, tokenizer, store, rows)
     for c in [BASELINE, *cfg.candidates]:  # the planner's arithmetic at a long context, by the cache's own code
         memory[c.label]["long"] = simulate_memory(shape.layout, {"quantizer": c.quantizer, **c.options}, batch=1,
                                                   kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                                                   tokens=report.LONG_CONTEXT, dtype=model.dtype)
-    table_rows = table(cfg, results)
+    table_rows = metric_rows(cfg, results, [c.label for c in cfg.candidates])
     for row in table_rows:
         if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == cfg.candidates[0].label:
             warn(warnings, f"gated metric {row.metric}: the baseline scores 0, so every candidate keeps it (relative "
@@ -259,7 +243,7 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     decision = decide(table_rows, bits, cfg.gate)
     provenance = {"reused": store.reused, "computed": store.computed, "set_aside": store.set_aside,
                   "warnings": warnings}
-    paths = report.write(out_dir, cfg, table_rows, decision, memory, results, command, provenance)
+    paths = report.write(out_dir, cfg, table_rows, decision, memory, results, command, provenance, searched)
     verdict = "PASS" if decision.decision == "pass" else "FAIL"
     print(f"\nkvquant: {verdict}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}")

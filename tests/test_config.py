@@ -55,8 +55,8 @@ def test_wrong_type_names_key(tmp_path):
 
 
 def test_missing_and_inconsistent(tmp_path):
-    with pytest.raises(ConfigError, match="missing key candidates"):
-        load_config(write(tmp_path, "eval: {perplexity: [{name: t}]}"))
+    with pytest.raises(ConfigError, match=r"candidates: at least one cache setting \(or a search\) is needed"):
+        load_config(write(tmp_path, "eval: {perplexity: [{name: t, source: x.txt}]}"))
     with pytest.raises(ConfigError, match="nothing to measure"):
         load_config(write(tmp_path, "candidates: [{quantizer: int4}]"))
     with pytest.raises(ConfigError, match="names must be unique"):

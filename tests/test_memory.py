@@ -9,39 +9,7 @@ import transformers
 
 import kvquant
 from kvquant.plan import main as plan_main
-
-
-def stream_bytes(tokens, window, unit, bits, scale_pairs_per_unit, sinks, residual, heads, head_dim, elt):
-    """Bytes of one stream of one layer and one row after ``tokens`` tokens.
-
-    unit: tokens per quantized unit; scale_pairs_per_unit: fp16 (scale, zero) pairs per unit and head;
-    bits 16 means the identity (everything in the model's dtype)."""
-    if bits == 16:
-        held = min(tokens, window - 1) if window else tokens
-        return heads * head_dim * held * elt
-    if window:  # sliding: no sinks; whole units leave once the window no longer needs any of their tokens
-        sinks = 0
-        evicted = max(tokens - (window - 1), 0) // unit * unit
-    else:
-        evicted = 0
-    quantized_ever = max(tokens - sinks - residual, 0) // unit * unit
-    quantized = max(quantized_ever - evicted, 0)
-    stored = tokens - evicted
-    full = stored - quantized
-    payload = heads * quantized * head_dim * bits // 8
-    scales = 2 * heads * (quantized // unit) * scale_pairs_per_unit * 2
-    return payload + scales + full * heads * head_dim * elt
-
-
-def layer_bytes(tokens, window, setting, heads, head_dim, elt):
-    name, group, sinks, residual = setting
-    if name == "fp16":
-        return 2 * stream_bytes(tokens, window, 1, 16, 0, 0, 0, heads, head_dim, elt)
-    bits = {"int8": 8, "int4": 4, "int2": 2}[name]
-    value_group = max(d for d in range(1, min(group, head_dim) + 1) if head_dim % d == 0)
-    keys = stream_bytes(tokens, window, group, bits, head_dim, sinks, residual, heads, head_dim, elt)
-    values = stream_bytes(tokens, window, 1, bits, head_dim // value_group, sinks, residual, heads, head_dim, elt)
-    return keys + values
+from reference import layer_bytes
 
 
 WINDOW = 24

@@ -195,12 +195,12 @@ def test_each_task_is_gated_on_its_standard_metric():
     from types import SimpleNamespace
 
     from kvquant.config import Candidate, GateConfig
-    from kvquant.run import table
+    from kvquant.gate import metric_rows
 
     outcome = {"acc": [1, 0, 1, 1], "acc_norm": [1, 1, 0, 1]}
     results = {"baseline": {"task/hellaswag": outcome, "task/lambada_openai": outcome},
                "int4": {"task/hellaswag": outcome, "task/lambada_openai": outcome}}
     cfg = SimpleNamespace(candidates=[Candidate(quantizer="int4", name="int4")], gate=GateConfig(bootstrap=10),
                           eval=SimpleNamespace(seed=0))
-    gated = {row.metric for row in table(cfg, results) if row.gated}
+    gated = {row.metric for row in metric_rows(cfg, results, [c.label for c in cfg.candidates]) if row.gated}
     assert gated == {"acc_norm/hellaswag", "acc/lambada_openai"}

@@ -1,0 +1,222 @@
+"""A per-layer bit allocation searched under the gate (``search:`` in a config).
+
+1. **Calibration split**, held apart from evaluation: per gated perplexity set the ``search.windows`` windows
+   after its ``limit``, per gated task the ``search.documents`` documents after its limit. Evaluation reads the
+   first ``limit`` of each, so no window or document is shared.
+2. **Sensitivity** of layer ``l`` at rung ``r`` of the ladder: the calibration loss (NLL per token over the
+   calibration windows) when layer ``l`` alone drops to rung ``r`` while every other layer stays at the top rung,
+   minus the loss with every layer at the top rung.
+3. **Greedy order**: from every layer at the cheapest rung, repeatedly move the one layer one rung up that saves
+   the most sensitivity per bit added, until every layer is at the top: maps ``M_0 .. M_K`` with growing bits.
+4. **The gate decides**: the first ``M_m`` that passes the gate on the calibration split (baseline measured on
+   the same split), found by bisection over ``m`` (a map with more bits is taken to be no worse; every map
+   checked is reported). The map found is then evaluated, like any candidate, on the evaluation split.
+
+Measurements go through the run's result store (resumable); the choices above are recomputed from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from . import data
+from .cache import build_cache, make_cache, simulate_memory
+from .config import Candidate, ExperimentConfig
+from .errors import KVQuantError
+from .evaluate import Scorer, perplexity_samples
+from .gate import decide, metric_rows
+from .measure import BASELINE, run_task
+from .models import max_length
+from .tasks import prepare_probe_tasks, probe_distance, probe_tasks
+
+CALIBRATION_BASELINE = "search-baseline"
+
+
+def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
+    """Documents each ``passkey_<D>`` task needs written: its evaluation documents, plus the calibration
+    documents after them when the search gates it."""
+    counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    if cfg.search:
+        for task in cfg.gated_tasks():
+            if probe_distance(task) is not None:
+                counts[task] = cfg.eval.tasks.limit_for(task) + cfg.search.documents
+    return counts
+
+
+def calibration_documents(cfg: ExperimentConfig) -> dict[str, list[int]]:
+    """Per gated task: the document indices after its evaluation limit."""
+    return {task: list(range(cfg.eval.tasks.limit_for(task), cfg.eval.tasks.limit_for(task) + cfg.search.documents))
+            for task in cfg.gated_tasks()}
+
+
+def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict) -> dict[str, list[data.Window]]:
+    """Per gated perplexity set: the ``search.windows`` windows after its evaluation ``limit`` (the same cutting
+    as evaluation, continued)."""
+    out = {}
+    for pset in cfg.gated_perplexity():
+        longer = dataclasses.replace(pset, limit=pset.limit + cfg.search.windows)
+        windows = data.windows(longer, tokenizer, maxlen, rows[pset.name])[pset.limit :]
+        if not windows:
+            raise KVQuantError(f"search: perplexity set {pset.name!r} has no windows after its limit {pset.limit} "
+                               "to calibrate on; lower eval.perplexity[].limit or use a longer text")
+        out[pset.name] = windows
+    return out
+
+
+def layer_setting(rung: Candidate) -> dict:
+    """A ladder rung as an explicit ``layers=`` entry (quantizer, every option, residual_length, sink_tokens)."""
+    layer = build_cache([None], rung.quantizer, **rung.options).layers[0]
+    return {**layer.quantizer.describe(), "residual_length": layer.residual_length, "sink_tokens": layer.sink_tokens}
+
+
+def map_candidate(ladder: list[Candidate], rungs: dict[int, int], name: str) -> Candidate:
+    """The candidate giving layer ``l`` rung ``rungs[l]``: the cheapest rung's settings for the cache, a
+    ``layers`` entry for each run of consecutive layers at another rung."""
+    base = ladder[0]
+    layers, order = {}, sorted(rungs)
+    start = 0
+    for i, layer in enumerate(order):
+        last = i + 1 == len(order) or order[i + 1] != layer + 1 or rungs[order[i + 1]] != rungs[layer]
+        if last:
+            first = order[start]
+            if rungs[layer]:
+                layers[f"{first}-{layer}" if layer > first else str(first)] = layer_setting(ladder[rungs[layer]])
+            start = i + 1
+    return Candidate(base.quantizer, {**base.options, **({"layers": layers} if layers else {})}, name)
+
+
+def greedy_order(sensitivity: dict[int, list[float]], bits: list[float]) -> list[dict[int, int]]:
+    """Maps ``M_0 .. M_K`` (``{layer: rung}``): ``M_0`` every layer at rung 0, each next one a single layer one
+    rung up, the step with the most sensitivity saved per bit added (ties: the lower layer); ``M_K`` every layer
+    at the top rung. ``sensitivity[l][r]``: loss increase with layer ``l`` alone at rung ``r`` (0 at the top)."""
+    top = len(bits) - 1
+    state = dict.fromkeys(sensitivity, 0)
+    maps = [dict(state)]
+    while any(r < top for r in state.values()):
+        def gain(layer):
+            r = state[layer]
+            return (sensitivity[layer][r] - sensitivity[layer][r + 1]) / (bits[r + 1] - bits[r])
+        best = max((layer for layer in sorted(state) if state[layer] < top), key=gain)  # max keeps the first
+        state[best] += 1
+        maps.append(dict(state))
+    return maps
+
+
+def first_passing(passes: Callable[[int], bool], count: int) -> int | None:
+    """The smallest ``m`` in ``0..count-1`` with ``passes(m)``, by bisection (``passes`` taken to be monotone);
+    None when even the last fails."""
+    if not passes(count - 1):
+        return None
+    low, high = -1, count - 1  # passes(high) holds; passes(low) fails (or low = -1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if passes(mid) else (mid, high)
+    return high
+
+
+def ladder_bits(cfg: ExperimentConfig, shape, dtype) -> list[float]:
+    """Bits per element of each rung applied to every layer (at ``eval.memory_probe_tokens`` tokens, as the
+    candidates are reported); they must grow strictly up the ladder."""
+    bits = [simulate_memory(shape.layout, {"quantizer": r.quantizer, **r.options}, batch=1, kv_heads=shape.kv_heads,
+                            head_dim=shape.head_dim, tokens=cfg.eval.memory_probe_tokens, dtype=dtype)
+            ["bits_per_element"] for r in cfg.search.ladder]
+    for i in range(1, len(bits)):
+        if not bits[i] > bits[i - 1]:
+            raise KVQuantError(f"search.ladder must grow in bits per element, cheapest first: "
+                               f"{cfg.search.ladder[i].label} ({bits[i]:.3f}) is not above "
+                               f"{cfg.search.ladder[i - 1].label} ({bits[i - 1]:.3f})")
+    return bits
+
+
+def _label(rungs: dict[int, int]) -> str:
+    return "search-" + hashlib.sha256(json.dumps(sorted(rungs.items())).encode()).hexdigest()[:16]
+
+
+def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) -> tuple[Candidate, dict]:
+    """Run the search; returns the map found (named ``search.name``) and what the report shows of it."""
+    spec = cfg.search
+    ladder, top = spec.ladder, len(spec.ladder) - 1
+    maxlen = max_length(model, cfg.model)
+    windows = calibration_windows(cfg, tokenizer, maxlen, rows)
+    documents = calibration_documents(cfg)
+    bits = ladder_bits(cfg, shape, model.dtype)
+    layers = [i for i, w in enumerate(shape.layout) if w != "shared"]
+    folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probe_counts(cfg), maxlen,
+                                                             "eval.tasks.names")))
+    base_key = {"model": dataclasses.asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
+                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed, "max_length": maxlen, "split": "calibration"}
+
+    def measure(candidate: Candidate, label: str, tasks: bool) -> dict:
+        settings = make_cache(model, candidate.quantizer, **candidate.options).settings()
+        key = {**base_key, "settings": settings}
+        scorer = Scorer(model, lambda: make_cache(model, candidate.quantizer, **candidate.options), cfg.eval.mode,
+                        cfg.eval.chunk_size, batch_size=cfg.eval.batch_size)
+        out = {}
+        for name, ws in windows.items():
+            out[f"ppl/{name}"] = store.get_or_compute(
+                label, f"ppl/{name}", {**key, "windows": [w.ids for w in ws]},
+                lambda ws=ws: perplexity_samples(scorer, ws, desc=None))
+        for task, docs in (documents.items() if tasks else ()):
+            out[f"task/{task}"] = store.get_or_compute(
+                label, f"task/{task}", {**key, "task": task, "documents": docs, "num_fewshot": cfg.eval.tasks.num_fewshot},
+                lambda t=task, d=docs: run_task(model, tokenizer, candidate, cfg, t, maxlen, folder(), d))
+        return out
+
+    def loss(result: dict) -> float:
+        nll = sum(sum(r["nll"]) for k, r in result.items() if k.startswith("ppl/"))
+        return nll / sum(sum(r["tokens"]) for k, r in result.items() if k.startswith("ppl/"))
+
+    results = {CALIBRATION_BASELINE: measure(BASELINE, CALIBRATION_BASELINE, tasks=True)}
+    all_top = dict.fromkeys(layers, top)
+    reference = loss(measure(map_candidate(ladder, all_top, "top"), _label(all_top), tasks=False))
+    sensitivity = {}
+    with tqdm(total=len(layers) * top, desc="search: layer sensitivity", disable=None) as bar:
+        for layer in layers:
+            sensitivity[layer] = []
+            for rung in range(top):
+                rungs = {**all_top, layer: rung}
+                sensitivity[layer].append(loss(measure(map_candidate(ladder, rungs, "probe"), _label(rungs),
+                                                       tasks=False)) - reference)
+                bar.update()
+            sensitivity[layer].append(0.0)
+    maps = greedy_order(sensitivity, bits)
+    checked = {}
+
+    def passes(m: int) -> bool:
+        label = _label(maps[m])
+        candidate = map_candidate(ladder, maps[m], label)
+        results[label] = measure(candidate, label, tasks=True)
+        map_bits = simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
+                                   kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                                   tokens=cfg.eval.memory_probe_tokens, dtype=model.dtype)["bits_per_element"]
+        table = metric_rows(cfg, results, [label], baseline=CALIBRATION_BASELINE)
+        verdict = decide(table, {label: map_bits}, cfg.gate)
+        checked[m] = {"step": m, "bits_per_element": map_bits, "passed": verdict.passed[label],
+                      "metrics": {row.metric: row.relative for row in table if row.gated}}
+        print(f"kvquant: search: step {m}/{len(maps) - 1} ({map_bits:.3f} bits/element): "
+              f"{'passes' if verdict.passed[label] else 'fails'} on the calibration split")
+        return verdict.passed[label]
+
+    found = first_passing(passes, len(maps))
+    chosen = found if found is not None else len(maps) - 1
+    summary = {
+        "name": spec.name,
+        "found": found is not None,
+        "step": chosen,
+        "steps": len(maps) - 1,
+        "ladder": [{"name": r.label, "quantizer": r.quantizer, "options": r.options, "bits_per_element": b}
+                   for r, b in zip(ladder, bits)],
+        "map": {str(layer): ladder[rung].label for layer, rung in sorted(maps[chosen].items())},
+        "sensitivity": {str(layer): s for layer, s in sensitivity.items()},
+        "reference_loss": reference,
+        "checked": [checked[m] for m in sorted(checked)],
+        "calibration": {"windows": {p.name: [p.limit, p.limit + len(windows[p.name])] for p in cfg.gated_perplexity()},
+                        "documents": {t: [d[0], d[-1] + 1] for t, d in documents.items()}},
+    }
+    return map_candidate(ladder, maps[chosen], spec.name), summary

@@ -1,0 +1,144 @@
+"""The per-layer search: its pure parts (greedy order, bisection, map -> cache), and a run on stories260K that
+calibrates only on the held-apart split, is deterministic, and writes a map that reruns."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import kvquant
+from kvquant import search as search_module
+from kvquant.config import Candidate, ConfigError, load_config
+from kvquant.run import main
+from kvquant.search import first_passing, greedy_order, map_candidate
+
+LADDER = [Candidate("int2", {"residual_length": 0}, "int2"), Candidate("int4", {"group_size": 8, "residual_length": 0},
+                                                                          "int4"),
+          Candidate("int8", {"residual_length": 0}, "int8")]
+
+
+def test_greedy_order_moves_the_layer_that_saves_most_per_bit_first():
+    # layer 0 hurts a lot at rung 0, layer 1 little; rung 1 -> 2 costs 4 bits, rung 0 -> 1 costs 1 bit
+    sensitivity = {0: [1.0, 0.1, 0.0], 1: [0.2, 0.15, 0.0], 2: [0.5, 0.0, 0.0]}
+    maps = greedy_order(sensitivity, [2.0, 3.0, 7.0])
+    assert maps[0] == {0: 0, 1: 0, 2: 0} and maps[-1] == {0: 2, 1: 2, 2: 2}
+    assert len(maps) == 1 + 3 * 2  # one layer, one rung per step
+    steps = [next(layer for layer in maps[i] if maps[i][layer] != maps[i - 1][layer]) for i in range(1, len(maps))]
+    # gains per bit: L0 0.9, L2 0.5, L1 0.05 (rung 0->1); then L0 0.025, L1 0.0375, L2 0 (rung 1->2)
+    assert steps == [0, 2, 1, 1, 0, 2]
+    assert all(sum(maps[i].values()) == i for i in range(len(maps)))
+
+
+def test_first_passing_finds_the_boundary_with_few_checks():
+    for boundary in range(0, 40):
+        calls = []
+
+        def passes(m):
+            calls.append(m)
+            return m >= boundary
+
+        assert first_passing(passes, 40) == boundary
+        assert len(calls) <= 1 + 6  # the last, then bisection over 40
+    assert first_passing(lambda m: False, 10) is None
+
+
+def test_a_map_reaches_the_layers_it_names():
+    model = kvquant.load_model if False else None  # noqa: F841 (no model needed: a layout suffices)
+    candidate = map_candidate(LADDER, {0: 2, 1: 2, 2: 0, 3: 1, 4: 2}, "m")
+    assert set(candidate.options["layers"]) == {"0-1", "3", "4"}
+    cache = kvquant.cache.build_cache([None] * 5, candidate.quantizer, head_dim=8, **candidate.options)
+    assert [layer.quantizer.name for layer in cache.layers] == ["int8", "int8", "int2", "int4", "int8"]
+    assert cache.layers[3].quantizer.group_size == 8 and cache.layers[2].residual_length == 0
+    assert all(layer.residual_length == 0 for layer in cache.layers)
+
+
+CONFIG = """
+name: searched-tiny
+output_dir: {out}
+eval:
+  batch_size: 8
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
+  tasks: {{names: [tinystories_lastword], limit: 20}}
+gate: {{bootstrap: 100, max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
+search:
+  name: mixed
+  windows: 4
+  documents: 16
+  ladder:
+    - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
+    - {{quantizer: int8, name: int8, options: {{residual_length: 0}}}}
+"""
+
+
+def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, monkeypatch):
+    read_docs, read_windows = [], []
+    real_task, real_ppl = search_module.run_task, search_module.perplexity_samples
+
+    def spy_task(*args):
+        read_docs.append(list(args[-1]))
+        return real_task(*args)
+
+    def spy_ppl(scorer, windows, desc=None):
+        read_windows.extend(tuple(w.ids) for w in windows)
+        return real_ppl(scorer, windows, desc=desc)
+
+    monkeypatch.setattr(search_module, "run_task", spy_task)
+    monkeypatch.setattr(search_module, "perplexity_samples", spy_ppl)
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path / "a"))
+    main([str(path)])
+    doc = json.loads((tmp_path / "a" / "searched-tiny" / "results.json").read_text())
+    found = doc["search"]
+    # calibration read documents 20..35 only, and windows that evaluation never reads
+    assert read_docs and all(d == list(range(20, 36)) for d in read_docs)
+    from kvquant import data
+    from kvquant.models import load_tokenizer
+    cfg = load_config(path)
+    tok = load_tokenizer(cfg.model)
+    evaluation = {tuple(w.ids) for w in data.windows(cfg.eval.perplexity[0], tok, 2048)}
+    assert read_windows and not evaluation & set(read_windows)
+    assert len(set(read_windows)) == 4
+    assert found["calibration"] == {"windows": {"tinystories": [6, 10]}, "documents": {"tinystories_lastword": [20, 36]}}
+    # the map is evaluated like a candidate, and searched.yaml reruns it alone
+    assert [c["name"] for c in doc["candidates"]] == ["mixed"]
+    rerun = yaml.safe_load((tmp_path / "a" / "searched-tiny" / "searched.yaml").read_text())
+    assert rerun["search"] is None and rerun["candidates"][0]["name"] == "mixed"
+    layers = doc["candidates"][0]["settings"].get("layers", {})
+    rungs = {int(layer): rung for layer, rung in found["map"].items()}
+    assert set(rungs) == set(range(5)) and set(rungs.values()) <= {"int2", "int8"}
+    from kvquant.cache import build_cache
+    built = build_cache([None] * 5, "int2", head_dim=8, residual_length=0, layers=layers)
+    assert [layer.quantizer.name for layer in built.layers] == [rungs[i] for i in range(5)]
+    # every layer is more sensitive at int2 than at int8 (where the increase is 0 by definition)
+    assert all(s[0] > 0 and s[1] == 0 for s in found["sensitivity"].values())
+    # the same config into another directory: the same map, the same steps checked
+    path.write_text(CONFIG.format(out=tmp_path / "b"))
+    main([str(path)])
+    again = json.loads((tmp_path / "b" / "searched-tiny" / "results.json").read_text())["search"]
+    assert again["map"] == found["map"] and again["checked"] == found["checked"]
+    assert again["sensitivity"] == found["sensitivity"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ("eval.tasks.limit=null", "task 'tinystories_lastword' has no limit"),
+    ("eval.perplexity.0.limit=null", "perplexity set 'tinystories' has no limit"),
+    ("search.ladder=[{quantizer: int8}]", "ladder needs at least two settings"),
+    ("search.name=baseline", "names must be unique and not 'baseline'"),
+    ("search.ladder.0.options={layers: {0: {}}}", "'layers' is what the search decides"),
+])
+def test_bad_search_configs_are_one_line_errors(tmp_path, change, message):
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [change])
+
+
+def test_a_ladder_that_does_not_grow_in_bits_is_refused_before_the_model_loads(tmp_path, capsys):
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    code = main([str(path), "--set", "search.ladder=[{quantizer: int8, name: a}, {quantizer: int2, name: b}]"])
+    assert code == 2
+    assert "must grow in bits per element" in capsys.readouterr().err
+    assert torch.is_tensor(torch.zeros(1))
