@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
 from .errors import KVQuantError, NonFiniteKVError
+from .eviction import Eviction, get_eviction
 from .quantizers import Codec, Quantizer, available_quantizers, get_quantizer
 
 FP16_BYTES = 2
@@ -82,8 +83,8 @@ class _Stream:
             self.tail = self.tail[:, :, flush:].clone()  # a slice would keep the whole block alive
 
     def evict(self, keep: int) -> None:
-        """Forget the oldest tokens in whole units so that at least the last ``keep`` stay (sliding windows, which
-        keep no sinks)."""
+        """Forget the oldest tokens after the sinks in whole units so that at least ``keep`` tokens stay (the
+        sinks and the last ``keep - sinks``)."""
         unit = self.codec.tokens_per_unit
         drop = max(self.length - keep, 0) // unit * unit - self.evicted
         if drop <= 0:
@@ -97,8 +98,14 @@ class _Stream:
         self.evicted += drop
 
     def materialize_into(self, out: torch.Tensor) -> None:
-        """Write the last ``m`` stored tokens, dequantized, into ``out`` ``[1, H, m, D]`` (``m <= len(self)``)."""
+        """Write the last ``m`` stored tokens, dequantized, into ``out`` ``[1, H, m, D]`` (``m <= len(self)``);
+        with sinks, the sinks and the last ``m - sinks`` tokens (``m < len(self)`` only when an eviction window
+        has left part of a unit, which stays stored, unread, right after the sinks)."""
         s, q, m = self.sinks.shape[2], self.n_enc, out.shape[2]
+        if s and m < len(self):
+            out[:, :, :s] = self.sinks
+            out = out[:, :, s:]
+            m = out.shape[2]
         skip = len(self) - m  # stored tokens in front of what is asked for
         if skip < s:
             out[:, :, : s - skip] = self.sinks[:, :, skip:]
@@ -252,7 +259,14 @@ class Padding:
 
 
 class QuantizedLayer(CacheLayerMixin):
-    """One attention layer's quantized cache; with ``sliding_window`` it keeps what that window needs.
+    """One attention layer's quantized cache; with ``sliding_window`` it keeps what that window needs, with an
+    ``eviction`` policy (full-attention layers) what the policy keeps.
+
+    Evicting: a forward over positions ``[c, c + n)`` gets the kept tokens of ``[0, c)`` then its own, and
+    ``get_mask_sizes`` places them at the virtual positions ``[c - kept, c)`` so the model's causal mask shows
+    every kept token to every query and the chunk causally (keys were stored after RoPE, so their positions are
+    already in them). Tokens leave in whole quantized units: a key group partly out of the window stays stored
+    whole, unread, until all of it has left (at most ``tokens_per_unit - 1`` tokens more than the window).
 
     Each batch row is stored on its own (a :class:`_Stream` per row and per K/V), holding only the row's real
     tokens: padding declared with :meth:`KVQuantCache.set_padding` is neither stored nor allowed into any scale,
@@ -263,13 +277,17 @@ class QuantizedLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, quantizer: Quantizer, residual_length: int, sink_tokens: int, sliding_window: int | None = None,
-                 padding: Padding | None = None):
+                 padding: Padding | None = None, eviction: Eviction | None = None):
         super().__init__()
         self.quantizer, self.residual_length = quantizer, residual_length
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        # Sinks would fall out of a sliding window: such layers keep none.
+        # Sinks would fall out of a sliding window: such layers keep none (nor evict more than their window).
         self.sink_tokens = 0 if self.is_sliding else sink_tokens
+        self.eviction = None if self.is_sliding else eviction
+        #: Past tokens a forward reads at most (None: all of them).
+        self.capacity = sliding_window - 1 if self.is_sliding else \
+            (eviction.capacity(sink_tokens) if eviction else None)
         self.cumulative_length = 0  # positions written, padding included (transformers' sequence length)
         self.padding = padding or Padding()
         self.k: list[_Stream] = []
@@ -285,8 +303,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _window(self) -> int:
-        """First position still held (a sliding window keeps the last window - 1)."""
-        return max(self.cumulative_length - self.sliding_window + 1, 0) if self.is_sliding else 0
+        """First (virtual) position still held: all but the last ``capacity`` positions are gone."""
+        return max(self.cumulative_length - self.capacity, 0) if self.capacity is not None else 0
 
     def held(self) -> list[int]:
         """Per row: real tokens attention may still read."""
@@ -302,6 +320,8 @@ class QuantizedLayer(CacheLayerMixin):
             raise KVQuantError(f"this cache holds {len(self.k)} rows, the model wrote {batch}")
         key_states, value_states = key_states.detach(), value_states.detach()  # a cache stores data, not graphs
         n, past = key_states.shape[2], self.cumulative_length
+        if self.eviction and self.padding.mask is not None:
+            self._check_front_padding(past + n, batch)
         first = self._window()  # DynamicCache returns positions [first, past + n): min(past, W - 1) + n of them
         kv_len = past + n - first
         new, visible = self.padding.spans(past, past + n, batch), self.padding.spans(first, past + n, batch)
@@ -317,30 +337,34 @@ class QuantizedLayer(CacheLayerMixin):
                                                   (self.v[row], value_states, values, "values", checked[1])):
                 _write(stream, states[row : row + 1], new[row], lambda: real()[kv_len - n :], name, ok)
                 _read(stream, out[row : row + 1], visible[row], real)
-                if self.is_sliding:
+                if self.capacity is not None:
                     stream.evict(keep[row])
         self._check()
         return keys, values
+
+    def _check_front_padding(self, stop: int, batch: int) -> None:
+        """An evicting layer's virtual positions hold each row's kept tokens right-aligned, which the model's mask
+        reads right only when every row's padding is in front of all its tokens (left padding)."""
+        for count, first, last in self.padding.spans(0, stop, batch):
+            if count and (count != last - first or last != stop):
+                raise KVQuantError("eviction needs padding in front of every row's tokens (left padding); this "
+                                   "batch has padding between or after real tokens")
 
     def _check(self) -> None:
         """Stored tokens agree with what was written (cheap; a disagreement is a bug, never a silent result)."""
         written = self.padding.count(0, self.cumulative_length, len(self.k))
         for row, held in enumerate(self.held()):
             for stream in (self.k[row], self.v[row]):
-                slack = stream.codec.tokens_per_unit - 1 if self.is_sliding else 0
+                slack = stream.codec.tokens_per_unit - 1 if self.capacity is not None else 0
                 if stream.length != written[row] or not held <= len(stream) <= held + slack:
                     raise KVQuantError(
                         f"internal error: row {row} stores {len(stream)} of {stream.length} tokens, expected "
                         f"{held} (+{slack}) of {written[row]}; please report this")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if not self.is_sliding:
-            return self.cumulative_length + query_length, 0
-        window = self.sliding_window
-        kv_offset = max(self.cumulative_length - window + 1, 0)
-        if self.cumulative_length >= window:
-            return window - 1 + query_length, kv_offset
-        return self.cumulative_length + query_length, kv_offset
+        """``(kv_length, kv_offset)``: the kept past and the query's own tokens, from position ``kv_offset``."""
+        first = self._window()
+        return self.cumulative_length - first + query_length, first
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -398,11 +422,13 @@ class KVQuantCache(Cache):
     reuse another layer's KV). Pass it as ``model(..., cache=cache)`` or ``model.generate(..., cache=cache)``."""
 
     def __init__(self, layers: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
-                 head_dim: int | None = None, layer_options: dict[str, dict] | None = None):
+                 head_dim: int | None = None, layer_options: dict[str, dict] | None = None,
+                 eviction: Eviction | None = None):
         super().__init__(layers=layers)
         self.quantizer, self.residual_length, self.sink_tokens = quantizer, residual_length, sink_tokens
         self.head_dim = head_dim
         self.layer_options = layer_options or {}  # normalized ``layers=`` of make_cache
+        self.eviction = eviction
         self.padding = next((layer.padding for layer in layers if isinstance(layer, QuantizedLayer)), Padding())
 
     def set_padding(self, attention_mask: torch.Tensor) -> KVQuantCache:
@@ -445,8 +471,9 @@ class KVQuantCache(Cache):
         model's head_dim (e.g. ``key_group``/``value_group`` actually used)."""
         derived = self.quantizer.resolved(self.head_dim) if self.head_dim else {}
         layers = {"layers": copy.deepcopy(self.layer_options)} if self.layer_options else {}
+        eviction = {"eviction": self.eviction.name, **dataclasses.asdict(self.eviction)} if self.eviction else {}
         return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens,
-                **derived, **layers}
+                **eviction, **derived, **layers}
 
     def memory_report(self) -> dict[str, float]:
         """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows),
@@ -468,8 +495,7 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
         raise KVQuantError("stack_rows needs at least one (cache, row)")
     first = sources[0][0]
     for cache, row in sources:
-        if not isinstance(cache, KVQuantCache) or cache.settings() != first.settings() or \
-                [type(layer) for layer in cache.layers] != [type(layer) for layer in first.layers]:
+        if not isinstance(cache, KVQuantCache) or _kinds(cache) != _kinds(first):
             raise KVQuantError("stack_rows: every source must be a KVQuantCache built with the same settings for the "
                                "same model")
         rows = cache.rows()
@@ -489,7 +515,8 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
         if not isinstance(layer, QuantizedLayer):
             layers.append(copy.copy(layer))
             continue
-        new = QuantizedLayer(layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, padding)
+        new = QuantizedLayer(layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, padding,
+                             layer.eviction)
         template = next((c.layers[index] for c, _ in sources if c.layers[index].is_initialized), None)
         if template is not None:  # else nothing was written anywhere: the new layer initializes at its first write
             new.k = [copy.copy(c.layers[index].k[r]) if c.layers[index].is_initialized else template.k[0].empty()
@@ -502,7 +529,14 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
             new._check()
         layers.append(new)
     return KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim,
-                        first.layer_options)
+                        first.layer_options, first.eviction)
+
+
+def _kinds(cache: KVQuantCache) -> list:
+    """What each layer stores and how (two caches with equal kinds store alike)."""
+    return [(type(layer), getattr(layer, "quantizer", None), getattr(layer, "residual_length", None),
+             getattr(layer, "sink_tokens", None), getattr(layer, "sliding_window", None),
+             getattr(layer, "eviction", None)) for layer in cache.layers]
 
 
 def _summarize(parts: dict[int, dict[str, int]], tokens: int) -> dict[str, float]:
@@ -596,12 +630,15 @@ def layer_range(selector, count: int) -> range:
 
 
 def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
-                   layers: dict | None) -> tuple[list[tuple[Quantizer, int, int] | None], dict[str, dict]]:
+                   layers: dict | None, head_dim: int | None = None
+                   ) -> tuple[list[tuple[Quantizer, int, int] | None], dict[str, dict]]:
     """Per layer of ``layout``: ``(quantizer, residual_length, sink_tokens)`` (None for a shared layer), and the
-    normalized ``layers`` mapping (keys ``"a-b"``). Each ``layers`` entry maps a layer or inclusive range to
-    options: without ``quantizer`` (or naming the same one) they change the cache's quantizer's options for
-    those layers; naming another quantizer, that quantizer with these options. ``residual_length`` and
-    ``sink_tokens`` default to the cache's. A layer named twice is an error."""
+    normalized ``layers`` mapping (keys ``"a-b"``, every option spelled out, so it rebuilds the same layers).
+    Each ``layers`` entry maps a layer or inclusive range to options: without ``quantizer`` they change the
+    cache's quantizer's options for those layers; naming a quantizer (even the cache's), that quantizer with its
+    own defaults and these options. ``residual_length`` and ``sink_tokens`` default to the cache's. A layer named
+    twice, an entry naming only shared layers and sinks on a sliding-window layer (which keeps none) are
+    errors; with ``head_dim`` each entry's quantizer is checked against it."""
     plan = [None if w == "shared" else (quantizer, residual_length, sink_tokens) for w in layout]
     if layers is None:
         return plan, {}
@@ -619,25 +656,35 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
             raise KVQuantError(f"layers: layer {clash} is named by both {owner[clash]!r} and {selector!r}")
         owner.update(dict.fromkeys(span, selector))
         options = dict(options)
-        name = options.pop("quantizer", quantizer.name)
+        name = options.pop("quantizer", None)
         residual, sinks = options.pop("residual_length", residual_length), options.pop("sink_tokens", sink_tokens)
         _check_count(f"layers[{selector!r}].residual_length", residual)
         _check_count(f"layers[{selector!r}].sink_tokens", sinks)
+        if all(layout[i] == "shared" for i in span):
+            raise KVQuantError(f"layers[{selector!r}]: names only layers that reuse another layer's KV (they store "
+                               "nothing)")
+        sliding = next((i for i in span if isinstance(layout[i], int) and not isinstance(layout[i], bool)), None)
+        if sinks and sliding is not None:
+            raise KVQuantError(f"layers[{selector!r}]: layer {sliding} is a sliding-window layer, which keeps no "
+                               "sink tokens")
         try:
-            chosen = _with_options(quantizer, options) if name == quantizer.name else get_quantizer(name, **options)
+            chosen = _with_options(quantizer, options) if name is None else get_quantizer(name, **options)
+            if head_dim is not None:
+                chosen.codecs(head_dim)
         except KVQuantError as err:
             raise KVQuantError(f"layers[{selector!r}]: {err}") from None
         for i in span:
             if plan[i] is not None:
                 plan[i] = (chosen, residual, sinks)
         key = f"{span.start}-{span.stop - 1}" if len(span) > 1 else str(span.start)
-        normalized[key] = {"quantizer": name, **options, "residual_length": residual, "sink_tokens": sinks}
+        normalized[key] = {**chosen.describe(), "residual_length": residual, "sink_tokens": sinks}
     return plan, dict(sorted(normalized.items(), key=lambda item: int(item[0].split("-")[0])))
 
 
 def build_cache(
     layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
-    sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, **options
+    sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, eviction: str | None = None,
+    window: int | None = None, **options
 ) -> KVQuantCache:
     """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
     ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
@@ -652,14 +699,21 @@ def build_cache(
         residual_length = quantizer.default_residual_length
     _check_count("residual_length", residual_length)
     _check_count("sink_tokens", sink_tokens)
-    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers)
+    policy = None
+    if eviction is not None:
+        policy = get_eviction(eviction, sink_tokens, window=window)
+    elif window is not None:
+        raise KVQuantError("window is an option of an eviction policy; set eviction='window' or 'sink_window'")
+    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim)
+    if policy and any(spec[2] != sink_tokens for spec in plan if spec is not None):
+        raise KVQuantError("layers: with eviction every full-attention layer keeps the cache's sink_tokens (the "
+                           "model's one causal mask is sized for all of them)")
     if head_dim is not None:
-        for chosen in {spec[0] for spec in plan if spec is not None}:
-            chosen.codecs(head_dim)
+        quantizer.codecs(head_dim)
     padding = Padding()
-    built = [DummyLayer() if spec is None else QuantizedLayer(*spec, window, padding) for spec, window in
+    built = [DummyLayer() if spec is None else QuantizedLayer(*spec, sliding, padding, policy) for spec, sliding in
              zip(plan, layout)]
-    return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized)
+    return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized, policy)
 
 
 def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
@@ -668,6 +722,8 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     quantizer: a registered name (see ``kvquant.available_quantizers()``) or a :class:`Quantizer`.
     residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
     sink_tokens: first tokens kept in full precision (full-attention layers only).
+    eviction, window: an eviction policy for the full-attention layers (``"window"``, ``"sink_window"``: see
+    :mod:`kvquant.eviction`) and its window, e.g. ``eviction="sink_window", sink_tokens=4, window=1024``.
     layers: per-layer settings, e.g. ``{"0-3": {"quantizer": "int8"}, 5: {"key_bits": 8}}``: a layer or inclusive
     range of layers and its options (see :func:`layer_settings`); the other layers use the arguments above.
     Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
@@ -692,7 +748,7 @@ def simulate_memory(
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, QuantizedLayer):
             continue
-        kind = (layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window)
+        kind = (layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, layer.eviction)
         if kind not in seen:  # layers of one kind store the same: simulate one each
             layer.update(states, states)
             seen[kind] = {key: nbytes * batch for key, nbytes in layer.memory().items()}

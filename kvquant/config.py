@@ -31,6 +31,9 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 MAX_BOOTSTRAP = 100_000
 MAX_SEED = 2**32 - 1
+MAX_CALIBRATION = 100_000
+#: Result labels the search uses for its own measurements.
+SEARCH_PREFIX = "search-"
 
 
 class ConfigError(KVQuantError):
@@ -239,8 +242,9 @@ class SearchConfig:
         _require(len(set(labels)) == len(labels), f"ladder: names must be unique, got {labels}")
         for i, rung in enumerate(self.ladder):
             _require("layers" not in rung.options, f"ladder[{i}].options: 'layers' is what the search decides")
-        _at_least("windows", self.windows, 1)
-        _at_least("documents", self.documents, 1)
+        _require(1 <= self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
+        _require(1 <= self.documents <= MAX_CALIBRATION,
+                 f"documents must be in 1..{MAX_CALIBRATION}, got {self.documents!r}")
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,10 @@ class ExperimentConfig:
         if len(set(labels)) != len(labels) or "baseline" in labels:
             raise ConfigError(f"candidates: names must be unique and not 'baseline', got {labels}"
                               + (" (search.name included)" if self.search else ""))
+        reserved = [label for label in labels if label.startswith(SEARCH_PREFIX)]
+        if reserved:
+            raise ConfigError(f"candidates: names starting with {SEARCH_PREFIX!r} are the search's own, got "
+                              f"{reserved[0]!r}")
         _require(bool(self.eval.perplexity or self.eval.tasks.names),
                  "eval: nothing to measure; list perplexity sets and/or tasks")
         gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
@@ -283,6 +291,8 @@ class ExperimentConfig:
         for task in self.gated_tasks():
             _require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
                      "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")
+        _require(self.eval.tasks.num_fewshot == 0, "search: num_fewshot must be 0, since few-shot examples may be "
+                 "drawn from the documents evaluation reads, and calibration would see them")
 
     def gated_perplexity(self) -> list[PerplexitySet]:
         names = self._gated("perplexity", [p.name for p in self.eval.perplexity])

@@ -35,7 +35,7 @@ from .gate import ACCURACY, decide, metric_rows
 from .measure import BASELINE, measure
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, trained_context
 from .plan import ModelShape, shape_from_config
-from .search import ladder_bits, probe_counts, search
+from .search import check_search, probe_counts, search
 from .tasks import check_tasks, prepare_probe_tasks
 
 LOCK = ".lock"
@@ -203,15 +203,18 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     for i, candidate in enumerate(cfg.candidates):
         check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
+    context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
+    check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
+    probes = probe_counts(cfg)
+    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search else None
+    folder = None
+    if probes:  # documents are cut with the model's tokenizer: write and check them now
+        folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
     if cfg.search:
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
-        ladder_bits(cfg, shape, torch.float32 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype))
-    check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
-    probes = probe_counts(cfg)
-    if probes:  # documents are cut with the model's tokenizer: write and check them now
-        context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
-        prepare_probe_tasks(load_tokenizer(cfg.model), probes, context, "eval.tasks.names")
+        dtype = torch.float32 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+        check_search(cfg, shape, dtype, tokenizer, context, rows, folder)
     warnings = []
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)

@@ -27,15 +27,15 @@ from tqdm.auto import tqdm
 
 from . import data
 from .cache import build_cache, make_cache, simulate_memory
-from .config import Candidate, ExperimentConfig
+from .config import SEARCH_PREFIX, Candidate, ExperimentConfig
 from .errors import KVQuantError
 from .evaluate import Scorer, perplexity_samples
 from .gate import decide, metric_rows
 from .measure import BASELINE, run_task
 from .models import max_length
-from .tasks import prepare_probe_tasks, probe_distance, probe_tasks
+from .tasks import prepare_probe_tasks, probe_distance, probe_tasks, resolve_task, task_manager
 
-CALIBRATION_BASELINE = "search-baseline"
+CALIBRATION_BASELINE = SEARCH_PREFIX + "baseline"
 
 
 def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
@@ -49,24 +49,58 @@ def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
     return counts
 
 
-def calibration_documents(cfg: ExperimentConfig) -> dict[str, list[int]]:
+def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
     """Per gated task: the document indices after its evaluation limit."""
-    return {task: list(range(cfg.eval.tasks.limit_for(task), cfg.eval.tasks.limit_for(task) + cfg.search.documents))
+    return {task: range(cfg.eval.tasks.limit_for(task), cfg.eval.tasks.limit_for(task) + cfg.search.documents)
             for task in cfg.gated_tasks()}
 
 
-def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict) -> dict[str, list[data.Window]]:
-    """Per gated perplexity set: the ``search.windows`` windows after its evaluation ``limit`` (the same cutting
-    as evaluation, continued)."""
+def _same_data(pset) -> tuple:
+    """What decides a perplexity set's windows, its name and limit aside."""
+    return tuple(v for k, v in dataclasses.asdict(pset).items() if k not in ("name", "limit"))
+
+
+def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int,
+                        rows: dict) -> dict[str, tuple[int, list[data.Window]]]:
+    """Per gated perplexity set: the index of its first calibration window and the ``search.windows`` windows
+    after what evaluation reads of the same text (the largest ``limit`` among sets cut alike from it), cut as
+    evaluation cuts them."""
     out = {}
     for pset in cfg.gated_perplexity():
-        longer = dataclasses.replace(pset, limit=pset.limit + cfg.search.windows)
-        windows = data.windows(longer, tokenizer, maxlen, rows[pset.name])[pset.limit :]
+        alike = [p for p in cfg.eval.perplexity if _same_data(p) == _same_data(pset)]
+        if any(p.limit is None for p in alike):
+            raise KVQuantError(f"search: perplexity set {pset.name!r} reads text that another set reads whole, so "
+                               "no windows are left to calibrate on apart from evaluation")
+        start = max(p.limit for p in alike)
+        longer = dataclasses.replace(pset, limit=start + cfg.search.windows)
+        windows = data.windows(longer, tokenizer, maxlen, rows[pset.name])[start:]
         if not windows:
-            raise KVQuantError(f"search: perplexity set {pset.name!r} has no windows after its limit {pset.limit} "
-                               "to calibrate on; lower eval.perplexity[].limit or use a longer text")
-        out[pset.name] = windows
+            raise KVQuantError(f"search: perplexity set {pset.name!r} has no windows after the {start} evaluation "
+                               "reads to calibrate on; lower eval.perplexity[].limit or use a longer text")
+        out[pset.name] = start, windows
     return out
+
+
+def check_search(cfg: ExperimentConfig, shape, dtype, tokenizer, maxlen: int, rows: dict, folder) -> None:
+    """Before the model loads: the ladder grows in bits, the calibration windows exist, no two task names read
+    the same documents, and every gated task has the calibration documents after its limit."""
+    ladder_bits(cfg, shape, dtype, min(cfg.eval.memory_probe_tokens, maxlen))
+    calibration_windows(cfg, tokenizer, maxlen, rows)
+    resolved = {}
+    for task in cfg.eval.tasks.names:
+        same = resolved.setdefault(resolve_task(task) if probe_distance(task) is None else probe_distance(task), task)
+        if same != task:
+            raise KVQuantError(f"search: eval.tasks.names {same!r} and {task!r} read the same documents, so one "
+                               "could calibrate on what the other evaluates; list it once")
+    from lm_eval.tasks import get_task_dict
+
+    manager = task_manager(str(folder) if folder else None)
+    for task, docs in calibration_documents(cfg).items():
+        name = resolve_task(task)
+        size = len(get_task_dict([name], manager)[name].eval_docs)
+        if docs.stop > size:
+            raise KVQuantError(f"search: task {task!r} has {size} documents; evaluation reads {docs.start} and "
+                               f"calibration {len(docs)} more; lower eval.tasks.limit or search.documents")
 
 
 def layer_setting(rung: Candidate) -> dict:
@@ -120,11 +154,11 @@ def first_passing(passes: Callable[[int], bool], count: int) -> int | None:
     return high
 
 
-def ladder_bits(cfg: ExperimentConfig, shape, dtype) -> list[float]:
-    """Bits per element of each rung applied to every layer (at ``eval.memory_probe_tokens`` tokens, as the
-    candidates are reported); they must grow strictly up the ladder."""
+def ladder_bits(cfg: ExperimentConfig, shape, dtype, tokens: int) -> list[float]:
+    """Bits per element of each rung applied to every layer after ``tokens`` tokens (the candidates' memory
+    probe length); they must grow strictly up the ladder."""
     bits = [simulate_memory(shape.layout, {"quantizer": r.quantizer, **r.options}, batch=1, kv_heads=shape.kv_heads,
-                            head_dim=shape.head_dim, tokens=cfg.eval.memory_probe_tokens, dtype=dtype)
+                            head_dim=shape.head_dim, tokens=tokens, dtype=dtype)
             ["bits_per_element"] for r in cfg.search.ladder]
     for i in range(1, len(bits)):
         if not bits[i] > bits[i - 1]:
@@ -135,7 +169,7 @@ def ladder_bits(cfg: ExperimentConfig, shape, dtype) -> list[float]:
 
 
 def _label(rungs: dict[int, int]) -> str:
-    return "search-" + hashlib.sha256(json.dumps(sorted(rungs.items())).encode()).hexdigest()[:16]
+    return SEARCH_PREFIX + hashlib.sha256(json.dumps(sorted(rungs.items())).encode()).hexdigest()[:16]
 
 
 def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) -> tuple[Candidate, dict]:
@@ -143,9 +177,11 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
     spec = cfg.search
     ladder, top = spec.ladder, len(spec.ladder) - 1
     maxlen = max_length(model, cfg.model)
-    windows = calibration_windows(cfg, tokenizer, maxlen, rows)
+    calibration = calibration_windows(cfg, tokenizer, maxlen, rows)
+    windows = {name: ws for name, (_, ws) in calibration.items()}
     documents = calibration_documents(cfg)
-    bits = ladder_bits(cfg, shape, model.dtype)
+    tokens = min(cfg.eval.memory_probe_tokens, maxlen)  # as the candidates' bits are measured
+    bits = ladder_bits(cfg, shape, model.dtype, tokens)
     layers = [i for i, w in enumerate(shape.layout) if w != "shared"]
     folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probe_counts(cfg), maxlen,
                                                              "eval.tasks.names")))
@@ -164,8 +200,9 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
                 lambda ws=ws: perplexity_samples(scorer, ws, desc=None))
         for task, docs in (documents.items() if tasks else ()):
             out[f"task/{task}"] = store.get_or_compute(
-                label, f"task/{task}", {**key, "task": task, "documents": docs, "num_fewshot": cfg.eval.tasks.num_fewshot},
-                lambda t=task, d=docs: run_task(model, tokenizer, candidate, cfg, t, maxlen, folder(), d))
+                label, f"task/{task}", {**key, "task": task, "documents": [docs.start, docs.stop],
+                                        "num_fewshot": cfg.eval.tasks.num_fewshot},
+                lambda t=task, d=docs: run_task(model, tokenizer, candidate, cfg, t, maxlen, folder(), list(d)))
         return out
 
     def loss(result: dict) -> float:
@@ -193,8 +230,8 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
         candidate = map_candidate(ladder, maps[m], label)
         results[label] = measure(candidate, label, tasks=True)
         map_bits = simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
-                                   kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                                   tokens=cfg.eval.memory_probe_tokens, dtype=model.dtype)["bits_per_element"]
+                                   kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
+                                   dtype=model.dtype)["bits_per_element"]
         table = metric_rows(cfg, results, [label], baseline=CALIBRATION_BASELINE)
         verdict = decide(table, {label: map_bits}, cfg.gate)
         checked[m] = {"step": m, "bits_per_element": map_bits, "passed": verdict.passed[label],
@@ -216,7 +253,7 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
         "sensitivity": {str(layer): s for layer, s in sensitivity.items()},
         "reference_loss": reference,
         "checked": [checked[m] for m in sorted(checked)],
-        "calibration": {"windows": {p.name: [p.limit, p.limit + len(windows[p.name])] for p in cfg.gated_perplexity()},
-                        "documents": {t: [d[0], d[-1] + 1] for t, d in documents.items()}},
+        "calibration": {"windows": {name: [start, start + len(ws)] for name, (start, ws) in calibration.items()},
+                        "documents": {t: [d.start, d.stop] for t, d in documents.items()}},
     }
     return map_candidate(ladder, maps[chosen], spec.name), summary

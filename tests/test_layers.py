@@ -88,9 +88,35 @@ def test_a_map_naming_every_layer_is_the_uniform_cache_and_settings_rebuild_it()
         int4 = model(ids, cache=kvquant.make_cache(model, "int4", group_size=8, residual_length=0)).logits
     assert torch.equal(mapped, uniform)
     assert not torch.equal(mapped, int4)
-    settings = kvquant.make_cache(model, "int4", layers=MAP).settings()
-    assert settings["layers"]["0-1"] == {"quantizer": "int8", "residual_length": 128, "sink_tokens": 0}
+    cache = kvquant.make_cache(model, "int4", group_size=8, layers=MAP)
+    settings = cache.settings()
     assert list(settings["layers"]) == ["0-1", "2", "4", "5"]  # normalized keys, in layer order
+    assert settings["layers"]["2"]["key_bits"] == 8 and settings["layers"]["2"]["group_size"] == 8  # spelled out
+    rebuilt = kvquant.make_cache(model, "int4", group_size=8, layers=settings["layers"])
+    assert [(layer.quantizer, layer.residual_length, layer.sink_tokens) for layer in rebuilt.layers] == \
+        [(layer.quantizer, layer.residual_length, layer.sink_tokens) for layer in cache.layers]
+
+
+def test_an_entry_naming_the_cache_quantizer_takes_its_defaults_and_one_without_changes_options():
+    layers = build_cache([None] * 3, "int4", head_dim=HEAD_DIM, group_size=8, rotation="hadamard",
+                         layers={0: {"quantizer": "int4", "key_bits": 8}, 1: {"key_bits": 8}}).layers
+    assert layers[0].quantizer == kvquant.get_quantizer("int4", key_bits=8)  # not the cache's group or rotation
+    assert layers[1].quantizer == kvquant.get_quantizer("int4", group_size=8, rotation="hadamard", key_bits=8)
+    assert layers[2].quantizer == kvquant.get_quantizer("int4", group_size=8, rotation="hadamard")
+
+
+def test_equivalent_maps_stack_and_write_alike():
+    model = model_of()
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
+    a = kvquant.make_cache(model, "int4", layers={"0-1": {"quantizer": "int8"}})
+    b = kvquant.make_cache(model, "int4", layers={0: {"quantizer": "int8"}, 1: {"quantizer": "int8"}})
+    with torch.no_grad():
+        model(ids, cache=a)
+        model(ids, cache=b)
+    stacked = kvquant.cache.stack_rows([(a, 0), (b, 0)])
+    with torch.no_grad():
+        out = model(torch.tensor([[5], [5]]), cache=stacked).logits
+    assert torch.equal(out[0], out[1])
 
 
 @pytest.mark.parametrize("layers, message", [
@@ -106,7 +132,17 @@ def test_a_map_naming_every_layer_is_the_uniform_cache_and_settings_rebuild_it()
     ({0: "int8"}, "must be a mapping of options"),
     (["int8"], "layers must map layers or ranges"),
     ({0: {"key_bits": 3}}, "key_bits must be"),
+    ({0: {"group_size": 7}}, r"layers\[0\]: int4: group_size 7"),
 ])
 def test_bad_layer_maps_are_one_line_errors(layers, message):
-    with pytest.raises(KVQuantError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(KVQuantError, match=message if "\\" in message else
+                       message.replace("(", r"\(").replace(")", r"\)")):
         build_cache([None] * LAYERS, "int4", head_dim=HEAD_DIM, layers=layers)
+
+
+def test_maps_that_cannot_take_effect_are_errors():
+    with pytest.raises(KVQuantError, match="sliding-window layer, which keeps no sink tokens"):
+        build_cache([4, None], "int4", head_dim=HEAD_DIM, layers={0: {"sink_tokens": 4}})
+    with pytest.raises(KVQuantError, match="names only layers that reuse another layer's KV"):
+        build_cache([None, "shared"], "int4", head_dim=HEAD_DIM, layers={1: {"quantizer": "int8"}})
+    build_cache([None, "shared", None], "int4", head_dim=HEAD_DIM, layers={"0-2": {"quantizer": "int8"}})  # fine

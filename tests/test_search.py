@@ -127,6 +127,9 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     ("search.ladder=[{quantizer: int8}]", "ladder needs at least two settings"),
     ("search.name=baseline", "names must be unique and not 'baseline'"),
     ("search.ladder.0.options={layers: {0: {}}}", "'layers' is what the search decides"),
+    ("eval.tasks.num_fewshot=2", "num_fewshot must be 0"),
+    ("search.documents=1000000000", r"documents must be in 1\.\.100000"),
+    ("search.name=search-1", "names starting with 'search-' are the search's own"),
 ])
 def test_bad_search_configs_are_one_line_errors(tmp_path, change, message):
     path = tmp_path / "search.yaml"
@@ -142,3 +145,37 @@ def test_a_ladder_that_does_not_grow_in_bits_is_refused_before_the_model_loads(t
     assert code == 2
     assert "must grow in bits per element" in capsys.readouterr().err
     assert torch.is_tensor(torch.zeros(1))
+
+
+@pytest.mark.parametrize("change, message", [
+    ("eval.tasks.limit=495", "task 'tinystories_lastword' has 498 documents; evaluation reads 495 and calibration 16"),
+    ("eval.perplexity.0.limit=1000", "no windows after the 1000 evaluation reads"),
+    ("eval.tasks.names=[tinystories_lastword, arc_easy, arc_easy_local]", "'arc_easy' and 'arc_easy_local' read the "
+     "same documents"),
+    ("eval.tasks.names=[tinystories_lastword, passkey_64, passkey_064]", "'passkey_64' and 'passkey_064' read the same"),
+])
+def test_a_split_that_cannot_be_held_apart_is_refused_before_the_model_loads(tmp_path, capsys, change, message):
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    code = main([str(path), "--set", change])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Loading weights" not in err
+
+
+def test_calibration_starts_after_what_any_set_of_the_same_text_evaluates(tmp_path):
+    from kvquant.search import calibration_windows
+    from kvquant.models import load_tokenizer
+    from kvquant import data
+    text = CONFIG.replace("  tasks: {{names: [tinystories_lastword], limit: 20}}",
+                          "    - {{name: longer, source: local:text/tinystories/validation-first1000.jsonl, limit: 12, "
+                          "max_length: 128}}\n  tasks: {{names: [tinystories_lastword], limit: 20}}")
+    path = tmp_path / "search.yaml"
+    path.write_text(text.format(out=tmp_path))
+    cfg = load_config(path, ["gate.perplexity=[tinystories]"])
+    tok = load_tokenizer(cfg.model)
+    rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
+    start, windows = calibration_windows(cfg, tok, 2048, rows)["tinystories"]
+    evaluated = {tuple(w.ids) for p in cfg.eval.perplexity for w in data.windows(p, tok, 2048, rows[p.name])}
+    assert start == 12 and len(windows) == 4 and not evaluated & {tuple(w.ids) for w in windows}

@@ -1,0 +1,182 @@
+"""Eviction policies composed with quantizers: an evicting cache equals an independent reference that masks the
+same positions out of full attention (DynamicCache, or a non-evicting kvquant cache of the same quantizer), left-
+padded rows equal the row alone, the bytes equal the closed form and the planner, and bad settings are errors."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import kvquant
+from kvquant.errors import KVQuantError
+from kvquant.plan import main as plan_main
+from reference import stream_bytes
+
+HEADS, HEAD_DIM, LAYERS = 2, 16, 3
+CHUNKS = [5, 1, 3, 1, 1, 7, 1, 1, 2, 1, 1, 1, 9, 1, 1]  # prefill, decode steps, chunks crossing the window
+
+
+def model_of(dtype=torch.float64):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=HEADS, head_dim=HEAD_DIM,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+
+
+def reference_mask(c: int, n: int, sinks: int, window: int, dtype) -> torch.Tensor:
+    """``[1, 1, n, c + n]`` additive mask: query ``c + i`` sees the past positions ``< sinks`` and
+    ``[c - window, c)``, and ``[c, c + i]`` (the policy's semantics, written from its definition)."""
+    k = torch.arange(c + n)
+    q = torch.arange(c, c + n)[:, None]
+    allowed = (k < min(sinks, c)) | ((k >= c - window) & (k < c)) | ((k >= c) & (k <= q))
+    return torch.zeros(1, 1, n, c + n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def feed(model, ids, cache, masks=None):
+    """Logits of every chunk of CHUNKS; with ``masks``, each forward gets the reference 4D mask."""
+    out, c = [], 0
+    with torch.no_grad():
+        for n in CHUNKS:
+            kwargs = {"attention_mask": masks(c, n)} if masks else {}
+            out.append(model(ids[:, c : c + n], cache=cache, position_ids=torch.arange(c, c + n)[None],
+                             **kwargs).logits)
+            c += n
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("sinks, window, policy", [(2, 5, "sink_window"), (0, 6, "window"), (4, 32, "sink_window")])
+def test_identity_eviction_equals_full_attention_with_the_positions_masked(sinks, window, policy):
+    model = model_of()
+    ids = torch.randint(0, 64, (1, sum(CHUNKS)), generator=torch.Generator().manual_seed(1))
+    cache = kvquant.make_cache(model, "fp16", eviction=policy, sink_tokens=sinks, window=window)
+    got = feed(model, ids, cache)
+    want = feed(model, ids, DynamicCache(config=model.config),
+                lambda c, n: reference_mask(c, n, sinks, window, torch.float64))
+    # bit-exact: sdpa in float64 (eager attention takes its softmax in fp32, where the masked reference sums more
+    # terms and differs by ~1e-8)
+    assert torch.equal(got, want), (got - want).abs().max()
+    no_eviction = feed(model, ids, kvquant.make_cache(model, "fp16"))
+    if sinks + window < sum(CHUNKS):
+        assert not torch.allclose(got, no_eviction, atol=1e-6)  # the reference is not trivially full attention
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_int4_eviction_equals_the_same_quantizer_with_the_positions_masked(group):
+    """A key group partly out of the window is stored whole but not read: the evicting int4 cache reads exactly
+    what a non-evicting int4 cache reads under the policy's mask (same codes: groups are aligned at the sinks and
+    never re-quantized)."""
+    model = model_of()
+    ids = torch.randint(0, 64, (1, sum(CHUNKS)), generator=torch.Generator().manual_seed(2))
+    opts = dict(group_size=group, residual_length=0, sink_tokens=2)
+    got = feed(model, ids, kvquant.make_cache(model, "int4", eviction="sink_window", window=6, **opts))
+    want = feed(model, ids, kvquant.make_cache(model, "int4", **opts),
+                lambda c, n: reference_mask(c, n, 2, 6, torch.float64))
+    assert torch.equal(got, want), (got - want).abs().max()
+    identity = feed(model, ids, kvquant.make_cache(model, "fp16", eviction="sink_window", window=6, sink_tokens=2))
+    assert not torch.allclose(got, identity, atol=1e-4)  # and int4 is really quantized
+
+
+def test_left_padded_rows_compute_what_each_row_computes_alone():
+    model = model_of()
+    gen = torch.Generator().manual_seed(3)
+    lengths = [30, 22, 13]
+    width = max(lengths)
+    ids = torch.randint(0, 64, (3, width), generator=gen)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        mask[r, width - n :] = 1
+    opts = dict(eviction="sink_window", sink_tokens=2, window=7, group_size=4, residual_length=0)
+    cache = kvquant.make_cache(model, "int4", **opts).set_padding(mask)
+    steps = 4
+    with torch.no_grad():
+        position = (mask.cumsum(1) - 1).clamp(min=0)
+        batch_logits = [model(ids, attention_mask=mask, cache=cache, position_ids=position).logits[:, -1]]
+        token = ids[:, -1:]
+        for i in range(steps):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            pos = position[:, -1:] + 1 + i
+            batch_logits.append(model(token, attention_mask=mask, cache=cache, position_ids=pos).logits[:, -1])
+        for r, n in enumerate(lengths):
+            alone = kvquant.make_cache(model, "int4", **opts)
+            row = [model(ids[r : r + 1, width - n :], cache=alone).logits[:, -1]]
+            for i in range(steps):
+                row.append(model(token[r : r + 1], cache=alone,
+                                 position_ids=torch.tensor([[n + i]])).logits[:, -1])
+            for step, (a, b) in enumerate(zip(batch_logits, row)):
+                assert torch.allclose(a[r], b[0], rtol=0, atol=1e-10), f"row {r}, step {step}"
+
+
+def test_padding_behind_tokens_is_refused_with_eviction():
+    model = model_of()
+    cache = kvquant.make_cache(model, "int4", eviction="window", window=4).set_padding(
+        torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
+    with pytest.raises(KVQuantError, match="left padding"):
+        with torch.no_grad():
+            model(torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+                  cache=cache)
+
+
+@pytest.mark.parametrize("tokens", [3, 9, 10, 11, 40, 77])
+def test_evicted_tokens_free_their_bytes_as_the_closed_form_and_the_planner_say(tokens, tmp_path, capsys):
+    model = model_of(torch.float32)
+    sinks, window, group = 2, 8, 4
+    settings = {"quantizer": "int4", "eviction": "sink_window", "sink_tokens": sinks, "window": window,
+                "group_size": group, "residual_length": 1}
+    cache = kvquant.make_cache(model, **settings)
+    ids = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        model(ids[:, :1], cache=cache)
+        for i in range(1, tokens):
+            model(ids[:, i : i + 1], cache=cache)
+    # whole units leave once all their tokens are out of the window: keys (units of `group` tokens) keep the sinks
+    # and the last whole groups reaching back to cover the window; values (units of one token) keep exactly the
+    # sinks and the window. Each is stored as if the layer had only ever seen that many tokens after the sinks.
+    keys = tokens - max(tokens - sinks - window, 0) // group * group
+    values = min(tokens, sinks + window)
+    key_bytes = stream_bytes(keys, None, group, 4, HEAD_DIM, sinks, 1, HEADS, HEAD_DIM, 4)
+    value_bytes = stream_bytes(values, None, 1, 4, HEAD_DIM // group, sinks, 1, HEADS, HEAD_DIM, 4)
+    expected = LAYERS * (key_bytes + value_bytes)
+    report = cache.memory_report()
+    assert report["total_bytes"] == expected
+    assert report["fp16_bytes"] == LAYERS * 2 * HEADS * HEAD_DIM * 2 * min(tokens, sinks + window)
+    (tmp_path / "config.json").write_text(model.config.to_json_string())
+    assert plan_main(["--model", str(tmp_path / "config.json"), "--context", str(tokens), "--dtype", "float32",
+                      "--cache", json.dumps(settings), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes"] == expected
+
+
+def test_settings_name_the_policy_and_forks_keep_it():
+    model = model_of()
+    cache = kvquant.make_cache(model, "fp8_e4m3", eviction="sink_window", sink_tokens=4, window=16)
+    settings = cache.settings()
+    assert (settings["eviction"], settings["window"], settings["sink_tokens"]) == ("sink_window", 16, 4)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids[:, :30], cache=cache)
+        stacked = kvquant.cache.stack_rows([(cache, 0), (cache, 0)])
+        single = kvquant.cache.stack_rows([(cache, 0)])
+        a = model(ids[:, 30:31], cache=cache).logits
+        b = model(torch.cat([ids[:, 30:31]] * 2), cache=stacked).logits
+        c = model(ids[:, 30:31], cache=single).logits
+    assert torch.equal(a, c) and torch.equal(b[0], b[1])
+    assert torch.allclose(a[0], b[0], rtol=0, atol=1e-12)  # a batch of two rounds float64 sums its own way
+    assert stacked.layers[0].get_mask_sizes(1) == (4 + 16 + 1, 31 - 20)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"window": 8}, "window is an option of an eviction policy"),
+    ({"eviction": "h2o", "window": 8}, "unknown eviction policy 'h2o'"),
+    ({"eviction": "window", "window": 8, "sink_tokens": 4}, "keeps no sinks"),
+    ({"eviction": "sink_window", "window": 8}, "needs sink_tokens >= 1"),
+    ({"eviction": "window", "window": 0}, "window must be an integer >= 1"),
+    ({"eviction": "window"}, "window must be an integer >= 1"),
+    ({"eviction": "window", "window": True}, "window must be an integer >= 1"),
+    ({"eviction": "sink_window", "window": 8, "sink_tokens": 2, "layers": {"0": {"sink_tokens": 5}}},
+     "every full-attention layer keeps the cache's sink_tokens"),
+])
+def test_bad_eviction_settings_are_one_line_errors(options, message):
+    with pytest.raises(KVQuantError, match=message):
+        kvquant.make_cache(model_of(), "int4", **options)
