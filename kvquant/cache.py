@@ -29,32 +29,54 @@ _ROLE = {"payload": "payload_bytes", "scale": "scale_bytes", "zero": "scale_byte
 class _Stream:
     """Keys (or values) of one batch row in one layer. Positions count from the row's first real token:
 
-    ``[0, s)`` sinks, full precision ``[1, H, s, D]`` | ``evicted`` tokens a sliding window dropped | ``enc``
-    quantized units (dim 2 counts units of ``codec.tokens_per_unit`` tokens) | ``tail`` full precision
-    ``[1, H, t, D]`` (the residual window plus tokens short of a whole unit).
+    ``[0, s)`` sinks, full precision ``[1, H, s, D]`` | ``evicted`` tokens a window dropped | quantized units
+    (dim 2 counts units of ``codec.tokens_per_unit`` tokens): ``shared`` segments, then the stream's own
+    ``enc`` | ``tail`` full precision ``[1, H, t, D]`` (the residual window plus tokens short of a whole unit).
 
     Units are aligned at position ``s`` and only whole units are ever evicted, so every stored unit was encoded from
     all of its tokens and no unit is ever split: a key group that a sliding window has partly left stays stored
     whole (at most ``tokens_per_unit - 1`` tokens more than the window) until all of it has left. Stored counts are
     derived from the tensors; ``evicted`` is the one count of what is no longer stored. Tensors are never modified
-    in place, so a shallow copy of a stream is an independent fork (beam search, prefix sharing).
+    in place, so forks share them safely: :meth:`fork` turns the units stored so far into a ``shared`` segment that
+    the stream and its copy both hold (the same tensors, stored once: prefix sharing, beam search), and each
+    writes its own units after it.
     """
+
+    #: Shared segments kept before they are merged into one (a copy) so reads stay cheap (beam search forks often).
+    MAX_SEGMENTS = 16
 
     def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, like: torch.Tensor):
         self.codec, self.sink_tokens, self.residual_length = codec, sink_tokens, residual_length
         empty = like.new_empty(1, like.shape[1], 0, like.shape[3])
         self.sinks, self.tail = empty, empty
+        self.shared: tuple[dict[str, torch.Tensor], ...] = ()
         self.enc: dict[str, torch.Tensor] = {}
         self.evicted = 0
+
+    def fork(self) -> _Stream:
+        """A copy that shares every stored tensor with this stream; both write apart from here on."""
+        if self.enc:
+            self.shared, self.enc = self.shared + (self.enc,), {}
+            if len(self.shared) > self.MAX_SEGMENTS:
+                self.shared = ({k: torch.cat([seg[k] for seg in self.shared], dim=2) for k in self.shared[0]},)
+        return copy.copy(self)
+
+    def segments(self) -> list[dict[str, torch.Tensor]]:
+        """The quantized units in order: the shared segments, then the stream's own."""
+        return [*self.shared, self.enc] if self.enc else list(self.shared)
 
     def empty(self) -> _Stream:
         """A stream with the same settings and nothing stored."""
         return _Stream(self.codec, self.sink_tokens, self.residual_length, self.tail)
 
+    @staticmethod
+    def _units(segment: dict[str, torch.Tensor]) -> int:
+        return next(iter(segment.values())).shape[2]
+
     @property
     def n_enc(self) -> int:
         """Tokens held in quantized units."""
-        return next(iter(self.enc.values())).shape[2] * self.codec.tokens_per_unit if self.enc else 0
+        return sum(self._units(seg) for seg in self.segments()) * self.codec.tokens_per_unit
 
     def __len__(self) -> int:
         """Tokens stored."""
@@ -90,9 +112,18 @@ class _Stream:
         if drop <= 0:
             return
         from_enc = min(drop, self.n_enc)
-        if from_enc:
-            units = from_enc // unit
-            self.enc = {k: v[:, :, units:].clone() for k, v in self.enc.items()} if from_enc < self.n_enc else {}
+        units = from_enc // unit  # the oldest units go: shared segments first, then the stream's own
+        shared = []
+        for seg in self.shared:
+            n = self._units(seg)
+            if units >= n:
+                units -= n
+                continue
+            shared.append({k: v[:, :, units:].clone() for k, v in seg.items()} if units else seg)
+            units = 0
+        self.shared = tuple(shared)
+        if units:
+            self.enc = {k: v[:, :, units:].clone() for k, v in self.enc.items()} if units < self._units(self.enc) else {}
         if drop > from_enc:
             self.tail = self.tail[:, :, drop - from_enc :].clone()
         self.evicted += drop
@@ -110,27 +141,32 @@ class _Stream:
         if skip < s:
             out[:, :, : s - skip] = self.sinks[:, :, skip:]
         first = max(skip - s, 0)  # first quantized token asked for
-        if first < q:
-            unit = self.codec.tokens_per_unit
-            enc = {k: v[:, :, first // unit :] for k, v in self.enc.items()} if first >= unit else self.enc
-            dst = out[:, :, s + first - skip : s + q - skip]
-            if first % unit:  # starts inside a unit: decode the whole unit aside
-                whole = out.new_empty(1, out.shape[1], q - first // unit * unit, out.shape[3])
-                self.codec.decode_into(enc, whole)
-                dst.copy_(whole[:, :, first % unit :])
-            else:
-                self.codec.decode_into(enc, dst)
+        unit, a = self.codec.tokens_per_unit, 0
+        for seg in self.segments():  # segment tokens [a, b) of the quantized ones
+            b = a + self._units(seg) * unit
+            if first < b:
+                local = max(first - a, 0)
+                enc = {k: v[:, :, local // unit :] for k, v in seg.items()} if local >= unit else seg
+                dst = out[:, :, s + a + local - skip : s + b - skip]
+                if local % unit:  # starts inside a unit: decode the whole unit aside
+                    whole = out.new_empty(1, out.shape[1], b - a - local // unit * unit, out.shape[3])
+                    self.codec.decode_into(enc, whole)
+                    dst.copy_(whole[:, :, local % unit :])
+                else:
+                    self.codec.decode_into(enc, dst)
+            a = b
         first = max(skip - s - q, 0)
         out[:, :, s + q + first - skip :] = self.tail[:, :, first:]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"sinks": self.sinks, "tail": self.tail, **self.enc}
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every stored tensor with its role key (shared ones included)."""
+        return [("sinks", self.sinks), ("tail", self.tail), *(item for seg in self.segments() for item in seg.items())]
 
-    def nbytes(self) -> dict[str, int]:
-        out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0}
-        for key, t in self.tensors().items():
-            out[_ROLE.get(key, "full_precision_bytes")] += t.numel() * t.element_size()
-        return out
+    def shareable(self) -> list[torch.Tensor]:
+        """What a fork would share with this stream from here on: the quantized units, and the sinks once they
+        are complete (until then the next write replaces them)."""
+        full = self.sinks.shape[2] == self.sink_tokens and self.sink_tokens > 0
+        return [*([self.sinks] if full else []), *(t for seg in self.segments() for t in seg.values())]
 
 
 def _fits(x: torch.Tensor, max_abs: float) -> bool:
@@ -381,8 +417,8 @@ class QuantizedLayer(CacheLayerMixin):
         """Keep these rows, in this order (repeats allowed: each becomes an independent fork; stored tensors are
         never modified in place, so forks share them safely). The cache selects the padding rows once."""
         if self.is_initialized:
-            self.k = [copy.copy(self.k[r]) for r in rows]
-            self.v = [copy.copy(self.v[r]) for r in rows]
+            self.k = [self.k[r].fork() for r in rows]
+            self.v = [self.v[r].fork() for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows are stored apart, so they reorder exactly."""
@@ -404,16 +440,24 @@ class QuantizedLayer(CacheLayerMixin):
     prefetch = offload
 
     def memory(self) -> dict[str, int]:
-        """Bytes really stored, by role, and what fp16 would take for the tokens attention can read."""
-        out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0}
+        """Bytes really stored, by role (a tensor several rows share counted once; ``shared_saved_bytes`` what
+        counting it per row would add), ``shareable_bytes`` (what a fork of row 0 would share with it), and what
+        fp16 would take for the tokens attention can read."""
+        out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0,
+               "shared_saved_bytes": 0, "shareable_bytes": 0}
         if not self.is_initialized:
             return out
+        seen = set()
         for row, held in enumerate(self.held()):
             for stream in (self.k[row], self.v[row]):
-                for key, nbytes in stream.nbytes().items():
-                    out[key] += nbytes
+                for key, t in stream.tensors():
+                    nbytes = t.numel() * t.element_size()
+                    out["shared_saved_bytes" if id(t) in seen else _ROLE.get(key, "full_precision_bytes")] += nbytes
+                    seen.add(id(t))
                 heads, head_dim = stream.tail.shape[1], stream.tail.shape[3]
                 out["fp16_bytes"] += heads * head_dim * held * FP16_BYTES
+        out["shareable_bytes"] = sum(t.numel() * t.element_size() for stream in (self.k[0], self.v[0])
+                                     for t in stream.shareable())
         return out
 
 
@@ -476,10 +520,12 @@ class KVQuantCache(Cache):
                 **eviction, **derived, **layers}
 
     def memory_report(self) -> dict[str, float]:
-        """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows),
-        ``fp16_bytes`` (fp16 for the tokens attention can read), ``ratio``, ``bits_per_element``,
-        the breakdown by role, ``tokens`` (sequence length) and ``per_layer``: per decoder layer that stores
-        KV, ``{"layer", "total_bytes", "fp16_bytes", "bits_per_element"}``."""
+        """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows; a tensor
+        rows share after a fork counted once), ``fp16_bytes`` (fp16 for the tokens attention can read, per row),
+        ``ratio``, ``bits_per_element``, the breakdown by role, ``shared_saved_bytes`` (what storing shared
+        tensors once saves over storing them per row), ``shareable_bytes`` (what a fork of row 0 would share now),
+        ``tokens`` (sequence length) and ``per_layer``: per decoder layer that stores KV, ``{"layer",
+        "total_bytes", "fp16_bytes", "bits_per_element"}``."""
         parts = {i: layer.memory() for i, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
         return _summarize(parts, self.get_seq_length())
 
@@ -519,9 +565,9 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
                              layer.eviction)
         template = next((c.layers[index] for c, _ in sources if c.layers[index].is_initialized), None)
         if template is not None:  # else nothing was written anywhere: the new layer initializes at its first write
-            new.k = [copy.copy(c.layers[index].k[r]) if c.layers[index].is_initialized else template.k[0].empty()
+            new.k = [c.layers[index].k[r].fork() if c.layers[index].is_initialized else template.k[0].empty()
                      for c, r in sources]
-            new.v = [copy.copy(c.layers[index].v[r]) if c.layers[index].is_initialized else template.v[0].empty()
+            new.v = [c.layers[index].v[r].fork() if c.layers[index].is_initialized else template.v[0].empty()
                      for c, r in sources]
             new.device, new.is_initialized = template.device, True
         new.cumulative_length = width
@@ -541,8 +587,8 @@ def _kinds(cache: KVQuantCache) -> list:
 
 def _summarize(parts: dict[int, dict[str, int]], tokens: int) -> dict[str, float]:
     """``parts``: per layer index, :meth:`QuantizedLayer.memory`."""
-    report = {key: sum(p[key] for p in parts.values()) for key in ("payload_bytes", "scale_bytes",
-                                                                    "full_precision_bytes", "fp16_bytes")}
+    report = {key: sum(p[key] for p in parts.values()) for key in (
+        "payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes", "shareable_bytes")}
     return {
         **_totals(report),
         **report,

@@ -265,8 +265,10 @@ def build_plan(args) -> dict:
                "per_layer": [{"layer": p["layer"], "kv_bytes": int(p["total_bytes"]),
                               "bits_per_element": p["bits_per_element"]} for p in mem["per_layer"]]}
         if args.shared_prefix:
-            # the prefix stored once instead of once per sequence
-            row["shared_prefix_saving_bytes"] = (args.batch - 1) * planner.kv_bytes(1, args.shared_prefix)
+            # the prefix's quantized units (and complete sinks) stored once instead of once per sequence; its
+            # full-precision tail is copied into each sequence at its first write
+            row["shared_prefix_saving_bytes"] = (args.batch - 1) * int(
+                planner.memory(1, args.shared_prefix)["shareable_bytes"])
         if available is not None:
             row["max_batch_at_context"] = planner.max_batch(args.context, available)
             row["max_context_at_batch"] = planner.max_context(args.batch, available)

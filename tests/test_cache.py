@@ -144,7 +144,7 @@ def test_memory_report_counts_every_stored_tensor(model, story_ids):
     forward(model, story_ids[:, :tokens], cache)
     report = cache.memory_report()
     stored = sum(t.numel() * t.element_size() for layer in cache.layers
-                 for s in layer.k + layer.v for t in s.tensors().values())
+                 for s in layer.k + layer.v for _, t in s.tensors())
     assert report["total_bytes"] == stored
     assert report["fp16_bytes"] == 2 * layers * heads * head_dim * 2 * tokens
     # keys: 4 bits + fp16 scale and zero per channel per 32 tokens (1 bit); values: 4 bits + fp16 scale and
