@@ -121,6 +121,33 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Stage(Candidate):
+    """One stage of a staged memory loop: a cache setting (quantizer, options with any eviction policy) plus
+    whether requests that share a prefix store it once."""
+
+    prefix_sharing: bool = False
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The serving shape a staged run measures memory and decode latency on: ``requests`` requests sharing a
+    ``prefix``-token prompt prefix, each with ``suffix`` tokens of its own, then ``decode_steps`` decoding steps."""
+
+    requests: int = 8
+    prefix: int = 1024
+    suffix: int = 256
+    decode_steps: int = 32
+    #: The memory for KV caches the largest batch must fit, e.g. 1GiB (as the planner's sizes).
+    memory_budget: str = "1GiB"
+    #: The perplexity set whose text the requests are cut from (default: the first).
+    text: str | None = None
+
+    def __post_init__(self):
+        for key in ("requests", "prefix", "suffix", "decode_steps"):
+            _require(1 <= getattr(self, key) <= 1_000_000, f"{key} must be in 1..1000000, got {getattr(self, key)!r}")
+
+
+@dataclass(frozen=True)
 class PerplexitySet:
     name: str
     #: ``local:REL`` or a path to a .txt/.raw (one text), .jsonl/.json or .parquet file (rows with ``text_field``).
@@ -256,14 +283,30 @@ class ExperimentConfig:
     gate: GateConfig = field(default_factory=GateConfig)
     #: Search a per-layer map under the gate before evaluating (null: evaluate the candidates only).
     search: SearchConfig | None = None
+    #: A staged memory loop instead of candidates: levers stacked in order, each stage gated (see kvquant.stages).
+    stages: list[Stage] = field(default_factory=list)
+    serving: ServingConfig | None = None
     #: Reports go to ``<output_dir>/<name>/``.
     output_dir: str = "reports"
 
     def __post_init__(self):
         check_plain_name("name", self.name)
         _require(bool(self.output_dir), "output_dir must name a directory, got ''")
-        _require(bool(self.candidates or self.search), "candidates: at least one cache setting (or a search) is needed")
-        labels = [c.label for c in self.candidates] + ([self.search.name] if self.search else [])
+        if self.stages:
+            _require(not self.candidates and not self.search, "stages: a staged run measures its stages only; remove "
+                     "candidates and search")
+            object.__setattr__(self, "serving", self.serving or ServingConfig())
+            if self.serving.text is not None:
+                _require(self.serving.text in [p.name for p in self.eval.perplexity], f"serving.text: "
+                         f"{self.serving.text!r} is not among eval.perplexity")
+            else:
+                _require(bool(self.eval.perplexity), "serving: the requests are cut from a perplexity set's text; "
+                         "list one under eval.perplexity")
+        else:
+            _require(self.serving is None, "serving: only a staged run (stages:) measures serving")
+        _require(bool(self.candidates or self.search or self.stages),
+                 "candidates: at least one cache setting (or a search) is needed")
+        labels = [c.label for c in [*self.candidates, *self.stages]] + ([self.search.name] if self.search else [])
         if len(set(labels)) != len(labels) or "baseline" in labels:
             raise ConfigError(f"candidates: names must be unique and not 'baseline', got {labels}"
                               + (" (search.name included)" if self.search else ""))

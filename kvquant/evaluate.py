@@ -19,6 +19,7 @@ Simulated mode writes context and continuation in one pass, so it has nothing to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,17 @@ FORWARD_COST = 32
 #: Rows of up to this many batches are prefilled before their continuations are regrouped by length (see
 #: Scorer.score_many); their prefix caches stay alive meanwhile.
 POOL_BATCHES = 8
+
+
+def _runs(lengths: list[int]) -> list[list[int]]:
+    """``lengths`` (sorted) split into runs of equal values."""
+    out: list[list[int]] = []
+    for length in lengths:
+        if out and out[-1][0] == length:
+            out[-1].append(length)
+        else:
+            out.append([length])
+    return out
 
 
 def _cut(lengths: list[int], most: int, forward_cost: int | None = None) -> list[int]:
@@ -149,6 +161,11 @@ class Scorer:
             raise KVQuantError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
         self.batch_size, self.share_prefix = batch_size, share_prefix
+
+    @functools.cached_property
+    def evicts(self) -> bool:
+        """Whether the caches evict tokens (an eviction policy)."""
+        return self.make_cache().eviction is not None
 
     @property
     def device(self) -> torch.device:
@@ -239,7 +256,12 @@ class Scorer:
         rows = sorted(((i, self._plan(*requests[i])[1], g) for g, members in enumerate(pool) for i in members),
                       key=lambda item: -sum(map(len, item[1].chunks)))
         out, start = [], 0
-        for size in _cut([sum(map(len, row.chunks)) for _, row, _ in rows], self.batch_size):
+        lengths = [sum(map(len, row.chunks)) for _, row, _ in rows]
+        # an evicting cache reads a row's kept tokens right-aligned before each chunk, which padding after a row's
+        # tokens would break: its rows run in batches of one length
+        sizes = [size for same in _runs(lengths) for size in _cut(same, self.batch_size)] if self.evicts else \
+            _cut(lengths, self.batch_size)
+        for size in sizes:
             run = rows[start : start + size]
             start += size
             runner = _Batch(self.model, stack_rows([where[g] for _, _, g in run]), len(run))

@@ -21,6 +21,12 @@ from .tasks import PROBE_DOCUMENTS, prepare_probe_tasks, probe_distance, probe_t
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 
 
+def shares_prefix(candidate: Candidate) -> bool:
+    """Whether requests sharing a context read it from one prefilled, forked cache (a stage says; plain
+    candidates always do, which scores exactly as prefilling each request: tested)."""
+    return getattr(candidate, "prefix_sharing", True)
+
+
 def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
              folder: str, documents: list[int] | None = None) -> dict:
     """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
@@ -32,7 +38,7 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
 
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.quantizer, mode=cfg.eval.mode,
                    chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
-                   **candidate.options)
+                   share_prefix=shares_prefix(candidate), **candidate.options)
     name = resolve_task(task)
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
@@ -66,8 +72,9 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store,
         label = candidate.label
         make = lambda c=candidate: make_cache(model, c.quantizer, **c.options)  # noqa: E731
         settings = make().settings()  # what the cache really uses, defaults filled in
-        key = {**base_key, "settings": settings}
-        scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size)
+        key = {**base_key, "settings": settings, **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
+        scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
+                        share_prefix=shares_prefix(candidate))
         memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
                                                 lambda: memory_probe(model, make, probe)),
                          "settings": settings}

@@ -92,10 +92,12 @@ def _metric_entry(verdict, results: dict) -> dict:
 
 
 def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision: Decision, memory: dict,
-          results: dict, command: str, provenance: dict, search: dict | None = None) -> dict[str, Path]:
+          results: dict, command: str, provenance: dict, search: dict | None = None,
+          staged: dict | None = None) -> dict[str, Path]:
     """Write the report of one run. ``provenance``: ``reused`` and ``computed`` result counts, ``set_aside``
     (unreadable partial results that were recomputed) and ``warnings``; ``search``: what
-    :func:`kvquant.search.search` found (its map is the config's candidate named ``search.name``)."""
+    :func:`kvquant.search.search` found (its map is the config's candidate named ``search.name``); ``staged``:
+    the serving measurements and order of a staged run (its stages are the config's candidates)."""
     env = environment()
     run_id = uuid.uuid4().hex[:12]
     candidates = []
@@ -122,12 +124,13 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
                      "memory": {k: v for k, v in memory["baseline"].items() if k != "settings"}},
         "candidates": candidates,
         **({"search": {k: v for k, v in search.items() if k != "config"}} if search else {}),
+        **({"staged": {k: v for k, v in staged.items() if k != "config"}} if staged else {}),
     }
     frame = pd.DataFrame([{"candidate": c["name"], "bits_per_element": c["bits_per_element"],
                            "memory_ratio": c["memory_ratio"], "metric": m, **e}
                           for c in candidates for m, e in c["metrics"].items()])
     resolved = (f"# run {run_id}: the config of the run that results.json and report.md describe\n"
-                + yaml.safe_dump(search["config"] if search else cfg.to_dict(), sort_keys=False))
+                + yaml.safe_dump((search or staged or {"config": cfg.to_dict()})["config"], sort_keys=False))
     files = {"results.json": json.dumps(doc, indent=2, default=float), "results.csv": frame.to_csv(index=False),
              "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
              "report.md": _markdown(doc, frame, cfg)}
@@ -136,6 +139,8 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
         rerun = {**cfg.to_dict(), "name": f"{cfg.name}-{found.label}", "candidates": [dataclasses.asdict(found)]}
         files["searched.yaml"] = (f"# the per-layer map searched by run {run_id}; rerun with\n# python -m kvquant.run "
                                   f"{out_dir / 'searched.yaml'}\n" + yaml.safe_dump(rerun, sort_keys=False))
+    if staged:
+        files["stages.png"] = _stages_plot(doc, cfg)
     curve = _probe_curve(candidates)
     if curve:
         files["probe.png"] = _probe_plot(curve, cfg)
@@ -321,6 +326,8 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         lines += _probe_table(curve)
     if "search" in doc:
         lines += _search_section(doc["search"])
+    if "staged" in doc:
+        lines += _stages_section(doc, cfg)
     return "\n".join(lines)
 
 
@@ -349,3 +356,65 @@ def _search_section(search: dict) -> list[str]:
         lines.append(f"| {layer} | {rung} | "
                      + " | ".join(f"{v:+.4f}" for v in search["sensitivity"][layer][:-1]) + " |")
     return lines + [""]
+
+
+def _stage_rows(doc: dict, cfg: ExperimentConfig) -> list[dict]:
+    """Per stage (the baseline first): serving figures, the lowest gated relative score, pass/fail."""
+    staged = doc["staged"]
+    by_name = {c["name"]: c for c in doc["candidates"]}
+    out = []
+    for name in ["baseline", *staged["stages"]]:
+        serving = staged["serving"][name]
+        c = by_name.get(name)
+        gated = [e["relative"] for e in c["metrics"].values() if e["gated"]] if c else [1.0]
+        own, shared = serving["own_bytes_per_request"], serving["shared_bytes"]
+        fits = max(int((staged["budget_bytes"] - shared) // own), 0) if own > 0 else 0
+        out.append({"name": name, "bytes": serving["kv_bytes_per_request"], "max_batch": fits,
+                    "p50": serving["p50_ms"], "p99": serving["p99_ms"], "worst": min(gated),
+                    "passed": c["passed"] if c else True,
+                    "sharing": staged["prefix_sharing"].get(name, False)})
+    return out
+
+
+def _stages_section(doc: dict, cfg: ExperimentConfig) -> list[str]:
+    staged = doc["staged"]
+    serving = staged["shape"]
+    first = staged["first_failing"]
+    lines = ["", "## Stages", "",
+             f"Serving shape: {serving['requests']} requests sharing a {serving['prefix']}-token prefix, "
+             f"{serving['suffix']} tokens each of their own, then {serving['decode_steps']} greedy decoding steps of "
+             "the batch; KV bytes "
+             "per request from `memory_report()` at the end (a prefix stored once is divided among the requests); "
+             f"max batch: requests whose KV fits {serving['memory_budget']} ({staged['budget_bytes']:,} bytes: the "
+             "shared prefix once, then each request's own bytes); step latency on this machine. Worst relative: the "
+             "lowest gated relative score. " + (f"The first failing stage is **{first}**." if first else
+                                                "No stage fails."), "",
+             "| stage | prefix sharing | KV bytes/request | max batch | decode p50 ms | decode p99 ms | worst relative "
+             "| passed |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in _stage_rows(doc, cfg):
+        mark = " (first failing)" if r["name"] == first else ""
+        lines.append(f"| {r['name']}{mark} | {'yes' if r['sharing'] else 'no'} | {r['bytes']:,.0f} | "
+                     f"{r['max_batch']:,} | {r['p50']:.1f} | {r['p99']:.1f} | {r['worst']:.4f} | "
+                     f"{'yes' if r['passed'] else 'no'} |")
+    return lines + ["", "![memory vs accuracy per stage](stages.png)", ""]
+
+
+def _stages_plot(doc: dict, cfg: ExperimentConfig) -> bytes:
+    """KV bytes per request vs the lowest gated relative score, one point per stage, the threshold drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _stage_rows(doc, cfg)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot([r["bytes"] / 2**20 for r in rows], [r["worst"] for r in rows], "o-")
+    for r in rows:
+        ax.annotate(r["name"], (r["bytes"] / 2**20, r["worst"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(cfg.gate.min_relative_accuracy, color="red", ls="--", lw=1,
+               label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
+    ax.set_xlabel("KV MiB per request (measured)")
+    ax.set_ylabel("lowest gated relative score")
+    ax.set_title(f"{cfg.name}: stages")
+    ax.legend(fontsize=7, loc="lower right")
+    return _png(fig)

@@ -29,13 +29,14 @@ import torch
 
 from . import data, report
 from .cache import simulate_memory
-from .config import Candidate, ExperimentConfig, load_config
+from .config import Candidate, ExperimentConfig, Stage, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .gate import ACCURACY, decide, metric_rows
 from .measure import BASELINE, measure
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, trained_context
-from .plan import ModelShape, shape_from_config
+from .plan import ModelShape, parse_bytes, shape_from_config
 from .search import check_search, probe_counts, search
+from .stages import serve, serving_tokens, staged_decision
 from .tasks import check_tasks, prepare_probe_tasks
 
 LOCK = ".lock"
@@ -202,6 +203,15 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     shape = shape_from_config(model_config, cfg.model.path)
     for i, candidate in enumerate(cfg.candidates):
         check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
+    for i, stage in enumerate(cfg.stages):
+        check_candidate(stage, shape, f"stages[{i}] ({stage.label})")
+    evicting = [c for c in [*cfg.candidates, *cfg.stages] if c.options.get("eviction")]
+    if evicting and cfg.eval.mode != "streaming":
+        raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
+                           "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
+                           "chunk_size below the window)")
+    if cfg.serving:
+        parse_bytes(cfg.serving.memory_budget, "serving.memory_budget")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
@@ -218,7 +228,25 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     warnings = []
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)
+    for c in evicting:
+        window = c.options.get("window")
+        if isinstance(window, int) and cfg.eval.chunk_size > window:
+            warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
+                 "reads up to chunk_size - 1 tokens beyond the window")
     return rows, warnings
+
+
+def serve_stages(cfg: ExperimentConfig, model, tokenizer, store: ResultStore, rows: dict) -> dict[str, dict]:
+    """Each stage (and the baseline, no prefix sharing) on the serving shape, through the result store."""
+    pset = next(p for p in cfg.eval.perplexity if cfg.serving.text in (None, p.name))
+    prefix, suffixes = serving_tokens(cfg.serving, tokenizer(pset.separator.join(rows[pset.name])).input_ids)
+    out = {}
+    for stage in [Stage(BASELINE.quantizer, {}, BASELINE.label), *cfg.stages]:
+        key = {"model": dataclasses.asdict(cfg.model), "serving": dataclasses.asdict(cfg.serving),
+               "stage": dataclasses.asdict(stage), "text": pset.name}
+        out[stage.label] = store.get_or_compute(stage.label, "serving", key,
+                                                lambda s=stage: serve(model, s, cfg.serving, prefix, suffixes))
+    return out
 
 
 def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
@@ -227,11 +255,17 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     model, tokenizer = load_model(cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings)
     shape = shape_from_config(model.config, cfg.model.path)
-    searched = None
+    searched = staged = None
     if cfg.search:  # the map found joins the candidates, evaluated like them; the search itself is done
         found, searched = search(cfg, model, tokenizer, store, rows, shape)
         searched["config"] = cfg.to_dict()
         cfg = dataclasses.replace(cfg, candidates=[*cfg.candidates, found], search=None)
+    if cfg.stages:  # the stages are measured as candidates, and on the serving shape
+        staged = {"config": cfg.to_dict(), "serving": serve_stages(cfg, model, tokenizer, store, rows),
+                  "stages": [s.label for s in cfg.stages], "budget_bytes": parse_bytes(cfg.serving.memory_budget),
+                  "shape": dataclasses.asdict(cfg.serving),
+                  "prefix_sharing": {s.label: s.prefix_sharing for s in cfg.stages}}
+        cfg = dataclasses.replace(cfg, candidates=list(cfg.stages), stages=[], serving=None)
     results, memory = measure(cfg, model, tokenizer, store, rows)
     for c in [BASELINE, *cfg.candidates]:  # the planner's arithmetic at a long context, by the cache's own code
         memory[c.label]["long"] = simulate_memory(shape.layout, {"quantizer": c.quantizer, **c.options}, batch=1,
@@ -244,9 +278,12 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
                  "1.0) and the gate says nothing about it")
     bits = {c.label: memory[c.label]["bits_per_element"] for c in cfg.candidates}
     decision = decide(table_rows, bits, cfg.gate)
+    if staged:
+        verdict, chosen, staged["first_failing"], reason = staged_decision(cfg.candidates, decision.passed)
+        decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)
     provenance = {"reused": store.reused, "computed": store.computed, "set_aside": store.set_aside,
                   "warnings": warnings}
-    paths = report.write(out_dir, cfg, table_rows, decision, memory, results, command, provenance, searched)
+    paths = report.write(out_dir, cfg, table_rows, decision, memory, results, command, provenance, searched, staged)
     verdict = "PASS" if decision.decision == "pass" else "FAIL"
     print(f"\nkvquant: {verdict}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}")

@@ -1,0 +1,87 @@
+"""The staged memory loop (``stages:`` in a config): levers stacked from lossless to lossy, each stage gated.
+
+Every stage is measured like a candidate (perplexity and tasks, the long-range probe per distance, through its
+cache) and, here, on a serving shape: ``requests`` requests sharing a ``prefix``-token prompt, each with
+``suffix`` tokens of its own, then ``decode_steps`` greedy decoding steps of the whole batch. Measured: KV bytes
+per request (``memory_report()``; with prefix sharing the prefix's stored units are counted once), the largest
+batch that fits ``memory_budget`` (the shared bytes once plus each request's own bytes, as the planner counts),
+and the decode step latency (p50/p99 over the steps, on this machine). The decision: stages are judged in order;
+the first one that fails the gate ends the loop, and the last stage before it is the answer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .cache import make_cache, stack_rows
+from .config import ServingConfig, Stage
+from .errors import KVQuantError
+
+
+def serving_tokens(serving: ServingConfig, ids: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The shared prefix and each request's own tokens, cut in order from one token stream (so every request
+    continues different text)."""
+    need = serving.prefix + serving.requests * serving.suffix
+    if len(ids) < need:
+        raise KVQuantError(f"serving: {need} tokens are needed (prefix + requests x suffix), the text has {len(ids)}")
+    own = ids[serving.prefix : need]
+    return ids[: serving.prefix], [own[i * serving.suffix : (i + 1) * serving.suffix] for i in range(serving.requests)]
+
+
+@torch.inference_mode()
+def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffixes: list[list[int]]) -> dict:
+    """Bytes and decode latency of one stage on the serving shape."""
+    device = model.get_input_embeddings().weight.device
+    n = len(suffixes)
+    make = lambda: make_cache(model, stage.quantizer, **stage.options)  # noqa: E731
+    if stage.prefix_sharing:  # prefill once, fork the rows
+        first = make()
+        model(torch.tensor([prefix], device=device), cache=first)
+        shared_once = first.memory_report()["shareable_bytes"]
+        cache = stack_rows([(first, 0)] * n)
+    else:
+        cache = make()
+        model(torch.tensor([prefix] * n, device=device), cache=cache)
+        shared_once = 0
+    logits = model(torch.tensor(suffixes, device=device), cache=cache).logits[:, -1]
+    steps = []
+    for _ in range(serving.decode_steps):
+        token = logits.argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        logits = model(token, cache=cache).logits[:, -1]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        steps.append(1000 * (time.perf_counter() - start))
+    report = cache.memory_report()
+    total = report["total_bytes"]
+    own = (total - shared_once) / n  # what each further request adds
+    return {
+        "requests": n, "tokens_per_request": len(prefix) + len(suffixes[0]) + serving.decode_steps,
+        "kv_bytes": total, "kv_bytes_per_request": total / n, "shared_bytes": shared_once,
+        "own_bytes_per_request": own, "shared_saved_bytes": report["shared_saved_bytes"],
+        "fp16_bytes": report["fp16_bytes"], "step_ms": steps,
+        "p50_ms": float(np.percentile(steps, 50)), "p99_ms": float(np.percentile(steps, 99)),
+    }
+
+
+def max_batch(serving_result: dict, budget: int) -> int:
+    """Requests whose KV fits ``budget`` bytes: the shared bytes once, then each request's own."""
+    left = budget - serving_result["shared_bytes"]
+    own = serving_result["own_bytes_per_request"]
+    return max(int(left // own), 0) if own > 0 else 0
+
+
+def staged_decision(stages: list[Stage], passed: dict[str, bool]) -> tuple[str, str | None, str | None, str]:
+    """``(decision, chosen, first failing stage, reason)``: the last stage before the first failing one."""
+    chosen = None
+    for stage in stages:
+        if not passed[stage.label]:
+            if chosen is None:
+                return "fail", None, stage.label, f"the first stage, {stage.label}, fails the gate"
+            return "pass", chosen, stage.label, (f"{chosen} is the last stage before the first failing one "
+                                                 f"({stage.label})")
+        chosen = stage.label
+    return "pass", chosen, None, f"every stage passes the gate; {chosen}, the last, is the answer"
