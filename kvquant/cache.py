@@ -435,7 +435,7 @@ class QuantizedLayer(CacheLayerMixin):
         raise KVQuantError("a quantized cache cannot be cropped (quantized groups cannot be split); use a fresh cache")
 
     def offload(self):
-        raise KVQuantError("kvquant caches do not support offloading")
+        raise KVQuantError("kvquant caches do not support offloading yet (see the README's 'Staged memory loop')")
 
     prefetch = offload
 

@@ -126,6 +126,8 @@ class Stage(Candidate):
     whether requests that share a prefix store it once."""
 
     prefix_sharing: bool = False
+    #: Stage 4 of the loop (KV offloaded to host memory): not supported yet (refused with the reason).
+    offload: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, report
+from . import data, models, report
 from .cache import simulate_memory
 from .config import Candidate, ExperimentConfig, Stage, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
@@ -205,6 +205,10 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
         check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
     for i, stage in enumerate(cfg.stages):
         check_candidate(stage, shape, f"stages[{i}] ({stage.label})")
+        if stage.offload:
+            raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
+                               f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see the README's "
+                               "'Staged memory loop'")
     evicting = [c for c in [*cfg.candidates, *cfg.stages] if c.options.get("eviction")]
     if evicting and cfg.eval.mode != "streaming":
         raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
