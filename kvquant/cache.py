@@ -52,6 +52,17 @@ class _Stream:
         self.shared: tuple[dict[str, torch.Tensor], ...] = ()
         self.enc: dict[str, torch.Tensor] = {}
         self.evicted = 0
+        # importance eviction only: the ordinal (n-th token of the row) of every stored token, the ordinals stored
+        # but no longer read, and a score per stored token (``score``: ``[1, H, n, D]`` states -> ``[n]``)
+        self.ords: list[int] | None = None
+        self.hidden: set[int] = set()
+        self.scores: torch.Tensor | None = None
+        self.score = None
+
+    def track(self, score=None) -> None:
+        """Keep ordinals (and scores with ``score``) for importance eviction; before anything is stored."""
+        self.ords, self.score = [], score
+        self.scores = torch.empty(0) if score else None
 
     def fork(self) -> _Stream:
         """A copy that shares every stored tensor with this stream; both write apart from here on."""
@@ -59,7 +70,10 @@ class _Stream:
             self.shared, self.enc = self.shared + (self.enc,), {}
             if len(self.shared) > self.MAX_SEGMENTS:
                 self.shared = ({k: torch.cat([seg[k] for seg in self.shared], dim=2) for k in self.shared[0]},)
-        return copy.copy(self)
+        twin = copy.copy(self)
+        if self.ords is not None:  # the bookkeeping is mutable: each fork keeps its own
+            twin.ords, twin.hidden = list(self.ords), set(self.hidden)
+        return twin
 
     def segments(self) -> list[dict[str, torch.Tensor]]:
         """The quantized units in order: the shared segments, then the stream's own."""
@@ -67,7 +81,10 @@ class _Stream:
 
     def empty(self) -> _Stream:
         """A stream with the same settings and nothing stored."""
-        return _Stream(self.codec, self.sink_tokens, self.residual_length, self.tail)
+        new = _Stream(self.codec, self.sink_tokens, self.residual_length, self.tail)
+        if self.ords is not None:
+            new.track(self.score)
+        return new
 
     @staticmethod
     def _units(segment: dict[str, torch.Tensor]) -> int:
@@ -92,6 +109,11 @@ class _Stream:
         ``checked``: the caller has already found ``x`` storable (:func:`_fits`)."""
         if not checked:
             _check_states(x, self.codec.max_abs, name)
+        if self.ords is not None:
+            self.ords += range(self.length, self.length + x.shape[2])
+            if self.score:  # shapes only (the planner): no data, every token scores alike
+                scores = torch.zeros(x.shape[2]) if x.device.type == "meta" else self.score(x).float().cpu()
+                self.scores = torch.cat([self.scores, scores])
         take = min(self.sink_tokens - self.sinks.shape[2], x.shape[2])
         if take > 0:
             self.sinks = torch.cat([self.sinks, x[:, :, :take]], dim=2)
@@ -128,11 +150,46 @@ class _Stream:
             self.tail = self.tail[:, :, drop - from_enc :].clone()
         self.evicted += drop
 
+    def hide(self, ords: list[int]) -> None:
+        """Stop reading these tokens (by ordinal); units none of whose tokens are read any more are freed."""
+        self.hidden.update(ords)
+        unit, s = self.codec.tokens_per_unit, self.sinks.shape[2]
+        units = self.n_enc // unit
+        gone = [j for j in range(units) if all(o in self.hidden for o in self.ords[s + j * unit : s + (j + 1) * unit])]
+        if not gone:
+            return
+        keep = torch.tensor([j for j in range(units) if j not in set(gone)], dtype=torch.long)
+        merged = {k: torch.cat([seg[k] for seg in self.segments()], dim=2) for k in self.segments()[0]}
+        self.shared, self.enc = (), ({k: v.index_select(2, keep.to(v.device)) for k, v in merged.items()}
+                                     if len(keep) else {})
+        drop = {i for j in gone for i in range(s + j * unit, s + (j + 1) * unit)}
+        stay = [i for i in range(len(self.ords)) if i not in drop]
+        self.hidden -= {self.ords[i] for i in drop}
+        self.ords = [self.ords[i] for i in stay]
+        if self.scores is not None:
+            self.scores = self.scores[stay]
+        self.evicted += len(drop)
+
+    def visible(self) -> list[int]:
+        """Ordinals of the stored tokens still read, in order (importance eviction)."""
+        return [o for o in self.ords if o not in self.hidden]
+
     def materialize_into(self, out: torch.Tensor) -> None:
         """Write the last ``m`` stored tokens, dequantized, into ``out`` ``[1, H, m, D]`` (``m <= len(self)``);
         with sinks, the sinks and the last ``m - sinks`` tokens (``m < len(self)`` only when an eviction window
-        has left part of a unit, which stays stored, unread, right after the sinks)."""
+        has left part of a unit, which stays stored, unread, right after the sinks); with hidden tokens
+        (importance eviction), the last ``m`` of those still read."""
         s, q, m = self.sinks.shape[2], self.n_enc, out.shape[2]
+        if self.hidden:
+            whole = out.new_empty(1, out.shape[1], len(self), out.shape[3])
+            hidden, self.hidden = self.hidden, set()
+            try:
+                self.materialize_into(whole)
+            finally:
+                self.hidden = hidden
+            read = torch.tensor([i for i, o in enumerate(self.ords) if o not in hidden][len(self) - len(hidden) - m :])
+            out.copy_(whole.index_select(2, read.to(whole.device)))
+            return
         if s and m < len(self):
             out[:, :, :s] = self.sinks
             out = out[:, :, s:]
@@ -167,6 +224,23 @@ class _Stream:
         are complete (until then the next write replaces them)."""
         full = self.sinks.shape[2] == self.sink_tokens and self.sink_tokens > 0
         return [*([self.sinks] if full else []), *(t for seg in self.segments() for t in seg.values())]
+
+
+def _block(key_codec: Codec, value_codec: Codec) -> int:
+    """Tokens of the smallest block made of whole units of both streams."""
+    return math.lcm(key_codec.tokens_per_unit, value_codec.tokens_per_unit)
+
+
+def check_importance(policy: Eviction, key_codec: Codec, value_codec: Codec, residual_length: int) -> None:
+    """An importance policy evicts whole blocks (:func:`_block`) from before its window: the window must cover the
+    full-precision tail and the budget hold a block's worth of tokens."""
+    block = _block(key_codec, value_codec)
+    if policy.window < residual_length + block - 1:
+        raise KVQuantError(f"eviction {policy.name!r}: window {policy.window} must cover residual_length "
+                           f"{residual_length} plus a quantized unit ({block} tokens) - 1 = {residual_length + block - 1}")
+    if policy.budget < block - 1:
+        raise KVQuantError(f"eviction {policy.name!r}: budget {policy.budget} must be at least a quantized unit "
+                           f"({block} tokens) - 1")
 
 
 def _fits(x: torch.Tensor, max_abs: float) -> bool:
@@ -335,6 +409,11 @@ class QuantizedLayer(CacheLayerMixin):
         _, value_codec = self.quantizer.codecs(value_states.shape[-1])
         self.k = [_Stream(key_codec, self.sink_tokens, self.residual_length, key_states) for _ in range(batch)]
         self.v = [_Stream(value_codec, self.sink_tokens, self.residual_length, value_states) for _ in range(batch)]
+        if self.eviction and self.eviction.importance:
+            check_importance(self.eviction, key_codec, value_codec, self.residual_length)
+            for k, v in zip(self.k, self.v):
+                k.track(self.eviction.score)
+                v.track()
         self.device = key_states.device
         self.is_initialized = True
 
@@ -373,10 +452,47 @@ class QuantizedLayer(CacheLayerMixin):
                                                   (self.v[row], value_states, values, "values", checked[1])):
                 _write(stream, states[row : row + 1], new[row], lambda: real()[kv_len - n :], name, ok)
                 _read(stream, out[row : row + 1], visible[row], real)
-                if self.capacity is not None:
+                if self.capacity is not None and not self.eviction_by_importance:
                     stream.evict(keep[row])
+            if self.eviction_by_importance:
+                self._evict_least_important(row, keep[row])
         self._check()
         return keys, values
+
+    @property
+    def eviction_by_importance(self) -> bool:
+        return bool(self.eviction and self.eviction.importance)
+
+    def _evict_least_important(self, row: int, keep: int) -> None:
+        """Stop reading the least important tokens of row ``row`` beyond ``keep``: never a sink or one of the last
+        ``window``, and block by block (a block: the tokens of one unit of both streams), finishing a block it
+        began first, so at most one block is ever partly read and the bytes stored do not depend on the scores."""
+        k, v = self.k[row], self.v[row]
+        visible = k.visible()
+        excess = len(visible) - keep
+        if excess <= 0:
+            return
+        s, block = k.sinks.shape[2], _block(k.codec, v.codec)
+        middle = visible[s : len(visible) - self.eviction.window]
+        blocks: dict[int, list[int]] = {}
+        for o in middle:
+            blocks.setdefault((o - s) // block, []).append(o)
+        # a block is evictable when none of its tokens is in the window (its others are already unread)
+        middle_or_hidden = set(middle) | k.hidden
+        whole = {b for b in blocks if all(s + b * block + i in middle_or_hidden for i in range(block))}
+        started = sorted(b for b in whole if len(blocks[b]) < block)
+        score = dict(zip(k.ords, k.scores.tolist())) if k.scores is not None else {}
+        rank = lambda b: (sum(score.get(o, 0.0) for o in blocks[b]) / len(blocks[b]), b)  # noqa: E731
+        chosen: list[int] = []
+        for b in started + sorted((b for b in whole if b not in started), key=rank):
+            chosen += sorted(blocks[b], key=lambda o: (score.get(o, 0.0), o))[: excess - len(chosen)]
+            if len(chosen) == excess:
+                break
+        if len(chosen) < excess:
+            raise KVQuantError(f"internal error: row {row} has {len(chosen)} of {excess} tokens to evict; please "
+                               "report this")
+        k.hide(chosen)
+        v.hide(chosen)
 
     def _check_front_padding(self, stop: int, batch: int) -> None:
         """An evicting layer's virtual positions hold each row's kept tokens right-aligned, which the model's mask
@@ -391,7 +507,9 @@ class QuantizedLayer(CacheLayerMixin):
         written = self.padding.count(0, self.cumulative_length, len(self.k))
         for row, held in enumerate(self.held()):
             for stream in (self.k[row], self.v[row]):
-                slack = stream.codec.tokens_per_unit - 1 if self.capacity is not None else 0
+                unit = _block(self.k[row].codec, self.v[row].codec) if self.eviction_by_importance else \
+                    stream.codec.tokens_per_unit
+                slack = unit - 1 if self.capacity is not None else 0
                 if stream.length != written[row] or not held <= len(stream) <= held + slack:
                     raise KVQuantError(
                         f"internal error: row {row} stores {len(stream)} of {stream.length} tokens, expected "
@@ -730,7 +848,7 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
 def build_cache(
     layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
     sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, eviction: str | None = None,
-    window: int | None = None, **options
+    window: int | None = None, budget: int | None = None, **options
 ) -> KVQuantCache:
     """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
     ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
@@ -747,15 +865,18 @@ def build_cache(
     _check_count("sink_tokens", sink_tokens)
     policy = None
     if eviction is not None:
-        policy = get_eviction(eviction, sink_tokens, window=window)
-    elif window is not None:
-        raise KVQuantError("window is an option of an eviction policy; set eviction='window' or 'sink_window'")
+        policy = get_eviction(eviction, sink_tokens, window=window, **({} if budget is None else {"budget": budget}))
+    elif window is not None or budget is not None:
+        raise KVQuantError("window and budget are options of an eviction policy; set eviction= (e.g. 'sink_window')")
     plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim)
     if policy and any(spec[2] != sink_tokens for spec in plan if spec is not None):
         raise KVQuantError("layers: with eviction every full-attention layer keeps the cache's sink_tokens (the "
                            "model's one causal mask is sized for all of them)")
     if head_dim is not None:
         quantizer.codecs(head_dim)
+        if policy and policy.importance:
+            for chosen, residual, _ in {spec for spec in plan if spec is not None}:
+                check_importance(policy, *chosen.codecs(head_dim), residual)
     padding = Padding()
     built = [DummyLayer() if spec is None else QuantizedLayer(*spec, sliding, padding, policy) for spec, sliding in
              zip(plan, layout)]

@@ -7,11 +7,13 @@ what the policy says and frees the rest, in whole quantized units (see :mod:`kvq
 Semantics (what attention reads): a forward over positions ``[c, c + n)`` reads the tokens the policy kept of
 ``[0, c)`` plus the chunk itself, causally. Decoding one token at a time that is exactly the policy's window;
 a prefill chunk of ``n`` tokens reads up to ``n - 1`` more recent tokens, as eviction between steps does in
-serving. Adding a policy is one class plus ``@register_eviction("name")``.
+serving. Adding a policy is one class plus ``@register_eviction("name")``; an importance policy sets
+``importance = True`` and defines ``score(keys) -> [n]`` (the cache keeps the best-scored tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,7 +43,16 @@ def get_eviction(name: str, sink_tokens: int, **options) -> Eviction:
     """Policy ``name`` with ``options`` for a cache keeping ``sink_tokens`` sinks; errors name the valid choices."""
     if not isinstance(name, str) or name not in _REGISTRY:
         raise KVQuantError(f"unknown eviction policy {name!r}; available: {', '.join(available_evictions())}")
-    policy = _REGISTRY[name](**options)
+    cls = _REGISTRY[name]
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise KVQuantError(f"eviction {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                           f"{', '.join(valid)}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in options]
+    if missing:
+        raise KVQuantError(f"eviction {name!r} needs {', '.join(missing)} (e.g. {missing[0]}=256)")
+    policy = cls(**options)
     policy.check(sink_tokens)
     return policy
 
@@ -51,12 +62,16 @@ class Eviction:
     """Keeps, before each forward, the first ``sink_tokens`` tokens and the most recent ``window`` tokens."""
 
     name: ClassVar[str]
+    #: Whether the policy ranks tokens by :meth:`score` (else it keeps positions).
+    importance: ClassVar[bool] = False
     #: Most recent tokens kept (before the current forward's own tokens).
     window: int
 
     def __post_init__(self):
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise KVQuantError(f"eviction {self.name!r}: window must be an integer >= 1, got {self.window!r}")
+        for key in [f.name for f in dataclasses.fields(self)]:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise KVQuantError(f"eviction {self.name!r}: {key} must be an integer >= 1, got {value!r}")
 
     def check(self, sink_tokens: int) -> None:
         """Reject a cache setting the policy does not fit."""
@@ -86,3 +101,23 @@ class SinkWindow(Eviction):
         if sink_tokens < 1:
             raise KVQuantError("eviction 'sink_window' needs sink_tokens >= 1 (e.g. 4); for no sinks use "
                                "eviction='window'")
+
+
+@register_eviction("key_norm")
+@dataclass(frozen=True)
+class KeyNorm(Eviction):
+    """Importance by key norm (KnormPress, Devoto et al. 2024: keys of small L2 norm draw the most attention):
+    keeps the sinks, the last ``window`` tokens and, of the tokens before them, the ``budget`` whose keys have the
+    smallest norm (averaged over KV heads), dropping the others block by block (see :mod:`kvquant.cache`)."""
+
+    importance: ClassVar[bool] = True
+    #: Tokens kept from before the window, chosen by score.
+    budget: int
+
+    def capacity(self, sink_tokens: int) -> int:
+        return sink_tokens + self.window + self.budget
+
+    @staticmethod
+    def score(keys):
+        """``[1, H, n, D]`` keys -> ``[n]``, higher = more important."""
+        return -keys.float().norm(dim=-1).mean(dim=1)[0]

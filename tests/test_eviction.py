@@ -167,7 +167,12 @@ def test_settings_name_the_policy_and_forks_keep_it():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"window": 8}, "window is an option of an eviction policy"),
+    ({"window": 8}, "window and budget are options of an eviction policy"),
+    ({"eviction": "window", "window": 8, "budget": 4}, "eviction 'window' has no option 'budget'"),
+    ({"eviction": "key_norm", "window": 8}, "eviction 'key_norm' needs budget"),
+    ({"eviction": "key_norm", "window": 8, "budget": 0}, "budget must be an integer >= 1"),
+    ({"eviction": "key_norm", "window": 8, "budget": 4, "group_size": 8, "residual_length": 4},
+     r"window 8 must cover residual_length 4 plus a quantized unit \(8 tokens\) - 1 = 11"),
     ({"eviction": "h2o", "window": 8}, "unknown eviction policy 'h2o'"),
     ({"eviction": "window", "window": 8, "sink_tokens": 4}, "keeps no sinks"),
     ({"eviction": "sink_window", "window": 8}, "needs sink_tokens >= 1"),
@@ -180,3 +185,76 @@ def test_settings_name_the_policy_and_forks_keep_it():
 def test_bad_eviction_settings_are_one_line_errors(options, message):
     with pytest.raises(KVQuantError, match=message):
         kvquant.make_cache(model_of(), "int4", **options)
+
+
+def _reference_key_norm(chunks, sinks, window, budget):
+    """Independent reference of key_norm on one layer: per update, the keys and values attention reads (the
+    kept past then the chunk), and after it, drop the largest-norm tokens between the sinks and the window."""
+    kept, reads = [], []  # kept: (ordinal, k [H, D], v [H, D])
+    ordinal = 0
+    for k, v in chunks:
+        new = [(ordinal + i, k[0, :, i], v[0, :, i]) for i in range(k.shape[2])]
+        ordinal += k.shape[2]
+        reads.append((torch.stack([t[1] for t in kept + new], 1)[None], torch.stack([t[2] for t in kept + new], 1)[None]))
+        kept += new
+        excess = len(kept) - (sinks + window + budget)
+        if excess > 0:
+            middle = kept[sinks : len(kept) - window]
+            # largest mean-over-heads L2 norm first; ties: the older
+            worst = sorted(middle, key=lambda t: (-float(t[1].float().norm(dim=-1).mean()), t[0]))[:excess]
+            gone = {t[0] for t in worst}
+            kept = [t for t in kept if t[0] not in gone]
+    return reads
+
+
+def test_key_norm_keeps_exactly_the_tokens_its_scores_select():
+    gen = torch.Generator().manual_seed(7)
+    chunks = []
+    for n in [6, 1, 1, 3, 1, 1, 1, 5, 1, 1, 2, 1, 1, 1, 1, 7, 1, 1]:
+        k = torch.randn(1, HEADS, n, HEAD_DIM, generator=gen, dtype=torch.float64)
+        k = k * (torch.rand(1, 1, n, 1, generator=gen, dtype=torch.float64) * 3)  # norms spread out
+        chunks.append((k, torch.randn(1, HEADS, n, HEAD_DIM, generator=gen, dtype=torch.float64)))
+    layer = kvquant.cache.build_cache([None], "fp16", head_dim=HEAD_DIM, eviction="key_norm", sink_tokens=2,
+                                      window=4, budget=3).layers[0]
+    for step, ((k, v), (want_k, want_v)) in enumerate(zip(chunks, _reference_key_norm(chunks, 2, 4, 3))):
+        got_k, got_v = layer.update(k, v)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), step
+        assert layer.get_mask_sizes(1)[0] == min(layer.cumulative_length, 2 + 4 + 3) + 1
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_key_norm_frees_whole_units_and_its_bytes_do_not_depend_on_the_data(group):
+    """int4 keys are stored in groups of tokens: tokens are dropped block by block (at most one block partly
+    read), so each stream stores at most a block - 1 tokens more than it reads, and the bytes are the same for
+    any data, the planner's shape-only run included."""
+    opts = dict(eviction="key_norm", sink_tokens=2, window=group + 2, budget=2 * group, group_size=group,
+                residual_length=2)
+    sizes = [9, 1, 1, 4, 1, 1, 1, 6, 1, 1, 1, 1, 1, 13, 1, 1, 1, 2, 1, 1] * 2
+    layers = [kvquant.cache.build_cache([None], "int4", head_dim=HEAD_DIM, **opts).layers[0] for _ in range(3)]
+    for seed, layer in enumerate(layers):
+        gen = torch.Generator().manual_seed(seed)
+        for n in sizes:
+            if seed == 2:  # shapes only, as the planner runs the cache
+                k = v = torch.empty(1, HEADS, n, HEAD_DIM, device="meta")
+            else:
+                k = torch.randn(1, HEADS, n, HEAD_DIM, generator=gen) * torch.rand(1, 1, n, 1, generator=gen) * 4
+                v = torch.randn(1, HEADS, n, HEAD_DIM, generator=gen)
+            out, _ = layer.update(k, v)
+            capacity = 2 + group + 2 + 2 * group
+            assert out.shape[2] == min(layer.cumulative_length - n, capacity) + n
+            for stream in (layer.k[0], layer.v[0]):
+                assert len(stream.visible()) == min(layer.cumulative_length, capacity)
+                assert len(stream) - len(stream.visible()) <= group - 1
+        assert layer.cumulative_length > 3 * capacity
+    assert layers[0].memory() == layers[1].memory() == layers[2].memory()
+
+
+def test_key_norm_in_a_model_reads_less_once_past_capacity_and_all_before():
+    model = model_of()
+    ids = torch.randint(0, 64, (1, sum(CHUNKS)), generator=torch.Generator().manual_seed(8))
+    roomy = feed(model, ids, kvquant.make_cache(model, "fp16", eviction="key_norm", window=40, budget=10))
+    full = feed(model, ids, DynamicCache(config=model.config))
+    assert torch.equal(roomy, full)  # capacity 50 > 36 tokens: nothing evicted
+    tight = feed(model, ids, kvquant.make_cache(model, "fp16", eviction="key_norm", window=4, budget=4))
+    assert not torch.allclose(tight, full, atol=1e-6)
+    assert torch.equal(tight[:, :8], full[:, :8])  # the first 8 positions have nothing to evict yet
