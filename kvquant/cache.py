@@ -141,7 +141,9 @@ class _Stream:
             if units >= n:
                 units -= n
                 continue
-            shared.append({k: v[:, :, units:].clone() for k, v in seg.items()} if units else seg)
+            # a view: the segment stays one storage that every fork holding it shares (and it is freed only when
+            # none holds it any more), where a copy per fork would undo the sharing
+            shared.append({k: v[:, :, units:] for k, v in seg.items()} if units else seg)
             units = 0
         self.shared = tuple(shared)
         if units:
@@ -224,6 +226,15 @@ class _Stream:
         are complete (until then the next write replaces them)."""
         full = self.sinks.shape[2] == self.sink_tokens and self.sink_tokens > 0
         return [*([self.sinks] if full else []), *(t for seg in self.segments() for t in seg.values())]
+
+
+def _storage(t: torch.Tensor) -> tuple[object, int]:
+    """What holds ``t``'s data and its size: views of one storage (forks that evicted part of a shared segment)
+    are one storage, counted once and whole. Shape-only (meta) tensors have no storage: each is its own."""
+    if t.device.type == "meta":
+        return ("meta", id(t)), t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr()), storage.nbytes()
 
 
 def _block(key_codec: Codec, value_codec: Codec) -> int:
@@ -437,6 +448,13 @@ class QuantizedLayer(CacheLayerMixin):
         n, past = key_states.shape[2], self.cumulative_length
         if self.eviction and self.padding.mask is not None:
             self._check_front_padding(past + n, batch)
+        elif self.eviction and batch > 1:
+            positions = kwargs.get("kwargs", {}).get("position_ids") if isinstance(kwargs.get("kwargs"), dict) else None
+            if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == batch and \
+                    not bool((positions == positions[:1]).all()):
+                raise KVQuantError("rows are at different positions (a padded batch?), but no padding was declared: "
+                                   "with eviction, call cache.set_padding(attention_mask) first, or padding would "
+                                   "be kept and read as sink tokens")
         first = self._window()  # DynamicCache returns positions [first, past + n): min(past, W - 1) + n of them
         kv_len = past + n - first
         new, visible = self.padding.spans(past, past + n, batch), self.padding.spans(first, past + n, batch)
@@ -562,18 +580,27 @@ class QuantizedLayer(CacheLayerMixin):
         counting it per row would add), ``shareable_bytes`` (what a fork of row 0 would share with it), and what
         fp16 would take for the tokens attention can read."""
         out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0,
-               "shared_saved_bytes": 0, "shareable_bytes": 0}
+               "shared_saved_bytes": 0, "shareable_bytes": 0, "shared_bytes": 0}
         if not self.is_initialized:
             return out
-        seen = set()
-        for row, held in enumerate(self.held()):
+        holders: dict[object, set[int]] = {}
+        # an evicting layer's fp16 reference is every token written (what it saves is the point); a sliding
+        # window's is what the model's own cache holds
+        tokens = self.padding.count(0, self.cumulative_length, len(self.k)) if self.eviction else self.held()
+        for row, count in enumerate(tokens):
             for stream in (self.k[row], self.v[row]):
                 for key, t in stream.tensors():
-                    nbytes = t.numel() * t.element_size()
-                    out["shared_saved_bytes" if id(t) in seen else _ROLE.get(key, "full_precision_bytes")] += nbytes
-                    seen.add(id(t))
+                    storage, nbytes = _storage(t)
+                    if storage in holders:
+                        out["shared_saved_bytes"] += nbytes
+                    else:
+                        out[_ROLE.get(key, "full_precision_bytes")] += nbytes
+                    holders.setdefault(storage, set()).add(row)
                 heads, head_dim = stream.tail.shape[1], stream.tail.shape[3]
-                out["fp16_bytes"] += heads * head_dim * held * FP16_BYTES
+                out["fp16_bytes"] += heads * head_dim * count * FP16_BYTES
+        sizes = {storage: nbytes for stream in self.k + self.v for storage, nbytes in map(_storage, (
+            t for _, t in stream.tensors()))}
+        out["shared_bytes"] = sum(sizes[storage] for storage, rows in holders.items() if len(rows) > 1)
         out["shareable_bytes"] = sum(t.numel() * t.element_size() for stream in (self.k[0], self.v[0])
                                      for t in stream.shareable())
         return out
@@ -639,9 +666,10 @@ class KVQuantCache(Cache):
 
     def memory_report(self) -> dict[str, float]:
         """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows; a tensor
-        rows share after a fork counted once), ``fp16_bytes`` (fp16 for the tokens attention can read, per row),
-        ``ratio``, ``bits_per_element``, the breakdown by role, ``shared_saved_bytes`` (what storing shared
-        tensors once saves over storing them per row), ``shareable_bytes`` (what a fork of row 0 would share now),
+        rows share after a fork counted once, whole), ``fp16_bytes`` (fp16 for the tokens attention can read, per
+        row; with eviction, for every token written), ``ratio``, ``bits_per_element``, the breakdown by role,
+        ``shared_bytes`` (stored once for several rows), ``shared_saved_bytes`` (what storing those once saves
+        over storing them per row), ``shareable_bytes`` (what a fork of row 0 would share now),
         ``tokens`` (sequence length) and ``per_layer``: per decoder layer that stores KV, ``{"layer",
         "total_bytes", "fp16_bytes", "bits_per_element"}``."""
         parts = {i: layer.memory() for i, layer in enumerate(self.layers) if isinstance(layer, QuantizedLayer)}
@@ -706,7 +734,8 @@ def _kinds(cache: KVQuantCache) -> list:
 def _summarize(parts: dict[int, dict[str, int]], tokens: int) -> dict[str, float]:
     """``parts``: per layer index, :meth:`QuantizedLayer.memory`."""
     report = {key: sum(p[key] for p in parts.values()) for key in (
-        "payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes", "shareable_bytes")}
+        "payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes", "shareable_bytes",
+        "shared_bytes")}
     return {
         **_totals(report),
         **report,
@@ -869,6 +898,12 @@ def build_cache(
     elif window is not None or budget is not None:
         raise KVQuantError("window and budget are options of an eviction policy; set eviction= (e.g. 'sink_window')")
     plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim)
+    if policy:
+        longest = max(spec[1] for spec in plan if spec is not None)
+        if longest >= policy.window and not all(spec[0].name == "fp16" for spec in plan if spec is not None):
+            raise KVQuantError(f"residual_length {longest} is not below the eviction window {policy.window}: tokens "
+                               "would leave the full-precision window before ever being quantized (set "
+                               "residual_length=0 or a smaller one)")
     if policy and any(spec[2] != sink_tokens for spec in plan if spec is not None):
         raise KVQuantError("layers: with eviction every full-attention layer keeps the cache's sink_tokens (the "
                            "model's one causal mask is sized for all of them)")

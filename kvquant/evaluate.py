@@ -161,6 +161,9 @@ class Scorer:
             raise KVQuantError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
         self.batch_size, self.share_prefix = batch_size, share_prefix
+        if mode == "simulated" and self.evicts:
+            raise KVQuantError("eviction acts between forwards, and simulated mode scores each sequence in one "
+                               "forward, which reads every token; use streaming mode")
 
     @functools.cached_property
     def evicts(self) -> bool:

@@ -209,18 +209,26 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
             raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
                                f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see the README's "
                                "'Staged memory loop'")
-    evicting = [c for c in [*cfg.candidates, *cfg.stages] if c.options.get("eviction")]
+    evicting = [c for c in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]
+                if c.options.get("eviction")]
     if evicting and cfg.eval.mode != "streaming":
         raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
                            "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
                            "chunk_size below the window)")
     if cfg.serving:
         parse_bytes(cfg.serving.memory_budget, "serving.memory_budget")
+        context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
+        need = cfg.serving.prefix + cfg.serving.suffix + cfg.serving.decode_steps
+        if need > context:
+            raise KVQuantError(f"serving: prefix + suffix + decode_steps = {need} tokens, beyond the model's "
+                               f"{context} positions")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
     probes = probe_counts(cfg)
-    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search else None
+    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving else None
+    if cfg.serving:  # the requests' text is long enough
+        serving_text(cfg, tokenizer, rows)
     folder = None
     if probes:  # documents are cut with the model's tokenizer: write and check them now
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
@@ -240,10 +248,15 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     return rows, warnings
 
 
+def serving_text(cfg: ExperimentConfig, tokenizer, rows: dict):
+    """The perplexity set the serving requests are cut from, the shared prefix and each request's tokens."""
+    pset = next(p for p in cfg.eval.perplexity if cfg.serving.text in (None, p.name))
+    return (pset, *serving_tokens(cfg.serving, tokenizer(pset.separator.join(rows[pset.name])).input_ids))
+
+
 def serve_stages(cfg: ExperimentConfig, model, tokenizer, store: ResultStore, rows: dict) -> dict[str, dict]:
     """Each stage (and the baseline, no prefix sharing) on the serving shape, through the result store."""
-    pset = next(p for p in cfg.eval.perplexity if cfg.serving.text in (None, p.name))
-    prefix, suffixes = serving_tokens(cfg.serving, tokenizer(pset.separator.join(rows[pset.name])).input_ids)
+    pset, prefix, suffixes = serving_text(cfg, tokenizer, rows)
     out = {}
     for stage in [Stage(BASELINE.quantizer, {}, BASELINE.label), *cfg.stages]:
         key = {"model": dataclasses.asdict(cfg.model), "serving": dataclasses.asdict(cfg.serving),

@@ -40,12 +40,11 @@ def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffix
     if stage.prefix_sharing:  # prefill once, fork the rows
         first = make()
         model(torch.tensor([prefix], device=device), cache=first)
-        shared_once = first.memory_report()["shareable_bytes"]
         cache = stack_rows([(first, 0)] * n)
+        del first
     else:
         cache = make()
         model(torch.tensor([prefix] * n, device=device), cache=cache)
-        shared_once = 0
     logits = model(torch.tensor(suffixes, device=device), cache=cache).logits[:, -1]
     steps = []
     for _ in range(serving.decode_steps):
@@ -57,6 +56,7 @@ def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffix
         steps.append(1000 * (time.perf_counter() - start))
     report = cache.memory_report()
     total = report["total_bytes"]
+    shared_once = report["shared_bytes"]  # still held by several requests at the end (eviction may free some)
     own = (total - shared_once) / n  # what each further request adds
     return {
         "requests": n, "tokens_per_request": len(prefix) + len(suffixes[0]) + serving.decode_steps,

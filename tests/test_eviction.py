@@ -111,7 +111,7 @@ def test_left_padded_rows_compute_what_each_row_computes_alone():
 
 def test_padding_behind_tokens_is_refused_with_eviction():
     model = model_of()
-    cache = kvquant.make_cache(model, "int4", eviction="window", window=4).set_padding(
+    cache = kvquant.make_cache(model, "int4", eviction="window", window=4, residual_length=0).set_padding(
         torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]))
     with pytest.raises(KVQuantError, match="left padding"):
         with torch.no_grad():
@@ -141,7 +141,8 @@ def test_evicted_tokens_free_their_bytes_as_the_closed_form_and_the_planner_say(
     expected = LAYERS * (key_bytes + value_bytes)
     report = cache.memory_report()
     assert report["total_bytes"] == expected
-    assert report["fp16_bytes"] == LAYERS * 2 * HEADS * HEAD_DIM * 2 * min(tokens, sinks + window)
+    # fp16 reference: every token written (a full fp16 cache), so the ratio shows what eviction saves
+    assert report["fp16_bytes"] == LAYERS * 2 * HEADS * HEAD_DIM * 2 * tokens
     (tmp_path / "config.json").write_text(model.config.to_json_string())
     assert plan_main(["--model", str(tmp_path / "config.json"), "--context", str(tokens), "--dtype", "float32",
                       "--cache", json.dumps(settings), "--json"]) == 0
@@ -179,8 +180,10 @@ def test_settings_name_the_policy_and_forks_keep_it():
     ({"eviction": "window", "window": 0}, "window must be an integer >= 1"),
     ({"eviction": "window"}, "window must be an integer >= 1"),
     ({"eviction": "window", "window": True}, "window must be an integer >= 1"),
-    ({"eviction": "sink_window", "window": 8, "sink_tokens": 2, "layers": {"0": {"sink_tokens": 5}}},
-     "every full-attention layer keeps the cache's sink_tokens"),
+    ({"eviction": "sink_window", "window": 8, "sink_tokens": 2, "residual_length": 0,
+      "layers": {"0": {"sink_tokens": 5}}}, "every full-attention layer keeps the cache's sink_tokens"),
+    ({"eviction": "sink_window", "window": 64, "sink_tokens": 4}, "residual_length 128 is not below the eviction "
+     "window 64"),
 ])
 def test_bad_eviction_settings_are_one_line_errors(options, message):
     with pytest.raises(KVQuantError, match=message):
@@ -258,3 +261,31 @@ def test_key_norm_in_a_model_reads_less_once_past_capacity_and_all_before():
     tight = feed(model, ids, kvquant.make_cache(model, "fp16", eviction="key_norm", window=4, budget=4))
     assert not torch.allclose(tight, full, atol=1e-6)
     assert torch.equal(tight[:, :8], full[:, :8])  # the first 8 positions have nothing to evict yet
+
+
+def test_a_padded_batch_without_declared_padding_is_refused_with_eviction():
+    model = model_of()
+    cache = kvquant.make_cache(model, "fp16", eviction="sink_window", sink_tokens=2, window=4)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with pytest.raises(KVQuantError, match="call cache.set_padding"):
+        with torch.no_grad():
+            model(torch.ones(2, 5, dtype=torch.long), attention_mask=mask, cache=cache,
+                  position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+
+
+def test_forks_that_evict_keep_sharing_what_they_all_still_hold():
+    """Forked rows that evict part of the shared prefix slice it as a view: it stays one storage, counted once
+    and whole, until no row holds it."""
+    model = model_of()
+    ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(9))
+    opts = dict(eviction="sink_window", sink_tokens=2, window=40, group_size=4, residual_length=0)
+    first = kvquant.make_cache(model, "int4", **opts)
+    with torch.no_grad():
+        model(ids[:, :40], cache=first)
+        prefix = first.memory_report()["shareable_bytes"]
+        batch = kvquant.cache.stack_rows([(first, 0)] * 3)
+        del first
+        model(ids[:, 40:50].repeat(3, 1), cache=batch)  # every row evicts the prefix's oldest groups
+    report = batch.memory_report()
+    assert report["shared_bytes"] == prefix  # the prefix's storage, whole, once
+    assert report["shared_saved_bytes"] == 2 * prefix
