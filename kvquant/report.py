@@ -29,6 +29,7 @@ from .config import ExperimentConfig
 from .gate import PERPLEXITY, Decision, MetricRow
 from .tasks import probe_distance
 from .paths import PROJECT_ROOT
+from .stages import max_batch
 
 
 def _version(package: str) -> str:
@@ -327,7 +328,7 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
     if "search" in doc:
         lines += _search_section(doc["search"])
     if "staged" in doc:
-        lines += _stages_section(doc, cfg)
+        lines += _stages_section(doc)
     return "\n".join(lines)
 
 
@@ -358,7 +359,7 @@ def _search_section(search: dict) -> list[str]:
     return lines + [""]
 
 
-def _stage_rows(doc: dict, cfg: ExperimentConfig) -> list[dict]:
+def _stage_rows(doc: dict) -> list[dict]:
     """Per stage (the baseline first): serving figures, the lowest gated relative score, pass/fail."""
     staged = doc["staged"]
     by_name = {c["name"]: c for c in doc["candidates"]}
@@ -367,16 +368,15 @@ def _stage_rows(doc: dict, cfg: ExperimentConfig) -> list[dict]:
         serving = staged["serving"][name]
         c = by_name.get(name)
         gated = [e["relative"] for e in c["metrics"].values() if e["gated"]] if c else [1.0]
-        own, shared = serving["own_bytes_per_request"], serving["shared_bytes"]
-        fits = max(int((staged["budget_bytes"] - shared) // own), 0) if own > 0 else 0
-        out.append({"name": name, "bytes": serving["kv_bytes_per_request"], "max_batch": fits,
+        out.append({"name": name, "bytes": serving["kv_bytes_per_request"],
+                    "max_batch": max_batch(serving, staged["budget_bytes"]),
                     "p50": serving["p50_ms"], "p99": serving["p99_ms"], "worst": min(gated),
                     "passed": c["passed"] if c else True,
                     "sharing": staged["prefix_sharing"].get(name, False)})
     return out
 
 
-def _stages_section(doc: dict, cfg: ExperimentConfig) -> list[str]:
+def _stages_section(doc: dict) -> list[str]:
     staged = doc["staged"]
     serving = staged["shape"]
     first = staged["first_failing"]
@@ -391,7 +391,7 @@ def _stages_section(doc: dict, cfg: ExperimentConfig) -> list[str]:
                                                 "No stage fails."), "",
              "| stage | prefix sharing | KV bytes/request | max batch | decode p50 ms | decode p99 ms | worst relative "
              "| passed |", "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in _stage_rows(doc, cfg):
+    for r in _stage_rows(doc):
         mark = " (first failing)" if r["name"] == first else ""
         lines.append(f"| {r['name']}{mark} | {'yes' if r['sharing'] else 'no'} | {r['bytes']:,.0f} | "
                      f"{r['max_batch']:,} | {r['p50']:.1f} | {r['p99']:.1f} | {r['worst']:.4f} | "
@@ -406,7 +406,7 @@ def _stages_plot(doc: dict, cfg: ExperimentConfig) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _stage_rows(doc, cfg)
+    rows = _stage_rows(doc)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot([r["bytes"] / 2**20 for r in rows], [r["worst"] for r in rows], "o-")
     for r in rows:
