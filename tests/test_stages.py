@@ -124,3 +124,19 @@ def test_eviction_in_simulated_mode_is_refused_before_the_model_loads(tmp_path, 
     path.write_text(CONFIG.format(out=tmp_path))
     assert main([str(path), "--set", "eval.mode=simulated"]) == 2
     assert "set eval.mode: streaming" in capsys.readouterr().err
+
+
+def test_a_serving_shape_beyond_the_model_or_its_text_is_refused_before_the_model_loads(tmp_path, capsys):
+    path = tmp_path / "staged.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    assert main([str(path), "--set", "serving.prefix=1000"]) == 2  # stories260K has 512 positions
+    assert "beyond the model's 512 positions" in capsys.readouterr().err
+    assert main([str(path), "--set", "serving.requests=100000", "--set", "serving.suffix=16"]) == 2
+    assert "tokens are needed (prefix + requests x suffix)" in capsys.readouterr().err
+
+
+def test_a_simulated_scorer_refuses_an_evicting_cache():
+    from kvquant.evaluate import Scorer
+    model = tiny_model()
+    with pytest.raises(kvquant.KVQuantError, match="use streaming mode"):
+        Scorer(model, lambda: kvquant.make_cache(model, "fp8_e4m3", eviction="window", window=8), "simulated")
