@@ -253,11 +253,8 @@ def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
     for metric in metrics:
         pts = sorted((c["bits_per_element"], c["metrics"][metric]["relative"], c["name"])
                      for c in candidates if metric in c["metrics"])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=metric)
-        for x, y, name in pts:
-            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(cfg.gate.min_relative_accuracy, color="red", ls="--", lw=1,
-               label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
+        _named_curve(ax, pts, label=metric)
+    _accuracy_threshold(ax, cfg)
     ax.axhline(1 / cfg.gate.max_perplexity_ratio, color="orange", ls=":", lw=1,
                label=f"perplexity threshold 1/{cfg.gate.max_perplexity_ratio}")
     ax.set_xlabel("bits per element (measured memory_report)")
@@ -265,6 +262,18 @@ def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
     ax.set_title(f"{cfg.name}: quality vs KV-cache size ({cfg.eval.mode} mode)")
     ax.legend(fontsize=7, loc="lower right")
     return _png(fig)
+
+
+def _named_curve(ax, points: list[tuple[float, float, str]], label: str | None = None) -> None:
+    """``(x, y, name)`` points joined in order, each annotated with its name."""
+    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+    for x, y, name in points:
+        ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+
+
+def _accuracy_threshold(ax, cfg: ExperimentConfig) -> None:
+    ax.axhline(cfg.gate.min_relative_accuracy, color="red", ls="--", lw=1,
+               label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
 
 
 def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
@@ -408,11 +417,8 @@ def _stages_plot(doc: dict, cfg: ExperimentConfig) -> bytes:
 
     rows = _stage_rows(doc)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot([r["bytes"] / 2**20 for r in rows], [r["worst"] for r in rows], "o-")
-    for r in rows:
-        ax.annotate(r["name"], (r["bytes"] / 2**20, r["worst"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(cfg.gate.min_relative_accuracy, color="red", ls="--", lw=1,
-               label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
+    _named_curve(ax, [(r["bytes"] / 2**20, r["worst"], r["name"]) for r in rows])
+    _accuracy_threshold(ax, cfg)
     ax.set_xlabel("KV MiB per request (measured)")
     ax.set_ylabel("lowest gated relative score")
     ax.set_title(f"{cfg.name}: stages")
