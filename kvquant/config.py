@@ -260,9 +260,14 @@ class SearchConfig:
     ladder: list[Candidate]
     name: str = "searched"
     #: The calibration split, held apart from evaluation: per gated perplexity set, this many windows after its
-    #: ``limit``; per gated task, this many documents after its limit.
+    #: ``limit``; per gated task, this many documents after its limit. ``documents: 0`` gates the calibration on
+    #: the perplexity sets alone (tasks decide on the evaluation split only): at a few dozen documents one
+    #: document moves a task's relative score by several percent, more than the bits being searched change it.
     windows: int = 8
     documents: int = 50
+    #: The perplexity ratio a map must meet on the calibration split (default: ``gate.max_perplexity_ratio``); a
+    #: tighter one leaves a margin for what the evaluation split's tasks lose.
+    max_perplexity_ratio: float | None = None
 
     def __post_init__(self):
         check_plain_name("name", self.name)
@@ -272,8 +277,10 @@ class SearchConfig:
         for i, rung in enumerate(self.ladder):
             _require("layers" not in rung.options, f"ladder[{i}].options: 'layers' is what the search decides")
         _require(1 <= self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
-        _require(1 <= self.documents <= MAX_CALIBRATION,
-                 f"documents must be in 1..{MAX_CALIBRATION}, got {self.documents!r}")
+        _require(0 <= self.documents <= MAX_CALIBRATION,
+                 f"documents must be in 0..{MAX_CALIBRATION}, got {self.documents!r}")
+        _require(self.max_perplexity_ratio is None or self.max_perplexity_ratio >= 1.0,
+                 f"max_perplexity_ratio must be at least 1.0, got {self.max_perplexity_ratio!r}")
 
 
 @dataclass(frozen=True)

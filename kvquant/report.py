@@ -345,6 +345,7 @@ def _search_section(search: dict) -> list[str]:
     cal = search["calibration"]
     split = "; ".join([*(f"{name}: windows {a}-{b - 1}" for name, (a, b) in cal["windows"].items()),
                        *(f"{task}: documents {a}-{b - 1}" for task, (a, b) in cal["documents"].items())])
+    gated = "the perplexity sets and the tasks" if cal["tasks_gated"] else "the perplexity sets alone (tasks: evaluation only)"
     outcome = (f"step {search['step']} of {search['steps']} is the first map that passes the gate on the "
                "calibration split" if search["found"] else
                f"no map passes the gate on the calibration split, not even step {search['steps']} (every layer "
@@ -353,7 +354,9 @@ def _search_section(search: dict) -> list[str]:
              f"Calibration split (held apart from evaluation, which reads the documents and windows before these): "
              f"{split}. Ladder, cheapest first: "
              + ", ".join(f"{r['name']} ({r['bits_per_element']:.3f} bits/element)" for r in search["ladder"])
-             + f". Loss with every layer at the top rung: {search['reference_loss']:.4f} nats/token. {outcome}; "
+             + f". Loss with every layer at the top rung: {search['reference_loss']:.4f} nats/token. On the calibration "
+             f"split a map passes when {gated} meet the gate, perplexity ratio at most "
+             f"{cal['max_perplexity_ratio']:g}. {outcome}; "
              f"it is evaluated as candidate `{search['name']}` above, and `searched.yaml` reruns it alone.", "",
              "| step | bits/element | passes on calibration | gated relative scores |", "|---:|---:|---|---|"]
     for c in search["checked"]:

@@ -9,8 +9,9 @@
 3. **Greedy order**: from every layer at the cheapest rung, repeatedly move the one layer one rung up that saves
    the most sensitivity per bit added, until every layer is at the top: maps ``M_0 .. M_K`` with growing bits.
 4. **The gate decides**: the first ``M_m`` that passes the gate on the calibration split (baseline measured on
-   the same split), found by bisection over ``m`` (a map with more bits is taken to be no worse; every map
-   checked is reported). The map found is then evaluated, like any candidate, on the evaluation split.
+   the same split; ``search.max_perplexity_ratio`` in place of the gate's when set; on the perplexity sets alone
+   when ``search.documents`` is 0), found by bisection over ``m`` (a map with more bits is taken to be no worse;
+   every map checked is reported). The map found is then evaluated, like any candidate, on the evaluation split.
 
 Measurements go through the run's result store (resumable); the choices above are recomputed from them.
 """
@@ -50,7 +51,9 @@ def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
 
 
 def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
-    """Per gated task: the document indices after its evaluation limit."""
+    """Per gated task: the document indices after its evaluation limit (none when ``search.documents`` is 0)."""
+    if not cfg.search.documents:
+        return {}
     return {task: range(cfg.eval.tasks.limit_for(task), cfg.eval.tasks.limit_for(task) + cfg.search.documents)
             for task in cfg.gated_tasks()}
 
@@ -224,6 +227,8 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
             sensitivity[layer].append(0.0)
     maps = greedy_order(sensitivity, bits)
     checked = {}
+    gate = cfg.gate if spec.max_perplexity_ratio is None else dataclasses.replace(
+        cfg.gate, max_perplexity_ratio=spec.max_perplexity_ratio)
 
     def passes(m: int) -> bool:
         label = _label(maps[m])
@@ -233,7 +238,7 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
                                    kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
                                    dtype=model.dtype)["bits_per_element"]
         table = metric_rows(cfg, results, [label], baseline=CALIBRATION_BASELINE)
-        verdict = decide(table, {label: map_bits}, cfg.gate)
+        verdict = decide(table, {label: map_bits}, gate)
         checked[m] = {"step": m, "bits_per_element": map_bits, "passed": verdict.passed[label],
                       "metrics": {row.metric: row.relative for row in table if row.gated}}
         print(f"kvquant: search: step {m}/{len(maps) - 1} ({map_bits:.3f} bits/element): "
@@ -254,6 +259,8 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
         "reference_loss": reference,
         "checked": [checked[m] for m in sorted(checked)],
         "calibration": {"windows": {name: [start, start + len(ws)] for name, (start, ws) in calibration.items()},
-                        "documents": {t: [d.start, d.stop] for t, d in documents.items()}},
+                        "documents": {t: [d.start, d.stop] for t, d in documents.items()},
+                        "max_perplexity_ratio": gate.max_perplexity_ratio,
+                        "tasks_gated": bool(documents)},
     }
     return map_candidate(ladder, maps[chosen], spec.name), summary

@@ -100,7 +100,8 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     evaluation = {tuple(w.ids) for w in data.windows(cfg.eval.perplexity[0], tok, 2048)}
     assert read_windows and not evaluation & set(read_windows)
     assert len(set(read_windows)) == 4
-    assert found["calibration"] == {"windows": {"tinystories": [6, 10]}, "documents": {"tinystories_lastword": [20, 36]}}
+    assert found["calibration"] == {"windows": {"tinystories": [6, 10]}, "documents": {"tinystories_lastword": [20, 36]},
+                                    "max_perplexity_ratio": 1.02, "tasks_gated": True}
     # the map is evaluated like a candidate, and searched.yaml reruns it alone
     assert [c["name"] for c in doc["candidates"]] == ["mixed"]
     rerun = yaml.safe_load((tmp_path / "a" / "searched-tiny" / "searched.yaml").read_text())
@@ -121,6 +122,36 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     assert again["sensitivity"] == found["sensitivity"]
 
 
+def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(tmp_path, monkeypatch):
+    """No task document is read before evaluation; the search's own perplexity ratio decides: loose enough, the
+    cheapest map passes; at 1.0 (no loss allowed) int2 layers cannot, and the search climbs."""
+    read_docs = []
+    real_task = search_module.run_task
+
+    def spy_task(*args):
+        read_docs.append(list(args[-1]))
+        return real_task(*args)
+
+    monkeypatch.setattr(search_module, "run_task", spy_task)
+    path = tmp_path / "search.yaml"
+    found = {}
+    for ratio in (1000.0, 1.0):
+        path.write_text(CONFIG.format(out=tmp_path / str(ratio)))
+        code = main([str(path), "--set", "search.documents=0", "--set", f"search.max_perplexity_ratio={ratio}"])
+        assert code in (0, 1)  # the map found passes or fails the gate on evaluation; 2 would be an error
+        doc = json.loads((tmp_path / str(ratio) / "searched-tiny" / "results.json").read_text())
+        found[ratio] = doc["search"]
+        assert "acc/tinystories_lastword" in doc["candidates"][0]["metrics"]  # tasks still gate the evaluation
+    assert not read_docs  # the search read no task document
+    loose, strict = found[1000.0], found[1.0]
+    assert loose["calibration"]["tasks_gated"] is False and loose["calibration"]["documents"] == {}
+    assert loose["calibration"]["max_perplexity_ratio"] == 1000.0
+    assert loose["found"] and loose["step"] == 0 and set(loose["map"].values()) == {"int2"}
+    assert all(set(c["metrics"]) == {"ppl/tinystories"} for c in loose["checked"])
+    assert strict["step"] > 0 and "int8" in strict["map"].values()
+    assert all(c["passed"] == (c["metrics"]["ppl/tinystories"] >= 1.0) for c in strict["checked"])
+
+
 @pytest.mark.parametrize("change, message", [
     ("eval.tasks.limit=null", "task 'tinystories_lastword' has no limit"),
     ("eval.perplexity.0.limit=null", "perplexity set 'tinystories' has no limit"),
@@ -128,7 +159,9 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     ("search.name=baseline", "names must be unique and not 'baseline'"),
     ("search.ladder.0.options={layers: {0: {}}}", "'layers' is what the search decides"),
     ("eval.tasks.num_fewshot=2", "num_fewshot must be 0"),
-    ("search.documents=1000000000", r"documents must be in 1\.\.100000"),
+    ("search.documents=1000000000", r"documents must be in 0\.\.100000"),
+    ("search.documents=-1", r"documents must be in 0\.\.100000"),
+    ("search.max_perplexity_ratio=0.9", "max_perplexity_ratio must be at least 1.0"),
     ("search.name=search-1", "names starting with 'search-' are the search's own"),
 ])
 def test_bad_search_configs_are_one_line_errors(tmp_path, change, message):
