@@ -1,0 +1,288 @@
+"""kvquant on a CUDA GPU: the checks CPU-only CI cannot make, in one short run.
+
+    python experiments/gpu_check.py --out reports/gpu_check
+
+On random-init models of real shapes (SmolLM2-135M, a Llama-3-8B layer stack, Mistral's sliding window,
+head_dim 80 and 256), in bfloat16 on the GPU:
+
+1. **identity**: the fp16 quantizer's logits equal ``DynamicCache``'s bit for bit (chunked prefill + decode);
+2. **quantized K/V are read, on the GPU too**: each quantizer's logits differ from ``DynamicCache``'s, int2 more
+   than int8, and the error is the CPU's (the same model in float32 on the CPU, same cache settings);
+3. **codes**: K/V written to a cache on the GPU read back as on the CPU (same float32 tensors);
+4. **memory**: what the CUDA allocator holds for each cache after a long prefill, against ``memory_report()``;
+5. **decode speed**: single-token steps per second at long contexts, against ``DynamicCache``, measured in the
+   same run.
+
+Writes ``results.json`` and ``report.md`` (command, machine, date) to ``--out``. Every check records its error
+instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+import kvquant
+from kvquant.cache import stored_bytes
+from kvquant.report import environment
+
+QUANTIZERS = {  # name -> make_cache arguments
+    "fp16": ("fp16", {}),
+    "fp8_e4m3": ("fp8_e4m3", {}),
+    "fp8_e5m2": ("fp8_e5m2", {}),
+    "int8": ("int8", {}),
+    "int4": ("int4", {}),
+    "int4-hadamard": ("int4", {"rotation": "hadamard"}),
+    "int2": ("int2", {}),
+}
+
+
+def shapes() -> dict:
+    """name -> (model class, config): real models' attention shapes, few layers, random weights."""
+    llama = dict(vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=32768)
+    return {
+        "smollm2-135m": (LlamaForCausalLM, LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                                       num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                                       **llama)),
+        "llama3-8b-4layers": (LlamaForCausalLM, LlamaConfig(hidden_size=4096, intermediate_size=14336,
+                                                            num_hidden_layers=4, num_attention_heads=32,
+                                                            num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                                                            **llama)),
+        "mistral-sliding256": (MistralForCausalLM, MistralConfig(hidden_size=1024, intermediate_size=2816,
+                                                                 num_hidden_layers=4, num_attention_heads=8,
+                                                                 num_key_value_heads=2, head_dim=128,
+                                                                 sliding_window=256, **llama)),
+        "head_dim80": (LlamaForCausalLM, LlamaConfig(hidden_size=640, intermediate_size=1792, num_hidden_layers=4,
+                                                     num_attention_heads=8, num_key_value_heads=4, head_dim=80,
+                                                     **llama)),
+        "head_dim256": (LlamaForCausalLM, LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                                      num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                                                      **llama)),
+    }
+
+
+def build(cls, config, device, dtype):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(config)
+    return model.to(dtype).eval()
+
+
+@torch.inference_mode()
+def logits_run(model, cache, prompt, chunk, steps) -> torch.Tensor:
+    """Chunked prefill of ``prompt[:, :-steps]`` (``[B, T]``), then its last ``steps`` tokens one at a time
+    (teacher-forced, so every cache reads the same tokens); the last position's logits of every forward,
+    ``[forwards, B, vocab]`` float32 on the CPU."""
+    out, head = [], prompt.shape[1] - steps
+    for i in range(0, head, chunk):
+        out.append(model(prompt[:, i : min(i + chunk, head)], cache=cache, use_cache=True).logits[:, -1].float().cpu())
+    for t in range(head, prompt.shape[1]):
+        out.append(model(prompt[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1].float().cpu())
+    return torch.stack(out)
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm())
+
+
+def check_logits(name, cls, config, device, prompt_len=600, chunk=256, steps=16) -> dict:
+    """Checks 1 and 2 on one shape: the identity in bfloat16, every quantizer in float32 on both devices (so the
+    GPU's and the CPU's errors are the quantizer's, not bfloat16's)."""
+    prompt = torch.randint(0, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    bf16 = build(cls, config, device, torch.bfloat16)
+    ref = logits_run(bf16, DynamicCache(config=config), prompt.to(device), chunk, steps)
+    got = logits_run(bf16, kvquant.make_cache(bf16, "fp16"), prompt.to(device), chunk, steps)
+    out = {"fp16-bfloat16": {"max_abs_diff_vs_dynamic": float((got - ref).abs().max())}}
+    del bf16
+    gpu = build(cls, config, device, torch.float32)
+    cpu = build(cls, config, "cpu", torch.float32)
+    ref_gpu = logits_run(gpu, DynamicCache(config=config), prompt.to(device), chunk, steps)
+    ref_cpu = logits_run(cpu, DynamicCache(config=config), prompt, chunk, steps)
+    for qname, (q, opts) in QUANTIZERS.items():
+        try:
+            got = logits_run(gpu, kvquant.make_cache(gpu, q, residual_length=0, **opts), prompt.to(device), chunk, steps)
+            got_cpu = logits_run(cpu, kvquant.make_cache(cpu, q, residual_length=0, **opts), prompt, chunk, steps)
+            out[qname] = {"max_abs_diff_vs_dynamic": float((got - ref_gpu).abs().max()),
+                          "rel_error_gpu": rel_error(got, ref_gpu), "rel_error_cpu": rel_error(got_cpu, ref_cpu),
+                          "finite": bool(torch.isfinite(got).all())}
+        except Exception:  # noqa: BLE001 (recorded, the run goes on)
+            out[qname] = {"error": traceback.format_exc(limit=4)}
+    del gpu, cpu
+    torch.cuda.empty_cache()
+    return out
+
+
+@torch.inference_mode()
+def check_codes(device) -> dict:
+    """Check 3: the same float32 K/V written to a cache on the GPU and on the CPU read back alike."""
+    out = {}
+    config = shapes()["llama3-8b-4layers"][1]
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(2, 8, 300, 128, generator=gen) * torch.linspace(0.1, 8, 128)  # outlier channels
+    v = torch.randn(2, 8, 300, 128, generator=gen)
+    for qname, (q, opts) in QUANTIZERS.items():
+        try:
+            reads = []
+            for dev in ("cpu", device):
+                cache = kvquant.make_cache(config, q, residual_length=0, **opts)
+                kk, vv = cache.update(k.to(dev), v.to(dev), 0)
+                reads.append((kk.float().cpu(), vv.float().cpu()))
+            (kc, vc), (kg, vg) = reads
+            step = float((k.amax() - k.amin()) / 3)  # at most one int2 step of the whole range
+            out[qname] = {"keys_equal_fraction": float((kc == kg).float().mean()),
+                          "values_equal_fraction": float((vc == vg).float().mean()),
+                          "max_abs_diff": max(float((kc - kg).abs().max()), float((vc - vg).abs().max())),
+                          "bound": step}
+        except Exception:  # noqa: BLE001
+            out[qname] = {"error": traceback.format_exc(limit=4)}
+    return out
+
+
+@torch.inference_mode()
+def check_memory_and_speed(device, contexts, batch, steps) -> dict:
+    """Checks 4 and 5 on the Llama-3-8B layer stack in bfloat16."""
+    cls, config = shapes()["llama3-8b-4layers"]
+    model = build(cls, config, device, torch.bfloat16)
+    factories = {"DynamicCache": lambda: DynamicCache(config=config)}
+    factories.update({f"kvquant-{n}": (lambda q=q, o=o: kvquant.make_cache(model, q, **o))
+                      for n, (q, o) in QUANTIZERS.items()})
+    rows = []
+    for context in contexts:
+        prompt = torch.randint(0, config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(3))
+        prompt = prompt.to(device)
+        for name, make in factories.items():
+            row = {"cache": name, "context": context, "batch": batch}
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_allocated()
+                cache = make()
+                for i in range(0, context, 2048):
+                    model(prompt[:, i : i + 2048], cache=cache, use_cache=True, logits_to_keep=1)
+                torch.cuda.synchronize()
+                row["allocated_bytes"] = torch.cuda.memory_allocated() - before
+                row["reported_bytes"] = stored_bytes(cache)
+                token = prompt[:, -1:]
+                for _ in range(4):
+                    model(token, cache=cache, use_cache=True)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    model(token, cache=cache, use_cache=True)
+                torch.cuda.synchronize()
+                row["steps_per_s"] = steps / (time.perf_counter() - start)
+                del cache
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc(limit=4)
+            rows.append(row)
+    base = {r["context"]: r for r in rows if r["cache"] == "DynamicCache" and "error" not in r}
+    for r in rows:
+        b = base.get(r["context"])
+        if b and "error" not in r:
+            r["speed_vs_dynamic"] = r["steps_per_s"] / b["steps_per_s"]
+            r["allocated_vs_dynamic"] = r["allocated_bytes"] / b["allocated_bytes"]
+    return {"rows": rows}
+
+
+def verdicts(results: dict) -> list[str]:
+    """The properties the checks stand for, each PASS/FAIL with its numbers."""
+    lines = []
+    for shape, per_q in results["logits"].items():
+        if "error" in per_q:
+            lines.append(f"FAIL {shape}: {per_q['error'].splitlines()[-1]}")
+            continue
+        for q, r in per_q.items():
+            if "error" in r:
+                lines.append(f"FAIL {shape} {q}: {r['error'].strip().splitlines()[-1]}")
+        ok = {q: r for q, r in per_q.items() if "error" not in r}
+        for q in ("fp16-bfloat16", "fp16"):
+            if q in ok:
+                d = ok[q]["max_abs_diff_vs_dynamic"]
+                lines.append(f"{'PASS' if d == 0 else 'FAIL'} {shape}: {q} quantizer equals DynamicCache "
+                             f"(max |diff| {d})")
+        for q, r in ok.items():
+            if q.startswith("fp16"):
+                continue
+            g, c = r["rel_error_gpu"], r["rel_error_cpu"]
+            good = r["finite"] and g > 0 and 0.8 <= g / c <= 1.25
+            lines.append(f"{'PASS' if good else 'FAIL'} {shape}: {q} differs from DynamicCache; logit error GPU "
+                         f"{g:.4f} vs CPU {c:.4f}")
+        if "int2" in ok and "int8" in ok:
+            a, b = ok["int2"]["rel_error_gpu"], ok["int8"]["rel_error_gpu"]
+            lines.append(f"{'PASS' if a > b else 'FAIL'} {shape}: int2 error {a:.4f} > int8 error {b:.4f}")
+    for q, r in results["codes"].items():
+        if "error" in r:
+            lines.append(f"FAIL codes {q}: {r['error'].strip().splitlines()[-1]}")
+            continue
+        good = r["max_abs_diff"] <= r["bound"]
+        lines.append(f"{'PASS' if good else 'FAIL'} codes {q}: GPU reads equal the CPU's for "
+                     f"{r['keys_equal_fraction']:.4%} of keys, {r['values_equal_fraction']:.4%} of values "
+                     f"(max |diff| {r['max_abs_diff']:.3g})")
+    return lines
+
+
+def render(results: dict, args) -> str:
+    env = results["environment"]
+    lines = ["# kvquant on a GPU", "",
+             f"- command: `python {' '.join(sys.argv)}`",
+             f"- date: {env['date']}; git {env['git_commit']}",
+             f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}",
+             "- models: random-init; logit checks with residual_length 0 (every token read quantized), 600-token "
+             "prompts (prefill in chunks of 256, the last 16 tokens one at a time), batch 2, float32 on both devices "
+             "(identity also in bfloat16 on the GPU); memory and speed in bfloat16 with the quantizers' defaults",
+             "", "## Checks", ""]
+    lines += [f"- {v}" for v in verdicts(results)]
+    lines += ["", f"## Memory and decode speed (Llama-3-8B attention shape, 4 layers, batch {args.batch}, "
+              f"{args.steps} steps)", "",
+              "| context | cache | allocator bytes | memory_report bytes | vs DynamicCache (allocator) | steps/s | "
+              "speed vs DynamicCache |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in results["speed"]["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['context']} | {r['cache']} | error: {r['error'].strip().splitlines()[-1]} | | | | |")
+            continue
+        lines.append(f"| {r['context']} | {r['cache']} | {r['allocated_bytes']:,} | {r['reported_bytes']:,} | "
+                     f"{r.get('allocated_vs_dynamic', float('nan')):.3f} | {r['steps_per_s']:.1f} | "
+                     f"{r.get('speed_vs_dynamic', float('nan')):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("reports/gpu_check"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device here")
+    results = {"environment": environment(), "logits": {}, "codes": {}, "speed": {"rows": []}}
+    for name, (cls, config) in shapes().items():
+        print(f"gpu_check: logits on {name}", flush=True)
+        try:
+            results["logits"][name] = check_logits(name, cls, config, args.device)
+        except Exception:  # noqa: BLE001
+            results["logits"][name] = {"error": traceback.format_exc(limit=4)}
+    print("gpu_check: codes", flush=True)
+    results["codes"] = check_codes(args.device)
+    print("gpu_check: memory and speed", flush=True)
+    try:
+        results["speed"] = check_memory_and_speed(args.device, args.contexts, args.batch, args.steps)
+    except Exception:  # noqa: BLE001
+        results["speed"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    report = render(results, args)
+    (args.out / "report.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
