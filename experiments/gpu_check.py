@@ -222,10 +222,12 @@ def verdicts(results: dict) -> list[str]:
             if q in ok:
                 r = ok[q]
                 d = r["max_abs_diff_vs_dynamic"]
-                more = (f"; DynamicCache against itself {r['dynamic_repeat_max_diff']}, under the math SDPA backend "
-                        f"{r['math_backend_max_diff']}, first differing forward {r['first_differing_forward']}"
+                # equal, or as equal as DynamicCache is to itself, and exactly equal under one fixed kernel
+                good = d == 0 or (d <= r.get("dynamic_repeat_max_diff", 0) and r.get("math_backend_max_diff") == 0)
+                more = (f"; DynamicCache against itself {r['dynamic_repeat_max_diff']} (the default SDPA backend is "
+                        f"not deterministic here), under the math SDPA backend {r['math_backend_max_diff']}"
                         if "math_backend_max_diff" in r and d else "")
-                lines.append(f"{'PASS' if d == 0 else 'FAIL'} {shape}: {q} quantizer equals DynamicCache "
+                lines.append(f"{'PASS' if good else 'FAIL'} {shape}: {q} quantizer equals DynamicCache "
                              f"(max |diff| {d}{more})")
         for q, r in ok.items():
             if q.startswith("fp16"):
@@ -248,10 +250,10 @@ def verdicts(results: dict) -> list[str]:
     return lines
 
 
-def render(results: dict, args) -> str:
+def render(results: dict, args, command: str | None = None) -> str:
     env = results["environment"]
     lines = ["# kvquant on a GPU", "",
-             f"- command: `python {' '.join(sys.argv)}`",
+             f"- command: `{command or 'python ' + ' '.join(sys.argv)}`",
              f"- date: {env['date']}; git {env['git_commit']}",
              f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}",
              "- models: random-init; logit checks with residual_length 0 (every token read quantized), 600-token "
@@ -280,10 +282,16 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("reports/gpu_check"))
+    parser.add_argument("--render", action="store_true", help="rewrite report.md from --out's results.json only")
     args = parser.parse_args(argv)
+    if args.render:
+        results = json.loads((args.out / "results.json").read_text())
+        (args.out / "report.md").write_text(render(results, args, results.get("command")))
+        return
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here")
-    results = {"environment": environment(), "logits": {}, "codes": {}, "speed": {"rows": []}}
+    results = {"command": f"python {' '.join(sys.argv)}", "environment": environment(), "logits": {}, "codes": {},
+               "speed": {"rows": []}}
     for name, (cls, config) in shapes().items():
         print(f"gpu_check: logits on {name}", flush=True)
         try:
@@ -299,7 +307,7 @@ def main(argv=None):
         results["speed"] = {"rows": [], "error": traceback.format_exc(limit=4)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    report = render(results, args)
+    report = render(results, args, results["command"])
     (args.out / "report.md").write_text(report)
     print(report)
 
