@@ -39,14 +39,20 @@ class _Stream:
     derived from the tensors; ``evicted`` is the one count of what is no longer stored. Tensors are never modified
     in place, so forks share them safely: :meth:`fork` turns the units stored so far into a ``shared`` segment that
     the stream and its copy both hold (the same tensors, stored once: prefix sharing, beam search), and each
-    writes its own units after it.
+    writes its own units after it. A ``paged`` stream (one that evicts) stores each shared segment as up to
+    :attr:`PAGES` pages, each its own storage, so the pages every fork has evicted are freed (a fork that evicts
+    only part of a page keeps a view of it, and the page stays whole until no fork holds it).
     """
 
     #: Shared segments kept before they are merged into one (a copy) so reads stay cheap (beam search forks often).
     MAX_SEGMENTS = 16
+    #: Pages a paged stream cuts a shared segment into (eviction frees a shared prefix this finely).
+    PAGES = 8
 
-    def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, like: torch.Tensor):
+    def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, like: torch.Tensor,
+                 paged: bool = False):
         self.codec, self.sink_tokens, self.residual_length = codec, sink_tokens, residual_length
+        self.paged = paged
         empty = like.new_empty(1, like.shape[1], 0, like.shape[3])
         self.sinks, self.tail = empty, empty
         self.shared: tuple[dict[str, torch.Tensor], ...] = ()
@@ -67,13 +73,22 @@ class _Stream:
     def fork(self) -> _Stream:
         """A copy that shares every stored tensor with this stream; both write apart from here on."""
         if self.enc:
-            self.shared, self.enc = self.shared + (self.enc,), {}
-            if len(self.shared) > self.MAX_SEGMENTS:
+            self.shared, self.enc = self.shared + self._pages(self.enc), {}
+            if len(self.shared) > self.MAX_SEGMENTS * (self.PAGES if self.paged else 1):
                 self.shared = ({k: torch.cat([seg[k] for seg in self.shared], dim=2) for k in self.shared[0]},)
         twin = copy.copy(self)
         if self.ords is not None:  # the bookkeeping is mutable: each fork keeps its own
             twin.ords, twin.hidden = list(self.ords), set(self.hidden)
         return twin
+
+    def _pages(self, segment: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], ...]:
+        """``segment`` as it is shared: whole, or (paged) cut into up to :attr:`PAGES` pages of whole units, each
+        copied into its own storage."""
+        units = self._units(segment)
+        if not self.paged or units < 2:
+            return (segment,)
+        size = -(-units // self.PAGES)
+        return tuple({k: v[:, :, i : i + size].clone() for k, v in segment.items()} for i in range(0, units, size))
 
     def segments(self) -> list[dict[str, torch.Tensor]]:
         """The quantized units in order: the shared segments, then the stream's own."""
@@ -81,7 +96,7 @@ class _Stream:
 
     def empty(self) -> _Stream:
         """A stream with the same settings and nothing stored."""
-        new = _Stream(self.codec, self.sink_tokens, self.residual_length, self.tail)
+        new = _Stream(self.codec, self.sink_tokens, self.residual_length, self.tail, self.paged)
         if self.ords is not None:
             new.track(self.score)
         return new
@@ -418,8 +433,10 @@ class QuantizedLayer(CacheLayerMixin):
         batch = key_states.shape[0]
         key_codec, _ = self.quantizer.codecs(key_states.shape[-1])
         _, value_codec = self.quantizer.codecs(value_states.shape[-1])
-        self.k = [_Stream(key_codec, self.sink_tokens, self.residual_length, key_states) for _ in range(batch)]
-        self.v = [_Stream(value_codec, self.sink_tokens, self.residual_length, value_states) for _ in range(batch)]
+        paged = self.eviction is not None
+        self.k = [_Stream(key_codec, self.sink_tokens, self.residual_length, key_states, paged) for _ in range(batch)]
+        self.v = [_Stream(value_codec, self.sink_tokens, self.residual_length, value_states, paged)
+                  for _ in range(batch)]
         if self.eviction and self.eviction.importance:
             check_importance(self.eviction, key_codec, value_codec, self.residual_length)
             for k, v in zip(self.k, self.v):

@@ -274,8 +274,8 @@ def test_a_padded_batch_without_declared_padding_is_refused_with_eviction():
 
 
 def test_forks_that_evict_keep_sharing_what_they_all_still_hold():
-    """Forked rows that evict part of the shared prefix slice it as a view: it stays one storage, counted once
-    and whole, until no row holds it."""
+    """Forked rows that evict part of the shared prefix still share what they hold: one storage per page, counted
+    once; the pages every row has evicted are freed."""
     model = model_of()
     ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(9))
     opts = dict(eviction="sink_window", sink_tokens=2, window=40, group_size=4, residual_length=0)
@@ -287,5 +287,35 @@ def test_forks_that_evict_keep_sharing_what_they_all_still_hold():
         del first
         model(ids[:, 40:50].repeat(3, 1), cache=batch)  # every row evicts the prefix's oldest groups
     report = batch.memory_report()
-    assert report["shared_bytes"] == prefix  # the prefix's storage, whole, once
-    assert report["shared_saved_bytes"] == 2 * prefix
+    assert 0 < report["shared_bytes"] < prefix  # still shared, and the pages all rows evicted are gone
+    assert report["shared_saved_bytes"] == 2 * report["shared_bytes"]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_evicted_pages_of_a_shared_prefix_are_freed_by_the_formula(rows):
+    """fp8 (one token per unit): a 64-token prefix shared by ``rows`` rows is cut into PAGES pages of 8 tokens;
+    after every row has evicted ``e`` of its tokens, the prefix holds (PAGES - e // 8) pages: its bytes times that
+    share, and the rows read what one unshared row reads."""
+    model = model_of()
+    ids = torch.randint(0, 64, (1, 84), generator=torch.Generator().manual_seed(4))
+    opts = dict(eviction="window", window=64, residual_length=0)  # the prefix fits: nothing evicted before the fork
+    first, alone = kvquant.make_cache(model, "fp8_e4m3", **opts), kvquant.make_cache(model, "fp8_e4m3", **opts)
+    pages = kvquant.cache._Stream.PAGES
+    with torch.no_grad():
+        model(ids[:, :64], cache=first)
+        prefix = first.memory_report()["shareable_bytes"]
+        batch = kvquant.cache.stack_rows([(first, 0)] * rows)
+        del first
+        shared_before = batch.memory_report()["total_bytes"]
+        out = model(ids[:, 64:].repeat(rows, 1), cache=batch).logits
+        model(ids[:, :64], cache=alone)
+        ref = model(ids[:, 64:], cache=alone).logits
+    evicted = batch.layers[0].k[0].evicted
+    assert 8 <= evicted <= 64 and all(s.evicted == evicted for layer in batch.layers for s in [*layer.k, *layer.v])
+    assert shared_before == prefix  # pages cost nothing beyond the prefix itself
+    report = batch.memory_report()
+    kept = prefix * (pages - evicted // (64 // pages)) // pages  # a page partly evicted stays whole
+    per_token = prefix // 64
+    assert report["total_bytes"] == kept + rows * 20 * per_token  # each row's own 20 tokens, the prefix once
+    assert report["shared_bytes"] == (kept if rows > 1 else 0)
+    assert torch.equal(out, ref.expand_as(out))
