@@ -110,7 +110,6 @@ def check_logits(name, cls, config, device, prompt_len=600, chunk=256, steps=16)
     ref, again, got = runs["default"]
     diff = (got - ref).abs().amax(dim=(1, 2))
     out = {"fp16-bfloat16": {"max_abs_diff_vs_dynamic": float(diff.max()),
-                             "first_differing_forward": int(diff.nonzero()[0, 0]) if diff.any() else None,
                              "dynamic_repeat_max_diff": float((again - ref).abs().max()),
                              "math_backend_max_diff": float((runs["math"][2] - runs["math"][0]).abs().max())}}
     del bf16
@@ -233,7 +232,7 @@ def verdicts(results: dict) -> list[str]:
             if q.startswith("fp16"):
                 continue
             g, c = r["rel_error_gpu"], r["rel_error_cpu"]
-            good = r["finite"] and g > 0 and 0.8 <= g / c <= 1.25
+            good = r["finite"] and g > 0 and c > 0 and 0.8 <= g / c <= 1.25
             lines.append(f"{'PASS' if good else 'FAIL'} {shape}: {q} differs from DynamicCache; logit error GPU "
                          f"{g:.4f} vs CPU {c:.4f}")
         if "int2" in ok and "int8" in ok:
@@ -243,10 +242,21 @@ def verdicts(results: dict) -> list[str]:
         if "error" in r:
             lines.append(f"FAIL codes {q}: {r['error'].strip().splitlines()[-1]}")
             continue
-        good = r["max_abs_diff"] <= r["bound"]
+        # a code flipped at a rounding boundary is fine; a read that is not the CPU's is not
+        good = min(r["keys_equal_fraction"], r["values_equal_fraction"]) >= 0.95 and r["max_abs_diff"] <= r["bound"]
         lines.append(f"{'PASS' if good else 'FAIL'} codes {q}: GPU reads equal the CPU's for "
                      f"{r['keys_equal_fraction']:.4%} of keys, {r['values_equal_fraction']:.4%} of values "
-                     f"(max |diff| {r['max_abs_diff']:.3g})")
+                     f"(at least 95% each; max |diff| {r['max_abs_diff']:.3g}, at most {r['bound']:.3g})")
+    speed = results["speed"]
+    if "error" in speed:
+        lines.append(f"FAIL memory and speed: {speed['error'].strip().splitlines()[-1]}")
+    for r in speed["rows"]:
+        if "error" in r:
+            lines.append(f"FAIL memory {r['cache']} at {r['context']}: {r['error'].strip().splitlines()[-1]}")
+        elif r["cache"].startswith("kvquant-"):
+            excess = r["allocated_bytes"] / r["reported_bytes"] - 1
+            lines.append(f"{'PASS' if abs(excess) <= 0.05 else 'FAIL'} memory {r['cache']} at {r['context']} tokens: "
+                         f"the allocator holds {excess:+.2%} of memory_report() (at most 5% either way)")
     return lines
 
 

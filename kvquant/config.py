@@ -279,8 +279,9 @@ class SearchConfig:
         _require(1 <= self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
         _require(0 <= self.documents <= MAX_CALIBRATION,
                  f"documents must be in 0..{MAX_CALIBRATION}, got {self.documents!r}")
-        _require(self.max_perplexity_ratio is None or self.max_perplexity_ratio >= 1.0,
-                 f"max_perplexity_ratio must be at least 1.0, got {self.max_perplexity_ratio!r}")
+        _require(self.max_perplexity_ratio is None or (math.isfinite(self.max_perplexity_ratio)
+                                                        and self.max_perplexity_ratio >= 1.0),
+                 f"max_perplexity_ratio must be a finite number of at least 1.0, got {self.max_perplexity_ratio!r}")
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,8 @@ class ExperimentConfig:
         for pset in sets:
             _require(pset.limit is not None, f"search: perplexity set {pset.name!r} has no limit, so no windows are "
                      "left to calibrate on apart from evaluation; set eval.perplexity[].limit")
+        if not self.search.documents:  # calibration reads no task document
+            return
         for task in self.gated_tasks():
             _require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
                      "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")

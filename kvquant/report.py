@@ -345,7 +345,7 @@ def _search_section(search: dict) -> list[str]:
     cal = search["calibration"]
     split = "; ".join([*(f"{name}: windows {a}-{b - 1}" for name, (a, b) in cal["windows"].items()),
                        *(f"{task}: documents {a}-{b - 1}" for task, (a, b) in cal["documents"].items())])
-    gated = "the perplexity sets and the tasks" if cal["tasks_gated"] else "the perplexity sets alone (tasks: evaluation only)"
+    gated = "the gated perplexity sets and tasks" if cal["tasks_gated"] else "the gated perplexity sets alone"
     outcome = (f"step {search['step']} of {search['steps']} is the first map that passes the gate on the "
                "calibration split" if search["found"] else
                f"no map passes the gate on the calibration split, not even step {search['steps']} (every layer "

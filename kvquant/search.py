@@ -89,6 +89,8 @@ def check_search(cfg: ExperimentConfig, shape, dtype, tokenizer, maxlen: int, ro
     the same documents, and every gated task has the calibration documents after its limit."""
     ladder_bits(cfg, shape, dtype, min(cfg.eval.memory_probe_tokens, maxlen))
     calibration_windows(cfg, tokenizer, maxlen, rows)
+    if not cfg.search.documents:  # calibration reads no task document: nothing to hold apart
+        return
     resolved = {}
     for task in cfg.eval.tasks.names:
         same = resolved.setdefault(resolve_task(task) if probe_distance(task) is None else probe_distance(task), task)

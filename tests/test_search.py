@@ -135,9 +135,11 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     monkeypatch.setattr(search_module, "run_task", spy_task)
     path = tmp_path / "search.yaml"
     found = {}
+    aliases = ["--set", "eval.tasks.names=[tinystories_lastword, arc_easy, arc_easy_local]"]  # no calibration docs
     for ratio in (1000.0, 1.0):
         path.write_text(CONFIG.format(out=tmp_path / str(ratio)))
-        code = main([str(path), "--set", "search.documents=0", "--set", f"search.max_perplexity_ratio={ratio}"])
+        code = main([str(path), "--set", "search.documents=0", "--set", f"search.max_perplexity_ratio={ratio}",
+                     *(aliases if ratio > 1 else [])])
         assert code in (0, 1)  # the map found passes or fails the gate on evaluation; 2 would be an error
         doc = json.loads((tmp_path / str(ratio) / "searched-tiny" / "results.json").read_text())
         found[ratio] = doc["search"]
@@ -152,6 +154,15 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     assert all(c["passed"] == (c["metrics"]["ppl/tinystories"] >= 1.0) for c in strict["checked"])
 
 
+@pytest.mark.parametrize("change", ["eval.tasks.limit=null", "eval.tasks.num_fewshot=2"])
+def test_documents_0_allows_what_only_task_calibration_forbids(tmp_path, change):
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    with pytest.raises(ConfigError):
+        load_config(path, [change])
+    assert load_config(path, [change, "search.documents=0"]).search.documents == 0
+
+
 @pytest.mark.parametrize("change, message", [
     ("eval.tasks.limit=null", "task 'tinystories_lastword' has no limit"),
     ("eval.perplexity.0.limit=null", "perplexity set 'tinystories' has no limit"),
@@ -161,7 +172,7 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     ("eval.tasks.num_fewshot=2", "num_fewshot must be 0"),
     ("search.documents=1000000000", r"documents must be in 0\.\.100000"),
     ("search.documents=-1", r"documents must be in 0\.\.100000"),
-    ("search.max_perplexity_ratio=0.9", "max_perplexity_ratio must be at least 1.0"),
+    ("search.max_perplexity_ratio=0.9", "max_perplexity_ratio must be a finite number of at least 1.0"),
     ("search.name=search-1", "names starting with 'search-' are the search's own"),
 ])
 def test_bad_search_configs_are_one_line_errors(tmp_path, change, message):
