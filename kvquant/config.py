@@ -268,6 +268,10 @@ class SearchConfig:
     #: The perplexity ratio a map must meet on the calibration split (default: ``gate.max_perplexity_ratio``); a
     #: tighter one leaves a margin for what the evaluation split's tasks lose.
     max_perplexity_ratio: float | None = None
+    #: A budget in bits per element instead of a calibration target: the map is the last of the greedy order
+    #: within it (the least loss predicted at that size); it is still measured on the calibration split
+    #: (reported), and the gate decides on the evaluation split as for any candidate.
+    max_bits: float | None = None
 
     def __post_init__(self):
         check_plain_name("name", self.name)
@@ -282,6 +286,10 @@ class SearchConfig:
         _require(self.max_perplexity_ratio is None or (math.isfinite(self.max_perplexity_ratio)
                                                         and self.max_perplexity_ratio >= 1.0),
                  f"max_perplexity_ratio must be a finite number of at least 1.0, got {self.max_perplexity_ratio!r}")
+        _require(self.max_bits is None or (math.isfinite(self.max_bits) and self.max_bits > 0),
+                 f"max_bits must be a finite number above 0, got {self.max_bits!r}")
+        _require(self.max_bits is None or self.max_perplexity_ratio is None,
+                 "max_bits and max_perplexity_ratio choose the map two ways; set one")
 
 
 @dataclass(frozen=True)

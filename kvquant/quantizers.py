@@ -312,6 +312,8 @@ class IntQuantizer(Quantizer):
     per-channel groups take it as is (tokens), per-token groups take the largest divisor of head_dim not above it
     (head_dim 80 with 32 -> 20), so every common head_dim works. An explicit ``group_size`` is used as given
     (per-token groups are capped at head_dim) and must divide head_dim for per-token groups.
+    ``key_group_size``/``value_group_size`` replace ``group_size`` for one stream, with the same rules (e.g. keys in
+    groups of 128 tokens and values in groups of 32 channels: K4V2 at 4.25 + 3.0 bits per element).
     """
 
     default_residual_length: ClassVar[int] = 128
@@ -319,6 +321,8 @@ class IntQuantizer(Quantizer):
     key_bits: int = 8
     value_bits: int = 8
     group_size: int | None = None
+    key_group_size: int | None = None
+    value_group_size: int | None = None
     key_axis: Axis = "channel"
     value_axis: Axis = "token"
     scale_dtype: str = "float16"
@@ -328,41 +332,45 @@ class IntQuantizer(Quantizer):
         self._scale_dtype()
         for field in ("key_bits", "value_bits"):
             _check_int(self.name, field, getattr(self, field), allowed=(2, 4, 8))
-        if self.group_size is not None:
-            _check_int(self.name, "group_size", self.group_size, minimum=1)
+        for field in ("group_size", "key_group_size", "value_group_size"):
+            if getattr(self, field) is not None:
+                _check_int(self.name, field, getattr(self, field), minimum=1)
         for field in ("key_axis", "value_axis"):
             _check_choice(self.name, field, getattr(self, field), ("token", "channel"))
 
-    def group_for(self, axis: Axis, head_dim: int) -> int:
-        """Tokens (channel axis) or channels (token axis) sharing one scale and zero point at this head_dim."""
+    def group_for(self, stream: str, head_dim: int) -> int:
+        """Tokens (channel axis) or channels (token axis) sharing one scale and zero point in ``stream`` ("key" or
+        "value") at this head_dim."""
+        axis = getattr(self, f"{stream}_axis")
+        field = f"{stream}_group_size" if getattr(self, f"{stream}_group_size") is not None else "group_size"
+        size = getattr(self, field)
         if axis == "channel":
-            return self.group_size or self.default_group_size
-        if self.group_size is None:
+            return size or self.default_group_size
+        if size is None:
             return largest_divisor(head_dim, self.default_group_size)
-        group = min(self.group_size, head_dim)
+        group = min(size, head_dim)
         if head_dim % group:
             raise KVQuantError(
-                f"{self.name}: group_size {self.group_size} does not divide head_dim {head_dim} for per-token groups; "
-                f"use a divisor of {head_dim} (e.g. {largest_divisor(head_dim, self.group_size)}) or leave group_size "
+                f"{self.name}: {field} {size} does not divide head_dim {head_dim} for per-token groups; "
+                f"use a divisor of {head_dim} (e.g. {largest_divisor(head_dim, size)}) or leave {field} "
                 "unset for the default rule"
             )
         return group
 
-    def _codec(self, bits: int, axis: Axis, head_dim: int, stream: str) -> IntCodec:
+    def _codec(self, stream: str, head_dim: int) -> IntCodec:
+        bits = getattr(self, f"{stream}_bits")
         per_byte = 8 // bits
         if head_dim % per_byte:
             raise KVQuantError(f"{self.name}: head_dim {head_dim} cannot be packed {per_byte} {stream} codes per byte")
-        return IntCodec(bits=bits, axis=axis, group=self.group_for(axis, head_dim), scale_dtype=self._scale_dtype())
+        return IntCodec(bits=bits, axis=getattr(self, f"{stream}_axis"), group=self.group_for(stream, head_dim),
+                        scale_dtype=self._scale_dtype())
 
     def _codecs(self, head_dim):
-        return (
-            self._codec(self.key_bits, self.key_axis, head_dim, "key"),
-            self._codec(self.value_bits, self.value_axis, head_dim, "value"),
-        )
+        return self._codec("key", head_dim), self._codec("value", head_dim)
 
     def resolved(self, head_dim: int) -> dict[str, object]:
-        return {"key_group": self.group_for(self.key_axis, head_dim),
-                "value_group": self.group_for(self.value_axis, head_dim), **super().resolved(head_dim)}
+        return {"key_group": self.group_for("key", head_dim),
+                "value_group": self.group_for("value", head_dim), **super().resolved(head_dim)}
 
 
 @register_quantizer("int8")

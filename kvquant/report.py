@@ -346,10 +346,15 @@ def _search_section(search: dict) -> list[str]:
     split = "; ".join([*(f"{name}: windows {a}-{b - 1}" for name, (a, b) in cal["windows"].items()),
                        *(f"{task}: documents {a}-{b - 1}" for task, (a, b) in cal["documents"].items())])
     gated = "the gated perplexity sets and tasks" if cal["tasks_gated"] else "the gated perplexity sets alone"
-    outcome = (f"step {search['step']} of {search['steps']} is the first map that passes the gate on the "
-               "calibration split" if search["found"] else
-               f"no map passes the gate on the calibration split, not even step {search['steps']} (every layer "
-               "at the top rung); that map is evaluated")
+    if search.get("max_bits") is not None:
+        outcome = (f"Budget: {search['max_bits']:g} bits/element; step {search['step']} of {search['steps']} is the "
+                   f"last map within it, and it {'passes' if search['found'] else 'fails'} the gate on the "
+                   "calibration split (the evaluation split decides)")
+    else:
+        outcome = (f"step {search['step']} of {search['steps']} is the first map that passes the gate on the "
+                   "calibration split" if search["found"] else
+                   f"no map passes the gate on the calibration split, not even step {search['steps']} (every "
+                   "layer at the top rung); that map is evaluated")
     lines = ["", "## Per-layer search", "",
              f"Calibration split (held apart from evaluation, which reads the documents and windows before these): "
              f"{split}. Ladder, cheapest first: "

@@ -11,7 +11,9 @@
 4. **The gate decides**: the first ``M_m`` that passes the gate on the calibration split (baseline measured on
    the same split; ``search.max_perplexity_ratio`` in place of the gate's when set; on the perplexity sets alone
    when ``search.documents`` is 0), found by bisection over ``m`` (a map with more bits is taken to be no worse;
-   every map checked is reported). The map found is then evaluated, like any candidate, on the evaluation split.
+   every map checked is reported). With ``search.max_bits`` (a budget) instead: the last ``M_m`` within the
+   budget, measured on the calibration split too. The map is then evaluated, like any candidate, on the
+   evaluation split, where the gate decides.
 
 Measurements go through the run's result store (resumable); the choices above are recomputed from them.
 """
@@ -87,7 +89,10 @@ def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int,
 def check_search(cfg: ExperimentConfig, shape, dtype, tokenizer, maxlen: int, rows: dict, folder) -> None:
     """Before the model loads: the ladder grows in bits, the calibration windows exist, no two task names read
     the same documents, and every gated task has the calibration documents after its limit."""
-    ladder_bits(cfg, shape, dtype, min(cfg.eval.memory_probe_tokens, maxlen))
+    bits = ladder_bits(cfg, shape, dtype, min(cfg.eval.memory_probe_tokens, maxlen))
+    if cfg.search.max_bits is not None and cfg.search.max_bits < bits[0]:
+        raise KVQuantError(f"search.max_bits {cfg.search.max_bits:g} is below the cheapest map: every layer at "
+                           f"{cfg.search.ladder[0].label} takes {bits[0]:.3f} bits per element")
     calibration_windows(cfg, tokenizer, maxlen, rows)
     if not cfg.search.documents:  # calibration reads no task document: nothing to hold apart
         return
@@ -232,25 +237,35 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
     gate = cfg.gate if spec.max_perplexity_ratio is None else dataclasses.replace(
         cfg.gate, max_perplexity_ratio=spec.max_perplexity_ratio)
 
+    @functools.cache
+    def map_bits(m: int) -> float:
+        candidate = map_candidate(ladder, maps[m], "map")
+        return simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
+                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
+                               dtype=model.dtype)["bits_per_element"]
+
     def passes(m: int) -> bool:
         label = _label(maps[m])
         candidate = map_candidate(ladder, maps[m], label)
         results[label] = measure(candidate, label, tasks=True)
-        map_bits = simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
-                                   kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
-                                   dtype=model.dtype)["bits_per_element"]
         table = metric_rows(cfg, results, [label], baseline=CALIBRATION_BASELINE)
-        verdict = decide(table, {label: map_bits}, gate)
-        checked[m] = {"step": m, "bits_per_element": map_bits, "passed": verdict.passed[label],
+        verdict = decide(table, {label: map_bits(m)}, gate)
+        checked[m] = {"step": m, "bits_per_element": map_bits(m), "passed": verdict.passed[label],
                       "metrics": {row.metric: row.relative for row in table if row.gated}}
-        print(f"kvquant: search: step {m}/{len(maps) - 1} ({map_bits:.3f} bits/element): "
+        print(f"kvquant: search: step {m}/{len(maps) - 1} ({map_bits(m):.3f} bits/element): "
               f"{'passes' if verdict.passed[label] else 'fails'} on the calibration split")
         return verdict.passed[label]
 
-    found = first_passing(passes, len(maps))
-    chosen = found if found is not None else len(maps) - 1
+    if spec.max_bits is None:
+        found = first_passing(passes, len(maps))
+        chosen = found if found is not None else len(maps) - 1
+    else:  # the last map within the budget (maps grow in bits; M_0 fits, check_search made sure)
+        over = first_passing(lambda m: map_bits(m) > spec.max_bits, len(maps))
+        chosen = len(maps) - 1 if over is None else over - 1
+        found = chosen if passes(chosen) else None
     summary = {
         "name": spec.name,
+        "max_bits": spec.max_bits,
         "found": found is not None,
         "step": chosen,
         "steps": len(maps) - 1,

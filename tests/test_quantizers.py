@@ -76,11 +76,15 @@ def real_kv(model, story_ids):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _sqnr(codec, x):
+def _read(codec, x):
     out = torch.empty_like(x)
     codec.decode_into(codec.encode(x), out)
     assert out.shape == x.shape and out.dtype == x.dtype
-    return sqnr_db(x, out)
+    return out
+
+
+def _sqnr(codec, x):
+    return sqnr_db(x, _read(codec, x))
 
 
 @pytest.mark.parametrize("name", sorted(SQNR_FLOOR))
@@ -141,3 +145,33 @@ def test_an_explicit_group_that_does_not_fit_is_an_error():
     with pytest.raises(kvquant.KVQuantError, match="group_size 32 does not divide head_dim 80.*e.g. 20"):
         kvquant.get_quantizer("int4", group_size=32).codecs(80)
     assert kvquant.get_quantizer("int4", group_size=256).codecs(80)[1].group == 80  # capped at head_dim
+
+
+def test_per_stream_group_sizes_replace_group_size_for_their_stream(real_kv):
+    keys, values = real_kv[0]
+    split = kvquant.get_quantizer("int4", value_bits=2, key_group_size=64, value_group_size=4)
+    key_codec, value_codec = split.codecs(8)
+    assert (key_codec.group, value_codec.group) == (64, 4)
+    assert split.resolved(8) == {"key_group": 64, "value_group": 4}
+    # each stream reads exactly what a quantizer with that one group_size reads
+    for codec, x, alone in ((key_codec, keys, kvquant.get_quantizer("int4", group_size=64).codecs(8)[0]),
+                            (value_codec, values, kvquant.get_quantizer("int2", group_size=4).codecs(8)[1])):
+        assert torch.equal(_read(codec, x), _read(alone, x))
+    # bytes: 4-bit keys with a scale and zero (2 bytes each) per 64 tokens and channel, 2-bit values with one per
+    # 4 channels and token
+    tokens = keys.shape[2]
+    b, h, d = keys.shape[0], keys.shape[1], keys.shape[3]
+    key_bytes = sum(t.numel() * t.element_size() for t in key_codec.encode(keys).values())
+    value_bytes = sum(t.numel() * t.element_size() for t in value_codec.encode(values).values())
+    assert key_bytes == b * h * tokens * d * 4 // 8 + b * h * (tokens // 64) * d * 4
+    assert value_bytes == b * h * tokens * d * 2 // 8 + b * h * tokens * (d // 4) * 4
+    # unset, a stream keeps group_size
+    assert kvquant.get_quantizer("int4", group_size=16, value_group_size=4).resolved(8) == {"key_group": 16,
+                                                                                         "value_group": 4}
+
+
+def test_a_per_stream_group_that_does_not_fit_is_named():
+    with pytest.raises(kvquant.KVQuantError, match="value_group_size 48 does not divide head_dim 64"):
+        kvquant.get_quantizer("int4", value_group_size=48).codecs(64)
+    with pytest.raises(kvquant.KVQuantError, match="key_group_size must be an integer >= 1"):
+        kvquant.get_quantizer("int4", key_group_size=0)

@@ -154,6 +154,40 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     assert all(c["passed"] == (c["metrics"]["ppl/tinystories"] >= 1.0) for c in strict["checked"])
 
 
+def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tmp_path):
+    """search.max_bits: the greedy order's last map at or under the budget; with two rungs and five equal layers
+    step m has m layers at int8, so its bits are int2's plus m fifths of the difference."""
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    cfg = load_config(path)
+    from kvquant.cache import simulate_memory
+    from kvquant.models import check_model
+    from kvquant.plan import shape_from_config
+    shape = shape_from_config(check_model(cfg.model), cfg.model.path)
+    low, high = (simulate_memory(shape.layout, {"quantizer": r.quantizer, **r.options}, batch=1,
+                                 kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=128,
+                                 dtype=torch.float32)["bits_per_element"] for r in cfg.search.ladder)
+    budget = low + 2.5 * (high - low) / 5  # between step 2 and step 3
+    code = main([str(path), "--set", f"search.max_bits={budget}", "--set", "eval.memory_probe_tokens=128"])
+    assert code in (0, 1)
+    found = json.loads((tmp_path / "searched-tiny" / "results.json").read_text())["search"]
+    assert found["max_bits"] == budget and found["step"] == 2
+    assert list(found["map"].values()).count("int8") == 2
+    [checked] = found["checked"]  # measured on calibration, once
+    assert checked["step"] == 2 and checked["bits_per_element"] == pytest.approx(low + 2 * (high - low) / 5)
+    assert found["found"] == checked["passed"]
+    assert "Budget: " in (tmp_path / "searched-tiny" / "report.md").read_text()
+
+
+def test_a_budget_below_the_cheapest_map_is_refused_before_the_model_loads(tmp_path, capsys):
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    assert main([str(path), "--set", "search.max_bits=1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "search.max_bits 1.5 is below the cheapest map: every layer at int2 takes" in err, err
+    assert "Loading weights" not in err
+
+
 @pytest.mark.parametrize("change", ["eval.tasks.limit=null", "eval.tasks.num_fewshot=2"])
 def test_documents_0_allows_what_only_task_calibration_forbids(tmp_path, change):
     path = tmp_path / "search.yaml"
@@ -174,6 +208,10 @@ def test_documents_0_allows_what_only_task_calibration_forbids(tmp_path, change)
     ("search.documents=-1", r"documents must be in 0\.\.100000"),
     ("search.max_perplexity_ratio=0.9", "max_perplexity_ratio must be a finite number of at least 1.0"),
     ("search.name=search-1", "names starting with 'search-' are the search's own"),
+    ("search.max_bits=0", "max_bits must be a finite number above 0"),
+    ("search.max_bits=.nan", "max_bits must be a finite number"),
+    ("search={ladder: [{quantizer: int2}, {quantizer: int8}], max_bits: 4.0, max_perplexity_ratio: 1.02}",
+     "max_bits and max_perplexity_ratio choose the map two ways; set one"),
 ])
 def test_bad_search_configs_are_one_line_errors(tmp_path, change, message):
     path = tmp_path / "search.yaml"
