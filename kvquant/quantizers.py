@@ -353,7 +353,8 @@ class IntQuantizer(Quantizer):
             raise KVQuantError(
                 f"{self.name}: {field} {size} does not divide head_dim {head_dim} for per-token groups; "
                 f"use a divisor of {head_dim} (e.g. {largest_divisor(head_dim, size)}) or leave {field} "
-                "unset for the default rule"
+                "unset for " + (f"group_size ({self.group_size})" if field != "group_size" and self.group_size
+                                else "the default rule")
             )
         return group
 

@@ -12,7 +12,7 @@
    the same split; ``search.max_perplexity_ratio`` in place of the gate's when set; on the perplexity sets alone
    when ``search.documents`` is 0), found by bisection over ``m`` (a map with more bits is taken to be no worse;
    every map checked is reported). With ``search.max_bits`` (a budget) instead: the last ``M_m`` within the
-   budget, measured on the calibration split too. The map is then evaluated, like any candidate, on the
+   budget (every map's bits simulated), measured on the calibration split too. The map is then evaluated, like any candidate, on the
    evaluation split, where the gate decides.
 
 Measurements go through the run's result store (resumable); the choices above are recomputed from them.
@@ -90,7 +90,10 @@ def check_search(cfg: ExperimentConfig, shape, dtype, tokenizer, maxlen: int, ro
     """Before the model loads: the ladder grows in bits, the calibration windows exist, no two task names read
     the same documents, and every gated task has the calibration documents after its limit."""
     bits = ladder_bits(cfg, shape, dtype, min(cfg.eval.memory_probe_tokens, maxlen))
-    if cfg.search.max_bits is not None and cfg.search.max_bits < bits[0]:
+    kinds = {kind for kind in shape.layout if kind != "shared"}
+    # where every layer is alike, every map costs at least every layer at the cheapest rung; on a mixed layout
+    # (sliding and full layers) a rung can cost fewer bits on one kind than the next rung down, so search() checks
+    if cfg.search.max_bits is not None and len(kinds) == 1 and cfg.search.max_bits < bits[0]:
         raise KVQuantError(f"search.max_bits {cfg.search.max_bits:g} is below the cheapest map: every layer at "
                            f"{cfg.search.ladder[0].label} takes {bits[0]:.3f} bits per element")
     calibration_windows(cfg, tokenizer, maxlen, rows)
@@ -162,6 +165,12 @@ def first_passing(passes: Callable[[int], bool], count: int) -> int | None:
         mid = (low + high) // 2
         low, high = (low, mid) if passes(mid) else (mid, high)
     return high
+
+
+def last_within(bits: list[float], budget: float) -> int | None:
+    """The last index whose bits are at most ``budget`` (None when none is): maps later in the greedy order are
+    predicted to lose less, and on a mixed layout their bits need not grow step by step."""
+    return max((m for m, b in enumerate(bits) if b <= budget), default=None)
 
 
 def ladder_bits(cfg: ExperimentConfig, shape, dtype, tokens: int) -> list[float]:
@@ -259,9 +268,11 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
     if spec.max_bits is None:
         found = first_passing(passes, len(maps))
         chosen = found if found is not None else len(maps) - 1
-    else:  # the last map within the budget (maps grow in bits; M_0 fits, check_search made sure)
-        over = first_passing(lambda m: map_bits(m) > spec.max_bits, len(maps))
-        chosen = len(maps) - 1 if over is None else over - 1
+    else:
+        chosen = last_within([map_bits(m) for m in range(len(maps))], spec.max_bits)
+        if chosen is None:
+            raise KVQuantError(f"search.max_bits {spec.max_bits:g} is below every map of the greedy order (the "
+                               f"cheapest takes {min(map_bits(m) for m in range(len(maps))):.3f} bits per element)")
         found = chosen if passes(chosen) else None
     summary = {
         "name": spec.name,

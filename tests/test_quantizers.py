@@ -170,8 +170,18 @@ def test_per_stream_group_sizes_replace_group_size_for_their_stream(real_kv):
                                                                                          "value_group": 4}
 
 
+def test_per_stream_group_sizes_follow_the_stream_when_the_axes_are_swapped():
+    swapped = kvquant.get_quantizer("int4", key_axis="token", value_axis="channel", key_group_size=16,
+                                    value_group_size=64)
+    key_codec, value_codec = swapped.codecs(64)
+    assert (key_codec.axis, key_codec.group) == ("token", 16) and (value_codec.axis, value_codec.group) == ("channel", 64)
+
+
 def test_a_per_stream_group_that_does_not_fit_is_named():
-    with pytest.raises(kvquant.KVQuantError, match="value_group_size 48 does not divide head_dim 64"):
+    with pytest.raises(kvquant.KVQuantError, match="value_group_size 48 does not divide head_dim 64.*leave "
+                                                   "value_group_size unset for the default rule"):
         kvquant.get_quantizer("int4", value_group_size=48).codecs(64)
+    with pytest.raises(kvquant.KVQuantError, match="unset for group_size \\(16\\)"):
+        kvquant.get_quantizer("int4", group_size=16, value_group_size=48).codecs(64)
     with pytest.raises(kvquant.KVQuantError, match="key_group_size must be an integer >= 1"):
         kvquant.get_quantizer("int4", key_group_size=0)

@@ -11,7 +11,7 @@ import kvquant
 from kvquant import search as search_module
 from kvquant.config import Candidate, ConfigError, load_config
 from kvquant.run import main
-from kvquant.search import first_passing, greedy_order, map_candidate
+from kvquant.search import first_passing, greedy_order, last_within, map_candidate
 
 LADDER = [Candidate("int2", {"residual_length": 0}, "int2"), Candidate("int4", {"group_size": 8, "residual_length": 0},
                                                                           "int4"),
@@ -41,6 +41,15 @@ def test_first_passing_finds_the_boundary_with_few_checks():
         assert first_passing(passes, 40) == boundary
         assert len(calls) <= 1 + 6  # the last, then bisection over 40
     assert first_passing(lambda m: False, 10) is None
+
+
+def test_last_within_takes_the_last_map_at_or_under_the_budget_even_when_bits_do_not_grow():
+    # a mixed layout: moving a sliding layer up a rung can save bits (int2 with its residual costs more there)
+    bits = [4.5, 4.99, 5.48, 5.43, 5.05, 5.0, 6.0]
+    assert last_within(bits, 5.0) == 5  # exactly the budget fits; not 1, where bits first exceed it
+    assert last_within(bits, 4.999) == 1
+    assert last_within(bits, 5.99) == 5 and last_within(bits, 6.0) == 6
+    assert last_within(bits, 100) == 6 and last_within(bits, 4.4) is None
 
 
 def test_a_map_reaches_the_layers_it_names():
@@ -176,7 +185,9 @@ def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tm
     [checked] = found["checked"]  # measured on calibration, once
     assert checked["step"] == 2 and checked["bits_per_element"] == pytest.approx(low + 2 * (high - low) / 5)
     assert found["found"] == checked["passed"]
-    assert "Budget: " in (tmp_path / "searched-tiny" / "report.md").read_text()
+    outcome = "passes" if checked["passed"] else "fails"
+    assert (f"Budget: {budget:g} bits/element; step 2 of 5 is the last map within it, and it {outcome} the gate on "
+            "the calibration split") in (tmp_path / "searched-tiny" / "report.md").read_text()
 
 
 def test_a_budget_below_the_cheapest_map_is_refused_before_the_model_loads(tmp_path, capsys):
