@@ -232,7 +232,7 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
     all_top = dict.fromkeys(layers, top)
     reference = loss(measure(map_candidate(ladder, all_top, "top"), _label(all_top), tasks=False))
     sensitivity = {}
-    with tqdm(total=len(layers) * top, desc="search: layer sensitivity", disable=None) as bar:
+    with tqdm(total=len(layers) * top, desc="search: layer sensitivity", disable=False) as bar:
         for layer in layers:
             sensitivity[layer] = []
             for rung in range(top):

@@ -163,7 +163,7 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     assert all(c["passed"] == (c["metrics"]["ppl/tinystories"] >= 1.0) for c in strict["checked"])
 
 
-def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tmp_path):
+def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tmp_path, capsys):
     """search.max_bits: the greedy order's last map at or under the budget; with two rungs and five equal layers
     step m has m layers at int8, so its bits are int2's plus m fifths of the difference."""
     path = tmp_path / "search.yaml"
@@ -179,6 +179,9 @@ def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tm
     budget = low + 2.5 * (high - low) / 5  # between step 2 and step 3
     code = main([str(path), "--set", f"search.max_bits={budget}", "--set", "eval.memory_probe_tokens=128"])
     assert code in (0, 1)
+    # the sensitivities show progress in a log too (stderr is not a terminal here), 5 layers x 1 rung
+    err = capsys.readouterr().err
+    assert "search: layer sensitivity: 100%" in err and "5/5" in err, err[-2000:]
     found = json.loads((tmp_path / "searched-tiny" / "results.json").read_text())["search"]
     assert found["max_bits"] == budget and found["step"] == 2
     assert list(found["map"].values()).count("int8") == 2
