@@ -350,11 +350,12 @@ class IntQuantizer(Quantizer):
             return largest_divisor(head_dim, self.default_group_size)
         group = min(size, head_dim)
         if head_dim % group:
+            unset = (f"group_size ({self.group_size})" if field != "group_size" and self.group_size is not None
+                     else "the default rule")
             raise KVQuantError(
                 f"{self.name}: {field} {size} does not divide head_dim {head_dim} for per-token groups; "
-                f"use a divisor of {head_dim} (e.g. {largest_divisor(head_dim, size)}) or leave {field} "
-                "unset for " + (f"group_size ({self.group_size})" if field != "group_size" and self.group_size
-                                else "the default rule")
+                f"use a divisor of {head_dim} (e.g. {largest_divisor(head_dim, size)}) or leave {field} unset for "
+                f"{unset}"
             )
         return group
 

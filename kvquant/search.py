@@ -12,8 +12,8 @@
    the same split; ``search.max_perplexity_ratio`` in place of the gate's when set; on the perplexity sets alone
    when ``search.documents`` is 0), found by bisection over ``m`` (a map with more bits is taken to be no worse;
    every map checked is reported). With ``search.max_bits`` (a budget) instead: the last ``M_m`` within the
-   budget (every map's bits simulated), measured on the calibration split too. The map is then evaluated, like any candidate, on the
-   evaluation split, where the gate decides.
+   budget (every map's bits simulated), measured on the calibration split too. The map is then evaluated, like
+   any candidate, on the evaluation split, where the gate decides.
 
 Measurements go through the run's result store (resumable); the choices above are recomputed from them.
 """
@@ -173,12 +173,17 @@ def last_within(bits: list[float], budget: float) -> int | None:
     return max((m for m, b in enumerate(bits) if b <= budget), default=None)
 
 
+def candidate_bits(candidate: Candidate, shape, dtype, tokens: int) -> float:
+    """Bits per element of ``candidate``'s cache after ``tokens`` tokens, simulated on the model's shape."""
+    return simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
+                           kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
+                           dtype=dtype)["bits_per_element"]
+
+
 def ladder_bits(cfg: ExperimentConfig, shape, dtype, tokens: int) -> list[float]:
     """Bits per element of each rung applied to every layer after ``tokens`` tokens (the candidates' memory
     probe length); they must grow strictly up the ladder."""
-    bits = [simulate_memory(shape.layout, {"quantizer": r.quantizer, **r.options}, batch=1, kv_heads=shape.kv_heads,
-                            head_dim=shape.head_dim, tokens=tokens, dtype=dtype)
-            ["bits_per_element"] for r in cfg.search.ladder]
+    bits = [candidate_bits(rung, shape, dtype, tokens) for rung in cfg.search.ladder]
     for i in range(1, len(bits)):
         if not bits[i] > bits[i - 1]:
             raise KVQuantError(f"search.ladder must grow in bits per element, cheapest first: "
@@ -248,10 +253,7 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
 
     @functools.cache
     def map_bits(m: int) -> float:
-        candidate = map_candidate(ladder, maps[m], "map")
-        return simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
-                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
-                               dtype=model.dtype)["bits_per_element"]
+        return candidate_bits(map_candidate(ladder, maps[m], "map"), shape, model.dtype, tokens)
 
     def passes(m: int) -> bool:
         label = _label(maps[m])
@@ -269,10 +271,11 @@ def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) ->
         found = first_passing(passes, len(maps))
         chosen = found if found is not None else len(maps) - 1
     else:
-        chosen = last_within([map_bits(m) for m in range(len(maps))], spec.max_bits)
+        every = [map_bits(m) for m in range(len(maps))]
+        chosen = last_within(every, spec.max_bits)
         if chosen is None:
             raise KVQuantError(f"search.max_bits {spec.max_bits:g} is below every map of the greedy order (the "
-                               f"cheapest takes {min(map_bits(m) for m in range(len(maps))):.3f} bits per element)")
+                               f"cheapest takes {min(every):.3f} bits per element)")
         found = chosen if passes(chosen) else None
     summary = {
         "name": spec.name,
