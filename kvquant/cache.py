@@ -12,18 +12,67 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 import re
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
-from .errors import KVQuantError, NonFiniteKVError
+from .errors import KVQuantError, NonFiniteKVError, one_line
 from .eviction import Eviction, get_eviction
-from .quantizers import Codec, Quantizer, available_quantizers, get_quantizer
+from .quantizers import Codec, Quantizer, available_quantizers, get_quantizer, quantizer_options
 
 FP16_BYTES = 2
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 _ROLE = {"payload": "payload_bytes", "scale": "scale_bytes", "zero": "scale_bytes", "full": "full_precision_bytes"}
+#: make_cache's own options (the others are the quantizer's)
+CACHE_OPTIONS = ("budget", "eviction", "layers", "residual_length", "sink_tokens", "window")
+STATES = "[batch, heads, tokens, head_dim]"
+
+
+def _shown(value) -> str:
+    """``value`` as an error message shows it, on one short line: its type and repr (a tensor's or array's shape)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D tensor {tuple(value.shape)} of {value.dtype}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # numpy and the like
+        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = re.sub(r"\s+", " ", repr(value))
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_int(value) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_layer_index(where: str, layer_idx, count: int) -> None:
+    if type(layer_idx) is not int or not 0 <= layer_idx < count:  # bools, floats and tensors are no layer index
+        raise KVQuantError(f"{where}: layer_idx must be an integer in 0-{count - 1} (the model's layers), got "
+                           f"{_shown(layer_idx)}")
+
+
+def _row_list(where: str, name: str, rows, count: int | None) -> list[int]:
+    """``rows`` (a list or tuple of row numbers or a 1-D integer tensor) as a list of ints, each in ``[0, count)``
+    (``count`` None: the cache's rows are not known yet, only negative rows are refused)."""
+    valid = "a list of row numbers or a 1-D integer tensor"
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 1 or rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
+            raise KVQuantError(f"{where}: {name} must be {valid}, got {_shown(rows)}")
+        rows = rows.tolist()
+    elif isinstance(rows, (list, tuple, range)):
+        bad = next((r for r in rows if not _is_int(r)), rows)
+        if bad is not rows:
+            raise KVQuantError(f"{where}: {name} must be {valid}, got {_shown(bad)} in {_shown(rows)}")
+        rows = [int(r) for r in rows]
+    else:
+        raise KVQuantError(f"{where}: {name} must be {valid}, got {_shown(rows)}")
+    if not rows:
+        raise KVQuantError(f"{where}: {name} lists no rows; give at least one row number")
+    bad = next((r for r in rows if r < 0 or (count is not None and r >= count)), None)
+    if bad is not None:
+        held = f"the cache holds rows 0-{count - 1}" if count else "rows are numbered from 0"
+        raise KVQuantError(f"{where}: {name} names row {bad}; {held}")
+    return rows
 
 
 class _Stream:
@@ -360,7 +409,19 @@ class Padding:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
             raise KVQuantError(f"set_padding needs the [batch, tokens] attention mask, got {shape}")
-        mask = attention_mask.detach().to("cpu").bool()
+        if attention_mask.is_complex():
+            raise KVQuantError(f"set_padding: attention_mask is {attention_mask.dtype}; it must hold 0 (padding) and 1 "
+                               "(a real token), as bool, integers or floats")
+        if not attention_mask.shape[0]:
+            raise KVQuantError(f"set_padding: attention_mask has 0 rows {tuple(attention_mask.shape)}; it needs one "
+                               "row per batch row")
+        values = attention_mask.detach().to("cpu")
+        if values.dtype != torch.bool:
+            odd = values[(values != 0) & (values != 1)]
+            if len(odd):
+                raise KVQuantError(f"set_padding: attention_mask holds {odd[0].item()!r}; it must hold only 0 (padding) "
+                                   "and 1 (a real token), not an additive mask (0 / -inf)")
+        mask = values.bool()
         rows = rows if rows is not None else (self.mask.shape[0] if self.mask is not None else None)
         if rows is not None and mask.shape[0] != rows:
             raise KVQuantError(f"set_padding: the mask has {mask.shape[0]} rows, the cache {rows}")
@@ -428,6 +489,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.padding = padding or Padding()
         self.k: list[_Stream] = []
         self.v: list[_Stream] = []
+        self.index: int | None = None  # the layer's index in its cache (for error messages)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch = key_states.shape[0]
@@ -454,8 +516,48 @@ class QuantizedLayer(CacheLayerMixin):
         batch = len(self.k)
         return self.padding.count(self._window(), self.cumulative_length, batch)
 
+    def _check_update(self, keys, values) -> None:
+        """Refuse states this layer cannot store, before anything is stored: types, shapes, dtypes and devices only
+        (no tensor data is read), and they must match what the layer already holds."""
+        where = "update" if self.index is None else f"update(layer_idx={self.index})"
+        for name, x in (("keys", keys), ("values", values)):
+            if not isinstance(x, torch.Tensor):
+                raise KVQuantError(f"{where}: {name} must be a torch.Tensor {STATES}, got {_shown(x)}")
+            if x.dim() != 4:
+                raise KVQuantError(f"{where}: {name} have {x.dim()} dimensions {tuple(x.shape)}; states are {STATES}")
+            if not x.is_floating_point():
+                raise KVQuantError(f"{where}: {name} are {x.dtype}; kvquant stores floating-point states (float16, "
+                                   "bfloat16, float32)")
+        if keys.dtype != values.dtype:
+            raise KVQuantError(f"{where}: keys are {keys.dtype}, values {values.dtype}; keys and values must have the "
+                               "same dtype")
+        if keys.device != values.device:
+            raise KVQuantError(f"{where}: keys are on {keys.device}, values on {values.device}; keys and values must "
+                               "be on the same device")
+        if keys.shape[0] != values.shape[0] or not keys.shape[0]:
+            raise KVQuantError(f"{where}: keys have {keys.shape[0]} rows, values {values.shape[0]}; keys and values "
+                               "must hold the same rows (at least one)")
+        if keys.shape[2] != values.shape[2]:
+            raise KVQuantError(f"{where}: keys have {keys.shape[2]} tokens, values {values.shape[2]}; keys and values "
+                               "must hold the same tokens")
+        if self.is_initialized and self.k:
+            for name, x, like in (("keys", keys, self.k[0].tail), ("values", values, self.v[0].tail)):
+                for what, dim in (("heads", 1), ("head_dim", 3)):
+                    if x.shape[dim] != like.shape[dim]:
+                        shown = f"{x.shape[dim]} {what}" if what == "heads" else f"head_dim {x.shape[dim]}"
+                        raise KVQuantError(f"{where}: {name} have {shown}, this layer stores {like.shape[dim]}; "
+                                           f"{STATES} must keep heads and head_dim across updates (a cache serves "
+                                           "one model)")
+                if x.dtype != like.dtype:
+                    raise KVQuantError(f"{where}: {name} are {x.dtype}, this layer stores {like.dtype}; every update "
+                                       "of a cache must have the same dtype (use a new cache)")
+                if x.device != like.device:
+                    raise KVQuantError(f"{where}: {name} are on {x.device}, this layer stores them on {like.device}; "
+                                       "every update of a cache must be on the same device (use a new cache)")
+
     def update(self, key_states, value_states, *args, **kwargs):
         """Store ``[B, H, n, D]`` keys and values, return the dequantized ``[B, H, kv_len, D]`` views."""
+        self._check_update(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch = key_states.shape[0]
@@ -636,6 +738,28 @@ class KVQuantCache(Cache):
         self.layer_options = layer_options or {}  # normalized ``layers=`` of make_cache
         self.eviction = eviction
         self.padding = next((layer.padding for layer in layers if isinstance(layer, QuantizedLayer)), Padding())
+        for index, layer in enumerate(layers):
+            if isinstance(layer, QuantizedLayer):
+                layer.index = index
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Store the keys and values of layer ``layer_idx`` (see :meth:`QuantizedLayer.update`)."""
+        _check_layer_index("update", layer_idx, len(self.layers))
+        if not isinstance(self.layers[layer_idx], QuantizedLayer) and (key_states is not None or
+                                                                      value_states is not None):
+            raise KVQuantError(f"update: layer_idx {layer_idx} is a layer that reuses another layer's KV (it stores "
+                               "nothing); update the layer that computes them")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions written (padding included) to layer ``layer_idx``."""
+        _check_layer_index("get_seq_length", layer_idx, len(self.layers))
+        return super().get_seq_length(layer_idx)
+
+    def _row_count(self) -> int | None:
+        """Rows the cache holds, or those its declared padding describes before the first write (None: unknown)."""
+        rows = self.rows()
+        return self.padding.mask.shape[0] if rows is None and self.padding.mask is not None else rows
 
     def set_padding(self, attention_mask: torch.Tensor) -> KVQuantCache:
         """Declare which positions are padding: the ``[B, T]`` attention mask given to the model (0 = padding),
@@ -647,16 +771,36 @@ class KVQuantCache(Cache):
         return self
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self.padding.select(beam_idx.tolist())
+        """Beam search: keep rows ``beam_idx`` (a 1-D integer tensor or a list), in this order."""
+        rows = _row_list("reorder_cache", "beam_idx", beam_idx, self._row_count())  # one device sync for all layers
+        for layer in self.layers:
+            if isinstance(layer, QuantizedLayer):
+                layer._select_rows(rows)
+            else:
+                layer.reorder_cache(beam_idx)
+        self.padding.select(rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if not _is_int(repeats) or repeats < 1:
+            raise KVQuantError(f"batch_repeat_interleave: repeats must be an integer >= 1, got {_shown(repeats)}")
         rows = self.padding.mask.shape[0] if self.padding.mask is not None else None
         super().batch_repeat_interleave(repeats)
         if rows is not None:
             self.padding.select([r for r in range(rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        count = self._row_count()
+        if count is not None:
+            try:
+                if isinstance(indices, (str, bytes, float)):  # torch would read a string as a sequence
+                    raise TypeError("indices are integers, a bool mask or a slice")
+                chosen = torch.arange(count)[indices]
+            except (IndexError, TypeError, ValueError, RuntimeError) as err:
+                raise KVQuantError(f"batch_select_indices: indices {_shown(indices)} do not index a cache of {count} "
+                                   f"rows: {one_line(err)}") from None
+            if chosen.dim() != 1 or not len(chosen):
+                raise KVQuantError(f"batch_select_indices: indices {_shown(indices)} select {tuple(chosen.shape)} of "
+                                   f"a cache of {count} rows; they must select at least one row, along one dimension")
         super().batch_select_indices(indices)
         if self.padding.mask is not None:
             self.padding.select(torch.arange(self.padding.mask.shape[0])[indices].tolist())
@@ -664,6 +808,7 @@ class KVQuantCache(Cache):
     def fork(self, rows: list[int]) -> None:
         """Keep these rows in this order; a row listed several times becomes independent copies that share the
         stored prefix until they write (prefix sharing: prefill a context once, then extend each copy)."""
+        rows = _row_list("fork", "rows", rows, self._row_count())
         self.batch_select_indices(torch.tensor(rows, dtype=torch.long))
 
     def rows(self) -> int | None:
@@ -700,8 +845,17 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
     front: padding before all of a row's tokens changes nothing it stores or computes, so each row continues as it
     would in its own cache. This lets rows prefilled in separate batches (contexts of similar lengths) continue in
     one batch (continuations of similar lengths)."""
+    if not isinstance(sources, (list, tuple)):
+        raise KVQuantError(f"stack_rows: sources must be a list of (cache, row) pairs, got {_shown(sources)}")
     if not sources:
         raise KVQuantError("stack_rows needs at least one (cache, row)")
+    for i, source in enumerate(sources):
+        if not isinstance(source, (list, tuple)) or len(source) != 2:
+            got = f"{type(source).__name__} of {len(source)}" if isinstance(source, (list, tuple)) else _shown(source)
+            raise KVQuantError(f"stack_rows: sources[{i}] must be a (cache, row) pair, got {got}")
+        if not _is_int(source[1]) or source[1] < 0:
+            raise KVQuantError(f"stack_rows: sources[{i}]: row must be an integer >= 0, got {_shown(source[1])}")
+    sources = [(cache, int(row)) for cache, row in sources]
     first = sources[0][0]
     for cache, row in sources:
         if not isinstance(cache, KVQuantCache) or _kinds(cache) != _kinds(first):
@@ -771,9 +925,13 @@ def _totals(part: dict[str, int]) -> dict[str, float]:
 def attention_layout(model_or_config) -> list[int | None | str]:
     """Per decoder layer: ``None`` for full attention, the window for sliding-window attention, ``"shared"`` for a
     layer that reuses another layer's KV (it stores nothing). Errors name layers kvquant cannot cache."""
+    if isinstance(model_or_config, type):
+        raise KVQuantError(f"model_or_config must be a transformers model or config instance, got the class "
+                           f"{model_or_config.__name__} (load one, e.g. with from_pretrained)")
     config = getattr(model_or_config, "config", model_or_config)
     if not hasattr(config, "get_text_config"):
-        raise KVQuantError(f"need a transformers model or config, got {type(model_or_config).__name__}")
+        raise KVQuantError(f"model_or_config must be a transformers model or config instance, got "
+                           f"{_shown(model_or_config)}")
     text_config = config.get_text_config(decoder=True)
     if getattr(text_config, "is_encoder_decoder", False):
         raise KVQuantError("kvquant quantizes decoder-only self-attention caches; this model is encoder-decoder")
@@ -899,6 +1057,11 @@ def build_cache(
     """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
     ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
     if isinstance(quantizer, str):
+        valid = quantizer_options(quantizer)  # (an unknown name is an error naming the registered ones)
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise KVQuantError(f"quantizer {quantizer!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                               f"{', '.join(sorted(valid)) or 'none'}; the cache's: {', '.join(CACHE_OPTIONS)}")
         quantizer = get_quantizer(quantizer, **options)
     elif not isinstance(quantizer, Quantizer):
         raise KVQuantError(f"quantizer must be a name ({', '.join(available_quantizers())}) or a Quantizer, "
@@ -948,6 +1111,10 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     """
+    for name in ("layout", "head_dim"):
+        if name in options:
+            raise KVQuantError(f"make_cache: {name} is not an option, it is read from model_or_config; the options: "
+                               f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
     return build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config), **options)
 
 

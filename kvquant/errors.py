@@ -3,20 +3,23 @@ report them.
 
 Exit codes of ``python -m kvquant.run``, ``kvquant.plan`` and ``kvquant.lm_eval``: 0 pass (or done), 1 the
 gate failed, 2 bad input (config, data, model, device, options: one line naming the key, file or value),
-3 an internal error (one line on the screen, the traceback in a log file), 130 interrupted.
+3 an internal error (one line on the screen, the traceback in a log file), 130 interrupted (Ctrl-C), 143
+terminated (SIGTERM: handled like Ctrl-C, so locks are released and finished results kept).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 ERROR_LOG = "error.log"
 
 
@@ -57,12 +60,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def write_error_log(directory: Path | None) -> Path:
-    """The current exception's traceback in ``directory/error.log`` (or a temp file where that cannot be)."""
+    """The current exception's traceback in ``directory/error.log`` (or a temp file where that cannot be); a
+    symlink at either is replaced, never written through."""
+    from .fs import write_file
+
     text = traceback.format_exc()
-    if directory is not None and directory.is_dir():
+    if directory is not None and directory.is_dir() and not directory.is_symlink():
         try:
             path = directory / ERROR_LOG
-            path.write_text(text, encoding="utf-8")
+            write_file(path, text)
             return path
         except OSError:
             pass
@@ -71,20 +77,36 @@ def write_error_log(directory: Path | None) -> Path:
         return Path(f.name)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it unwinds as Ctrl-C does."""
+
+
+def _terminate(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated
+
+
 def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
             on_interrupt: Callable[[], str] = lambda: "") -> int:
     """Run a command's ``body`` so that no input reaches a raw traceback: :class:`KVQuantError` is one line and
-    exit 2, Ctrl-C exit 130, anything else one line naming a log file with the traceback and exit 3."""
+    exit 2, Ctrl-C exit 130 and SIGTERM exit 143 (each with ``on_interrupt()``'s hint, after the body's cleanup
+    ran), anything else one line naming a log file with the traceback and exit 3."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return body()
     except KVQuantError as err:
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted{on_interrupt()}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as stop:
+        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+        print(f"\n{prog}: {how}{on_interrupt()}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001 - the point: every other failure becomes one line and a log
         log = write_error_log(log_dir())
         print(f"{prog}: internal error ({type(err).__name__}: {one_line(err)[:300]}); the traceback is in {log}; "
               "please report it", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)

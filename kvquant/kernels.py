@@ -6,8 +6,9 @@ scale, shift), which is most of a quantized cache's decode overhead on the CPU. 
 with ``KVQUANT_KERNELS=0``, the eager path in :mod:`kvquant.quantizers` is used: same codes, same results up
 to float rounding.
 
-The build lands in ``$KVQUANT_KERNEL_DIR`` (default ``~/.cache/kvquant/kernels``) under a key of the source,
-flags and versions. A built kernel is imported directly, without torch's build lock, so a run killed while
+The build lands in ``$KVQUANT_KERNEL_DIR`` (default ``~/.cache/kvquant/kernels``; it must be a folder only this
+user can write, else the eager path is used) under a key of the source, flags, versions and the CPU's features
+(``-march=native`` code must not load on another CPU). A built kernel is imported directly, without torch's build lock, so a run killed while
 loading it can never leave later runs waiting on that lock; a lock left by a build killed midway is removed
 once it is older than any build.
 """
@@ -18,11 +19,14 @@ import functools
 import hashlib
 import importlib.util
 import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from .fs import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "dequant.cpp"
 NAME = "kvquant_dequant"
@@ -31,10 +35,21 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STALE_LOCK_S = 600
 
 
+def cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux), else the platform's name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(sorted({line for line in lines if line.startswith(("flags", "model name", "Features"))}))
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+
+
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*FLAGS, torch.__version__, sys.version]).encode())
-    root = os.environ.get("KVQUANT_KERNEL_DIR") or Path.home() / ".cache" / "kvquant" / "kernels"
-    return Path(root) / key.hexdigest()[:16]
+    """``$KVQUANT_KERNEL_DIR`` (default ``~/.cache/kvquant/kernels``; a folder only this user can write, since the
+    library built there is loaded and run) / a key of the source, flags, versions and the CPU."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([*FLAGS, torch.__version__, sys.version, cpu_identity()])
+                         .encode())
+    return cache_dir("kernels", env="KVQUANT_KERNEL_DIR") / key.hexdigest()[:16]
 
 
 def _import(path: Path):
@@ -48,9 +63,9 @@ def _import(path: Path):
 def _extension():
     if os.environ.get("KVQUANT_KERNELS", "1") == "0":
         return None
-    directory = build_dir()
-    built = directory / f"{NAME}.so"
     try:
+        directory = build_dir()
+        built = directory / f"{NAME}.so"
         if built.exists():
             return _import(built)
         from torch.utils.cpp_extension import load

@@ -21,6 +21,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import KVQuantError, one_line
+from .fs import cache_dir
 from .paths import resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,18 +126,13 @@ def _gguf_path(path: str, gguf_file: str, path_key: str = "model.path",
     return gguf
 
 
-def cache_dir() -> Path:
-    """kvquant's cache (``$KVQUANT_CACHE_DIR``, default ``~/.cache/kvquant``)."""
-    return Path(os.environ.get("KVQUANT_CACHE_DIR") or Path.home() / ".cache" / "kvquant").expanduser()
-
-
 def converted_dir(gguf: Path) -> Path:
     """Where the converted copy of ``gguf`` lives: named by the first 16 hex digits of the file's sha256."""
     digest = hashlib.sha256()
     with gguf.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return cache_dir() / "models" / digest.hexdigest()[:16]
+    return cache_dir("models") / digest.hexdigest()[:16]
 
 
 def convert_gguf(path: str, spec: ModelConfig, target: Path) -> None:

@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 
 from .config import ExperimentConfig
+from .errors import ERROR_LOG
+from .fs import write_together
 from .gate import PERPLEXITY, Decision, MetricRow
 from .tasks import probe_distance
 from .paths import PROJECT_ROOT
@@ -38,6 +40,11 @@ def _version(package: str) -> str:
     except metadata.PackageNotFoundError:
         return "not installed"
 
+
+#: Every file a run may leave in its report directory (besides ``partial/``): what a run does not regenerate
+#: is removed, so nothing there describes an earlier run.
+REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png", "config.resolved.yaml",
+                          "searched.yaml", "stages.png", "probe.png", ERROR_LOG})
 
 #: Tokens per sequence at which the report also states each setting's memory (the planner's arithmetic).
 LONG_CONTEXT = 8192
@@ -145,25 +152,10 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
     curve = _probe_curve(candidates)
     if curve:
         files["probe.png"] = _probe_plot(curve, cfg)
-    else:
-        (out_dir / "probe.png").unlink(missing_ok=True)  # a previous run's
-    _write_together(out_dir, files)
+    write_together(out_dir, files)
+    for name in REPORT_FILES - set(files):  # an earlier run's, which this report does not describe
+        (out_dir / name).unlink(missing_ok=True)
     return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}
-
-
-def _write_together(out_dir: Path, files: dict[str, str | bytes]) -> None:
-    """Write every file to a temporary name first, then move them all into place."""
-    staged = []
-    try:
-        for name, content in files.items():
-            tmp = out_dir / f".{name}.tmp"
-            tmp.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
-            staged.append((tmp, out_dir / name))
-        for tmp, path in staged:
-            os.replace(tmp, path)
-    finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
 
 
 def _probe_curve(candidates: list[dict]) -> dict[str, dict[int, tuple[float, int]]]:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import hashlib
+import hmac
 import json
 import os
 import random
+import secrets
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +35,14 @@ from . import data, models, report
 from .cache import simulate_memory
 from .config import Candidate, ExperimentConfig, Stage, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
+from .fs import cache_dir, read_file, real_dir, set_aside, write_file
 from .gate import ACCURACY, decide, metric_rows
 from .measure import BASELINE, measure
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, trained_context
 from .plan import ModelShape, parse_bytes, shape_from_config
 from .search import check_search, probe_counts, search
 from .stages import serve, serving_tokens, staged_decision
-from .tasks import check_tasks, prepare_probe_tasks
+from .tasks import check_tasks, prepare_probe_tasks, task_dir
 
 LOCK = ".lock"
 
@@ -50,84 +55,136 @@ def warn(warnings: list[str], message: str) -> None:
 
 class ResultStore:
     """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code
-    version (:func:`kvquant.report.code_version`) are unchanged; an unreadable file is named in a warning, set
-    aside (``*.json.corrupt``) and recomputed. Counts what it reused and computed."""
+    version (:func:`kvquant.report.code_version`) are unchanged and its signature verifies: an HMAC of the key
+    and the result under this user's private key (:func:`result_key`), so a result edited by hand or written
+    by another user or machine is recomputed, never trusted. An unreadable or unverified file is named in a
+    warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. Counts what it
+    reused and computed."""
 
     def __init__(self, directory: Path, code: dict, warnings: list[str]):
         self.directory, self.code, self.warnings = directory, code, warnings
         self.reused, self.computed, self.set_aside = 0, 0, []
+        self.secret = result_key()
 
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / (metric.replace("/", "__") + ".json")
+
+    def _sign(self, digest: str, result) -> str:
+        text = digest + json.dumps(result, sort_keys=True, default=str)
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
 
     def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
         path = self._path(candidate, metric)
         inputs = {**key, "code": self.code}
         digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
-        saved = self._read(path)
-        if saved is not None and saved.get("key") == digest and "result" in saved:
+        saved = self._read(path, digest)
+        if saved is not None:
             self.reused += 1
             return saved["result"]
         result = compute()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": digest, "inputs": inputs, "result": result}, default=str))
-        os.replace(tmp, path)
+        real_dir(self.directory, "partial results")
+        real_dir(path.parent, "partial results")
+        stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
+        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
+                                     "signature": self._sign(digest, stored)}, default=str))
         self.computed += 1
         return result
 
-    def _read(self, path: Path) -> dict | None:
-        if not path.exists():
+    def _read(self, path: Path, digest: str) -> dict | None:
+        """The saved result of ``digest`` at ``path``, else None (absent, of other inputs, or set aside)."""
+        if not os.path.lexists(path):
             return None
         try:
-            saved = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(saved, dict):
-                raise ValueError(f"holds a {type(saved).__name__}, not a result")
+            saved = json.loads(read_file(path).decode("utf-8"))
+            if not isinstance(saved, dict) or "result" not in saved:
+                raise ValueError("holds no result")
+            if saved.get("key") != digest:
+                return None  # measured with other inputs or code: recomputed and replaced
+            if not hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"])):
+                raise ValueError("its signature does not verify: edited, or written by another user or machine")
             return saved
-        except (OSError, ValueError) as err:
-            aside = path.with_name(path.name + ".corrupt")
-            os.replace(path, aside)
+        except (OSError, ValueError, RecursionError) as err:
+            aside = set_aside(path)
             self.set_aside.append(str(path.relative_to(self.directory)))
-            warn(self.warnings, f"partial result {path} is unreadable ({one_line(err)[:120]}); moved to "
+            warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
                  f"{aside.name} and recomputed")
             return None
 
 
+def result_key() -> bytes:
+    """This user's secret for signing partial results (``partial-results.key`` in kvquant's private cache, made
+    once: written to a temporary file and linked into place, so racing runs agree on one)."""
+    path = cache_dir("keys") / "partial-results.key"
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        key = read_file(path)
+    except OSError as err:
+        raise KVQuantError(f"cannot read {path} ({err.strerror or err}); remove it to make a new one") from None
+    if len(key) != 64:
+        raise KVQuantError(f"{path} is not a key kvquant wrote; remove it to make a new one")
+    return key
+
+
 class RunLock:
-    """``<report dir>/.lock`` holds the id of the process writing there: a second run into the same directory is
-    refused while that process lives; a lock left by a dead process is taken over. A report directory this run
-    created and left empty is removed again (except after an internal error: it receives the error log)."""
+    """``<report dir>/.lock``, held with ``fcntl.flock`` while the run lives: a second run into the same directory
+    is refused. The kernel releases the lock when its process ends, however it ends, so a lock left by a dead
+    process is taken over in the same single step that takes a free one (no read-unlink-link race). The file
+    names its holder's process id, for the message. A report directory this run created and left empty is
+    removed again (except after an internal error: it receives the error log)."""
 
     def __init__(self, directory: Path):
         self.directory, self.path = directory, directory / LOCK
-        self.created = False
+        self.created, self.fd = False, None
 
     def __enter__(self) -> RunLock:
-        self.created = not self.directory.exists()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / f"{LOCK}.{os.getpid()}"
-        tmp.write_text(str(os.getpid()))
+        self.created = not os.path.lexists(self.directory)
         try:
-            while True:
-                try:
-                    os.link(tmp, self.path)  # atomic: the lock appears with its owner already written in it
-                    return self
-                except FileExistsError:
-                    owner = _lock_owner(self.path)
-                    if owner is not None and _alive(owner):
-                        self._cleanup()
-                        raise KVQuantError(
-                            f"{self.directory} is in use by another run (process {owner}, lock {self.path}); wait "
-                            "for it to finish or write elsewhere (--set name=... or --set output_dir=...)") from None
-                    print(f"kvquant: note: taking over {self.path} from process {owner}, which is no longer running",
-                          file=sys.stderr)
-                    self.path.unlink(missing_ok=True)
-        finally:
-            tmp.unlink(missing_ok=True)
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise KVQuantError(f"output_dir: cannot create {self.directory.parent} ({err.strerror or err})") from None
+        real_dir(self.directory, "output_dir/name")
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as err:
+                self._cleanup()
+                raise KVQuantError(f"cannot open the lock {self.path} ({err.strerror}); a symlink there is refused"
+                                   ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _lock_owner(fd)
+                os.close(fd)
+                self._cleanup()
+                raise KVQuantError(
+                    f"{self.directory} is in use by another run (process {owner or 'starting'}, lock {self.path}); "
+                    "wait for it to finish or write elsewhere (--set name=... or --set output_dir=...)") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it between our open and our lock: take the new one
+        owner = _lock_owner(fd)
+        if owner and owner != os.getpid():
+            print(f"kvquant: note: taking over {self.path} from process {owner}, which is no longer running",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if _lock_owner(self.path) == os.getpid():
-            self.path.unlink(missing_ok=True)
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still holding it: a waiting run retries on the new file
+            os.close(self.fd)
+            self.fd = None
         if exc_type is None or issubclass(exc_type, (KVQuantError, KeyboardInterrupt)):
             self._cleanup()  # after an internal error the directory stays, for its error.log
 
@@ -136,22 +193,18 @@ class RunLock:
             self.directory.rmdir()
 
 
-def _lock_owner(path: Path) -> int | None:
+def _lock_owner(fd: int) -> int | None:
     try:
-        return int(path.read_text().strip())
+        return int(os.pread(fd, 32, 0).decode().strip())
     except (OSError, ValueError):
         return None
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (possibly another user's)."""
+def _same_file(fd: int, path: Path) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
         return False
-    except PermissionError:  # it exists, owned by another user
-        pass
-    return True
 
 
 def seed_everything(seed: int) -> None:
@@ -186,7 +239,12 @@ def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
 
 
 def check_report_dir(out_dir: Path) -> None:
-    """The report directory can be created and written (checked without creating anything)."""
+    """The report directory can be created and written (checked without creating anything); kvquant does not
+    write through a symlink at the report directory or its ``partial/``."""
+    for path in (out_dir, out_dir / "partial"):
+        if path.is_symlink():
+            raise KVQuantError(f"output_dir/name: {path} is a symlink; kvquant writes only into directories it can "
+                               "trust, so move it away or write elsewhere (--set name=... or --set output_dir=...)")
     existing = next(p for p in [out_dir, *out_dir.parents] if p.exists() or p == Path(p.anchor))
     if not existing.is_dir():
         raise KVQuantError(f"output_dir/name: {existing} exists and is not a directory")
@@ -225,6 +283,8 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
+    if cfg.eval.tasks.names:
+        task_dir()  # the folder lm-eval will load task files from: private, or refused now
     probes = probe_counts(cfg)
     tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving else None
     if cfg.serving:  # the requests' text is long enough

@@ -16,6 +16,7 @@ written per tokenizer (:func:`task_dir` with a tokenizer) before lm-eval's task 
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import fnmatch
 import functools
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -30,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from .errors import KVQuantError, one_line
+from .fs import cache_dir, private_dir, write_file
 from .paths import data_dir
 
 #: The metric a task is gated on where it is not ``acc``: the one its literature reports (length-normalized
@@ -80,9 +83,7 @@ def _lastword_docs(stories: list[str]) -> list[dict[str, str]]:
 def _write(path: Path, content: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists() or path.read_text(encoding="utf-8") != content:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(content, encoding="utf-8")
-        os.replace(tmp, path)
+        write_file(path, content)
 
 
 def write_task_dir(directory: Path) -> Path:
@@ -201,13 +202,23 @@ def _tokenizer_tag(tokenizer) -> str:
 
 
 def task_dir(tokenizer=None, probes: dict[str, int] | None = None) -> Path:
-    """Where the offline task files of this data directory live (``$KVQUANT_TASK_DIR`` or a temp folder); with
-    ``probes`` (:func:`probe_tasks`), a folder of this tokenizer that also holds those probe tasks."""
+    """Where the offline task files of this data directory live; with ``probes`` (:func:`probe_tasks`), a folder
+    of this tokenizer that also holds those probe tasks. lm-eval executes what these YAMLs name, so they live
+    only in a folder no other user can write: ``$KVQUANT_TASK_DIR`` (checked by :func:`kvquant.fs.private_dir`),
+    else a fresh folder of this process (``mkdtemp``: mode 0700, an unpredictable name), removed at exit."""
     return _task_dir(tokenizer, probes)[0]
 
 
+@functools.lru_cache(maxsize=1)
+def _process_dir() -> Path:
+    directory = Path(tempfile.mkdtemp(prefix="kvquant-tasks-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
 def _task_dir(tokenizer, probes: dict[str, int] | None) -> tuple[Path, dict[str, int]]:
-    base = os.environ.get("KVQUANT_TASK_DIR") or os.path.join(tempfile.gettempdir(), "kvquant-tasks")
+    env = os.environ.get("KVQUANT_TASK_DIR")
+    base = private_dir(env, "$KVQUANT_TASK_DIR") if env else _process_dir()
     root = data_dir()
     tag = re.sub(r"[^A-Za-z0-9]+", "_", str(root)) if root else "hub"
     if probes:
@@ -240,11 +251,12 @@ def _task_manager(directory: str, files: tuple[str, ...]):
 
 def known_tasks() -> dict[str, list[str]]:
     """``{"tasks": [...], "groups": [...], "tags": [...]}`` that :func:`task_manager` knows, from an index kept
-    beside the offline task files (keyed by the lm-eval version and those files), so checking a name is cheap."""
+    in kvquant's private cache (keyed by the lm-eval version and the offline task files), so checking a name is
+    cheap."""
     directory = task_dir()
     files = sorted(p.name for p in directory.glob("*.yaml"))
     key = f"{metadata.version('lm_eval')}|{'|'.join(files)}"
-    index = directory / "task-index.json"
+    index = cache_dir("tasks") / f"task-index-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         saved = json.loads(index.read_text(encoding="utf-8"))
         if saved.get("key") == key:

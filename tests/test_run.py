@@ -147,9 +147,12 @@ def test_a_busy_report_directory_is_refused_and_a_stale_lock_taken_over(tmp_path
     path = write_config(tmp_path, TINY)
     out_dir = tmp_path / "reports" / "tiny"
     out_dir.mkdir(parents=True)
-    holder = subprocess.Popen(["sleep", "60"])
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); print('held', flush=True); "
+            "time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out_dir / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
-        (out_dir / ".lock").write_text(str(holder.pid))
+        assert holder.stdout.readline().strip() == "held"
         assert main([str(path)]) == 2
         assert f"is in use by another run (process {holder.pid}" in capsys.readouterr().err
         assert sorted(p.name for p in out_dir.iterdir()) == [".lock"]

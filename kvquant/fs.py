@@ -1,0 +1,138 @@
+"""The trust boundary on the filesystem: folders kvquant loads from, and files it writes.
+
+- **Loaded from**: lm-eval executes what its task YAMLs name (``!function``), and the fused kernel is a shared
+  library; both come only from folders no other user can write (:func:`private_dir`).
+- **Written**: reports, partial results and error logs are written to a fresh temporary name (``O_EXCL``) and
+  renamed into place, so a symlink planted at the target is replaced, never followed; a directory kvquant
+  enters under ``output_dir`` must be a real directory, not a symlink (:func:`real_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .errors import KVQuantError
+
+
+def _unsafe_ancestor(path: Path) -> str | None:
+    """Why another user could replace ``path`` through one of its ancestors, else None: an ancestor another user
+    owns, or one that every user may write without the sticky bit (``/tmp`` is fine)."""
+    uid = os.getuid()
+    for parent in path.parents:
+        info = parent.stat()
+        if info.st_uid not in (uid, 0):
+            return f"{parent} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+            return f"{parent} is writable by every user"
+    return None
+
+
+def private_dir(path: str | Path, what: str) -> Path:
+    """``path`` as a folder only this user can write, created (mode 0700) where missing.
+
+    An existing folder must be a real directory (not a symlink), owned by this user, not writable by group or
+    others, under ancestors no other user can swap; else :class:`KVQuantError` naming ``what`` (e.g. the
+    environment variable that set it)."""
+    path = Path(path).expanduser().absolute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path = path.parent.resolve() / path.name
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        info = os.lstat(path)
+        reason = _unsafe_ancestor(path)
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{what}: cannot use {path} ({getattr(err, 'strerror', None) or err})") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        reason = f"{path} is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'not a directory'}"
+    elif info.st_uid != os.getuid():
+        reason = f"{path} belongs to another user (uid {info.st_uid})"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        reason = f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    if reason:
+        raise KVQuantError(f"{what}: refusing {path}: {reason}; kvquant loads code and data from it, so it must be "
+                           "a folder only you can write")
+    return path
+
+
+def cache_dir(sub: str, env: str | None = None) -> Path:
+    """kvquant's private cache folder ``sub`` (under ``$KVQUANT_CACHE_DIR``, default ``~/.cache/kvquant``), or the
+    folder the environment variable ``env`` names; checked by :func:`private_dir`."""
+    if env and os.environ.get(env):
+        return private_dir(os.environ[env], f"${env}")
+    root = os.environ.get("KVQUANT_CACHE_DIR") or Path.home() / ".cache" / "kvquant"
+    return private_dir(Path(root) / sub, "$KVQUANT_CACHE_DIR" if os.environ.get("KVQUANT_CACHE_DIR") else "cache")
+
+
+def real_dir(path: Path, what: str) -> Path:
+    """``path`` as a real directory, created where missing; a symlink (or anything else) there is refused."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+        info = os.lstat(path)
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{what}: cannot create {path} ({getattr(err, 'strerror', None) or err})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise KVQuantError(f"{what}: {path} is {kind}; kvquant writes only into directories it can trust, so move "
+                           "it away or write elsewhere (--set name=... or --set output_dir=...)")
+    return path
+
+
+def write_file(path: Path, content: str | bytes) -> None:
+    """Put ``content`` at ``path`` atomically (:func:`write_together` of one file)."""
+    write_together(path.parent, {path.name: content})
+
+
+def write_together(directory: Path, files: dict[str, str | bytes]) -> None:
+    """Write every file to a fresh temporary name in ``directory`` (``O_EXCL``), then rename them all into place:
+    a symlink at a target is replaced, never written through, and no file is in place before all are written."""
+    staged = []
+    try:
+        for name, content in files.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+            staged.append((tmp, directory / name))
+            with os.fdopen(fd, "wb") as f:
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            os.chmod(tmp, 0o666 & ~_umask())
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def read_file(path: Path) -> bytes:
+    """The bytes of the regular file at ``path``, never through a symlink (``OSError`` ELOOP) or from a FIFO or
+    device (``OSError`` EINVAL)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read()
+
+
+def set_aside(path: Path, suffix: str = ".corrupt") -> Path:
+    """Move ``path`` (a file or a symlink, not followed) to ``<path><suffix>``, or ``<path><suffix>.1``, ``.2``,
+    ... where that is taken: an earlier set-aside file is never overwritten. Returns the new name."""
+    for n in range(10_000):
+        aside = path.with_name(path.name + suffix + (f".{n}" if n else ""))
+        try:
+            os.link(path, aside, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        os.unlink(path)
+        return aside
+    raise KVQuantError(f"{path}: 10,000 set-aside copies already exist beside it; clean them up")

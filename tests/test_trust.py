@@ -1,0 +1,305 @@
+"""The trust boundary (docs/trust.md): nothing executable is loaded from a folder another user can write, no write
+follows a symlink kvquant did not create, one lock holder however many runs race, SIGTERM unwinds like Ctrl-C,
+and partial results are reused only when they verify."""
+
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvquant.run
+from kvquant.errors import KVQuantError, write_error_log
+from kvquant.fs import private_dir, set_aside, write_together
+from kvquant.paths import data_dir
+from kvquant.run import LOCK, ResultStore, RunLock
+
+ROOT = Path(__file__).parents[1]
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+TINY = {
+    "name": "tiny",
+    "model": {"path": "local:models/stories260K/hf"},
+    "candidates": [{"quantizer": "int4", "name": "int4", "options": {"residual_length": 0}}],
+    "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
+             "tasks": {"names": ["tinystories_lastword"], "limit": 5}},
+    "gate": {"bootstrap": 100},
+}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def run_cli(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvquant.run", *args], capture_output=True, text=True,
+                          env={**os.environ, **OFFLINE, **(env or {})}, cwd=ROOT, timeout=600, **kwargs)
+
+
+def write_config(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "output_dir": str(tmp_path / "reports"), **changes}))
+    return path
+
+
+# --- code execution -------------------------------------------------------------------------------------------
+
+EVIL_TASK = """task: tinystories_lastword
+dataset_path: json
+dataset_kwargs: {data_files: {test: %s}}
+test_split: test
+process_docs: !function evil.process_docs
+output_type: loglikelihood
+doc_to_text: "{{context}}"
+doc_to_target: "{{target}}"
+metric_list: [{metric: acc}]
+"""
+
+
+def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_loaded(tmp_path):
+    """An attacker who can write the temp directory plants a task that redefines the gated task with
+    ``!function``; building kvquant's task manager and task must not run it (it did: the folder was
+    ``$TMPDIR/kvquant-tasks/<data dir tag>``, a path anyone could predict and create first)."""
+    shared_tmp = tmp_path / "tmp"
+    planted = shared_tmp / "kvquant-tasks" / re.sub(r"[^A-Za-z0-9]+", "_", str(data_dir()))
+    planted.mkdir(parents=True)
+    planted.chmod(0o777)
+    marker = tmp_path / "pwned"
+    docs = planted / "docs.jsonl"
+    docs.write_text(json.dumps({"context": "a", "target": " b"}) + "\n")
+    (planted / "evil.py").write_text(f"def process_docs(ds):\n    open({str(marker)!r}, 'w').write('ran')\n"
+                                     "    return ds\n")
+    (planted / "evil.yaml").write_text(EVIL_TASK % docs)
+    script = ("from lm_eval.tasks import get_task_dict\nfrom kvquant.tasks import task_manager\n"
+              "get_task_dict(['tinystories_lastword'], task_manager())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **OFFLINE, "TMPDIR": str(shared_tmp)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not marker.exists(), "kvquant loaded a task file another user planted"
+
+
+def test_the_default_task_folder_is_private_and_new_for_each_process(tmp_path):
+    script = "from kvquant.tasks import task_dir\nimport os\nd = task_dir()\nprint(d, oct(os.stat(d.parent).st_mode))"
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "TMPDIR": str(tmp_path)}).stdout.split() for _ in range(2)]
+    (first, mode), (second, _) = runs
+    assert first != second and mode.endswith("700")
+    assert not Path(first).exists(), "the folder outlives its process"
+
+
+@pytest.mark.parametrize("make", ["world_writable", "group_writable", "symlink", "file", "foreign_ancestor"])
+def test_private_dir_refuses_folders_others_can_write(tmp_path, make):
+    target = tmp_path / "tasks"
+    if make == "world_writable":
+        target.mkdir()
+        target.chmod(0o777)
+    elif make == "group_writable":
+        target.mkdir()
+        target.chmod(0o770)
+    elif make == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        target.symlink_to(tmp_path / "elsewhere")
+    elif make == "file":
+        target.write_text("x")
+    else:  # an ancestor every user may write, without the sticky bit: the folder can be swapped
+        open_parent = tmp_path / "open"
+        open_parent.mkdir()
+        open_parent.chmod(0o777)
+        target = open_parent / "tasks"
+    with pytest.raises(KVQuantError, match="refusing .*only you can write"):
+        private_dir(target, "$KVQUANT_TASK_DIR")
+
+
+def test_private_dir_accepts_a_folder_of_its_own_under_a_sticky_temp_dir(tmp_path):
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    made = private_dir(sticky / "kvquant", "cache")
+    assert made.is_dir() and (made.stat().st_mode & 0o777) == 0o700
+    assert private_dir(made, "cache") == made
+
+
+def test_a_shared_task_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("KVQUANT_TASK_DIR", str(shared))
+    monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    code = kvquant.run.main([str(write_config(tmp_path))])
+    err = capsys.readouterr().err
+    assert code == 2 and "$KVQUANT_TASK_DIR: refusing" in err and err.count("\n") == 1
+
+
+def test_a_kernel_folder_others_can_write_is_not_loaded_from(tmp_path):
+    shared = tmp_path / "kernels"
+    shared.mkdir()
+    shared.chmod(0o777)
+    script = "import kvquant.kernels as k\nprint(k.available())"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "KVQUANT_KERNEL_DIR": str(shared)})
+    assert out.stdout.strip() == "False" and "refusing" in out.stderr
+    assert not any(shared.iterdir())
+
+
+# --- writes never follow a symlink ----------------------------------------------------------------------------
+
+
+def test_symlink_at_the_report_directory_is_refused(tmp_path, capsys, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "tiny").symlink_to(victim)
+    monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    code = kvquant.run.main([str(write_config(tmp_path))])
+    assert code == 2 and "is a symlink" in capsys.readouterr().err
+    assert not any(victim.iterdir())
+
+
+def test_symlink_at_partial_candidate_is_refused_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    partial = tmp_path / "report" / "partial"
+    partial.mkdir(parents=True)
+    (partial / "int4").symlink_to(victim)
+    store = ResultStore(partial, {"code": "x"}, [])
+    with pytest.raises(KVQuantError, match="is a symlink"):
+        store.get_or_compute("int4", "ppl/x", {"a": 1}, lambda: {"nll": [1.0]})
+    assert not any(victim.iterdir())
+
+
+def test_symlinks_at_report_files_and_error_log_are_replaced_not_written_through(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    report = tmp_path / "report"
+    report.mkdir()
+    for name in ("results.json", "error.log"):
+        (report / name).symlink_to(outside)
+    write_together(report, {"results.json": "{}"})
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        log = write_error_log(report)
+    assert outside.read_text() == "keep me"
+    assert log == report / "error.log" and not log.is_symlink() and "boom" in log.read_text()
+    assert not (report / "results.json").is_symlink() and (report / "results.json").read_text() == "{}"
+
+
+# --- one lock holder ------------------------------------------------------------------------------------------
+
+
+def _contender(directory: str, barrier, holders: str, doubles) -> None:
+    barrier.wait()
+    try:
+        with RunLock(Path(directory)):
+            try:
+                fd = os.open(holders, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                with doubles.get_lock():
+                    doubles.value += 1
+                return
+            time.sleep(0.002)
+            os.close(fd)
+            os.unlink(holders)
+    except KVQuantError:
+        pass
+
+
+def test_lock_race_over_a_stale_lock_has_one_holder_at_a_time(tmp_path):
+    """8 processes take over a lock left by a dead process at once, 30 times: never two holders."""
+    ctx = multiprocessing.get_context("fork")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    doubles = ctx.Value("i", 0)
+    for trial in range(30):
+        directory = tmp_path / f"r{trial}"
+        directory.mkdir()
+        (directory / LOCK).write_text(dead)
+        barrier = ctx.Barrier(8)
+        procs = [ctx.Process(target=_contender, args=(str(directory), barrier, str(tmp_path / f"h{trial}"), doubles))
+                 for _ in range(8)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs)
+        assert not (directory / LOCK).exists()
+    assert doubles.value == 0
+
+
+def test_a_held_lock_refuses_a_second_run_naming_the_holder(tmp_path):
+    with RunLock(tmp_path / "r"):
+        with pytest.raises(KVQuantError, match=f"in use by another run \\(process {os.getpid()}"):
+            RunLock(tmp_path / "r").__enter__()
+
+
+def test_a_symlink_at_the_lock_is_refused(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / LOCK).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(KVQuantError, match="symlink"):
+        RunLock(tmp_path / "r").__enter__()
+    assert not (tmp_path / "elsewhere").exists()
+
+
+# --- partial results and set-aside files ----------------------------------------------------------------------
+
+
+def test_an_edited_partial_result_is_recomputed_and_set_aside_files_are_kept(tmp_path):
+    warnings = []
+    store = ResultStore(tmp_path / "partial", {"code": "v1"}, warnings)
+    compute = lambda: {"nll": [2.0, 3.0], "tokens": [4, 4]}  # noqa: E731
+    assert store.get_or_compute("int4", "ppl/x", {"k": 1}, compute) == compute()
+    path = tmp_path / "partial" / "int4" / "ppl__x.json"
+    saved = json.loads(path.read_text())
+    assert store.get_or_compute("int4", "ppl/x", {"k": 1}, pytest.fail) == compute()  # reused: it verifies
+    for n, edit in enumerate([0.1, 0.2]):  # an edit keeping the key, twice
+        saved["result"]["nll"][0] = edit
+        path.write_text(json.dumps(saved))
+        assert store.get_or_compute("int4", "ppl/x", {"k": 1}, compute) == compute()
+        assert "signature does not verify" in warnings[-1]
+    asides = sorted(p.name for p in path.parent.iterdir() if ".corrupt" in p.name)
+    assert asides == ["ppl__x.json.corrupt", "ppl__x.json.corrupt.1"]
+    assert [json.loads((path.parent / a).read_text())["result"]["nll"][0] for a in asides] == [0.1, 0.2]
+
+
+def test_set_aside_never_overwrites_and_moves_a_symlink_itself(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_text("keep")
+    (tmp_path / "a.json.corrupt").write_text("first")
+    (tmp_path / "a.json").symlink_to(outside)
+    aside = set_aside(tmp_path / "a.json")
+    assert aside.name == "a.json.corrupt.1" and aside.is_symlink()
+    assert (tmp_path / "a.json.corrupt").read_text() == "first" and outside.read_text() == "keep"
+
+
+# --- whole runs: SIGTERM, leftovers ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_unwinds_like_ctrl_c_and_a_rerun_removes_what_it_does_not_regenerate(tmp_path):
+    config = write_config(tmp_path)
+    report = tmp_path / "reports" / "tiny"
+    proc = subprocess.Popen([sys.executable, "-m", "kvquant.run", str(config)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **OFFLINE})
+    deadline = time.time() + 300
+    while not (report / LOCK).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "kvquant: terminated (SIGTERM)" in err and "run the same command to resume" in err
+    assert not (report / LOCK).exists()
+    for stale in ("stages.png", "searched.yaml", "error.log", "probe.png"):
+        (report / stale).write_text("an earlier run's")
+    (report / "notes.txt").write_text("mine")
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    done = run_cli([str(config)], env={"TMPDIR": str(own_tmp)})
+    assert done.returncode in (0, 1), done.stderr[-2000:]
+    left = {p.name for p in report.iterdir()}
+    assert left == {"partial", "notes.txt", "results.json", "results.csv", "report.md", "plot.png",
+                    "config.resolved.yaml"}
+    assert not list(own_tmp.iterdir()), "the run left its task folder behind"
