@@ -18,9 +18,9 @@ import re
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
-from .errors import KVQuantError, NonFiniteKVError, one_line
+from .errors import InternalError, KVQuantError, NonFiniteKVError, one_line
 from .eviction import Eviction, get_eviction
-from .quantizers import Codec, Quantizer, available_quantizers, get_quantizer, quantizer_options
+from .quantizers import QUANTIZERS, Codec, Quantizer, available_quantizers, get_quantizer
 
 FP16_BYTES = 2
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -626,7 +626,7 @@ class QuantizedLayer(CacheLayerMixin):
             if len(chosen) == excess:
                 break
         if len(chosen) < excess:
-            raise KVQuantError(f"internal error: row {row} has {len(chosen)} of {excess} tokens to evict; please "
+            raise InternalError(f"row {row} has {len(chosen)} of {excess} tokens to evict; please "
                                "report this")
         k.hide(chosen)
         v.hide(chosen)
@@ -648,8 +648,8 @@ class QuantizedLayer(CacheLayerMixin):
                     stream.codec.tokens_per_unit
                 slack = unit - 1 if self.capacity is not None else 0
                 if stream.length != written[row] or not held <= len(stream) <= held + slack:
-                    raise KVQuantError(
-                        f"internal error: row {row} stores {len(stream)} of {stream.length} tokens, expected "
+                    raise InternalError(
+                        f"row {row} stores {len(stream)} of {stream.length} tokens, expected "
                         f"{held} (+{slack}) of {written[row]}; please report this")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -969,11 +969,7 @@ def head_dim_of(model_or_config) -> int | None:
 
 def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
     """``quantizer`` with some of its options changed (validated as a new quantizer)."""
-    valid = {f.name for f in dataclasses.fields(quantizer)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise KVQuantError(f"quantizer {quantizer.name!r} has no option {', '.join(map(repr, unknown))}; its "
-                           f"options: {', '.join(sorted(valid)) or 'none'}")
+    QUANTIZERS.check_options(quantizer.name, options)
     return dataclasses.replace(quantizer, **options) if options else quantizer
 
 
@@ -1057,11 +1053,7 @@ def build_cache(
     """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
     ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
     if isinstance(quantizer, str):
-        valid = quantizer_options(quantizer)  # (an unknown name is an error naming the registered ones)
-        unknown = sorted(set(options) - set(valid))
-        if unknown:
-            raise KVQuantError(f"quantizer {quantizer!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                               f"{', '.join(sorted(valid)) or 'none'}; the cache's: {', '.join(CACHE_OPTIONS)}")
+        QUANTIZERS.check_options(quantizer, options, also=CACHE_OPTIONS)
         quantizer = get_quantizer(quantizer, **options)
     elif not isinstance(quantizer, Quantizer):
         raise KVQuantError(f"quantizer must be a name ({', '.join(available_quantizers())}) or a Quantizer, "

@@ -27,6 +27,10 @@ class KVQuantError(ValueError):
     """A setting or an input kvquant cannot honour; the message says what to change."""
 
 
+class InternalError(RuntimeError):
+    """A broken invariant inside kvquant: a bug, never the user's input (exit 3 with a traceback log, not 2)."""
+
+
 class NonFiniteKVError(KVQuantError):
     """A key or value state holds NaN or Inf.
 

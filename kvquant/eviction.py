@@ -18,41 +18,17 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .errors import KVQuantError
+from .registry import Registry
 
-_REGISTRY: dict[str, type[Eviction]] = {}
-
-
-def register_eviction(name: str):
-    """Class decorator: make an :class:`Eviction` subclass available under ``name``."""
-
-    def wrap(cls):
-        if name in _REGISTRY:
-            raise KVQuantError(f"eviction policy {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def available_evictions() -> list[str]:
-    return sorted(_REGISTRY)
+EVICTIONS = Registry("eviction policy")
+#: Class decorator: make an :class:`Eviction` subclass available under a name.
+register_eviction = EVICTIONS.register
+available_evictions = EVICTIONS.names
 
 
 def get_eviction(name: str, sink_tokens: int, **options) -> Eviction:
     """Policy ``name`` with ``options`` for a cache keeping ``sink_tokens`` sinks; errors name the valid choices."""
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise KVQuantError(f"unknown eviction policy {name!r}; available: {', '.join(available_evictions())}")
-    cls = _REGISTRY[name]
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise KVQuantError(f"eviction {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                           f"{', '.join(valid)}")
-    missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in options]
-    if missing:
-        raise KVQuantError(f"eviction {name!r} needs {', '.join(missing)} (e.g. {missing[0]}=256)")
-    policy = cls(**options)
+    policy = EVICTIONS.build(name, **options)
     policy.check(sink_tokens)
     return policy
 

@@ -20,6 +20,7 @@ import torch
 
 from . import kernels, ops
 from .errors import KVQuantError
+from .registry import Registry
 
 Encoded = dict[str, torch.Tensor]
 ROTATIONS = ("hadamard",)
@@ -178,50 +179,20 @@ class RotatedCodec(Codec):
 # Registry
 
 
-_REGISTRY: dict[str, type[Quantizer]] = {}
+def _check_class(name: str, cls: type) -> None:
+    if "codecs" in cls.__dict__:  # Quantizer.codecs adds the rotation around _codecs
+        raise KVQuantError(f"quantizer {name!r}: define _codecs(head_dim), not codecs")
 
 
-def register_quantizer(name: str):
-    """Class decorator: make a :class:`Quantizer` subclass available under ``name``."""
-
-    def wrap(cls):
-        if name in _REGISTRY:
-            raise KVQuantError(f"quantizer {name!r} is already registered")
-        if "codecs" in cls.__dict__:  # Quantizer.codecs adds the rotation around _codecs
-            raise KVQuantError(f"quantizer {name!r}: define _codecs(head_dim), not codecs")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def available_quantizers() -> list[str]:
-    """Names accepted by :func:`get_quantizer` and ``make_cache(quantizer=...)``."""
-    return sorted(_REGISTRY)
-
-
-def quantizer_options(name: str) -> dict[str, object]:
-    """The options of quantizer ``name`` with their defaults."""
-    cls = _quantizer_class(name)
-    return {f.name: f.default for f in dataclasses.fields(cls)}
-
-
-def _quantizer_class(name: str) -> type[Quantizer]:
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise KVQuantError(f"unknown quantizer {name!r}; available: {', '.join(available_quantizers())}")
-    return _REGISTRY[name]
-
-
-def get_quantizer(name: str, **options) -> Quantizer:
-    """Build quantizer ``name`` with ``options``; an option it does not have is an error naming the valid ones."""
-    cls = _quantizer_class(name)
-    valid = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        allowed = ", ".join(sorted(valid)) or "none"
-        raise KVQuantError(f"quantizer {name!r} has no option {', '.join(map(repr, unknown))}; its options: {allowed}")
-    return cls(**options)
+QUANTIZERS = Registry("quantizer", _check_class)
+#: Class decorator: make a :class:`Quantizer` subclass available under a name.
+register_quantizer = QUANTIZERS.register
+#: Names accepted by :func:`get_quantizer` and ``make_cache(quantizer=...)``.
+available_quantizers = QUANTIZERS.names
+#: The options of a quantizer with their defaults.
+quantizer_options = QUANTIZERS.options
+#: Build a quantizer by name with options; an option it does not have is an error naming the valid ones.
+get_quantizer = QUANTIZERS.build
 
 
 @dataclass(frozen=True)

@@ -169,8 +169,8 @@ def test_settings_name_the_policy_and_forks_keep_it():
 
 @pytest.mark.parametrize("options, message", [
     ({"window": 8}, "window and budget are options of an eviction policy"),
-    ({"eviction": "window", "window": 8, "budget": 4}, "eviction 'window' has no option 'budget'"),
-    ({"eviction": "key_norm", "window": 8}, "eviction 'key_norm' needs budget"),
+    ({"eviction": "window", "window": 8, "budget": 4}, "eviction policy 'window' has no option 'budget'"),
+    ({"eviction": "key_norm", "window": 8}, "eviction policy 'key_norm' needs budget"),
     ({"eviction": "key_norm", "window": 8, "budget": 0}, "budget must be an integer >= 1"),
     ({"eviction": "key_norm", "window": 8, "budget": 4, "group_size": 8, "residual_length": 4},
      r"window 8 must cover residual_length 4 plus a quantized unit \(8 tokens\) - 1 = 11"),

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvquant
 from kvquant.ops import sqnr_db
-from kvquant.quantizers import IdentityCodec, Quantizer, RotatedCodec, _REGISTRY, register_quantizer
+from kvquant.quantizers import QUANTIZERS, IdentityCodec, Quantizer, RotatedCodec, register_quantizer
 
 #: SQNR floors in dB on the real keys and values of stories260K (measured minima: int8 54/50, int4 29/26,
 #: int2 15/12, fp8_e4m3 36/34, fp8_e5m2 30/25 for keys/values).
@@ -65,7 +65,7 @@ def test_a_new_quantizer_is_one_class_and_one_decorator():
         with pytest.raises(kvquant.KVQuantError, match="already registered"):
             register_quantizer("test_identity")(TestIdentity)
     finally:
-        del _REGISTRY["test_identity"]
+        del QUANTIZERS.classes["test_identity"]
 
 
 @pytest.fixture(scope="module")
