@@ -6,13 +6,13 @@
 PY := .venv/bin/python
 CONFIG ?= configs/int4.yaml
 
-.PHONY: setup run test bench
+.PHONY: setup run test lint bench
 
 .venv/installed: pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,extras]"
+	$(PY) -m pip install -q -e ".[test,extras,dev]"
 	touch $@
 
 setup: .venv/installed
@@ -23,6 +23,9 @@ run: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check kvquant tests experiments
 
 bench: setup
 	$(PY) experiments/bench_decode.py --contexts 512 2048 8192 --steps 160

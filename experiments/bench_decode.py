@@ -32,7 +32,8 @@ def caches(config):
     """name -> factory of a fresh cache."""
     out = {
         "DynamicCache": lambda: DynamicCache(config=config),
-        "hf-quanto-int4": lambda: QuantizedCache("quanto", config, nbits=4, q_group_size=GROUP, residual_length=RESIDUAL),
+        "hf-quanto-int4": lambda: QuantizedCache("quanto", config, nbits=4, q_group_size=GROUP,
+                                                 residual_length=RESIDUAL),
         "hf-fp8": lambda: QuantizedCache("fp8", config),
     }
     for name in kvquant.available_quantizers():  # each with its defaults (int4/int2: group 32, residual 128)
@@ -106,9 +107,11 @@ def target_lines(df):
         sel = df[(df.cache == cache) & (df.context == context)]
         return float(sel[column].iloc[0]) if len(sel) else None
 
-    checks = [("kvquant-int4", 8192, "memory_vs_fp16", "<=", 0.33), ("kvquant-int2", 8192, "memory_vs_fp16", "<=", 0.21)]
+    checks = [("kvquant-int4", 8192, "memory_vs_fp16", "<=", 0.33),
+              ("kvquant-int2", 8192, "memory_vs_fp16", "<=", 0.21)]
     checks += [(f"kvquant-{n}", 8192, "memory_vs_fp16", "<=", 0.54) for n in ("int8", "fp8_e4m3", "fp8_e5m2")]
-    checks += [("kvquant-int4", 2048, "speed_vs_dynamic", ">=", 0.8), ("kvquant-int4", 8192, "speed_vs_dynamic", ">=", 0.6)]
+    checks += [("kvquant-int4", 2048, "speed_vs_dynamic", ">=", 0.8),
+               ("kvquant-int4", 8192, "speed_vs_dynamic", ">=", 0.6)]
     checks += [("kvquant-int4", c, "speed_vs_quanto_int4", ">=", 1.3) for c in (2048, 8192)]
     lines = []
     for cache, context, column, op, bound in checks:

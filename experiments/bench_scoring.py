@@ -108,12 +108,14 @@ def main() -> None:
              f"- {env['date']}, {env['machine']}, {env['cpus']} CPUs, torch {env['torch']} ({env['threads']} threads)",
              f"- model SmolLM2-135M-Instruct (GGUF Q4_1 weights, fp32 compute); tasks {', '.join(TASKS)}, "
              f"{args.limit} documents each; streaming mode, chunk {args.chunk_size}; new path batch {args.batch_size}",
-             "", "| cache | requests | tokens | old tok/s | new tok/s | speedup | max abs Δ loglik | accuracy old → new |",
+             "",
+             "| cache | requests | tokens | old tok/s | new tok/s | speedup | max abs Δ loglik | accuracy old → new |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         acc = "; ".join(f"{t}: {r['accuracy_old'][t]:.3f} → {r['accuracy_new'][t]:.3f}" for t in r["accuracy_old"])
         lines.append(f"| {r['quantizer']} | {r['requests']} | {r['tokens']} | {r['old_tokens_per_s']:.0f} | "
-                     f"{r['new_tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['max_abs_loglikelihood_diff']:.2e} | {acc} |")
+                     f"{r['new_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+                     f"{r['max_abs_loglikelihood_diff']:.2e} | {acc} |")
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -119,7 +119,8 @@ def check_logits(name, cls, config, device, prompt_len=600, chunk=256, steps=16)
     ref_cpu = logits_run(cpu, DynamicCache(config=config), prompt, chunk, steps)
     for qname, (q, opts) in QUANTIZERS.items():
         try:
-            got = logits_run(gpu, kvquant.make_cache(gpu, q, residual_length=0, **opts), prompt.to(device), chunk, steps)
+            got = logits_run(gpu, kvquant.make_cache(gpu, q, residual_length=0, **opts), prompt.to(device), chunk,
+                             steps)
             got_cpu = logits_run(cpu, kvquant.make_cache(cpu, q, residual_length=0, **opts), prompt, chunk, steps)
             out[qname] = {"max_abs_diff_vs_dynamic": float((got - ref_gpu).abs().max()),
                           "rel_error_gpu": rel_error(got, ref_gpu), "rel_error_cpu": rel_error(got_cpu, ref_cpu),
@@ -281,7 +282,8 @@ def render(results: dict, args, command: str | None = None) -> str:
             continue
         lines.append(f"| {r['context']} | {r['cache']} | {r['allocated_bytes']:,} | {r['reported_bytes']:,} | "
                      f"{r.get('allocated_vs_dynamic', float('nan')):.3f} | {r['steps_per_s']:.1f} | "
-                     f"{r.get('speed_vs_dynamic', float('nan')):.3f} | {r.get('speed_vs_kvquant_fp16', float('nan')):.3f} |")
+                     f"{r.get('speed_vs_dynamic', float('nan')):.3f} | "
+                     f"{r.get('speed_vs_kvquant_fp16', float('nan')):.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -211,7 +211,8 @@ class _Stream:
             units = 0
         self.shared = tuple(shared)
         if units:
-            self.enc = {k: v[:, :, units:].clone() for k, v in self.enc.items()} if units < self._units(self.enc) else {}
+            kept = units < self._units(self.enc)
+            self.enc = {k: v[:, :, units:].clone() for k, v in self.enc.items()} if kept else {}
         if drop > from_enc:
             self.tail = self.tail[:, :, drop - from_enc :].clone()
         self.evicted += drop
@@ -312,7 +313,8 @@ def check_importance(policy: Eviction, key_codec: Codec, value_codec: Codec, res
     block = _block(key_codec, value_codec)
     if policy.window < residual_length + block - 1:
         raise KVQuantError(f"eviction {policy.name!r}: window {policy.window} must cover residual_length "
-                           f"{residual_length} plus a quantized unit ({block} tokens) - 1 = {residual_length + block - 1}")
+                           f"{residual_length} plus a quantized unit ({block} tokens) - 1 = "
+                           f"{residual_length + block - 1}")
     if policy.budget < block - 1:
         raise KVQuantError(f"eviction {policy.name!r}: budget {policy.budget} must be at least a quantized unit "
                            f"({block} tokens) - 1")
@@ -419,8 +421,8 @@ class Padding:
         if values.dtype != torch.bool:
             odd = values[(values != 0) & (values != 1)]
             if len(odd):
-                raise KVQuantError(f"set_padding: attention_mask holds {odd[0].item()!r}; it must hold only 0 (padding) "
-                                   "and 1 (a real token), not an additive mask (0 / -inf)")
+                raise KVQuantError(f"set_padding: attention_mask holds {odd[0].item()!r}; it must hold only 0 "
+                                   "(padding) and 1 (a real token), not an additive mask (0 / -inf)")
         mask = values.bool()
         rows = rows if rows is not None else (self.mask.shape[0] if self.mask is not None else None)
         if rows is not None and mask.shape[0] != rows:
@@ -584,10 +586,10 @@ class QuantizedLayer(CacheLayerMixin):
         # one reduction for the whole batch; if it fails, each row's real tokens are checked (padding may hold any)
         checked = (_fits(key_states, self.k[0].codec.max_abs), _fits(value_states, self.v[0].codec.max_abs))
         for row in range(batch):
-            real = lambda: self.padding.real(first, past + n, batch)[row]  # noqa: E731 (only for scattered padding)
+            real = lambda row=row: self.padding.real(first, past + n, batch)[row]  # noqa: E731 (only for scattered padding)
             for stream, states, out, name, ok in ((self.k[row], key_states, keys, "keys", checked[0]),
                                                   (self.v[row], value_states, values, "values", checked[1])):
-                _write(stream, states[row : row + 1], new[row], lambda: real()[kv_len - n :], name, ok)
+                _write(stream, states[row : row + 1], new[row], lambda real=real: real()[kv_len - n :], name, ok)
                 _read(stream, out[row : row + 1], visible[row], real)
                 if self.capacity is not None and not self.eviction_by_importance:
                     stream.evict(keep[row])
@@ -813,8 +815,8 @@ class KVQuantCache(Cache):
 
     def rows(self) -> int | None:
         """Batch rows this cache holds (None before its first write)."""
-        return next((len(layer.k) for layer in self.layers if isinstance(layer, QuantizedLayer) and layer.is_initialized),
-                    None)
+        written = (len(layer.k) for layer in self.layers if isinstance(layer, QuantizedLayer) and layer.is_initialized)
+        return next(written, None)
 
 
     def settings(self) -> dict[str, object]:

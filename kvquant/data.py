@@ -75,8 +75,8 @@ def _read_file(path: Path, text_field: str) -> list[str]:
     if suffix in (".txt", ".raw"):
         return [read_text_file(path, "text file")]
     if suffix == ".jsonl":
-        rows = [_json(line, f"{path}, line {i}") for i, line in enumerate(read_text_file(path, "text file").splitlines(), 1)
-                if line.strip()]
+        lines = read_text_file(path, "text file").splitlines()
+        rows = [_json(line, f"{path}, line {i}") for i, line in enumerate(lines, 1) if line.strip()]
     elif suffix == ".json":
         rows = _json(read_text_file(path, "text file"), str(path))
         if not isinstance(rows, list):

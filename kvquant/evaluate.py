@@ -1,5 +1,5 @@
 """Scoring text through a quantized cache: every log-probability here comes from attention reading the
-quantized K/V, in one of two modes (see ``../shared/docs/measurement.md``):
+quantized K/V, in one of two modes (see ``docs/measurement.md``):
 
 - ``simulated``: one forward pass over the whole sequence with a fresh cache; K/V are quantized as they are
   written and attention reads the dequantized states in the same pass (as in KIVI/KVQuant's perplexity: the

@@ -84,7 +84,8 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
         reason = (f"{chosen} is the cheapest setting ({winners[0][0]:.2f} bits/element) whose every gated metric "
                   f"meets its threshold ({basis})")
         return Decision("pass", chosen, passed, verdicts, reason)
-    failing = [f"{v.row.candidate}: {v.row.metric} {v.statistic:.4f} < {v.threshold:.4f}" for v in verdicts if not v.passed]
+    failing = [f"{v.row.candidate}: {v.row.metric} {v.statistic:.4f} < {v.threshold:.4f}"
+               for v in verdicts if not v.passed]
     return Decision("fail", None, passed, verdicts, f"no setting passes ({basis}); " + "; ".join(failing))
 
 

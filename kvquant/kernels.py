@@ -8,9 +8,9 @@ to float rounding.
 
 The build lands in ``$KVQUANT_KERNEL_DIR`` (default ``~/.cache/kvquant/kernels``; it must be a folder only this
 user can write, else the eager path is used) under a key of the source, flags, versions and the CPU's features
-(``-march=native`` code must not load on another CPU). A built kernel is imported directly, without torch's build lock, so a run killed while
-loading it can never leave later runs waiting on that lock; a lock left by a build killed midway is removed
-once it is older than any build.
+(``-march=native`` code must not load on another CPU). A built kernel is imported directly, without torch's build
+lock, so a run killed while loading it can never leave later runs waiting on that lock; a lock left by a build
+killed midway is removed once it is older than any build.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ class KVQuantLM(TemplateLM):
         **cache_options,
     ):
         super().__init__()
-        chunk_size, max_length, batch_size, share_prefix = map(_parse, (chunk_size, max_length, batch_size, share_prefix))
+        chunk_size, max_length, batch_size, share_prefix = map(_parse,
+                                                               (chunk_size, max_length, batch_size, share_prefix))
         batch_size = 1 if batch_size is None else batch_size
         if batch_size == "auto":
             batch_size = DEFAULT_AUTO_BATCH
@@ -100,7 +101,8 @@ class KVQuantLM(TemplateLM):
         return bos if bos is not None else self.eot_token_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer(string, add_special_tokens=True if add_special_tokens is None else add_special_tokens).input_ids
+        special = True if add_special_tokens is None else add_special_tokens
+        return self.tokenizer(string, add_special_tokens=special).input_ids
 
     def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str | None) -> list[tuple[float, bool]]:
         """Log-likelihood and greedy match of each continuation, keeping the last max_length + 1 tokens."""
@@ -111,13 +113,15 @@ class KVQuantLM(TemplateLM):
         return [(float(s.logprobs.double().sum()), bool(s.greedy.all())) for s in self.scorer.score_many(cut, desc)]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        return self._score([(ctx, cont) for _, ctx, cont in requests], None if disable_tqdm else "kvquant loglikelihood")
+        return self._score([(ctx, cont) for _, ctx, cont in requests],
+                           None if disable_tqdm else "kvquant loglikelihood")
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         out = []
         for (string,) in tqdm([r.args for r in requests], desc="kvquant rolling", disable=disable_tqdm):
             tokens = self.tok_encode(string, add_special_tokens=False)
-            pairs = map(make_disjoint_window, get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1))
+            windows = get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1)
+            pairs = map(make_disjoint_window, windows)
             out.append(sum(logprob for logprob, _ in self._score(list(pairs), None)))
         return out
 

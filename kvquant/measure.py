@@ -76,14 +76,14 @@ def measure(cfg: ExperimentConfig, model, tokenizer, store,
         scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
                         share_prefix=shares_prefix(candidate))
         memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
-                                                lambda: memory_probe(model, make, probe)),
+                                                lambda m=make: memory_probe(model, m, probe)),
                          "settings": settings}
         results[label] = {}
         for pset in cfg.eval.perplexity:
             metric = f"ppl/{pset.name}"
             results[label][metric] = store.get_or_compute(
                 label, metric, {**key, "set": asdict(pset), "max_length": maxlen},
-                lambda p=pset: perplexity_samples(scorer, windows[p.name], desc=f"{label} {p.name}"))
+                lambda p=pset, s=scorer, lab=label: perplexity_samples(s, windows[p.name], desc=f"{lab} {p.name}"))
         for task in cfg.eval.tasks.names:
             results[label][f"task/{task}"] = store.get_or_compute(
                 label, f"task/{task}", {**key, "task": task, "limit": cfg.eval.tasks.limit_for(task),

@@ -161,7 +161,8 @@ def parse_setting(text: str) -> dict:
             raise KVQuantError(f"cache setting {text!r}: {name} takes no options")
         return {"quantizer": "fp16"}
     if name not in available_quantizers():
-        raise KVQuantError(f"unknown cache setting {name!r}; use one of {', '.join([*FULL_PRECISION, *available_quantizers()])}")
+        valid = ", ".join([*FULL_PRECISION, *available_quantizers()])
+        raise KVQuantError(f"unknown cache setting {name!r}; use one of {valid}")
     return {"quantizer": name, **options}
 
 
@@ -242,7 +243,8 @@ def build_plan(args) -> dict:
     if args.batch <= 0 or args.batch > 1_000_000:
         raise KVQuantError(f"--batch must be between 1 and 1,000,000, got {args.batch}")
     if args.shared_prefix < 0 or args.shared_prefix > args.context:
-        raise KVQuantError(f"--shared-prefix must be between 0 and --context ({args.context}), got {args.shared_prefix}")
+        raise KVQuantError(f"--shared-prefix must be between 0 and --context ({args.context}), "
+                           f"got {args.shared_prefix}")
     weight_size = torch.empty(0, dtype=getattr(torch, args.weights_dtype)).element_size()
     weights = parse_bytes(args.weights, "--weights") if args.weights else int(shape.params * weight_size)
     budget = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None

@@ -160,8 +160,8 @@ class RotatedCodec(Codec):
         y = ops.rotate(x, self.matrix)
         if y.device.type != "meta" and y.numel() and float(y.abs().amax()) > self.inner.max_abs:
             raise KVQuantError(f"rotated states reach |y| = {float(y.abs().amax()):.4g}, beyond the "
-                               f"±{self.inner.max_abs:.4g} their scales and zero points can hold (scale_dtype='float32' "
-                               "holds more)")
+                               f"±{self.inner.max_abs:.4g} their scales and zero points can hold "
+                               "(scale_dtype='float32' holds more)")
         return self.inner.encode(y)
 
     def decode_into(self, enc, out):
@@ -217,7 +217,8 @@ class Quantizer:
 
     def _scale_dtype(self) -> torch.dtype:
         if not isinstance(self.scale_dtype, str) or self.scale_dtype not in ops.SCALE_DTYPES:
-            raise KVQuantError(f"{self.name}: scale_dtype must be one of {sorted(ops.SCALE_DTYPES)}, got {self.scale_dtype!r}")
+            raise KVQuantError(f"{self.name}: scale_dtype must be one of {sorted(ops.SCALE_DTYPES)}, "
+                               f"got {self.scale_dtype!r}")
         return ops.SCALE_DTYPES[self.scale_dtype]
 
     def codecs(self, head_dim: int) -> tuple[Codec, Codec]:
@@ -261,7 +262,8 @@ def _check_int(owner: str, field: str, value, allowed=None, minimum: int | None 
     if not isinstance(value, int) or isinstance(value, bool):
         raise KVQuantError(f"{owner}: {field} must be an integer, got {type(value).__name__} {value!r}")
     if allowed is not None and value not in allowed:
-        raise KVQuantError(f"{owner}: {field} must be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {value!r}")
+        choices = f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}"
+        raise KVQuantError(f"{owner}: {field} must be {choices}, got {value!r}")
     if minimum is not None and value < minimum:
         raise KVQuantError(f"{owner}: {field} must be an integer >= {minimum}, got {value!r}")
     if maximum is not None and value > maximum:

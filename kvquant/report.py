@@ -84,7 +84,8 @@ def environment() -> dict[str, str]:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     return {"python": platform.python_version(), **versions, "git_commit": commit,
-            "machine": f"{platform.platform()}, {device}", "date": datetime.datetime.now().isoformat(timespec="seconds")}
+            "machine": f"{platform.platform()}, {device}",
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
 def _metric_entry(verdict, results: dict) -> dict:
@@ -279,7 +280,8 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         f"- command: `{doc['command']}`",
         f"- model: `{cfg.model.path}` ({cfg.model.dtype}); evaluation mode: {mode}; seed {cfg.eval.seed}",
         f"- gate: accuracy ratio >= {cfg.gate.min_relative_accuracy}, perplexity ratio <= "
-        f"{cfg.gate.max_perplexity_ratio}, decided on the {'lower confidence bound' if doc['decide_on'] == 'lower_bound' else 'point estimate'}; "
+        f"{cfg.gate.max_perplexity_ratio}, decided on the "
+        f"{'lower confidence bound' if doc['decide_on'] == 'lower_bound' else 'point estimate'}; "
         f"{int(cfg.gate.confidence * 100)}% paired bootstrap intervals ({cfg.gate.bootstrap} resamples)",
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
@@ -351,7 +353,8 @@ def _search_section(search: dict) -> list[str]:
              f"Calibration split (held apart from evaluation, which reads the documents and windows before these): "
              f"{split}. Ladder, cheapest first: "
              + ", ".join(f"{r['name']} ({r['bits_per_element']:.3f} bits/element)" for r in search["ladder"])
-             + f". Loss with every layer at the top rung: {search['reference_loss']:.4f} nats/token. On the calibration "
+             + f". Loss with every layer at the top rung: {search['reference_loss']:.4f} nats/token. "
+             "On the calibration "
              f"split a map passes when {gated} meet the gate, perplexity ratio at most "
              f"{cal['max_perplexity_ratio']:g}. {outcome}; "
              f"it is evaluated as candidate `{search['name']}` above, and `searched.yaml` reruns it alone.", "",

@@ -182,7 +182,8 @@ def prepare_probe_tasks(tokenizer, probes: dict[str, int], context: int, key: st
         if probe_distance(name) >= context:  # a document holds at least its distance and the question
             raise KVQuantError(f"{key}: {name!r}: the model reads {context} tokens, fewer than the distance")
         if count > MAX_PROBE_DOCUMENTS:
-            raise KVQuantError(f"{key}: {name}: {count} documents asked for; at most {MAX_PROBE_DOCUMENTS} per distance")
+            raise KVQuantError(f"{key}: {name}: {count} documents asked for; "
+                               f"at most {MAX_PROBE_DOCUMENTS} per distance")
     try:
         folder, longest = _task_dir(tokenizer, probes)
     except KVQuantError as err:
@@ -289,4 +290,5 @@ def check_tasks(names: list[str], key: str, single: bool = True) -> None:
             raise KVQuantError(f"{key}: {name!r} is a group of lm-eval tasks; list its tasks one by one")
         close = difflib.get_close_matches(name, sorted(valid | offline), n=5, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "see `python -m kvquant.lm_eval ls tasks`"
-        raise KVQuantError(f"{key}: unknown task {name!r}; {hint} (offline here: {', '.join(sorted(offline))}, passkey_<D>)")
+        raise KVQuantError(f"{key}: unknown task {name!r}; {hint} "
+                           f"(offline here: {', '.join(sorted(offline))}, passkey_<D>)")

@@ -198,7 +198,8 @@ def _reference_key_norm(chunks, sinks, window, budget):
     for k, v in chunks:
         new = [(ordinal + i, k[0, :, i], v[0, :, i]) for i in range(k.shape[2])]
         ordinal += k.shape[2]
-        reads.append((torch.stack([t[1] for t in kept + new], 1)[None], torch.stack([t[2] for t in kept + new], 1)[None]))
+        seen = kept + new
+        reads.append((torch.stack([t[1] for t in seen], 1)[None], torch.stack([t[2] for t in seen], 1)[None]))
         kept += new
         excess = len(kept) - (sinks + window + budget)
         if excess > 0:

@@ -2,7 +2,6 @@
 the value received and what is valid (never a raw torch error, never silently dropped data), and a rejected call
 leaves the cache as it was."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -45,7 +44,8 @@ UPDATE = [
     ("batch differs (fewer values)", states(2), states(1), 0, r"keys have 2 rows, values 1"),
     ("batch differs (more values)", states(2), states(3), 0, r"keys have 2 rows, values 3"),
     ("empty batch", states(0), states(0), 0, r"keys have 0 rows"),
-    ("3-D states", states()[0], states()[0], 0, r"keys have 3 dimensions \(4, 5, 8\).*\[batch, heads, tokens, head_dim\]"),
+    ("3-D states", states()[0], states()[0], 0,
+     r"keys have 3 dimensions \(4, 5, 8\).*\[batch, heads, tokens, head_dim\]"),
     ("5-D states", states()[None], states()[None], 0, r"keys have 5 dimensions .*\[batch, heads, tokens, head_dim\]"),
     ("2-D values", states(), states()[0, 0], 0, r"values have 2 dimensions"),
     ("integer states", states().long(), states().long(), 0, r"keys are torch.int64; .*floating-point"),
@@ -182,8 +182,8 @@ def test_a_valid_reorder_still_works_after_a_rejected_one(model):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("indices,match", [(torch.tensor([5]), r"2 rows: index 5 is out of bounds"), (torch.tensor([0.5]), "float"),
-                                           ("0", "str")])
+@pytest.mark.parametrize("indices,match", [(torch.tensor([5]), r"2 rows: index 5 is out of bounds"),
+                                           (torch.tensor([0.5]), "float"), ("0", "str")])
 def test_batch_select_indices_rejects_bad_indices(model, indices, match):
     cache = written(model)
     with pytest.raises(KVQuantError, match="batch_select_indices: indices .*" + match):

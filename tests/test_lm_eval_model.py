@@ -64,7 +64,8 @@ def test_rolling_and_generation(make_lm, stories):
     lm = make_lm("int4", residual_length=0)
     (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (stories[0][:300],), 0)])
     assert total < 0
-    (text,) = lm.generate_until([Instance("generate_until", {}, ("Once upon a time", {"until": ["."], "max_gen_toks": 30}), 0)])
+    request = Instance("generate_until", {}, ("Once upon a time", {"until": ["."], "max_gen_toks": 30}), 0)
+    (text,) = lm.generate_until([request])
     assert text and "." not in text
 
 

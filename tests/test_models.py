@@ -61,7 +61,8 @@ def test_a_gguf_tokenizer_that_does_not_load_is_one_clear_error(cache):
     for call in (check_model, load_model):
         with pytest.raises(KVQuantError, match=r"tokenizer of .*stories260K.gguf .*set model.tokenizer"):
             call(spec)
-    assert not cache.exists()  # nothing converted for a model that cannot be used
+    # nothing converted for a model that cannot be used (the private cache folder itself may exist, empty)
+    assert not cache.exists() or not any(cache.iterdir())
 
 
 @pytest.mark.parametrize("spec, message", [

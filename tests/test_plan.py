@@ -71,8 +71,8 @@ def real_caches():
         yield cls, AutoModelForCausalLM.from_config(getattr(transformers, cls)(**common, **extra))
 
 
-@pytest.mark.parametrize("setting", ["fp32", "fp8_e4m3", "int8:group_size=32", "int4", "int4:residual_length=16,sink_tokens=4",
-                                     "int2:group_size=8"])
+@pytest.mark.parametrize("setting", ["fp32", "fp8_e4m3", "int8:group_size=32", "int4",
+                                     "int4:residual_length=16,sink_tokens=4", "int2:group_size=8"])
 def test_plan_equals_memory_report_of_a_filled_cache(setting):
     for name, model in real_caches():
         shape = shape_from_config(model.config, name)

@@ -68,8 +68,8 @@ def test_probe_names_and_lengths_are_checked(tokenizer, tmp_path, monkeypatch):
     folder = prepare_probe_tasks(tokenizer, {"passkey_100": 3}, 512, "tasks")
     longest = max(json.loads(line)["tokens"] for line in (folder / "passkey_100.jsonl").read_text().splitlines()[:3])
     docs = probe_documents(tokenizer, [100], 3)
-    assert longest == max(len(tokenizer(d["context"]).input_ids) + len(tokenizer(d["target"], add_special_tokens=False).input_ids)
-                          for d in docs)
+    tokens = lambda text, **kw: len(tokenizer(text, **kw).input_ids)  # noqa: E731
+    assert longest == max(tokens(d["context"]) + tokens(d["target"], add_special_tokens=False) for d in docs)
     prepare_probe_tasks(tokenizer, {"passkey_100": 3}, longest - 1, "tasks")  # the model keeps max_length + 1
     with pytest.raises(KVQuantError, match=f"tasks: 'passkey_100': its documents take up to {longest} tokens; the "
                        f"model reads {longest - 2} .largest distance here: 99."):

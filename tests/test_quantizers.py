@@ -112,7 +112,8 @@ def test_error_grows_as_bits_shrink_for_keys_and_values(stream, real_kv):
 
 def test_fp32_scales_are_more_precise_and_twice_the_bytes(real_kv):
     keys = real_kv[0][0]
-    f16, f32 = (kvquant.get_quantizer("int8", group_size=32, scale_dtype=d).codecs(8)[0] for d in ("float16", "float32"))
+    f16, f32 = (kvquant.get_quantizer("int8", group_size=32, scale_dtype=d).codecs(8)[0]
+                for d in ("float16", "float32"))
     assert f32.encode(keys)["scale"].element_size() == 2 * f16.encode(keys)["scale"].element_size()
     assert _sqnr(f32, keys) >= _sqnr(f16, keys) - 0.5
 
@@ -174,7 +175,8 @@ def test_per_stream_group_sizes_follow_the_stream_when_the_axes_are_swapped():
     swapped = kvquant.get_quantizer("int4", key_axis="token", value_axis="channel", key_group_size=16,
                                     value_group_size=64)
     key_codec, value_codec = swapped.codecs(64)
-    assert (key_codec.axis, key_codec.group) == ("token", 16) and (value_codec.axis, value_codec.group) == ("channel", 64)
+    assert (key_codec.axis, key_codec.group) == ("token", 16)
+    assert (value_codec.axis, value_codec.group) == ("channel", 64)
 
 
 def test_a_per_stream_group_that_does_not_fit_is_named():

@@ -1,4 +1,4 @@
-"""Simulated-mode perplexity of stories260K agrees with the reference figures of shared/docs/measurement.md.
+"""Simulated-mode perplexity of stories260K agrees with the reference figures of docs/measurement.md.
 
 Reference: first 200 TinyStories validation stories, [BOS] + story cut at 512 tokens (68,476 predicted
 tokens), keys per-channel in groups of 32 tokens, values per-token, asymmetric min-max, no residual window,

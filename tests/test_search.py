@@ -34,7 +34,7 @@ def test_first_passing_finds_the_boundary_with_few_checks():
     for boundary in range(0, 40):
         calls = []
 
-        def passes(m):
+        def passes(m, calls=calls, boundary=boundary):
             calls.append(m)
             return m >= boundary
 
@@ -109,7 +109,8 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     evaluation = {tuple(w.ids) for w in data.windows(cfg.eval.perplexity[0], tok, 2048)}
     assert read_windows and not evaluation & set(read_windows)
     assert len(set(read_windows)) == 4
-    assert found["calibration"] == {"windows": {"tinystories": [6, 10]}, "documents": {"tinystories_lastword": [20, 36]},
+    assert found["calibration"] == {"windows": {"tinystories": [6, 10]},
+                                    "documents": {"tinystories_lastword": [20, 36]},
                                     "max_perplexity_ratio": 1.02, "tasks_gated": True}
     # the map is evaluated like a candidate, and searched.yaml reruns it alone
     assert [c["name"] for c in doc["candidates"]] == ["mixed"]
@@ -248,7 +249,8 @@ def test_a_ladder_that_does_not_grow_in_bits_is_refused_before_the_model_loads(t
     ("eval.perplexity.0.limit=1000", "no windows after the 1000 evaluation reads"),
     ("eval.tasks.names=[tinystories_lastword, arc_easy, arc_easy_local]", "'arc_easy' and 'arc_easy_local' read the "
      "same documents"),
-    ("eval.tasks.names=[tinystories_lastword, passkey_64, passkey_064]", "'passkey_64' and 'passkey_064' read the same"),
+    ("eval.tasks.names=[tinystories_lastword, passkey_64, passkey_064]",
+     "'passkey_64' and 'passkey_064' read the same"),
 ])
 def test_a_split_that_cannot_be_held_apart_is_refused_before_the_model_loads(tmp_path, capsys, change, message):
     path = tmp_path / "search.yaml"

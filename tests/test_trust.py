@@ -254,7 +254,7 @@ def test_an_edited_partial_result_is_recomputed_and_set_aside_files_are_kept(tmp
     path = tmp_path / "partial" / "int4" / "ppl__x.json"
     saved = json.loads(path.read_text())
     assert store.get_or_compute("int4", "ppl/x", {"k": 1}, pytest.fail) == compute()  # reused: it verifies
-    for n, edit in enumerate([0.1, 0.2]):  # an edit keeping the key, twice
+    for edit in [0.1, 0.2]:  # an edit keeping the key, twice
         saved["result"]["nll"][0] = edit
         path.write_text(json.dumps(saved))
         assert store.get_or_compute("int4", "ppl/x", {"k": 1}, compute) == compute()
