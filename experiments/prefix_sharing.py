@@ -21,7 +21,7 @@ from kvquant import data
 from kvquant.cache import stack_rows
 from kvquant.config import load_config
 from kvquant.models import load_model
-from kvquant.plan import Planner, parse_setting, shape_from_config
+from kvquant.planner import Planner, parse_setting, shape_from_config
 from kvquant.report import environment
 
 SETTINGS = ["fp16", "fp8_e4m3:residual_length=0", "int4:group_size=32,residual_length=0",

@@ -530,18 +530,14 @@ class QuantizedLayer(CacheLayerMixin):
             if not x.is_floating_point():
                 raise KVQuantError(f"{where}: {name} are {x.dtype}; kvquant stores floating-point states (float16, "
                                    "bfloat16, float32)")
-        if keys.dtype != values.dtype:
-            raise KVQuantError(f"{where}: keys are {keys.dtype}, values {values.dtype}; keys and values must have the "
-                               "same dtype")
-        if keys.device != values.device:
-            raise KVQuantError(f"{where}: keys are on {keys.device}, values on {values.device}; keys and values must "
-                               "be on the same device")
-        if keys.shape[0] != values.shape[0] or not keys.shape[0]:
-            raise KVQuantError(f"{where}: keys have {keys.shape[0]} rows, values {values.shape[0]}; keys and values "
-                               "must hold the same rows (at least one)")
-        if keys.shape[2] != values.shape[2]:
-            raise KVQuantError(f"{where}: keys have {keys.shape[2]} tokens, values {values.shape[2]}; keys and values "
-                               "must hold the same tokens")
+        if not keys.shape[0]:
+            raise KVQuantError(f"{where}: keys hold no rows; keys and values must hold at least one row")
+        for what, k, v, unit, rule in (("are", keys.dtype, values.dtype, "", "have the same dtype"),
+                                       ("are on", keys.device, values.device, "", "be on the same device"),
+                                       ("have", keys.shape[0], values.shape[0], " rows", "hold the same rows"),
+                                       ("have", keys.shape[2], values.shape[2], " tokens", "hold the same tokens")):
+            if k != v:
+                raise KVQuantError(f"{where}: keys {what} {k}{unit}, values {v}; keys and values must {rule}")
         if self.is_initialized and self.k:
             for name, x, like in (("keys", keys, self.k[0].tail), ("values", values, self.v[0].tail)):
                 for what, dim in (("heads", 1), ("head_dim", 3)):
@@ -820,13 +816,17 @@ class KVQuantCache(Cache):
 
 
     def settings(self) -> dict[str, object]:
-        """The make_cache options of this cache (enough to rebuild it), plus what the quantizer derived for the
-        model's head_dim (e.g. ``key_group``/``value_group`` actually used)."""
-        derived = self.quantizer.resolved(self.head_dim) if self.head_dim else {}
+        """The make_cache options of this cache, defaults filled in: ``make_cache(model, **cache.settings())``
+        rebuilds it."""
         layers = {"layers": copy.deepcopy(self.layer_options)} if self.layer_options else {}
         eviction = {"eviction": self.eviction.name, **dataclasses.asdict(self.eviction)} if self.eviction else {}
         return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens,
-                **eviction, **derived, **layers}
+                **eviction, **layers}
+
+    def derived(self) -> dict[str, object]:
+        """What the quantizer derived from the model's head_dim: the groups actually used (``key_group``,
+        ``value_group``), ``rotation_block``. Not options: reports show them beside :meth:`settings`."""
+        return self.quantizer.resolved(self.head_dim) if self.head_dim else {}
 
     def memory_report(self) -> dict[str, float]:
         """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows; a tensor

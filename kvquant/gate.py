@@ -10,56 +10,14 @@ element) is chosen.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from .config import ExperimentConfig, GateConfig
-from .tasks import gated_metric
+from .results import ACCURACY, PERPLEXITY, Decision, Measured, MetricId, MetricRow, Verdict, relative_score
 
-ACCURACY, PERPLEXITY = "accuracy", "perplexity"
-
-
-@dataclass(frozen=True)
-class MetricRow:
-    candidate: str
-    metric: str
-    kind: str  # ACCURACY or PERPLEXITY
-    value: float
-    baseline: float
-    n: int
-    gated: bool = True
-    ci_low: float = math.nan
-    ci_high: float = math.nan
-
-    @property
-    def relative(self) -> float:
-        return relative_score(self.kind, self.value, self.baseline)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    row: MetricRow
-    threshold: float
-    statistic: float  # what was compared with the threshold
-    passed: bool
-
-
-@dataclass(frozen=True)
-class Decision:
-    decision: str  # "pass" or "fail"
-    chosen: str | None  # cheapest passing candidate
-    passed: dict[str, bool]
-    verdicts: list[Verdict]
-    reason: str
-
-
-def relative_score(kind: str, value: float, baseline: float) -> float:
-    """candidate/baseline for accuracy, baseline/candidate for perplexity (1.0 = no loss)."""
-    num, den = (value, baseline) if kind == ACCURACY else (baseline, value)
-    if den == 0:
-        return 1.0 if num == 0 else math.inf
-    return num / den
+__all__ = ["ACCURACY", "PERPLEXITY", "Decision", "MetricRow", "Verdict", "bootstrap_interval", "decide", "is_gated",
+           "judge", "metric_rows", "relative_score", "threshold"]
 
 
 def threshold(kind: str, policy: GateConfig) -> float:
@@ -84,7 +42,7 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
         reason = (f"{chosen} is the cheapest setting ({winners[0][0]:.2f} bits/element) whose every gated metric "
                   f"meets its threshold ({basis})")
         return Decision("pass", chosen, passed, verdicts, reason)
-    failing = [f"{v.row.candidate}: {v.row.metric} {v.statistic:.4f} < {v.threshold:.4f}"
+    failing = [f"{v.row.candidate}: {v.row.metric.name} {v.statistic:.4f} < {v.threshold:.4f}"
                for v in verdicts if not v.passed]
     return Decision("fail", None, passed, verdicts, f"no setting passes ({basis}); " + "; ".join(failing))
 
@@ -114,29 +72,24 @@ def bootstrap_interval(
     return float(low), float(high)
 
 
-def metric_rows(cfg: ExperimentConfig, results: dict, labels: list[str], baseline: str = "baseline") -> list[MetricRow]:
-    """One row per candidate in ``labels`` x metric of ``results`` (``{label: {metric: result}}``, as
-    :func:`kvquant.measure.measure` returns), with paired bootstrap intervals of the relative score against
-    ``results[baseline]``; gated as ``cfg.gate`` says."""
-    gate = cfg.gate
+def is_gated(metric: MetricId, policy: GateConfig) -> bool:
+    """A task's standard metric or a perplexity set, named by ``gate.tasks``/``gate.perplexity`` (None: all)."""
+    names = policy.perplexity if metric.kind == PERPLEXITY else policy.tasks
+    return metric.standard and (names is None or metric.source in names)
+
+
+def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: list[str],
+                baseline: str = "baseline") -> list[MetricRow]:
+    """One row per candidate in ``labels`` x metric it measured, with the paired bootstrap interval of the
+    relative score against ``results[baseline]`` (the same samples, in the same order); gated as ``cfg.gate``
+    says."""
+    gate, base = cfg.gate, results[baseline]
     rows = []
-    base = results[baseline]
     for label in labels:
-        for metric, res in results[label].items():
-            ref = base[metric]
-            if metric.startswith("ppl/"):
-                name = metric[4:]
-                b, c = np.column_stack([ref["nll"], ref["tokens"]]), np.column_stack([res["nll"], res["tokens"]])
-                entries = [(metric, PERPLEXITY, float(np.exp(c[:, 0].sum() / c[:, 1].sum())),
-                            float(np.exp(b[:, 0].sum() / b[:, 1].sum())), len(b), b, c,
-                            gate.perplexity is None or name in gate.perplexity)]
-            else:
-                name = metric[5:]
-                entries = [(f"{m}/{name}", ACCURACY, float(np.mean(res[m])), float(np.mean(ref[m])), len(ref[m]),
-                            np.array(ref[m]), np.array(res[m]),
-                            m == gated_metric(name) and (gate.tasks is None or name in gate.tasks))
-                           for m in ("acc", "acc_norm") if m in res]
-            for metric_name, kind, value, baseline_value, n, b, c, gated in entries:
-                low, high = bootstrap_interval(kind, b, c, gate.bootstrap, gate.confidence, cfg.eval.seed)
-                rows.append(MetricRow(label, metric_name, kind, value, baseline_value, n, gated, low, high))
+        for outcomes in results[label].outcomes:
+            ref = base[outcomes.metric]
+            low, high = bootstrap_interval(outcomes.metric.kind, ref.samples(), outcomes.samples(), gate.bootstrap,
+                                           gate.confidence, cfg.eval.seed)
+            rows.append(MetricRow(label, outcomes.metric, outcomes.value, ref.value, ref.n,
+                                  is_gated(outcomes.metric, gate), low, high))
     return rows

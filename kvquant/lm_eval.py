@@ -14,8 +14,8 @@ Before lm-eval starts, the task names and (for ``--model kvquant``) the model ar
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import difflib
 import inspect
 import math
 import sys
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import _register_with_lm_eval
-from .config import Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device
-from .errors import EXIT_PASS, KVQuantError, guarded
+from .config import MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device, read_text_file
+from .errors import EXIT_PASS, KVQuantError, guarded, one_line
+from .lm_eval_model import batch_rows
 from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, trained_context
-from .tasks import check_tasks, prepare_probe_tasks, probe_tasks, task_dir
+from .tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_dir
 
 #: model_args of ``--model kvquant`` that configure the model, by their :class:`ModelConfig` field.
 MODEL_ARGS = {"pretrained": "path", "tokenizer": "tokenizer", "gguf_file": "gguf_file", "dtype": "dtype",
@@ -75,8 +75,7 @@ def check_kvquant_args(model_args: dict) -> None:
     """The model arguments of ``--model kvquant`` (model, device, mode, chunk_size, quantizer and its options),
     by the runner's own checks, without loading the model's weights."""
     from .lm_eval_model import KVQuantLM
-    from .plan import shape_from_config
-    from .run import check_candidate
+    from .planner import check_candidate, shape_from_config
 
     args = dict(model_args)
     if args.get("pretrained") in (None, ""):
@@ -95,52 +94,175 @@ def check_kvquant_args(model_args: dict) -> None:
     check_candidate(candidate, shape_from_config(model_config, spec.path), "model_args")
 
 
-def _checked_flags(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--model", "-M")
-    parser.add_argument("--model_args", "-a", nargs="+")
-    parser.add_argument("--tasks", "-t", nargs="+")
-    parser.add_argument("--device")
-    parser.add_argument("--include_path")
-    parser.add_argument("--limit", "-L", nargs="?")
-    return parser.parse_known_args(argv)[0]
+#: flags kvquant checks itself from the raw text (lm-eval's own types would reject with a traceback, or accept
+#: values it later fails on)
+RAW_FLAGS = ("limit", "num_fewshot", "max_batch_size", "seed")
+
+
+def _run_parser():
+    """lm-eval's own ``run`` parser (so abbreviations, aliases and unknown flags resolve exactly as lm-eval
+    resolves them), its errors raised as :class:`KVQuantError`, and the flags of :data:`RAW_FLAGS` kept as text."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    parser = HarnessCLI()._subparsers.choices["run"]
+
+    def error(message: str):
+        raise KVQuantError(message)
+
+    parser.error = error
+    for action in parser._actions:
+        if action.dest in RAW_FLAGS:
+            action.type = None
+    return parser
+
+
+def lm_eval_flags(argv: list[str]) -> dict:
+    """The flags lm-eval will run with: its ``--config`` YAML (when given) overridden by the command line, as
+    lm-eval's ``EvaluatorConfig.from_cli`` merges them (a flag wins when it is set, or 0)."""
+    flags = vars(_run_parser().parse_args(argv[1:] if argv[:1] == ["run"] else argv))
+    merged = {}
+    if flags.get("config"):
+        path = Path(flags["config"])
+        try:
+            loaded = yaml.safe_load(read_text_file(path, "--config"))
+        except yaml.YAMLError as err:
+            raise KVQuantError(f"--config: {path} is not valid YAML ({one_line(err)[:200]})") from None
+        if not isinstance(loaded, dict):
+            raise KVQuantError(f"--config: {path} must be a mapping of lm-eval flags, got {type(loaded).__name__}")
+        merged.update(loaded)
+    merged.update({k: v for k, v in flags.items() if (v or v == 0) and k not in ("command", "func")})
+    return merged
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def check_limit(value) -> None:
+    """``--limit``: a whole number of documents >= 1, or a fraction of each task in (0, 1)."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and (0 < number < 1 or (number >= 1 and number == int(number)))):
+        raise KVQuantError(f"--limit must be a whole number of documents >= 1 or a fraction in (0, 1), "
+                           f"got {_text(value)!r}")
+
+
+def _whole(value, name: str, minimum: int) -> int:
+    text = _text(value).strip()
+    if isinstance(value, bool) or not (text.lstrip("-").isdigit()) or int(text) < minimum:
+        raise KVQuantError(f"{name} must be an integer >= {minimum}, got {_text(value)!r}")
+    return int(text)
+
+
+def check_seed(value) -> None:
+    """``--seed``: one integer or None for all four generators, or 3-4 comma-separated, each in numpy's range."""
+    from lm_eval._cli.utils import _int_or_none_list_arg_type
+
+    try:
+        seeds = (_int_or_none_list_arg_type(3, 4, "0,1234,1234,1234", value) if isinstance(value, str)
+                 else list(value) if isinstance(value, list) else [value])
+    except ValueError as err:
+        raise KVQuantError(f"--seed: {err} (one integer, or 4 comma-separated integers or None)") from None
+    for seed in seeds:
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+            raise KVQuantError(f"--seed: each seed must be None or an integer in 0..{MAX_SEED}, got {seed!r}")
+
+
+def check_output_path(value: str) -> None:
+    """``--output_path``: a results directory, or a ``.json`` file in one; lm-eval writes it only after the whole
+    evaluation, so a path it cannot create is refused now."""
+    path = Path(value)
+    folder = path.parent if path.suffix == ".json" else path
+    if folder.exists() and not folder.is_dir() and folder == path:
+        raise KVQuantError(f"--output_path: {folder} is a file; lm-eval writes a results directory there "
+                           "(or name a .json file)")
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise KVQuantError(f"--output_path: {parent} is not a directory")
+            return
+
+
+def check_model_name(name: str | None) -> None:
+    import lm_eval.models  # noqa: F401  (fills lm-eval's registry with its built-in models)
+    from lm_eval.api.registry import model_registry
+
+    known = sorted(model_registry)
+    if name is not None and name not in known:
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
+        raise KVQuantError(f"--model: unknown model {name!r}; {hint}")
+
+
+def check_flags(flags: dict) -> None:
+    """The values lm-eval would refuse only once it runs (or accept and misuse), refused before it starts."""
+    if not flags.get("tasks"):
+        raise KVQuantError("--tasks is required (comma-separated task names; see `python -m kvquant.lm_eval ls "
+                           "tasks`)")
+    check_model_name(flags.get("model"))
+    if flags.get("limit") is not None:
+        check_limit(flags["limit"])
+    if flags.get("samples") and flags.get("limit") is not None:
+        raise KVQuantError("--samples and --limit cannot be used together: --samples names the documents")
+    if flags.get("num_fewshot") is not None:
+        _whole(flags["num_fewshot"], "--num_fewshot", 0)
+    if "batch_size" in flags or flags.get("max_batch_size") is not None:
+        batch_rows(flags.get("batch_size", 1), flags.get("max_batch_size"), ("--batch_size", "--max_batch_size"))
+    if flags.get("seed") is not None:
+        check_seed(flags["seed"])
+    if (flags.get("log_samples") or flags.get("predict_only")) and not flags.get("output_path"):
+        raise KVQuantError("--log_samples needs --output_path (and so does --predict_only): the samples are "
+                           "written there")
+    if flags.get("output_path"):
+        check_output_path(flags["output_path"])
+    if flags.get("device"):
+        check_device("--device", flags["device"])
+
+
+def _task_names(flags: dict) -> list[str]:
+    tasks = flags.get("tasks") or []
+    tasks = tasks.split(",") if isinstance(tasks, str) else tasks
+    return [t.strip() for v in tasks for t in str(v).split(",") if t.strip()]
+
+
+def _model_args(flags: dict) -> dict:
+    args = flags.get("model_args") or {}
+    return parse_model_args([args]) if isinstance(args, str) else dict(args)
 
 
 #: model arguments lm-eval always hands the model from its own flags (``--batch_size`` defaults to 1)
 LM_EVAL_FLAGS = ("batch_size",)
 
 
-def _documents(limit: str | None) -> int | None:
-    """Documents per task that ``--limit`` asks for (None: all, a fraction, or not a finite number: lm-eval's to
-    judge)."""
-    try:
-        value = float(limit) if limit is not None else 0.0
-    except ValueError:
-        return None
-    return int(value) if math.isfinite(value) and value >= 1 else None
+def _documents(limit) -> int | None:
+    """Documents per task that ``--limit`` asks for (None: all, or a fraction)."""
+    return int(float(limit)) if limit is not None and float(limit) >= 1 else None
 
 
 def check(argv: list[str]) -> Path | None:
-    """Task names (unless a user include path adds tasks we cannot see) and the kvquant model's arguments.
-    Returns the folder of task files to include (None where the user gave ``--include_path``): for
-    ``passkey_<D>`` tasks, one holding their documents cut with the model's tokenizer."""
-    flags = _checked_flags(argv)
-    tasks = [t for v in flags.tasks or [] for t in v.split(",") if t]
-    if flags.include_path is None:
+    """Every flag lm-eval will read (:func:`check_flags`), the task names (unless a user include path adds
+    tasks we cannot see) and their offline data, and the kvquant model's arguments. Returns the folder of task
+    files to include (None where the user gave ``--include_path``): for ``passkey_<D>`` tasks, one holding
+    their documents cut with the model's tokenizer."""
+    flags = lm_eval_flags(argv)
+    check_flags(flags)
+    tasks = _task_names(flags)
+    if flags.get("include_path") is None:
         check_tasks([t for t in tasks if not Path(t).exists()], "--tasks", single=False)
-    if flags.device:
-        check_device("--device", flags.device)
-    model_args = parse_model_args(flags.model_args or []) if flags.model == "kvquant" else {}
-    if flags.model == "kvquant":
+        check_task_data(tasks, "--tasks")
+    model_args = _model_args(flags) if flags.get("model") == "kvquant" else {}
+    if flags.get("model") == "kvquant":
         for name in LM_EVAL_FLAGS:  # lm-eval passes these itself, so a model_args copy would collide
             if name in model_args:
                 raise KVQuantError(f"model_args: {name} is set with lm-eval's own flag: pass --{name} "
                                    f"{model_args[name]} instead")
         check_kvquant_args(model_args)
-    probes = probe_tasks(tasks, lambda _: _documents(flags.limit))
+    probes = probe_tasks(tasks, lambda _: _documents(flags.get("limit")))
     if not probes:
-        return None if flags.include_path else task_dir()
-    if flags.include_path or flags.model != "kvquant":
+        return None if flags.get("include_path") else task_dir()
+    if flags.get("include_path") or flags.get("model") != "kvquant":
         raise KVQuantError("--tasks: passkey_<D> documents are cut with the model's tokenizer: run them with "
                            "--model kvquant and without --include_path")
     spec = _model_spec(dict(model_args))
@@ -165,7 +287,6 @@ def _evaluate(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _register_with_lm_eval()
     argv = list(sys.argv[1:] if argv is None else argv)
     return guarded("kvquant.lm_eval", lambda: _evaluate(argv))
 

@@ -5,13 +5,15 @@ Loglikelihood and multiple-choice requests go through :class:`kvquant.evaluate.S
 streaming mode) in batches of ``batch_size`` rows; in streaming mode the choices of one question prefill their
 shared context once (``share_prefix``). Generation builds a fresh quantized cache per request. Options other
 than the ones named in ``__init__`` are handed to ``kvquant.make_cache`` (``group_size``, ``residual_length``,
-``key_bits``, ...).
+``key_bits``, ...). Importing this module registers the model with lm-eval (``import kvquant`` alone does not
+import lm-eval).
 """
 
 from __future__ import annotations
 
 import sys
 
+import lm_eval.models  # noqa: F401  (before registering: lm-eval fills its built-in models only into an empty registry)
 import torch
 import yaml
 from lm_eval.api.model import TemplateLM
@@ -40,6 +42,30 @@ def _parse(value):
         return value
 
 
+def _rows(value, name: str, what: str) -> int:
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
+            or int(value) < 1:
+        raise KVQuantError(f"{name} must be {what}, got {value if isinstance(value, str) else repr(value)!r}")
+    return int(value)
+
+
+def batch_rows(batch_size, max_batch_size=None, names: tuple[str, str] = ("batch_size", "max_batch_size")) -> int:
+    """Rows per forward for lm-eval's ``batch_size`` (an integer >= 1, ``auto`` or ``auto:N``; None is 1) and
+    ``max_batch_size`` (caps ``auto``). kvquant does not probe memory: ``auto`` is :data:`DEFAULT_AUTO_BATCH`.
+    ``names``: how messages name the two (``--batch_size`` on the command line)."""
+    what = "an integer >= 1, 'auto' or 'auto:N' (N >= 1)"
+    cap = None if max_batch_size is None else _rows(max_batch_size, names[1], "an integer >= 1")
+    if batch_size is None:
+        return 1
+    if isinstance(batch_size, str) and batch_size.startswith("auto"):
+        if batch_size != "auto":
+            head, _, tries = batch_size.partition(":")
+            if head != "auto" or not tries.isdigit() or int(tries) < 1:
+                raise KVQuantError(f"{names[0]} must be {what}, got {batch_size!r}")
+        return min(DEFAULT_AUTO_BATCH, cap) if cap else DEFAULT_AUTO_BATCH
+    return _rows(batch_size, names[0], what)
+
+
 @register_model("kvquant")
 class KVQuantLM(TemplateLM):
     def __init__(
@@ -60,11 +86,8 @@ class KVQuantLM(TemplateLM):
         **cache_options,
     ):
         super().__init__()
-        chunk_size, max_length, batch_size, share_prefix = map(_parse,
-                                                               (chunk_size, max_length, batch_size, share_prefix))
-        batch_size = 1 if batch_size is None else batch_size
-        if batch_size == "auto":
-            batch_size = DEFAULT_AUTO_BATCH
+        chunk_size, max_length, share_prefix = map(_parse, (chunk_size, max_length, share_prefix))
+        batch_size = batch_rows(batch_size, max_batch_size)
         check_mode(mode, chunk_size)
         if not isinstance(share_prefix, bool):
             raise KVQuantError(f"share_prefix must be true or false, got {share_prefix!r}")

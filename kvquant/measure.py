@@ -9,14 +9,23 @@ runner, config, gate and report code only orchestrate and render, so they are no
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
 
 from . import data
-from .cache import make_cache
+from .cache import make_cache, simulate_memory
 from .config import Candidate, ExperimentConfig
+from .errors import KVQuantError
 from .evaluate import Scorer, memory_probe, perplexity_samples
 from .models import max_length
-from .tasks import PROBE_DOCUMENTS, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task, task_manager
+from .results import Measured, Memory, Outcomes, perplexity_outcomes, task_outcomes
+from .tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task,
+                    task_manager)
+
+#: Tokens per sequence at which every cache's memory is also stated (the planner's arithmetic).
+LONG_CONTEXT = 8192
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 
@@ -25,6 +34,22 @@ def shares_prefix(candidate: Candidate) -> bool:
     """Whether requests sharing a context read it from one prefilled, forked cache (a stage says; plain
     candidates always do, which scores exactly as prefilling each request: tested)."""
     return getattr(candidate, "prefix_sharing", True)
+
+
+def described(cache) -> dict:
+    """A cache's options and what it derived from the model (the groups actually used), per-layer settings last:
+    resume keys and reports."""
+    settings = cache.settings()
+    layers = settings.pop("layers", None)
+    return {**settings, **cache.derived(), **({"layers": layers} if layers else {})}
+
+
+def check_baseline_finite(scores: list[float], cfg: ExperimentConfig, what: str) -> None:
+    """Scores that are not finite through the identity cache mean the model is broken, not the quantizer."""
+    bad = sum(1 for x in scores if not math.isfinite(float(x)))
+    if bad:
+        raise KVQuantError(f"model {cfg.model.path!r}: {what} scores NaN or Inf through the identity cache (the fp16 "
+                           f"baseline; {bad} of {len(scores)} scores), so the model itself is broken, not a quantizer")
 
 
 def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
@@ -49,44 +74,113 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
                                   bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
+    if candidate is BASELINE:
+        scores = [r[0] for s in samples for r in s["filtered_resps"] if isinstance(r, (list, tuple))]
+        check_baseline_finite(scores, cfg, f"task {task!r}")
     metrics = [m for m in ("acc", "acc_norm") if f"{m},none" in out["results"][name]]
     return {"task": name, **{m: [float(s[m]) for s in samples] for m in metrics}}
 
 
-def measure(cfg: ExperimentConfig, model, tokenizer, store,
-            rows: dict[str, list[str]]) -> tuple[dict, dict]:
-    """Results of the baseline and every candidate: {label: {metric: result}} and {label: memory report}.
-    ``rows``: the text of every perplexity set, read by :func:`preflight`."""
-    maxlen = max_length(model, cfg.model)
-    windows = {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity}
-    size = min(cfg.eval.memory_probe_tokens, maxlen)
-    probe = [t for ws in windows.values() for w in ws for t in w.ids] or tokenizer("Once upon a time").input_ids
-    probe = (probe * -(-size // len(probe)))[:size]  # without perplexity text, a phrase repeated: bytes are alike
-    base_key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
-                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed}
-    # task files (probe documents are cut with this tokenizer), written when a task is first measured
-    probes = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
-    folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, maxlen, "eval.tasks.names")))
-    results, memory = {}, {}
-    for candidate in [BASELINE, *cfg.candidates]:
-        label = candidate.label
-        make = lambda c=candidate: make_cache(model, c.quantizer, **c.options)  # noqa: E731
-        settings = make().settings()  # what the cache really uses, defaults filled in
-        key = {**base_key, "settings": settings, **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
-        scorer = Scorer(model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
+def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
+    """Documents each ``passkey_<D>`` task needs written: its evaluation documents, plus the calibration
+    documents after them when the search gates it."""
+    counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    if cfg.search:
+        for task in cfg.gated_tasks():
+            if probe_distance(task) is not None:
+                counts[task] = cfg.eval.tasks.limit_for(task) + cfg.search.documents
+    return counts
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a measurement reads: ``name`` (``evaluation`` or ``calibration``, part of every resume key), the
+    token windows of each perplexity set, and each task's documents (None: the first ``eval.tasks.limit``)."""
+
+    name: str
+    windows: dict[str, list[data.Window]]
+    documents: dict[str, range | None]
+    progress: bool = True  # a progress bar per perplexity set
+
+
+def evaluation_split(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[str, list[str]]) -> Split:
+    """The windows and documents every candidate is evaluated on; ``rows``: each perplexity set's text."""
+    return Split("evaluation", {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity},
+                 dict.fromkeys(cfg.eval.tasks.names))
+
+
+class Session:
+    """One model, tokenizer, config and result store: measures any candidate on any split, each (candidate,
+    metric) result through the store (kept and reused, keyed by everything that decides it)."""
+
+    def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape):
+        self.cfg, self.model, self.tokenizer, self.store, self.shape = cfg, model, tokenizer, store, shape
+        self.maxlen = max_length(model, cfg.model)
+        probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
+        self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
+                                                                      "eval.tasks.names")))
+
+    def measure(self, candidate: Candidate, split: Split, label: str | None = None, tasks: bool = True,
+                probe: list[int] | None = None) -> Measured:
+        """``candidate``'s outcomes on ``split`` (its tasks too unless ``tasks`` is False) and, given ``probe``
+        tokens, its memory; stored under ``label`` (default: the candidate's)."""
+        cfg, label = self.cfg, label or candidate.label
+        make = lambda c=candidate: make_cache(self.model, c.quantizer, **c.options)  # noqa: E731
+        settings = described(make())  # what the cache really uses, defaults filled in
+        key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
+               "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed, "max_length": self.maxlen,
+               "split": split.name, "settings": settings,
+               **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
+        scorer = Scorer(self.model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
                         share_prefix=shares_prefix(candidate))
-        memory[label] = {**store.get_or_compute(label, "memory", {**key, "probe": probe},
-                                                lambda m=make: memory_probe(model, m, probe)),
-                         "settings": settings}
-        results[label] = {}
-        for pset in cfg.eval.perplexity:
-            metric = f"ppl/{pset.name}"
-            results[label][metric] = store.get_or_compute(
-                label, metric, {**key, "set": asdict(pset), "max_length": maxlen},
-                lambda p=pset, s=scorer, lab=label: perplexity_samples(s, windows[p.name], desc=f"{lab} {p.name}"))
-        for task in cfg.eval.tasks.names:
-            results[label][f"task/{task}"] = store.get_or_compute(
-                label, f"task/{task}", {**key, "task": task, "limit": cfg.eval.tasks.limit_for(task),
-                                        "num_fewshot": cfg.eval.tasks.num_fewshot, "max_length": maxlen},
-                lambda t=task, c=candidate: run_task(model, tokenizer, c, cfg, t, maxlen, folder()))
-    return results, memory
+        outcomes = [self._perplexity(candidate, label, key, scorer, name, ws, split.progress)
+                    for name, ws in split.windows.items()]
+        for task, documents in (split.documents.items() if tasks else ()):
+            outcomes += self._task(candidate, label, key, task, documents)
+        memory = self._memory(candidate, label, key, make, settings, probe) if probe else None
+        return Measured(label, tuple(outcomes), memory)
+
+    def _perplexity(self, candidate, label, key, scorer, name: str, windows: list[data.Window],
+                    progress: bool) -> Outcomes:
+        ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
+        desc = f"{label} {name}" if progress else None
+        raw = self.store.get_or_compute(label, f"ppl/{name}", {**key, "windows": ids},
+                                        lambda: perplexity_samples(scorer, windows, desc=desc))
+        if candidate is BASELINE:
+            check_baseline_finite(raw["nll"], self.cfg, f"perplexity {name!r}")
+        return perplexity_outcomes(name, raw)
+
+    def _task(self, candidate, label, key, task: str, documents: range | None) -> list[Outcomes]:
+        cfg = self.cfg
+        which = ({"documents": [documents.start, documents.stop]} if documents is not None
+                 else {"limit": cfg.eval.tasks.limit_for(task)})
+        raw = self.store.get_or_compute(
+            label, f"task/{task}", {**key, "task": task, **which, "num_fewshot": cfg.eval.tasks.num_fewshot},
+            lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
+                             list(documents) if documents is not None else None))
+        return task_outcomes(task, raw, gated_metric(task))
+
+    def _memory(self, candidate, label, key, make, settings: dict, probe: list[int]) -> Memory:
+        measured = self.store.get_or_compute(label, "memory", {**key, "probe": probe},
+                                             lambda: memory_probe(self.model, make, probe))
+        shape = self.shape  # the planner's arithmetic at a long context, by the cache's own code
+        long = simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
+                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=LONG_CONTEXT,
+                               dtype=self.model.dtype)
+        return Memory(settings, measured, long)
+
+
+def probe_tokens(cfg: ExperimentConfig, split: Split, tokenizer, maxlen: int) -> list[int]:
+    """The tokens every cache's memory is measured after: ``eval.memory_probe_tokens`` of the perplexity text
+    (without any, a phrase repeated: bytes do not depend on which tokens)."""
+    size = min(cfg.eval.memory_probe_tokens, maxlen)
+    probe = [t for ws in split.windows.values() for w in ws for t in w.ids] or tokenizer("Once upon a time").input_ids
+    return (probe * -(-size // len(probe)))[:size]
+
+
+def measure(session: Session, candidates: list[Candidate], rows: dict[str, list[str]]) -> dict[str, Measured]:
+    """The baseline and every candidate on the evaluation split, with memory: ``{label: Measured}``.
+    ``rows``: the text of every perplexity set, read by preflight."""
+    split = evaluation_split(session.cfg, session.tokenizer, session.maxlen, rows)
+    probe = probe_tokens(session.cfg, split, session.tokenizer, session.maxlen)
+    return {c.label: session.measure(c, split, probe=probe) for c in [BASELINE, *candidates]}

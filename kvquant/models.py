@@ -210,11 +210,7 @@ def load_model(spec: ModelConfig):
 
     path = resolve_model_path(spec)
     device = pick_device(spec.device)
-    if spec.dtype == "auto":
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
-        dtype = DTYPES[spec.dtype]
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": model_dtype(spec)}
     if spec.device_map:
         kwargs["device_map"] = spec.device_map
     gguf = _gguf_path(path, spec.gguf_file) if spec.gguf_file else None
@@ -229,9 +225,28 @@ def load_model(spec: ModelConfig):
     except Exception as err:  # transformers raises many types for weights it cannot read
         raise KVQuantError(f"cannot load model {spec.path!r} ({converted or path}): {type(err).__name__}: "
                            f"{one_line(err)[:300]}") from None
+    check_finite_weights(model, f"model {spec.path!r} ({converted or path})")
     if not spec.device_map:
         model = model.to(device)
     return model, tokenizer
+
+
+def model_dtype(spec: ModelConfig) -> torch.dtype:
+    """The dtype :func:`load_model` loads ``spec`` in (``auto``: bfloat16 on a GPU, float32 on the CPU); preflight
+    computes with the same one."""
+    if spec.dtype != "auto":
+        return DTYPES[spec.dtype]
+    return torch.bfloat16 if pick_device(spec.device).startswith("cuda") else torch.float32
+
+
+def check_finite_weights(model, what: str) -> None:
+    """A weight holding NaN or Inf makes every score NaN (or meaningless) whatever the cache does: the model is
+    broken, so it is bad input naming the first such weight, not a quantizer's failure."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.device.type != "meta" and not torch.isfinite(tensor).all():
+            count = int((~torch.isfinite(tensor)).sum())
+            raise KVQuantError(f"{what}: weight {name} holds NaN or Inf ({count} of {tensor.numel()} elements); "
+                               "the model itself is broken, so no cache can be measured on it")
 
 
 def trained_context(config) -> int | None:

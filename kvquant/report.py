@@ -28,7 +28,8 @@ import pandas as pd
 from .config import ExperimentConfig
 from .errors import ERROR_LOG
 from .fs import write_together
-from .gate import PERPLEXITY, Decision, MetricRow
+from .measure import LONG_CONTEXT
+from .results import PERPLEXITY, Measured, Memory, MetricRow, RunResult, Verdict
 from .tasks import probe_distance
 from .paths import PROJECT_ROOT
 from .stages import max_batch
@@ -46,12 +47,9 @@ def _version(package: str) -> str:
 REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png", "config.resolved.yaml",
                           "searched.yaml", "stages.png", "probe.png", ERROR_LOG})
 
-#: Tokens per sequence at which the report also states each setting's memory (the planner's arithmetic).
-LONG_CONTEXT = 8192
-
 #: Modules that only orchestrate, check or render (runner, gate, planner, report, CLI): they run afresh
 #: every time and decide no measured value, so a change to them keeps finished results reusable.
-NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "errors.py", "lm_eval.py"})
+NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py", "lm_eval.py"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,69 +86,75 @@ def environment() -> dict[str, str]:
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def _metric_entry(verdict, results: dict) -> dict:
+def _metric_entry(verdict: Verdict, results: dict[str, Measured]) -> dict:
     row = verdict.row
     entry = {"kind": row.kind, "value": row.value, "baseline": row.baseline, "relative": row.relative,
              "ci_low": row.ci_low, "ci_high": row.ci_high, "threshold": verdict.threshold, "gated": row.gated,
              "passed": verdict.passed, "n": row.n}
     if row.kind == PERPLEXITY:
         cand, base = results[row.candidate][row.metric], results["baseline"][row.metric]
-        entry.update(nll_sum=float(np.sum(cand["nll"])), tokens=int(np.sum(cand["tokens"])),
-                     baseline_nll_sum=float(np.sum(base["nll"])), baseline_tokens=int(np.sum(base["tokens"])))
+        entry.update(nll_sum=float(np.sum(cand.scores)), tokens=int(np.sum(cand.tokens)),
+                     baseline_nll_sum=float(np.sum(base.scores)), baseline_tokens=int(np.sum(base.tokens)))
     return entry
 
 
-def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision: Decision, memory: dict,
-          results: dict, command: str, provenance: dict, search: dict | None = None,
-          staged: dict | None = None) -> dict[str, Path]:
-    """Write the report of one run. ``provenance``: ``reused`` and ``computed`` result counts, ``set_aside``
-    (unreadable partial results that were recomputed) and ``warnings``; ``search``: what
-    :func:`kvquant.search.search` found (its map is the config's candidate named ``search.name``); ``staged``:
-    the serving measurements and order of a staged run (its stages are the config's candidates)."""
-    env = environment()
-    run_id = uuid.uuid4().hex[:12]
-    candidates = []
-    for c in cfg.candidates:
-        mem = memory[c.label]
-        verdicts = [v for v in decision.verdicts if v.row.candidate == c.label]
-        candidates.append({
-            "name": c.label, "settings": mem["settings"], "bits_per_element": mem["bits_per_element"],
-            "memory_ratio": mem["ratio"], "memory_ratio_long": mem["long"]["ratio"],
-            "bits_per_element_long": mem["long"]["bits_per_element"],
-            "memory": {k: v for k, v in mem.items() if k != "settings"},
-            "passed": decision.passed[c.label],
-            "metrics": {v.row.metric: _metric_entry(v, results) for v in verdicts},
-        })
-    doc = {
+def _memory_entry(memory: Memory) -> dict:
+    return {**memory.measured, "long": memory.long}
+
+
+def _candidate_entry(candidate, run: RunResult) -> dict:
+    memory = run.results[candidate.label].memory
+    verdicts = [v for v in run.decision.verdicts if v.row.candidate == candidate.label]
+    return {"name": candidate.label, "settings": memory.settings, "bits_per_element": memory.bits_per_element,
+            "memory_ratio": memory.measured["ratio"], "memory_ratio_long": memory.long["ratio"],
+            "bits_per_element_long": memory.long["bits_per_element"], "memory": _memory_entry(memory),
+            "passed": run.decision.passed[candidate.label],
+            "metrics": {v.row.metric.name: _metric_entry(v, run.results) for v in verdicts}}
+
+
+def document(run: RunResult, run_id: str) -> dict:
+    """What results.json holds: the decision, every candidate's settings, memory and metrics, provenance."""
+    cfg, decision, provenance = run.config, run.decision, run.provenance
+    baseline = run.results["baseline"].memory
+    return {
         "run_id": run_id, "decision": decision.decision, "chosen": decision.chosen, "reason": decision.reason,
         "decide_on": cfg.gate.decide_on, "mode": cfg.eval.mode,
         "chunk_size": cfg.eval.chunk_size if cfg.eval.mode == "streaming" else None,
-        "command": command, "environment": env, "config": cfg.to_dict(),
-        "results": {"computed": provenance["computed"], "reused_from_partial": provenance["reused"],
-                    "set_aside": provenance["set_aside"]},
-        "warnings": provenance["warnings"],
-        "baseline": {"settings": memory["baseline"]["settings"],
-                     "memory": {k: v for k, v in memory["baseline"].items() if k != "settings"}},
-        "candidates": candidates,
-        **({"search": {k: v for k, v in search.items() if k != "config"}} if search else {}),
-        **({"staged": {k: v for k, v in staged.items() if k != "config"}} if staged else {}),
+        "command": run.command, "environment": environment(), "config": cfg.to_dict(),
+        "results": {"computed": provenance.computed, "reused_from_partial": provenance.reused,
+                    "set_aside": list(provenance.set_aside)},
+        "warnings": list(provenance.warnings),
+        "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
+        "candidates": [_candidate_entry(c, run) for c in run.candidates],
+        **({"search": run.search} if run.search else {}),
+        **({"staged": run.staged} if run.staged else {}),
     }
+
+
+def write(out_dir: Path, run: RunResult) -> dict[str, Path]:
+    """Render one run's report files together (``results.json``, ``results.csv``, ``report.md``, plots,
+    ``config.resolved.yaml``, a search's ``searched.yaml``) into ``out_dir``, and remove what an earlier run
+    left there that this one does not regenerate."""
+    cfg, run_id = run.config, uuid.uuid4().hex[:12]
+    doc = document(run, run_id)
+    candidates = doc["candidates"]
     frame = pd.DataFrame([{"candidate": c["name"], "bits_per_element": c["bits_per_element"],
                            "memory_ratio": c["memory_ratio"], "metric": m, **e}
                           for c in candidates for m, e in c["metrics"].items()])
     resolved = (f"# run {run_id}: the config of the run that results.json and report.md describe\n"
-                + yaml.safe_dump((search or staged or {"config": cfg.to_dict()})["config"], sort_keys=False))
+                + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    curve = _probe_curve(run.rows)
     files = {"results.json": json.dumps(doc, indent=2, default=float), "results.csv": frame.to_csv(index=False),
              "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
-             "report.md": _markdown(doc, frame, cfg)}
-    if search:  # the map found, as a config that evaluates it alone (no search) on the same data
-        found = next(c for c in cfg.candidates if c.label == search["name"])
-        rerun = {**cfg.to_dict(), "name": f"{cfg.name}-{found.label}", "candidates": [dataclasses.asdict(found)]}
+             "report.md": _markdown(doc, frame, cfg, curve)}
+    if run.search:  # the map found, as a config that evaluates it alone (no search) on the same data
+        found = next(c for c in run.candidates if c.label == run.search["name"])
+        rerun = {**cfg.to_dict(), "name": f"{cfg.name}-{found.label}", "candidates": [dataclasses.asdict(found)],
+                 "search": None}
         files["searched.yaml"] = (f"# the per-layer map searched by run {run_id}; rerun with\n# python -m kvquant.run "
                                   f"{out_dir / 'searched.yaml'}\n" + yaml.safe_dump(rerun, sort_keys=False))
-    if staged:
+    if run.staged:
         files["stages.png"] = _stages_plot(doc, cfg)
-    curve = _probe_curve(candidates)
     if curve:
         files["probe.png"] = _probe_plot(curve, cfg)
     write_together(out_dir, files)
@@ -159,16 +163,14 @@ def write(out_dir: Path, cfg: ExperimentConfig, rows: list[MetricRow], decision:
     return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}
 
 
-def _probe_curve(candidates: list[dict]) -> dict[str, dict[int, tuple[float, int]]]:
+def _probe_curve(rows: list[MetricRow]) -> dict[str, dict[int, tuple[float, int]]]:
     """``{candidate or "baseline": {distance: (acc, n)}}`` of the long-range probe tasks (``passkey_<D>``)."""
     curve: dict[str, dict[int, tuple[float, int]]] = {}
-    for c in candidates:
-        for metric, e in c["metrics"].items():
-            kind, _, task = metric.partition("/")
-            distance = probe_distance(task)
-            if kind == "acc" and distance is not None:
-                curve.setdefault("baseline", {})[distance] = (e["baseline"], e["n"])
-                curve.setdefault(c["name"], {})[distance] = (e["value"], e["n"])
+    for row in rows:
+        distance = probe_distance(row.metric.source)
+        if row.metric.measure == "acc" and distance is not None:
+            curve.setdefault("baseline", {})[distance] = (row.baseline, row.n)
+            curve.setdefault(row.candidate, {})[distance] = (row.value, row.n)
     return curve
 
 
@@ -269,10 +271,11 @@ def _accuracy_threshold(ax, cfg: ExperimentConfig) -> None:
                label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
 
 
-def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
+def _header(doc: dict, cfg: ExperimentConfig) -> list[str]:
+    """The decision and everything needed to reproduce the run: command, model, mode, gate, environment."""
     env = doc["environment"]
     mode = f"{cfg.eval.mode}" + (f" (chunk size {cfg.eval.chunk_size})" if cfg.eval.mode == "streaming" else "")
-    lines = [
+    return [
         f"# kvquant report: {cfg.name}",
         "",
         f"**Decision: {doc['decision'].upper()}** — {doc['reason']}.",
@@ -294,6 +297,12 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
         + (f"; unreadable partial results set aside and recomputed: {', '.join(doc['results']['set_aside'])}"
            if doc["results"]["set_aside"] else ""),
         *(f"- warning: {w}" for w in doc["warnings"]),
+    ]
+
+
+def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig, curve: dict) -> str:
+    lines = [
+        *_header(doc, cfg),
         "",
         "## Candidates",
         "",
@@ -325,7 +334,6 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig) -> str:
     lines += ["", "Perplexity rows: value = exp(summed NLL / tokens); summed NLL and token counts are in "
               "results.json. Relative = baseline/candidate for perplexity, candidate/baseline for accuracy.",
               "", "![quality vs bits](plot.png)", ""]
-    curve = _probe_curve(doc["candidates"])
     if curve:
         lines += _probe_table(curve)
     if "search" in doc:

@@ -32,17 +32,17 @@ import numpy as np
 import torch
 
 from . import data, models, report
-from .cache import simulate_memory
-from .config import Candidate, ExperimentConfig, Stage, load_config
+from .config import ExperimentConfig, Stage, load_config
 from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .fs import cache_dir, read_file, real_dir, set_aside, write_file
 from .gate import ACCURACY, decide, metric_rows
-from .measure import BASELINE, measure
-from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, trained_context
-from .plan import ModelShape, parse_bytes, shape_from_config
-from .search import check_search, probe_counts, search
+from .measure import BASELINE, Session, measure, probe_counts
+from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
+from .planner import check_candidate, parse_bytes, shape_from_config
+from .results import Decision, Provenance, RunResult
+from .search import check_search, search
 from .stages import serve, serving_tokens, staged_decision
-from .tasks import check_tasks, prepare_probe_tasks, task_dir
+from .tasks import check_task_data, check_tasks, prepare_probe_tasks, task_dir
 
 LOCK = ".lock"
 
@@ -213,18 +213,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_candidate(candidate: Candidate, shape: ModelShape, key: str) -> None:
-    """The candidate's quantizer and options on the model's shapes, through kvquant's own cache code (on meta
-    tensors: no data, no compute), so a bad name, type, range or a group that does not fit head_dim fails now."""
-    if "quantizer" in candidate.options:
-        raise KVQuantError(f"{key}.options: 'quantizer' is not an option; set {key}.quantizer")
-    try:
-        simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
-                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=1)
-    except KVQuantError as err:
-        raise KVQuantError(f"{key}: {one_line(err)}") from None
-
-
 def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
     """Sequences past the model's trained context, and perplexity windows cut shorter than configured."""
     trained = trained_context(model_config)
@@ -232,7 +220,7 @@ def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
     if trained and cfg.model.max_length and cfg.model.max_length > trained:
         out.append(f"model.max_length {cfg.model.max_length} is past the model's trained context ({trained} "
                    "positions): scores on longer sequences measure extrapolation, not the model")
-    limit = cfg.model.max_length or trained or 2048
+    limit = cfg.model.max_length or trained or DEFAULT_MAX_LENGTH
     out += [f"perplexity set {p.name!r}: max_length {p.max_length} is cut to the model's {limit} tokens"
             for p in cfg.eval.perplexity if p.max_length > limit]
     return out
@@ -283,6 +271,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
+    check_task_data(cfg.eval.tasks.names, "eval.tasks.names")
     if cfg.eval.tasks.names:
         task_dir()  # the folder lm-eval will load task files from: private, or refused now
     probes = probe_counts(cfg)
@@ -295,8 +284,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     if cfg.search:
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
-        dtype = torch.float32 if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-        check_search(cfg, shape, dtype, tokenizer, context, rows, folder)
+        check_search(cfg, shape, model_dtype(cfg.model), tokenizer, context, rows, folder)
     warnings = []
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)
@@ -314,53 +302,58 @@ def serving_text(cfg: ExperimentConfig, tokenizer, rows: dict):
     return (pset, *serving_tokens(cfg.serving, tokenizer(pset.separator.join(rows[pset.name])).input_ids))
 
 
-def serve_stages(cfg: ExperimentConfig, model, tokenizer, store: ResultStore, rows: dict) -> dict[str, dict]:
-    """Each stage (and the baseline, no prefix sharing) on the serving shape, through the result store."""
-    pset, prefix, suffixes = serving_text(cfg, tokenizer, rows)
-    out = {}
+def serve_stages(session: Session, rows: dict) -> dict:
+    """A staged run's serving step: each stage (and the baseline, no prefix sharing) on the serving shape, through
+    the result store, and what the report needs to order and judge them."""
+    cfg, store = session.cfg, session.store
+    pset, prefix, suffixes = serving_text(cfg, session.tokenizer, rows)
+    serving = {}
     for stage in [Stage(BASELINE.quantizer, {}, BASELINE.label), *cfg.stages]:
         key = {"model": dataclasses.asdict(cfg.model), "serving": dataclasses.asdict(cfg.serving),
                "stage": dataclasses.asdict(stage), "text": pset.name}
-        out[stage.label] = store.get_or_compute(stage.label, "serving", key,
-                                                lambda s=stage: serve(model, s, cfg.serving, prefix, suffixes))
-    return out
+        serving[stage.label] = store.get_or_compute(
+            stage.label, "serving", key, lambda s=stage: serve(session.model, s, cfg.serving, prefix, suffixes))
+    return {"serving": serving, "stages": [s.label for s in cfg.stages],
+            "budget_bytes": parse_bytes(cfg.serving.memory_budget), "shape": dataclasses.asdict(cfg.serving),
+            "prefix_sharing": {s.label: s.prefix_sharing for s in cfg.stages}}
+
+
+def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: dict | None,
+              warnings: list[str]) -> tuple[list, Decision]:
+    """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
+    failing one)."""
+    table = metric_rows(cfg, results, [c.label for c in candidates])
+    for row in table:
+        if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
+            warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
+                 "(relative 1.0) and the gate says nothing about it")
+    decision = decide(table, {c.label: results[c.label].memory.bits_per_element for c in candidates}, cfg.gate)
+    if staged:
+        verdict, chosen, staged["first_failing"], reason = staged_decision(candidates, decision.passed)
+        decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)
+    return table, decision
 
 
 def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
-    """Measure, gate and report a validated config into ``out_dir`` (held under its lock)."""
+    """Run a validated config's steps into ``out_dir`` (held under its lock): the search (its map joins the
+    candidates), the serving shape of a staged run, the candidates (or stages) measured, the gate, the report.
+    The config is never rewritten: each step reads it as given."""
     seed_everything(cfg.eval.seed)
     model, tokenizer = load_model(cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings)
-    shape = shape_from_config(model.config, cfg.model.path)
+    session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
+    candidates = list(cfg.stages or cfg.candidates)
     searched = staged = None
-    if cfg.search:  # the map found joins the candidates, evaluated like them; the search itself is done
-        found, searched = search(cfg, model, tokenizer, store, rows, shape)
-        searched["config"] = cfg.to_dict()
-        cfg = dataclasses.replace(cfg, candidates=[*cfg.candidates, found], search=None)
-    if cfg.stages:  # the stages are measured as candidates, and on the serving shape
-        staged = {"config": cfg.to_dict(), "serving": serve_stages(cfg, model, tokenizer, store, rows),
-                  "stages": [s.label for s in cfg.stages], "budget_bytes": parse_bytes(cfg.serving.memory_budget),
-                  "shape": dataclasses.asdict(cfg.serving),
-                  "prefix_sharing": {s.label: s.prefix_sharing for s in cfg.stages}}
-        cfg = dataclasses.replace(cfg, candidates=list(cfg.stages), stages=[], serving=None)
-    results, memory = measure(cfg, model, tokenizer, store, rows)
-    for c in [BASELINE, *cfg.candidates]:  # the planner's arithmetic at a long context, by the cache's own code
-        memory[c.label]["long"] = simulate_memory(shape.layout, {"quantizer": c.quantizer, **c.options}, batch=1,
-                                                  kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                                                  tokens=report.LONG_CONTEXT, dtype=model.dtype)
-    table_rows = metric_rows(cfg, results, [c.label for c in cfg.candidates])
-    for row in table_rows:
-        if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == cfg.candidates[0].label:
-            warn(warnings, f"gated metric {row.metric}: the baseline scores 0, so every candidate keeps it (relative "
-                 "1.0) and the gate says nothing about it")
-    bits = {c.label: memory[c.label]["bits_per_element"] for c in cfg.candidates}
-    decision = decide(table_rows, bits, cfg.gate)
-    if staged:
-        verdict, chosen, staged["first_failing"], reason = staged_decision(cfg.candidates, decision.passed)
-        decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)
-    provenance = {"reused": store.reused, "computed": store.computed, "set_aside": store.set_aside,
-                  "warnings": warnings}
-    paths = report.write(out_dir, cfg, table_rows, decision, memory, results, command, provenance, searched, staged)
+    if cfg.search:
+        found, searched = search(session, rows)
+        candidates.append(found)
+    if cfg.stages:
+        staged = serve_stages(session, rows)
+    results = measure(session, candidates, rows)
+    table, decision = judge_run(cfg, candidates, results, staged, warnings)
+    provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings))
+    run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged)
+    paths = report.write(out_dir, run)
     verdict = "PASS" if decision.decision == "pass" else "FAIL"
     print(f"\nkvquant: {verdict}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}")

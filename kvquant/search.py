@@ -29,27 +29,15 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from . import data
-from .cache import build_cache, make_cache, simulate_memory
+from .cache import build_cache, simulate_memory
 from .config import SEARCH_PREFIX, Candidate, ExperimentConfig
 from .errors import KVQuantError
-from .evaluate import Scorer, perplexity_samples
 from .gate import decide, metric_rows
-from .measure import BASELINE, run_task
-from .models import max_length
-from .tasks import prepare_probe_tasks, probe_distance, probe_tasks, resolve_task, task_manager
+from .measure import BASELINE, Session, Split
+from .results import Measured
+from .tasks import probe_distance, resolve_task, task_manager
 
 CALIBRATION_BASELINE = SEARCH_PREFIX + "baseline"
-
-
-def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
-    """Documents each ``passkey_<D>`` task needs written: its evaluation documents, plus the calibration
-    documents after them when the search gates it."""
-    counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
-    if cfg.search:
-        for task in cfg.gated_tasks():
-            if probe_distance(task) is not None:
-                counts[task] = cfg.eval.tasks.limit_for(task) + cfg.search.documents
-    return counts
 
 
 def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
@@ -196,102 +184,101 @@ def _label(rungs: dict[int, int]) -> str:
     return SEARCH_PREFIX + hashlib.sha256(json.dumps(sorted(rungs.items())).encode()).hexdigest()[:16]
 
 
-def search(cfg: ExperimentConfig, model, tokenizer, store, rows: dict, shape) -> tuple[Candidate, dict]:
-    """Run the search; returns the map found (named ``search.name``) and what the report shows of it."""
-    spec = cfg.search
-    ladder, top = spec.ladder, len(spec.ladder) - 1
-    maxlen = max_length(model, cfg.model)
-    calibration = calibration_windows(cfg, tokenizer, maxlen, rows)
-    windows = {name: ws for name, (_, ws) in calibration.items()}
-    documents = calibration_documents(cfg)
-    tokens = min(cfg.eval.memory_probe_tokens, maxlen)  # as the candidates' bits are measured
-    bits = ladder_bits(cfg, shape, model.dtype, tokens)
-    layers = [i for i, w in enumerate(shape.layout) if w != "shared"]
-    folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probe_counts(cfg), maxlen,
-                                                             "eval.tasks.names")))
-    base_key = {"model": dataclasses.asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
-                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed, "max_length": maxlen, "split": "calibration"}
+def _loss(result: Measured) -> float:
+    """NLL per token over the perplexity sets of one calibration measurement."""
+    ppl = result.perplexity()
+    return sum(sum(o.scores) for o in ppl) / sum(sum(o.tokens) for o in ppl)
 
-    def measure(candidate: Candidate, label: str, tasks: bool) -> dict:
-        settings = make_cache(model, candidate.quantizer, **candidate.options).settings()
-        key = {**base_key, "settings": settings}
-        scorer = Scorer(model, lambda: make_cache(model, candidate.quantizer, **candidate.options), cfg.eval.mode,
-                        cfg.eval.chunk_size, batch_size=cfg.eval.batch_size)
-        out = {}
-        for name, ws in windows.items():
-            out[f"ppl/{name}"] = store.get_or_compute(
-                label, f"ppl/{name}", {**key, "windows": [w.ids for w in ws]},
-                lambda ws=ws: perplexity_samples(scorer, ws, desc=None))
-        for task, docs in (documents.items() if tasks else ()):
-            out[f"task/{task}"] = store.get_or_compute(
-                label, f"task/{task}", {**key, "task": task, "documents": [docs.start, docs.stop],
-                                        "num_fewshot": cfg.eval.tasks.num_fewshot},
-                lambda t=task, d=docs: run_task(model, tokenizer, candidate, cfg, t, maxlen, folder(), list(d)))
-        return out
 
-    def loss(result: dict) -> float:
-        nll = sum(sum(r["nll"]) for k, r in result.items() if k.startswith("ppl/"))
-        return nll / sum(sum(r["tokens"]) for k, r in result.items() if k.startswith("ppl/"))
+class _Search:
+    """One search's state: the calibration split, the layers' sensitivities, the greedy maps, the maps checked."""
 
-    results = {CALIBRATION_BASELINE: measure(BASELINE, CALIBRATION_BASELINE, tasks=True)}
-    all_top = dict.fromkeys(layers, top)
-    reference = loss(measure(map_candidate(ladder, all_top, "top"), _label(all_top), tasks=False))
-    sensitivity = {}
-    with tqdm(total=len(layers) * top, desc="search: layer sensitivity", disable=False) as bar:
-        for layer in layers:
-            sensitivity[layer] = []
-            for rung in range(top):
-                rungs = {**all_top, layer: rung}
-                sensitivity[layer].append(loss(measure(map_candidate(ladder, rungs, "probe"), _label(rungs),
-                                                       tasks=False)) - reference)
-                bar.update()
-            sensitivity[layer].append(0.0)
-    maps = greedy_order(sensitivity, bits)
-    checked = {}
-    gate = cfg.gate if spec.max_perplexity_ratio is None else dataclasses.replace(
-        cfg.gate, max_perplexity_ratio=spec.max_perplexity_ratio)
+    def __init__(self, session: Session, rows: dict):
+        self.session, self.cfg, self.spec = session, session.cfg, session.cfg.search
+        self.ladder, self.top = self.spec.ladder, len(self.spec.ladder) - 1
+        self.calibration = calibration_windows(self.cfg, session.tokenizer, session.maxlen, rows)
+        self.documents = calibration_documents(self.cfg)
+        self.split = Split("calibration", {name: ws for name, (_, ws) in self.calibration.items()}, self.documents,
+                           progress=False)
+        self.tokens = min(self.cfg.eval.memory_probe_tokens, session.maxlen)  # as the candidates' bits are measured
+        self.bits = ladder_bits(self.cfg, session.shape, session.model.dtype, self.tokens)
+        self.layers = [i for i, w in enumerate(session.shape.layout) if w != "shared"]
+        self.gate = self.cfg.gate if self.spec.max_perplexity_ratio is None else dataclasses.replace(
+            self.cfg.gate, max_perplexity_ratio=self.spec.max_perplexity_ratio)
+        self.results = {CALIBRATION_BASELINE: self.measure(BASELINE, CALIBRATION_BASELINE, tasks=True)}
+        self.checked: dict[int, dict] = {}
 
-    @functools.cache
-    def map_bits(m: int) -> float:
-        return candidate_bits(map_candidate(ladder, maps[m], "map"), shape, model.dtype, tokens)
+    def measure(self, candidate: Candidate, label: str, tasks: bool) -> Measured:
+        return self.session.measure(candidate, self.split, label, tasks=tasks)
 
-    def passes(m: int) -> bool:
-        label = _label(maps[m])
-        candidate = map_candidate(ladder, maps[m], label)
-        results[label] = measure(candidate, label, tasks=True)
-        table = metric_rows(cfg, results, [label], baseline=CALIBRATION_BASELINE)
-        verdict = decide(table, {label: map_bits(m)}, gate)
-        checked[m] = {"step": m, "bits_per_element": map_bits(m), "passed": verdict.passed[label],
-                      "metrics": {row.metric: row.relative for row in table if row.gated}}
-        print(f"kvquant: search: step {m}/{len(maps) - 1} ({map_bits(m):.3f} bits/element): "
-              f"{'passes' if verdict.passed[label] else 'fails'} on the calibration split")
-        return verdict.passed[label]
+    def sensitivities(self) -> None:
+        """Each layer's loss increase at each rung below the top, every other layer at the top; then the maps."""
+        all_top = dict.fromkeys(self.layers, self.top)
+        self.reference = _loss(self.measure(map_candidate(self.ladder, all_top, "top"), _label(all_top), False))
+        self.sensitivity = {}
+        with tqdm(total=len(self.layers) * self.top, desc="search: layer sensitivity", disable=False) as bar:
+            for layer in self.layers:
+                self.sensitivity[layer] = []
+                for rung in range(self.top):
+                    rungs = {**all_top, layer: rung}
+                    probe = self.measure(map_candidate(self.ladder, rungs, "probe"), _label(rungs), tasks=False)
+                    self.sensitivity[layer].append(_loss(probe) - self.reference)
+                    bar.update()
+                self.sensitivity[layer].append(0.0)
+        self.maps = greedy_order(self.sensitivity, self.bits)
 
-    if spec.max_bits is None:
-        found = first_passing(passes, len(maps))
-        chosen = found if found is not None else len(maps) - 1
-    else:
-        every = [map_bits(m) for m in range(len(maps))]
-        chosen = last_within(every, spec.max_bits)
+    @functools.cache  # noqa: B019  (one search object per run)
+    def map_bits(self, m: int) -> float:
+        shape, dtype = self.session.shape, self.session.model.dtype
+        return candidate_bits(map_candidate(self.ladder, self.maps[m], "map"), shape, dtype, self.tokens)
+
+    def passes(self, m: int) -> bool:
+        """Map ``m`` measured on the calibration split and gated there (every check is kept for the report)."""
+        label = _label(self.maps[m])
+        self.results[label] = self.measure(map_candidate(self.ladder, self.maps[m], label), label, tasks=True)
+        table = metric_rows(self.cfg, self.results, [label], baseline=CALIBRATION_BASELINE)
+        passed = decide(table, {label: self.map_bits(m)}, self.gate).passed[label]
+        self.checked[m] = {"step": m, "bits_per_element": self.map_bits(m), "passed": passed,
+                           "metrics": {row.metric.name: row.relative for row in table if row.gated}}
+        print(f"kvquant: search: step {m}/{len(self.maps) - 1} ({self.map_bits(m):.3f} bits/element): "
+              f"{'passes' if passed else 'fails'} on the calibration split")
+        return passed
+
+    def choose(self) -> tuple[int, int | None]:
+        """``(chosen step, step that passed or None)``: the first passing map, or the last within the budget."""
+        if self.spec.max_bits is None:
+            found = first_passing(self.passes, len(self.maps))
+            return (found if found is not None else len(self.maps) - 1), found
+        every = [self.map_bits(m) for m in range(len(self.maps))]
+        chosen = last_within(every, self.spec.max_bits)
         if chosen is None:
-            raise KVQuantError(f"search.max_bits {spec.max_bits:g} is below every map of the greedy order (the "
-                               f"cheapest takes {min(every):.3f} bits per element)")
-        found = chosen if passes(chosen) else None
-    summary = {
-        "name": spec.name,
-        "max_bits": spec.max_bits,
-        "found": found is not None,
-        "step": chosen,
-        "steps": len(maps) - 1,
-        "ladder": [{"name": r.label, "quantizer": r.quantizer, "options": r.options, "bits_per_element": b}
-                   for r, b in zip(ladder, bits)],
-        "map": {str(layer): ladder[rung].label for layer, rung in sorted(maps[chosen].items())},
-        "sensitivity": {str(layer): s for layer, s in sensitivity.items()},
-        "reference_loss": reference,
-        "checked": [checked[m] for m in sorted(checked)],
-        "calibration": {"windows": {name: [start, start + len(ws)] for name, (start, ws) in calibration.items()},
-                        "documents": {t: [d.start, d.stop] for t, d in documents.items()},
-                        "max_perplexity_ratio": gate.max_perplexity_ratio,
-                        "tasks_gated": bool(documents)},
-    }
-    return map_candidate(ladder, maps[chosen], spec.name), summary
+            raise KVQuantError(f"search.max_bits {self.spec.max_bits:g} is below every map of the greedy order "
+                               f"(the cheapest takes {min(every):.3f} bits per element)")
+        return chosen, (chosen if self.passes(chosen) else None)
+
+    def summary(self, chosen: int, found: int | None) -> dict:
+        """What the report shows of the search."""
+        return {
+            "name": self.spec.name, "max_bits": self.spec.max_bits, "found": found is not None, "step": chosen,
+            "steps": len(self.maps) - 1,
+            "ladder": [{"name": r.label, "quantizer": r.quantizer, "options": r.options, "bits_per_element": b}
+                       for r, b in zip(self.ladder, self.bits)],
+            "map": {str(layer): self.ladder[rung].label for layer, rung in sorted(self.maps[chosen].items())},
+            "sensitivity": {str(layer): s for layer, s in self.sensitivity.items()},
+            "reference_loss": self.reference,
+            "checked": [self.checked[m] for m in sorted(self.checked)],
+            "calibration": {"windows": {name: [start, start + len(ws)]
+                                        for name, (start, ws) in self.calibration.items()},
+                            "documents": {t: [d.start, d.stop] for t, d in self.documents.items()},
+                            "max_perplexity_ratio": self.gate.max_perplexity_ratio,
+                            "tasks_gated": bool(self.documents)},
+        }
+
+
+def search(session: Session, rows: dict) -> tuple[Candidate, dict]:
+    """Run the search through ``session`` (the run's model, config and result store, the same measuring code as
+    every candidate's); returns the map found (named ``search.name``) and what the report shows of it."""
+    state = _Search(session, rows)
+    state.sensitivities()
+    chosen, found = state.choose()
+    return map_candidate(state.ladder, state.maps[chosen], state.spec.name), state.summary(chosen, found)

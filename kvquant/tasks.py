@@ -25,12 +25,14 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
 import yaml
 
+from .data import _json
 from .errors import KVQuantError, one_line
 from .fs import cache_dir, private_dir, write_file
 from .paths import data_dir
@@ -292,3 +294,189 @@ def check_tasks(names: list[str], key: str, single: bool = True) -> None:
         hint = f"did you mean {', '.join(close)}?" if close else "see `python -m kvquant.lm_eval ls tasks`"
         raise KVQuantError(f"{key}: unknown task {name!r}; {hint} "
                            f"(offline here: {', '.join(sorted(offline))}, passkey_<D>)")
+
+
+#: largest offline task data file :func:`check_task_data` reads (the real ones are a few MB)
+MAX_TASK_FILE_BYTES = 256 << 20
+#: task -> the fields of a row its lm-eval task (or, for tinystories_lastword, :func:`_stories`) reads
+TASK_FIELDS = {
+    "lambada_openai": ("text",),
+    "hellaswag": ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
+    "arc_easy": ("question", "choices", "answerKey"),
+    "arc_challenge": ("question", "choices", "answerKey"),
+    "piqa": ("goal", "sol1", "sol2", "label"),
+    "boolq": ("passage", "question", "label"),
+    "winogrande": ("sentence", "option1", "option2", "answer"),
+    LASTWORD: ("text",),
+}
+#: the fields of :data:`TASK_FIELDS` that are not strings (the others must be)
+NOT_STRINGS = {"endings", "label", "choices"}
+#: the switches that keep ``datasets`` from downloading a hub task, and the values that turn them on
+OFFLINE_SWITCHES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+ON = {"1", "ON", "YES", "TRUE"}
+
+
+def check_task_data(names: list[str], key: str) -> None:
+    """The data file of every offline task among ``names`` (a ``<task>_local`` name counts as its task) holds rows
+    the task can score: UTF-8 JSON lines, each an object with the fields the task reads, of the types and values
+    it needs (:func:`_row_problem`), a field's type the same on every row (``datasets`` would otherwise store it
+    as JSON text). A missing file means the hub task (:func:`resolve_task`), refused where the hub is switched
+    off. Other names (hub tasks, ``passkey_<D>``) are not checked here. Errors are one line naming ``key``, the
+    task and the file."""
+    root = data_dir()
+    local = {f"{task}_local": task for task in OFFLINE_TASKS}
+    switch = next((v for v in OFFLINE_SWITCHES if os.environ.get(v, "").upper() in ON), None)
+    for task in dict.fromkeys(t for t in (local.get(n, n) for n in names) if t in TASK_FIELDS):
+        path = root / (LASTWORD_SOURCE if task == LASTWORD else OFFLINE_TASKS[task][2]) if root else None
+        try:
+            if path is not None and path.exists():
+                _check_rows(task, path)
+            elif path is not None and switch:
+                raise KVQuantError(f"{path} does not exist, and with {switch} set lm-eval cannot download the "
+                                   "hub task instead")
+        except KVQuantError as err:
+            raise KVQuantError(f"{key}: task {task!r}: {one_line(err)}") from None
+
+
+def _read_task_file(path: Path) -> str:
+    """The UTF-8 text of the regular file at ``path`` (symlinks followed), at most :data:`MAX_TASK_FILE_BYTES`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not block the open
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_TASK_FILE_BYTES:
+            os.close(fd)
+            raise KVQuantError(f"{path} is not a regular file" if not stat.S_ISREG(info.st_mode) else
+                               f"{path} is larger than {MAX_TASK_FILE_BYTES} bytes; no task data file is that big")
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(info.st_size + 1)
+    except OSError as err:
+        raise KVQuantError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise KVQuantError(f"{path}: not UTF-8 (line {line}), byte {err.start}; save it as UTF-8") from None
+
+
+def _check_rows(task: str, path: Path) -> None:
+    """Every row of ``task``'s data file at ``path`` is one it can score, and there are enough of them."""
+    text = _read_task_file(path)
+    text = text if task == LASTWORD else text.removeprefix("\ufeff")
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # the line ends pyarrow and Python read
+    if lines[-1] == "":
+        lines.pop()
+    first: dict[str, tuple[type, int]] = {}  # field -> (its type on the first row, that row's line)
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if task != LASTWORD and not line.strip(" \t"):  # pyarrow skips blank lines; _stories does not
+            continue
+        where = f"{path}, line {number}"
+        row = _json(line, where)
+        if not isinstance(row, dict):
+            raise KVQuantError(f"{where}: not a JSON object (got {type(row).__name__})")
+        problem = _row_problem(task, row) or _type_change(row, TASK_FIELDS[task], first, number)
+        if problem:
+            raise KVQuantError(f"{where}: {problem}")
+        rows.append(row)
+    if task == LASTWORD:
+        _check_stories(path, [row["text"] for row in rows])
+    elif not rows:
+        raise KVQuantError(f"{path} holds no rows")
+
+
+def _type_change(row: dict, fields: tuple[str, ...], first: dict[str, tuple[type, int]], number: int) -> str | None:
+    """Which of ``fields`` has another type on row ``number`` than on the first row (``first`` records it)."""
+    for name in fields:
+        kind, line = first.setdefault(name, (type(row[name]), number))
+        if type(row[name]) is not kind:
+            return f"field {name!r} is {type(row[name]).__name__} here but {kind.__name__} on line {line}"
+    return None
+
+
+def _check_stories(path: Path, stories: list[str]) -> None:
+    """There are the stories :data:`LASTWORD_STORIES` names, and some of them give a document."""
+    start, stop = LASTWORD_STORIES.start, LASTWORD_STORIES.stop
+    if len(stories) < stop:
+        raise KVQuantError(f"{path} holds {len(stories)} stories; {LASTWORD} reads stories {start}-{stop - 1}, "
+                           f"so it needs at least {stop}")
+    if not _lastword_docs(stories[LASTWORD_STORIES]):
+        raise KVQuantError(f"{path}: none of stories {start}-{stop - 1} ends in a word to predict")
+
+
+def _row_problem(task: str, row: dict) -> str | None:
+    """What keeps ``task`` from scoring ``row`` (a missing field, or one of the wrong type or value), else None."""
+    fields = TASK_FIELDS[task]
+    missing = [f for f in fields if f not in row]
+    if missing:
+        return f"no field {missing[0]!r} (the task reads {', '.join(fields)})"
+    wrong = [f for f in fields if f not in NOT_STRINGS and not isinstance(row[f], str)]
+    if wrong:
+        return f"field {wrong[0]!r} is {_shown(row[wrong[0]])}, not a string"
+    return ROW_CHECKS.get(task, lambda _: None)(row)
+
+
+def _shown(value) -> str:
+    """``value`` for a message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _string_list(value) -> bool:
+    """``value`` is a non-empty list of strings."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def _hellaswag(row: dict) -> str | None:
+    """``endings``: the choices; ``label``: the index of the right one, an int or a string of digits (lm-eval
+    renders it and reads the digits back)."""
+    endings, label = row["endings"], row["label"]
+    if not _string_list(endings):
+        return f"field 'endings' is {_shown(endings)}, not a non-empty list of strings"
+    digits = isinstance(label, str) and re.fullmatch(r"0|[1-9][0-9]*", label)
+    index = label if type(label) is int else int(label) if digits else None
+    if index is None or not 0 <= index < len(endings):
+        return f"field 'label' is {_shown(label)}, not the index of one of the {len(endings)} endings"
+    return None
+
+
+def _arc(row: dict) -> str | None:
+    """``choices``: ``{"text": [...], "label": [...]}`` of the same length; ``answerKey``: one of the labels."""
+    choices = row["choices"]
+    if not (isinstance(choices, dict) and _string_list(choices.get("text")) and _string_list(choices.get("label"))
+            and len(choices["text"]) == len(choices["label"])):
+        return (f"field 'choices' is {_shown(choices)}, not an object of two string lists of the same length, "
+                "'text' and 'label'")
+    if row["answerKey"] not in choices["label"]:
+        return f"field 'answerKey' is {row['answerKey']!r}, not one of choices.label ({', '.join(choices['label'])})"
+    return None
+
+
+def _binary_label(row: dict) -> str | None:
+    """``label``: the index of the right one of two choices (``true``/``false`` or 0/1)."""
+    label = row["label"]
+    if type(label) not in (bool, int) or label not in (0, 1):
+        return f"field 'label' is {_shown(label)}, not 0, 1, true or false"
+    return None
+
+
+def _winogrande(row: dict) -> str | None:
+    """``sentence``: a blank ``_`` (where an option goes) and the words after it (the scored part); ``answer``:
+    ``'1'`` or ``'2'``."""
+    sentence = row["sentence"]
+    if not sentence.partition("_")[2].strip():
+        return f"field 'sentence' is {_shown(sentence)}, not a sentence with a blank '_' and words after it"
+    if row["answer"] not in ("1", "2"):
+        return f"field 'answer' is {_shown(row['answer'])}, not '1' or '2'"
+    return None
+
+
+def _lambada(row: dict) -> str | None:
+    """``text``: ends in a word, the one the task predicts (after the last space)."""
+    if not row["text"].split(" ")[-1].strip():
+        return f"field 'text' is {_shown(row['text'])}, which does not end in a word to predict"
+    return None
+
+
+#: task -> its checks of a row beyond the fields being there and the string fields being strings
+ROW_CHECKS = {"hellaswag": _hellaswag, "arc_easy": _arc, "arc_challenge": _arc, "piqa": _binary_label,
+              "boolq": _binary_label, "winogrande": _winogrande, "lambada_openai": _lambada}

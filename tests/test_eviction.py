@@ -320,3 +320,21 @@ def test_evicted_pages_of_a_shared_prefix_are_freed_by_the_formula(rows):
     assert report["total_bytes"] == kept + rows * 20 * per_token  # each row's own 20 tokens, the prefix once
     assert report["shared_bytes"] == (kept if rows > 1 else 0)
     assert torch.equal(out, ref.expand_as(out))
+
+
+@pytest.mark.parametrize("quantizer, options", [
+    ("fp16", {}), ("fp8_e5m2", {"granularity": "tensor"}), ("int4", {}),
+    ("int4", {"rotation": "hadamard", "key_bits": 8, "key_group_size": 16, "value_group_size": 4}),
+    ("int2", {"eviction": "sink_window", "sink_tokens": 4, "window": 40, "residual_length": 0, "group_size": 8}),
+    ("int8", {"layers": {"0": {"quantizer": "int2"}}, "residual_length": 8}),
+])
+def test_settings_round_trip_through_make_cache(quantizer, options):
+    """settings() holds options only (derived groups are in derived()): make_cache(**settings()) rebuilds a cache
+    whose settings, derived values and stored K/V are the original's."""
+    model = model_of()
+    cache = kvquant.make_cache(model, quantizer, **options)
+    rebuilt = kvquant.make_cache(model, **cache.settings())
+    assert rebuilt.settings() == cache.settings() and rebuilt.derived() == cache.derived()
+    ids = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.equal(model(ids, cache=cache).logits, model(ids, cache=rebuilt).logits)

@@ -6,17 +6,18 @@ import numpy as np
 import pytest
 
 from kvquant.config import GateConfig
-from kvquant.gate import ACCURACY, PERPLEXITY, MetricRow, bootstrap_interval, decide, relative_score
+from kvquant.gate import bootstrap_interval, decide
+from kvquant.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
 
 POLICY = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05)
 
 
 def acc(candidate, value, baseline=0.5, ci=(math.nan, math.nan), gated=True, metric="acc/task"):
-    return MetricRow(candidate, metric, ACCURACY, value, baseline, 200, gated, *ci)
+    return MetricRow(candidate, MetricId(*metric.split("/")), value, baseline, 200, gated, *ci)
 
 
 def ppl(candidate, value, baseline=4.0, ci=(math.nan, math.nan)):
-    return MetricRow(candidate, "ppl/text", PERPLEXITY, value, baseline, 50, True, *ci)
+    return MetricRow(candidate, MetricId("ppl", "text"), value, baseline, 50, True, *ci)
 
 
 def test_relative_scores():

@@ -143,15 +143,6 @@ BAD_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("label,rows,match", BAD_ROWS, ids=[case[0] for case in BAD_ROWS])
-def test_fork_rejects_bad_rows(model, label, rows, match):
-    cache = written(model)
-    with pytest.raises(KVQuantError, match="fork: rows .*" + match) as err:
-        cache.fork(rows)
-    one_line(err)
-    assert cache.rows() == 2 and all(len(layer.k) == 2 for layer in cache.layers)
-
-
 BAD_BEAMS = [
     ("row too large", torch.tensor([0, 5]), r"names row 5; the cache holds rows 0-1"),
     ("negative row", torch.tensor([-1, 0]), r"names row -1; the cache holds rows 0-1"),
@@ -163,13 +154,15 @@ BAD_BEAMS = [
 ]
 
 
-@pytest.mark.parametrize("label,beam_idx,match", BAD_BEAMS, ids=[case[0] for case in BAD_BEAMS])
-def test_reorder_cache_rejects_bad_beam_indices(model, label, beam_idx, match):
+@pytest.mark.parametrize("call,name,rows,match", [("fork", "rows", *case[1:]) for case in BAD_ROWS]
+                         + [("reorder_cache", "beam_idx", *case[1:]) for case in BAD_BEAMS],
+                         ids=[f"fork-{case[0]}" for case in BAD_ROWS] + [f"reorder-{case[0]}" for case in BAD_BEAMS])
+def test_fork_and_reorder_cache_reject_bad_rows(model, call, name, rows, match):
     cache = written(model)
-    with pytest.raises(KVQuantError, match="reorder_cache: beam_idx .*" + match) as err:
-        cache.reorder_cache(beam_idx)
+    with pytest.raises(KVQuantError, match=f"{call}: {name} .*" + match) as err:
+        getattr(cache, call)(rows)
     one_line(err)
-    assert cache.rows() == 2
+    assert cache.rows() == 2 and all(len(layer.k) == 2 for layer in cache.layers)  # nothing changed
 
 
 def test_a_valid_reorder_still_works_after_a_rejected_one(model):

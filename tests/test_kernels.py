@@ -105,3 +105,12 @@ def test_a_left_over_build_lock_never_blocks_loading():
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     finally:
         lock.unlink(missing_ok=True)
+
+
+def test_the_build_is_keyed_by_the_cpu(monkeypatch, tmp_path):
+    """-march=native code must not load on another CPU: a CPU with other features builds into another folder."""
+    monkeypatch.setenv("KVQUANT_KERNEL_DIR", str(tmp_path / "kernels"))
+    here = kernels.build_dir()
+    assert kernels.build_dir() == here
+    monkeypatch.setattr(kernels, "cpu_identity", lambda: "flags : fpu sse2 (an older CPU)")
+    assert kernels.build_dir() != here and kernels.build_dir().parent == here.parent

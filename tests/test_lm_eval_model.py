@@ -6,8 +6,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-import kvquant  # noqa: F401  (registers model "kvquant")
-from kvquant.lm_eval_model import KVQuantLM
+from kvquant.lm_eval_model import KVQuantLM  # importing it registers the lm-eval model "kvquant"
 from kvquant.paths import resolve
 from kvquant.tasks import LASTWORD, task_manager
 
@@ -76,3 +75,16 @@ def test_simple_evaluate_by_name():
                                   verbosity="ERROR")
     assert 0 <= out["results"][LASTWORD]["acc,none"] <= 1
     assert len(out["samples"][LASTWORD]) == 8
+
+
+def test_import_kvquant_does_not_import_lm_eval():
+    """The library is usable without lm-eval's import cost (seconds) or its side effects; the lm-eval model is
+    registered where lm-eval is used (importing kvquant.lm_eval_model), with lm-eval's own models kept."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvquant; assert 'lm_eval' not in sys.modules, 'lm_eval imported'; "
+            "import kvquant.lm_eval_model; from lm_eval.api.registry import model_registry; "
+            "assert {'kvquant', 'hf', 'dummy'} <= set(model_registry), sorted(model_registry)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,7 +8,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import kvquant
-from kvquant.plan import KNOWN_MODELS, ModelShape, Planner, main, parse_bytes, parse_setting, shape_from_config
+from kvquant.plan import main
+from kvquant.planner import KNOWN_MODELS, ModelShape, Planner, parse_bytes, parse_setting, shape_from_config
 from kvquant.paths import resolve
 
 GiB = 2**30

@@ -129,8 +129,10 @@ def test_bad_rotation_options_are_one_clear_error(model, options, needle):
 
 
 def test_settings_name_the_rotation_block(model):
-    settings = kvquant.make_cache(model, "int4", rotation="hadamard", rotation_seed=2).settings()
-    assert settings["rotation"] == "hadamard" and settings["rotation_seed"] == 2 and settings["rotation_block"] == 8
+    cache = kvquant.make_cache(model, "int4", rotation="hadamard", rotation_seed=2)
+    settings = cache.settings()
+    assert settings["rotation"] == "hadamard" and settings["rotation_seed"] == 2
+    assert cache.derived()["rotation_block"] == 8
 
 
 def test_a_single_outlier_channel_fits_once_rotated():

@@ -143,6 +143,25 @@ def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_pat
     assert read_report(out_dir)["results"]["computed"] == 4  # results of other code are not reused
 
 
+def test_a_perplexity_file_whose_text_changed_is_measured_again_not_reused(tmp_path):
+    """A result is keyed by the very tokens it read: the same config over an edited text file recomputes (was:
+    keyed by the file's name, so a report over new text showed the old text's numbers)."""
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) + "\n"
+                            for i in range(4)))
+    path = write_config(tmp_path, TINY.replace("local:text/tinystories/validation-first1000.jsonl", str(text)))
+    out_dir = tmp_path / "reports" / "tiny"
+    assert main([str(path)]) == 0
+    first = read_report(out_dir)
+    text.write_text("".join(json.dumps({"text": f"The dog ran to the park {i} times and slept."}) + "\n"
+                            for i in range(4)))
+    main([str(path)])
+    second = read_report(out_dir)
+    assert second["results"] == {"computed": 4, "reused_from_partial": 0, "set_aside": []}  # was: 2 reused
+    assert second["candidates"][0]["metrics"]["ppl/tinystories"]["value"] != \
+        first["candidates"][0]["metrics"]["ppl/tinystories"]["value"]
+
+
 def test_a_busy_report_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     path = write_config(tmp_path, TINY)
     out_dir = tmp_path / "reports" / "tiny"
@@ -199,11 +218,16 @@ def test_each_task_is_gated_on_its_standard_metric():
 
     from kvquant.config import Candidate, GateConfig
     from kvquant.gate import metric_rows
+    from kvquant.results import Measured, task_outcomes
+    from kvquant.tasks import gated_metric
 
     outcome = {"acc": [1, 0, 1, 1], "acc_norm": [1, 1, 0, 1]}
-    results = {"baseline": {"task/hellaswag": outcome, "task/lambada_openai": outcome},
-               "int4": {"task/hellaswag": outcome, "task/lambada_openai": outcome}}
+    measured = [o for task in ("hellaswag", "lambada_openai") for o in task_outcomes(task, outcome, gated_metric(task))]
+    results = {label: Measured(label, tuple(measured)) for label in ("baseline", "int4")}
     cfg = SimpleNamespace(candidates=[Candidate(quantizer="int4", name="int4")], gate=GateConfig(bootstrap=10),
                           eval=SimpleNamespace(seed=0))
-    gated = {row.metric for row in metric_rows(cfg, results, [c.label for c in cfg.candidates]) if row.gated}
+    rows = metric_rows(cfg, results, [c.label for c in cfg.candidates])
+    assert {row.metric.name for row in rows} == {"acc/hellaswag", "acc_norm/hellaswag", "acc/lambada_openai",
+                                                 "acc_norm/lambada_openai"}
+    gated = {row.metric.name for row in rows if row.gated}
     assert gated == {"acc_norm/hellaswag", "acc/lambada_openai"}

@@ -8,7 +8,7 @@ import torch
 import yaml
 
 import kvquant
-from kvquant import search as search_module
+from kvquant import measure as measure_module
 from kvquant.config import Candidate, ConfigError, load_config
 from kvquant.run import main
 from kvquant.search import first_passing, greedy_order, last_within, map_candidate
@@ -83,18 +83,20 @@ search:
 
 def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, monkeypatch):
     read_docs, read_windows = [], []
-    real_task, real_ppl = search_module.run_task, search_module.perplexity_samples
+    real_task, real_ppl = measure_module.run_task, measure_module.perplexity_samples
 
     def spy_task(*args):
-        read_docs.append(list(args[-1]))
+        if args[-1] is not None:  # named documents: the calibration split (evaluation reads the first limit)
+            read_docs.append(list(args[-1]))
         return real_task(*args)
 
     def spy_ppl(scorer, windows, desc=None):
-        read_windows.extend(tuple(w.ids) for w in windows)
+        if desc is None:  # the calibration split shows no progress bar; evaluation names candidate and set
+            read_windows.extend(tuple(w.ids) for w in windows)
         return real_ppl(scorer, windows, desc=desc)
 
-    monkeypatch.setattr(search_module, "run_task", spy_task)
-    monkeypatch.setattr(search_module, "perplexity_samples", spy_ppl)
+    monkeypatch.setattr(measure_module, "run_task", spy_task)
+    monkeypatch.setattr(measure_module, "perplexity_samples", spy_ppl)
     path = tmp_path / "search.yaml"
     path.write_text(CONFIG.format(out=tmp_path / "a"))
     main([str(path)])
@@ -136,13 +138,14 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     """No task document is read before evaluation; the search's own perplexity ratio decides: loose enough, the
     cheapest map passes; at 1.0 (no loss allowed) int2 layers cannot, and the search climbs."""
     read_docs = []
-    real_task = search_module.run_task
+    real_task = measure_module.run_task
 
     def spy_task(*args):
-        read_docs.append(list(args[-1]))
+        if args[-1] is not None:  # named documents: the calibration split
+            read_docs.append(list(args[-1]))
         return real_task(*args)
 
-    monkeypatch.setattr(search_module, "run_task", spy_task)
+    monkeypatch.setattr(measure_module, "run_task", spy_task)
     path = tmp_path / "search.yaml"
     found = {}
     aliases = ["--set", "eval.tasks.names=[tinystories_lastword, arc_easy, arc_easy_local]"]  # no calibration docs
@@ -172,7 +175,7 @@ def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tm
     cfg = load_config(path)
     from kvquant.cache import simulate_memory
     from kvquant.models import check_model
-    from kvquant.plan import shape_from_config
+    from kvquant.planner import shape_from_config
     shape = shape_from_config(check_model(cfg.model), cfg.model.path)
     low, high = (simulate_memory(shape.layout, {"quantizer": r.quantizer, **r.options}, batch=1,
                                  kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=128,

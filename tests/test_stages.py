@@ -81,9 +81,14 @@ gate: {{bootstrap: 100}}
 """
 
 
-def test_a_staged_run_reports_stages_in_order_and_sharing_costs_nothing(tmp_path):
+def staged_config(tmp_path):
     path = tmp_path / "staged.yaml"
     path.write_text(CONFIG.format(out=tmp_path))
+    return path
+
+
+def test_a_staged_run_reports_stages_in_order_and_sharing_costs_nothing(tmp_path):
+    path = staged_config(tmp_path)
     code = main([str(path)])
     doc = json.loads((tmp_path / "staged" / "results.json").read_text())
     by_name = {c["name"]: c for c in doc["candidates"]}
@@ -113,22 +118,18 @@ def test_a_staged_run_reports_stages_in_order_and_sharing_costs_nothing(tmp_path
     ("serving.requests=0", "requests must be in 1..1000000"),
 ])
 def test_bad_staged_configs(tmp_path, change, message):
-    path = tmp_path / "staged.yaml"
-    path.write_text(CONFIG.format(out=tmp_path))
     with pytest.raises(ConfigError, match=message):
-        load_config(path, [change])
+        load_config(staged_config(tmp_path), [change])
 
 
 def test_eviction_in_simulated_mode_is_refused_before_the_model_loads(tmp_path, capsys):
-    path = tmp_path / "staged.yaml"
-    path.write_text(CONFIG.format(out=tmp_path))
+    path = staged_config(tmp_path)
     assert main([str(path), "--set", "eval.mode=simulated"]) == 2
     assert "set eval.mode: streaming" in capsys.readouterr().err
 
 
 def test_a_serving_shape_beyond_the_model_or_its_text_is_refused_before_the_model_loads(tmp_path, capsys):
-    path = tmp_path / "staged.yaml"
-    path.write_text(CONFIG.format(out=tmp_path))
+    path = staged_config(tmp_path)
     assert main([str(path), "--set", "serving.prefix=1000"]) == 2  # stories260K has 512 positions
     assert "beyond the model's 512 positions" in capsys.readouterr().err
     assert main([str(path), "--set", "serving.requests=100000", "--set", "serving.suffix=16"]) == 2
