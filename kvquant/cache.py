@@ -58,6 +58,8 @@ def _row_list(where: str, name: str, rows, count: int | None) -> list[int]:
     if isinstance(rows, torch.Tensor):
         if rows.dim() != 1 or rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
             raise KVQuantError(f"{where}: {name} must be {valid}, got {_shown(rows)}")
+        if rows.device.type == "meta":
+            raise KVQuantError(f"{where}: {name} is a meta tensor, which holds no row numbers")
         rows = rows.tolist()
     elif isinstance(rows, (list, tuple, range)):
         bad = next((r for r in rows if not _is_int(r)), rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import stat
 import re
 import types
 import typing
@@ -465,10 +466,7 @@ def apply_override(data: dict, assignment: str) -> None:
             raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is {type(node).__name__} {node!r}, which has no "
                               f"key {part!r}")
     last = parts[-1]
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key}: {raw!r} is not a YAML value ({_first_line(err)})") from None
+    value = load_yaml(raw, f"--set {key}", f"{raw!r} is not a YAML value")
     if not isinstance(node, (list, dict)):
         raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is {type(node).__name__} {node!r}, which has no "
                           f"key {last!r}")
@@ -484,6 +482,60 @@ def _first_line(err: Exception) -> str:
     return " ".join(str(err).split())
 
 
+#: Bounds of any YAML kvquant reads: nesting depth, nodes after aliases expand (an alias "bomb" of a few hundred
+#: bytes expands to billions), and text size.
+MAX_YAML_DEPTH, MAX_YAML_NODES, MAX_TEXT_BYTES = 64, 1_000_000, 16 << 20
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (last-wins would drop, e.g., a whole ``candidates:`` list) and YAML
+    nested deeper than :data:`MAX_YAML_DEPTH`."""
+
+    def compose_node(self, parent, index):
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise ConfigError(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_nodes(value, memo: dict) -> int:
+    """Nodes of ``value`` with every shared (aliased) part counted each time it appears, without expanding it."""
+    if id(value) in memo:
+        return memo[id(value)]
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    memo[id(value)] = count = 1 + sum(_expanded_nodes(child, memo) for child in children)
+    return count
+
+
+def load_yaml(text: str, what: str, invalid: str = "not valid YAML"):
+    """``text`` parsed as YAML (safe types only), refusing duplicate keys, deep nesting and alias bombs with one
+    line naming ``what`` (``invalid``: what to call text that does not parse)."""
+    try:
+        value = yaml.load(text, Loader=_StrictLoader)  # noqa: S506  (a SafeLoader subclass)
+    except ConfigError as err:
+        raise ConfigError(f"{what}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what}: {invalid}: {_first_line(err)}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: nested too deeply") from None
+    if _expanded_nodes(value, {}) > MAX_YAML_NODES:
+        raise ConfigError(f"{what}: expands to more than {MAX_YAML_NODES:,} values (YAML aliases); write it out")
+    return value
+
+
 def read_text_file(path: Path, what: str) -> str:
     """The UTF-8 text of ``path``; a missing, unreadable, binary or non-UTF-8 file is an error naming it."""
     if not path.exists():
@@ -491,6 +543,10 @@ def read_text_file(path: Path, what: str) -> str:
     if path.is_dir():
         raise ConfigError(f"{path}: is a directory, not a {what}")
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block or never end
+            raise ConfigError(f"{path}: not a regular file, so not a {what}")
+        if path.stat().st_size > MAX_TEXT_BYTES:
+            raise ConfigError(f"{path}: larger than {MAX_TEXT_BYTES >> 20} MiB, too large for a {what}")
         raw = path.read_bytes()
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
@@ -505,11 +561,7 @@ def read_text_file(path: Path, what: str) -> str:
 def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
     """Read, override and validate an experiment config; errors name the file and the key."""
     path = Path(path)
-    text = read_text_file(path, "config file")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {_first_line(err)}") from None
+    data = load_yaml(read_text_file(path, "config file"), str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(data).__name__}")
     data.setdefault("name", path.stem)

@@ -90,13 +90,8 @@ def _terminate(signum, frame):
     raise Terminated
 
 
-def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
-            on_interrupt: Callable[[], str] = lambda: "") -> int:
-    """Run a command's ``body`` so that no input reaches a raw traceback: :class:`KVQuantError` is one line and
-    exit 2, Ctrl-C exit 130 and SIGTERM exit 143 (each with ``on_interrupt()``'s hint, after the body's cleanup
-    ran), anything else one line naming a log file with the traceback and exit 3."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None],
+             on_interrupt: Callable[[], str]) -> int:
     try:
         return body()
     except KVQuantError as err:
@@ -111,6 +106,19 @@ def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | Non
         print(f"{prog}: internal error ({type(err).__name__}: {one_line(err)[:300]}); the traceback is in {log}; "
               "please report it", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
+            on_interrupt: Callable[[], str] = lambda: "") -> int:
+    """Run a command's ``body`` so that no input reaches a raw traceback: :class:`KVQuantError` is one line and
+    exit 2, Ctrl-C exit 130 and SIGTERM exit 143 (each with ``on_interrupt()``'s hint, after the body's cleanup
+    ran), anything else one line naming a log file with the traceback and exit 3."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        return _outcome(prog, body, log_dir, on_interrupt)
+    except KeyboardInterrupt as stop:  # a signal that arrived while the outcome was being reported
+        return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     finally:
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -27,9 +27,37 @@ def _unsafe_ancestor(path: Path) -> str | None:
         info = parent.stat()
         if info.st_uid not in (uid, 0):
             return f"{parent} belongs to another user (uid {info.st_uid})"
-        if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        if info.st_mode & stat.S_ISVTX:
+            continue  # sticky (as /tmp): others may add entries, never rename or remove ours
+        if info.st_mode & stat.S_IWOTH:
             return f"{parent} is writable by every user"
+        if info.st_mode & stat.S_IWGRP and info.st_gid != os.getgid():
+            return f"{parent} is writable by the users of group {info.st_gid}"
     return None
+
+
+def check_trusted(path: str | Path, what: str) -> Path:
+    """A task file or folder the user names for lm-eval to load, which may run Python it names (``!function``,
+    imported from the file's folder): it, every folder and file under a folder, and the folder holding a file,
+    must be owned by this user (or root) and writable by no one else, under ancestors no other user can swap;
+    else :class:`KVQuantError` naming ``what``. Returns the resolved path."""
+    path = Path(path).expanduser().resolve()
+    if path.is_dir():
+        todo = [path, *(Path(root) / n for root, dirs, files in os.walk(path) for n in [*dirs, *files])]
+    else:
+        todo = [path, path.parent]
+    for item in todo:
+        info = item.stat()
+        reason = (f"{item} belongs to another user (uid {info.st_uid})" if info.st_uid not in (os.getuid(), 0)
+                  else f"{item} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+                  if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+        if reason:
+            raise KVQuantError(f"{what}: refusing {path}: {reason}; lm-eval runs code that task files name, so they "
+                               "must be files only you can write")
+    reason = _unsafe_ancestor(path)
+    if reason:
+        raise KVQuantError(f"{what}: refusing {path}: {reason}")
+    return path
 
 
 def private_dir(path: str | Path, what: str) -> Path:

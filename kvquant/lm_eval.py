@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
-from .config import MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device, read_text_file
-from .errors import EXIT_PASS, KVQuantError, guarded, one_line
+from .config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device, load_yaml,
+                     read_text_file)
+from .errors import EXIT_PASS, KVQuantError, guarded
+from .fs import check_trusted
 from .lm_eval_model import batch_rows
 from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, trained_context
 from .tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_dir
@@ -42,9 +43,11 @@ def _value(text: str):
     if text in ("None", "none"):
         return None
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+        return load_yaml(text, "--model_args")
+    except ConfigError as err:
+        if "not valid YAML" in str(err):
+            return text  # a plain string
+        raise KVQuantError(str(err)) from None
 
 
 def parse_model_args(values: list[str]) -> dict:
@@ -123,10 +126,7 @@ def lm_eval_flags(argv: list[str]) -> dict:
     merged = {}
     if flags.get("config"):
         path = Path(flags["config"])
-        try:
-            loaded = yaml.safe_load(read_text_file(path, "--config"))
-        except yaml.YAMLError as err:
-            raise KVQuantError(f"--config: {path} is not valid YAML ({one_line(err)[:200]})") from None
+        loaded = load_yaml(read_text_file(path, "--config"), f"--config: {path}")
         if not isinstance(loaded, dict):
             raise KVQuantError(f"--config: {path} must be a mapping of lm-eval flags, got {type(loaded).__name__}")
         merged.update(loaded)
@@ -232,8 +232,9 @@ def _model_args(flags: dict) -> dict:
     return parse_model_args([args]) if isinstance(args, str) else dict(args)
 
 
-#: model arguments lm-eval always hands the model from its own flags (``--batch_size`` defaults to 1)
-LM_EVAL_FLAGS = ("batch_size",)
+#: model arguments lm-eval always hands the model from its own flags (``--batch_size`` defaults to 1,
+#: ``--device`` to cuda:0, which the kvquant model takes as the CPU where there is no GPU)
+LM_EVAL_FLAGS = ("batch_size", "device")
 
 
 def _documents(limit) -> int | None:
@@ -249,8 +250,15 @@ def check(argv: list[str]) -> Path | None:
     flags = lm_eval_flags(argv)
     check_flags(flags)
     tasks = _task_names(flags)
-    if flags.get("include_path") is None:
-        check_tasks([t for t in tasks if not Path(t).exists()], "--tasks", single=False)
+    paths = [t for t in tasks if Path(t).exists()]  # lm-eval loads a task file (or folder) given by its path
+    for path in paths:
+        if not (Path(path).is_dir() or Path(path).suffix in (".yaml", ".yml")):
+            raise KVQuantError(f"--tasks: {path} is a file but not a task YAML; name a task, a .yaml file or a folder")
+        check_trusted(path, "--tasks")
+    if flags.get("include_path") is not None:
+        check_trusted(flags["include_path"], "--include_path")
+    else:
+        check_tasks([t for t in tasks if t not in paths], "--tasks", single=False)
         check_task_data(tasks, "--tasks")
     model_args = _model_args(flags) if flags.get("model") == "kvquant" else {}
     if flags.get("model") == "kvquant":

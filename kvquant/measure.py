@@ -158,7 +158,11 @@ class Session:
             label, f"task/{task}", {**key, "task": task, **which, "num_fewshot": cfg.eval.tasks.num_fewshot},
             lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
                              list(documents) if documents is not None else None))
-        return task_outcomes(task, raw, gated_metric(task))
+        outcomes = task_outcomes(task, raw, gated_metric(task))
+        if task in cfg.gated_tasks() and not any(o.metric.standard for o in outcomes):
+            raise KVQuantError(f"gate.tasks: task {task!r} reports no {gated_metric(task)} (what it is gated on), "
+                               "so the gate could not judge it; gate other tasks")
+        return outcomes
 
     def _memory(self, candidate, label, key, make, settings: dict, probe: list[int]) -> Memory:
         measured = self.store.get_or_compute(label, "memory", {**key, "probe": probe},

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from .cache import attention_layout, simulate_memory
+from .config import load_yaml
 from .errors import KVQuantError, one_line
 from .quantizers import available_quantizers
 
@@ -131,10 +131,7 @@ def parse_setting(text: str) -> dict:
     or a YAML/JSON mapping of make_cache arguments, per-layer settings included:
     ``{quantizer: int4, group_size: 32, layers: {0-3: {quantizer: int8}}}``."""
     if text.strip().startswith("{"):
-        try:
-            settings = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise KVQuantError(f"cache setting {text!r} is not a YAML mapping ({' '.join(str(err).split())})") from None
+        settings = load_yaml(text, f"cache setting {text!r}", "not a YAML mapping")
         if not isinstance(settings, dict) or settings.get("quantizer") not in available_quantizers():
             raise KVQuantError(f"cache setting {text!r}: a mapping needs quantizer: one of "
                                f"{', '.join(available_quantizers())}")
@@ -145,6 +142,8 @@ def parse_setting(text: str) -> dict:
         key, eq, value = item.partition("=")
         if not eq:
             raise KVQuantError(f"cache setting {text!r}: options are key=value, got {item!r}")
+        if key.strip() in options:
+            raise KVQuantError(f"cache setting {text!r}: {key.strip()} is set twice")
         options[key.strip()] = _number(value.strip())
     if name in FULL_PRECISION:
         if options:

@@ -24,7 +24,7 @@ from .registry import Registry
 
 Encoded = dict[str, torch.Tensor]
 ROTATIONS = ("hadamard",)
-MAX_SEED = 2**63 - 1
+MAX_ROTATION_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes (an experiment seed is numpy's: config.MAX_SEED)
 Axis = Literal["token", "channel"]
 
 
@@ -70,7 +70,9 @@ class IntCodec(Codec):
 
     @property
     def max_abs(self) -> float:
-        return ops.scale_limits(self.scale_dtype)[1]
+        """The largest |state| a group can hold: its zero point must fit the scale dtype, and the range max - min
+        (computed in float32) must stay finite."""
+        return min(ops.scale_limits(self.scale_dtype)[1], torch.finfo(torch.float32).max / 2)
 
     @property
     def tokens_per_unit(self) -> int:
@@ -213,7 +215,7 @@ class Quantizer:
     def _check_rotation(self) -> None:
         if self.rotation is not None:
             _check_choice(self.name, "rotation", self.rotation, ROTATIONS)
-        _check_int(self.name, "rotation_seed", self.rotation_seed, minimum=0, maximum=MAX_SEED)
+        _check_int(self.name, "rotation_seed", self.rotation_seed, minimum=0, maximum=MAX_ROTATION_SEED)
 
     def _scale_dtype(self) -> torch.dtype:
         if not isinstance(self.scale_dtype, str) or self.scale_dtype not in ops.SCALE_DTYPES:

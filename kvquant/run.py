@@ -327,7 +327,13 @@ def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: di
         if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
             warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
                  "(relative 1.0) and the gate says nothing about it")
-    decision = decide(table, {c.label: results[c.label].memory.bits_per_element for c in candidates}, cfg.gate)
+    bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
+    for label, b in bits.items():
+        if b >= results[BASELINE.label].memory.bits_per_element:
+            warn(warnings, f"{label} holds {b:.2f} bits/element, no fewer than the baseline, after "
+                 f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
+                 "window or key group longer than the sequence), so its scores say nothing about quantization")
+    decision = decide(table, bits, cfg.gate)
     if staged:
         verdict, chosen, staged["first_failing"], reason = staged_decision(candidates, decision.passed)
         decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)

@@ -43,8 +43,9 @@ GATED_METRIC = {"hellaswag": "acc_norm", "piqa": "acc_norm", "arc_challenge": "a
 
 
 def gated_metric(task: str) -> str:
-    """``acc`` or ``acc_norm``: the metric of ``task`` (a config's task name) that the gate judges."""
-    return GATED_METRIC.get(task, "acc")
+    """``acc`` or ``acc_norm``: the metric of ``task`` (a config's task name; ``<task>_local``, the offline copy,
+    is gated as its task) that the gate judges."""
+    return GATED_METRIC.get(task.removesuffix("_local"), "acc")
 
 
 #: task -> (built-in YAML under lm_eval/tasks, split name, data file under the data directory, extra keys)

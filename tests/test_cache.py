@@ -389,3 +389,17 @@ def test_padding_is_never_checked_against_the_scale_limit(model):
     keys[1, :, 0] = 3e7  # real
     with pytest.raises(kvquant.KVQuantError, match="beyond"):
         cache.layers[0].update(keys, torch.ones(2, 4, 3, 8))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_integer_states_whose_range_overflows_float32_raise_instead_of_reading_nan(model, name):
+    """Finite states near float32's maximum with float32 scales: max - min overflowed to inf and every value read
+    back was NaN, with no error. Now refused; half that range is stored and read back finite."""
+    layer = kvquant.make_cache(model, name, group_size=8, residual_length=0, scale_dtype="float32").layers[0]
+    x = torch.zeros(1, 4, 8, 8)
+    x[..., 0::2, :], x[..., 1::2, :] = 3e38, -3e38
+    with pytest.raises(kvquant.KVQuantError, match="beyond the"):
+        layer.update(x, x)
+    layer = kvquant.make_cache(model, name, group_size=8, residual_length=0, scale_dtype="float32").layers[0]
+    keys, values = layer.update(x / 2, x / 2)
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()

@@ -151,6 +151,7 @@ BAD_BEAMS = [
     ("empty tensor", torch.tensor([], dtype=torch.long), r"no rows"),
     ("list out of range", [0, 2], r"names row 2; the cache holds rows 0-1"),
     ("nested list", [[0, 1]], r"list \[0, 1\]"),
+    ("meta tensor", torch.tensor([0, 1], device="meta"), r"meta tensor, which holds no row numbers"),
 ]
 
 

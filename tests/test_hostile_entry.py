@@ -100,6 +100,9 @@ ENTRY_CASES = [
     ("no-tasks", ["--model", "kvquant", "--model_args", "pretrained={model}"], "--tasks is required"),
     ("unknown-model", ["--model", "kvqant", "--model_args", "pretrained={model}", "--tasks", "tinystories_lastword"],
      "--model: unknown model 'kvqant'; did you mean kvquant"),
+    # lm-eval hands the model --batch_size and --device itself: a model_args copy was "multiple values" (exit 3)
+    ("model-args-device", ["--model", "kvquant", "--model_args", "pretrained={model},device=cpu", "--tasks",
+                           "tinystories_lastword"], "model_args: device is set with lm-eval's own flag: pass --device"),
     # abbreviated flags are resolved as lm-eval resolves them, and then checked
     ("tasks-abbreviated", ["--model", "kvquant", "--model_args", "pretrained={model}", "--task",
                            "tinystories_lastwrod"], "unknown task 'tinystories_lastwrod'"),

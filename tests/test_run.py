@@ -162,6 +162,15 @@ def test_a_perplexity_file_whose_text_changed_is_measured_again_not_reused(tmp_p
         first["candidates"][0]["metrics"]["ppl/tinystories"]["value"]
 
 
+def test_a_candidate_that_quantizes_nothing_is_named_in_a_warning(tmp_path, capsys):
+    """A residual window longer than every sequence keeps all K/V at full precision: it passes the gate, and the
+    report says that this pass is no evidence about quantization."""
+    path = write_config(tmp_path, TINY)
+    assert main([str(path), "--set", "candidates.0.options.residual_length=100000"]) == 0
+    assert "int8 holds 32.00 bits/element, no fewer than the baseline" in capsys.readouterr().err
+    assert "no fewer than the baseline" in (tmp_path / "reports" / "tiny" / "report.md").read_text()
+
+
 def test_a_busy_report_directory_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     path = write_config(tmp_path, TINY)
     out_dir = tmp_path / "reports" / "tiny"
@@ -222,12 +231,12 @@ def test_each_task_is_gated_on_its_standard_metric():
     from kvquant.tasks import gated_metric
 
     outcome = {"acc": [1, 0, 1, 1], "acc_norm": [1, 1, 0, 1]}
-    measured = [o for task in ("hellaswag", "lambada_openai") for o in task_outcomes(task, outcome, gated_metric(task))]
+    tasks = ("hellaswag", "lambada_openai", "piqa_local")  # the offline copy is gated as its task (was: on acc)
+    measured = [o for task in tasks for o in task_outcomes(task, outcome, gated_metric(task))]
     results = {label: Measured(label, tuple(measured)) for label in ("baseline", "int4")}
     cfg = SimpleNamespace(candidates=[Candidate(quantizer="int4", name="int4")], gate=GateConfig(bootstrap=10),
                           eval=SimpleNamespace(seed=0))
     rows = metric_rows(cfg, results, [c.label for c in cfg.candidates])
-    assert {row.metric.name for row in rows} == {"acc/hellaswag", "acc_norm/hellaswag", "acc/lambada_openai",
-                                                 "acc_norm/lambada_openai"}
+    assert {row.metric.name for row in rows} == {f"{m}/{t}" for m in ("acc", "acc_norm") for t in tasks}
     gated = {row.metric.name for row in rows if row.gated}
-    assert gated == {"acc_norm/hellaswag", "acc/lambada_openai"}
+    assert gated == {"acc_norm/hellaswag", "acc/lambada_openai", "acc_norm/piqa_local"}

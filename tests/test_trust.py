@@ -303,3 +303,100 @@ def test_sigterm_unwinds_like_ctrl_c_and_a_rerun_removes_what_it_does_not_regene
     assert left == {"partial", "notes.txt", "results.json", "results.csv", "report.md", "plot.png",
                     "config.resolved.yaml"}
     assert not list(own_tmp.iterdir()), "the run left its task folder behind"
+
+
+# --- found by the hostile session after #19's first pass ------------------------------------------------------
+
+
+def test_code_execution_a_task_file_named_on_the_lm_eval_command_line_from_a_shared_folder_is_refused(tmp_path):
+    """``--tasks /shared/evil.yaml``: lm-eval loads the file and imports what its ``!function`` names from the
+    same folder. A file in a folder others can write (or that another user owns) is refused before lm-eval
+    starts; it ran before (exit 0)."""
+    from kvquant import lm_eval as lm_eval_cli
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp: anyone may add files next to ours
+    marker = tmp_path / "pwned"
+    docs = shared / "docs.jsonl"
+    docs.write_text(json.dumps({"context": "a", "target": " b"}) + "\n")
+    (shared / "evil.py").write_text(f"def process_docs(ds):\n    open({str(marker)!r}, 'w').write('ran')\n"
+                                    "    return ds\n")
+    (shared / "evil.yaml").write_text(EVIL_TASK.replace("tinystories_lastword", "evil") % docs)
+    model = str(data_dir() / "models/stories260K/hf")
+    argv = ["--model", "kvquant", "--model_args", f"pretrained={model}", "--tasks", str(shared / "evil.yaml"),
+            "--limit", "1"]
+    with pytest.raises(KVQuantError, match=r"--tasks: refusing .*evil.yaml: .*shared is writable by other users"):
+        lm_eval_cli.check(argv)
+    assert lm_eval_cli.main(argv) == 2 and not marker.exists()
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    (own / "task.yaml").write_text("task: x\n")
+    (own / "task.yaml").chmod(0o600)
+    from kvquant.fs import check_trusted
+    assert check_trusted(own / "task.yaml", "--tasks") == (own / "task.yaml").resolve()  # a file of one's own
+    with pytest.raises(KVQuantError, match="--include_path: refusing"):
+        lm_eval_cli.check([*argv[:5], "tinystories_lastword", "--include_path", str(shared)])
+
+
+def test_a_group_writable_ancestor_of_another_group_is_refused(tmp_path):
+    """Members of that group could rename the task folder away and plant their own between two reads."""
+    parent = tmp_path / "group"
+    parent.mkdir()
+    os.chown(parent, -1, os.getgid() + 1)
+    parent.chmod(0o775)
+    with pytest.raises(KVQuantError, match=r"refusing .*writable by the users of group"):
+        private_dir(parent / "tasks", "$KVQUANT_TASK_DIR")
+    parent.chmod(0o1775)  # sticky: members may add entries but not swap ours
+    assert private_dir(parent / "tasks", "$KVQUANT_TASK_DIR").is_dir()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("name: a\ngate: {min_relative_accuracy: 0.97}\ngate: {max_perplexity_ratio: 1000000}\n",
+     "key 'gate' appears twice in one mapping (line 3)"),
+    ("candidates: [{quantizer: int4, quantizer: int2}]\n", "key 'quantizer' appears twice"),
+    ("x: " + "[" * 20000 + "]" * 20000 + "\n", "nested deeper than 64 levels"),
+    ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefg", "bcdefgh")),
+     "expands to more than 1,000,000 values"),
+])
+def test_configs_with_duplicate_keys_deep_nesting_or_alias_bombs_are_refused_quickly(tmp_path, text, needle):
+    """Duplicate keys were last-wins (a second gate: switched the gate off: int2 PASSed); 20,000 levels raised
+    RecursionError (exit 3); an alias bomb was expanded into an error message for minutes."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    proc = run_cli([str(path)])
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-800:]
+    assert time.monotonic() - start < 60
+
+
+def test_a_fifo_or_a_device_as_the_config_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    proc = run_cli([str(fifo)])
+    assert proc.returncode == 2 and "not a regular file" in proc.stderr
+    proc = run_cli(["/dev/zero"])
+    assert proc.returncode == 2 and "not a regular file" in proc.stderr
+
+
+def test_the_planner_refuses_an_option_set_twice():
+    from kvquant.planner import parse_setting
+
+    for text in ("int4:group_size=32,group_size=64", "{quantizer: int4, quantizer: int2}"):
+        with pytest.raises(KVQuantError, match="twice"):
+            parse_setting(text)
+
+
+def test_a_sigterm_while_an_error_is_being_reported_still_exits_143():
+    """The signal can land while guarded() prints an error line; it escaped as a raw traceback with exit 1."""
+    from kvquant.errors import EXIT_TERMINATED, Terminated, guarded
+
+    class Late(KVQuantError):
+        def __str__(self):  # the SIGTERM handler fires while the message is formatted
+            raise Terminated()
+
+    def body():
+        raise Late("bad input")
+
+    assert guarded("kvquant", body) == EXIT_TERMINATED
