@@ -532,14 +532,14 @@ class QuantizedLayer(CacheLayerMixin):
             if not x.is_floating_point():
                 raise KVQuantError(f"{where}: {name} are {x.dtype}; kvquant stores floating-point states (float16, "
                                    "bfloat16, float32)")
-        if not keys.shape[0]:
-            raise KVQuantError(f"{where}: keys hold no rows; keys and values must hold at least one row")
         for what, k, v, unit, rule in (("are", keys.dtype, values.dtype, "", "have the same dtype"),
                                        ("are on", keys.device, values.device, "", "be on the same device"),
                                        ("have", keys.shape[0], values.shape[0], " rows", "hold the same rows"),
                                        ("have", keys.shape[2], values.shape[2], " tokens", "hold the same tokens")):
-            if k != v:
-                raise KVQuantError(f"{where}: keys {what} {k}{unit}, values {v}; keys and values must {rule}")
+            if k != v or (unit == " rows" and not k):
+                shown_v = f"on {v}" if what == "are on" else v
+                raise KVQuantError(f"{where}: keys {what} {k}{unit}, values {shown_v}; keys and values must {rule}"
+                                   + (" (at least one)" if unit == " rows" else ""))
         if self.is_initialized and self.k:
             for name, x, like in (("keys", keys, self.k[0].tail), ("values", values, self.v[0].tail)):
                 for what, dim in (("heads", 1), ("head_dim", 3)):

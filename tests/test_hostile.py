@@ -258,13 +258,13 @@ LM_EVAL_CASES = [
     ("mode-typo", [f"{HF},mode=stream"], "model_args.mode must be one of ['simulated', 'streaming']"),
     ("chunk-size-0", [f"{HF},chunk_size=0"], "model_args.chunk_size must be >= 1"),
     ("dtype-typo", [f"{HF},dtype=float64"], "model_args.dtype must be one of"),
-    ("device-banana", [f"{HF},device=banana"], "model_args.device 'banana'"),
+    ("device-banana", [f"{HF},device=banana"], "device is set with lm-eval's own flag: pass --device banana"),
     ("max-length-1", [f"{HF},max_length=1"], "model_args.max_length must be >= 2"),
     ("pretrained-missing", ["quantizer=int4"], "pretrained=DIR is required"),
     ("pretrained-nonexistent", ["pretrained=/nonexistent/model"], "model_args.pretrained: '/nonexistent/model'"),
     ("gguf-tokenizer", ["pretrained={data}/models/stories260K,gguf_file=stories260K.gguf"], "tokenizer="),
     ("gguf-missing", ["pretrained={data}/models/stories260K,gguf_file=nope.gguf"], "nope.gguf does not exist"),
-    ("model-args-no-equals", [f"{HF},int4"], "expected key=value, got 'int4'"),
+    ("model-args-no-equals", [f"{HF},int4"], "argument --model_args: expected `key=value`, got 'int4'"),
     ("batch-size-in-model-args", [f"{HF},batch_size=4"], "pass --batch_size 4 instead"),
 ]
 
