@@ -419,6 +419,8 @@ class Padding:
         if not attention_mask.shape[0]:
             raise KVQuantError(f"set_padding: attention_mask has 0 rows {tuple(attention_mask.shape)}; it needs one "
                                "row per batch row")
+        if attention_mask.device.type == "meta":
+            raise KVQuantError("set_padding: attention_mask is a meta tensor, which holds no mask values")
         values = attention_mask.detach().to("cpu")
         if values.dtype != torch.bool:
             odd = values[(values != 0) & (values != 1)]

@@ -32,6 +32,8 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 MAX_BOOTSTRAP = 100_000
 MAX_SEED = 2**32 - 1
+#: The loosest gate that is still a gate: half the accuracy kept, perplexity doubled.
+MIN_ACCURACY_RATIO, MAX_PERPLEXITY_RATIO = 0.5, 2.0
 MAX_CALIBRATION = 100_000
 #: Result labels the search uses for its own measurements.
 SEARCH_PREFIX = "search-"
@@ -243,10 +245,15 @@ class GateConfig:
     perplexity: list[str] | None = None
 
     def __post_init__(self):
-        _require(0 < self.min_relative_accuracy <= 1,
-                 f"min_relative_accuracy must be in (0, 1], got {self.min_relative_accuracy!r}")
-        _require(1 <= self.max_perplexity_ratio < math.inf,
-                 f"max_perplexity_ratio must be a finite number >= 1, got {self.max_perplexity_ratio!r}")
+        off = "a looser gate passes any cache, int2 included: it is switched off, not a gate"
+        _require(MIN_ACCURACY_RATIO <= self.min_relative_accuracy <= 1,
+                 f"min_relative_accuracy must be in [{MIN_ACCURACY_RATIO}, 1], got {self.min_relative_accuracy!r}; "
+                 f"{off}")
+        _require(math.isfinite(self.max_perplexity_ratio),
+                 f"max_perplexity_ratio must be a finite number, got {self.max_perplexity_ratio!r}")
+        _require(1 <= self.max_perplexity_ratio <= MAX_PERPLEXITY_RATIO,
+                 f"max_perplexity_ratio must be in [1, {MAX_PERPLEXITY_RATIO}], got {self.max_perplexity_ratio!r}; "
+                 f"{off}")
         _require(0 < self.confidence < 1, f"confidence must be in (0, 1), got {self.confidence!r}")
         _require(1 <= self.bootstrap <= MAX_BOOTSTRAP,
                  f"bootstrap must be in 1..{MAX_BOOTSTRAP} resamples, got {self.bootstrap!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +29,11 @@ def load_rows(spec: PerplexitySet) -> list[str]:
     try:
         path = _find_source(spec)
         rows = _read_file(path, spec.text_field) if path else _read_hub(spec)
+        where = path or f"{spec.hub!r} (field {spec.text_field!r})"
         if not any(r.strip() for r in rows):
-            where = path or f"{spec.hub!r} (field {spec.text_field!r})"
             raise KVQuantError(f"{where} holds no text (every row is empty or whitespace)")
+        for i, row in enumerate(rows, 1):
+            check_text(row, f"{where}: row {i}")
     except KVQuantError as err:
         raise KVQuantError(f"perplexity set {spec.name!r}: {err}") from None
     return rows
@@ -88,11 +91,32 @@ def _read_file(path: Path, text_field: str) -> list[str]:
     return _texts(rows, str(path), text_field)
 
 
+#: The share of control characters (Unicode category Cc; tabs and line breaks aside) above which a row is not text.
+MAX_CONTROL_SHARE = 0.01
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def check_text(text: str, where: str) -> None:
+    """``text`` is text a tokenizer can read: valid Unicode (no lone surrogates), no NUL, and at most
+    :data:`MAX_CONTROL_SHARE` control characters (a binary file read as text scores absurd perplexities)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise KVQuantError(f"{where} is not text: it holds a lone surrogate at character {err.start}") from None
+    control = len(_CONTROL.findall(text))
+    if "\0" in text or control > MAX_CONTROL_SHARE * len(text):
+        raise KVQuantError(f"{where} is not text: {control} of its {len(text)} characters are control characters"
+                           + (" (NUL among them)" if "\0" in text else ""))
+
+
 def _texts(rows, where: str, text_field: str) -> list[str]:
     """``row[text_field]`` of every row (rows are mappings; a text is a string); errors name the row."""
     texts = []
     for i, row in enumerate(rows, 1):
         text = row.get(text_field) if isinstance(row, dict) else row if isinstance(row, str) else None
+        if isinstance(row, dict) and text_field in row and not isinstance(text, str):
+            raise KVQuantError(f"{where}: row {i}: field {text_field!r} is {type(text).__name__} {text!r:.40}, "
+                               "not text")
         if not isinstance(text, str):
             raise KVQuantError(f"{where}: row {i} has no text field {text_field!r}"
                                + (f" (fields: {', '.join(map(str, row))})" if isinstance(row, dict) else ""))

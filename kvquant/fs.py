@@ -36,28 +36,55 @@ def _unsafe_ancestor(path: Path) -> str | None:
     return None
 
 
+def _untrusted(item: Path) -> str | None:
+    """Why another user could change what ``item`` (already resolved) holds, else None."""
+    info = item.stat()
+    if info.st_uid not in (os.getuid(), 0):
+        return f"{item} belongs to another user (uid {info.st_uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{item} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _yaml_includes(path: Path) -> list[Path]:
+    """The files a task YAML's ``include:`` names (relative to its folder), read without running its tags."""
+    import yaml
+
+    class Tagless(yaml.SafeLoader):
+        pass
+
+    Tagless.add_multi_constructor("", lambda loader, suffix, node: None)  # !function and friends: not run here
+    try:
+        doc = yaml.load(path.read_text(encoding="utf-8", errors="replace")[: 1 << 20], Loader=Tagless)  # noqa: S506
+    except yaml.YAMLError:
+        return []  # lm-eval cannot load it either
+    includes = doc.get("include") if isinstance(doc, dict) else None
+    includes = [includes] if isinstance(includes, str) else includes if isinstance(includes, list) else []
+    return [path.parent / i for i in includes if isinstance(i, str)]
+
+
 def check_trusted(path: str | Path, what: str) -> Path:
     """A task file or folder the user names for lm-eval to load, which may run Python it names (``!function``,
-    imported from the file's folder): it, every folder and file under a folder, and the folder holding a file,
-    must be owned by this user (or root) and writable by no one else, under ancestors no other user can swap;
-    else :class:`KVQuantError` naming ``what``. Returns the resolved path."""
-    path = Path(path).expanduser().resolve()
-    if path.is_dir():
-        todo = [path, *(Path(root) / n for root, dirs, files in os.walk(path) for n in [*dirs, *files])]
-    else:
-        todo = [path, path.parent]
-    for item in todo:
-        info = item.stat()
-        reason = (f"{item} belongs to another user (uid {info.st_uid})" if info.st_uid not in (os.getuid(), 0)
-                  else f"{item} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
-                  if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else None)
+    imported from the file's folder): every file it reaches (under a folder, through a symlink, or by a YAML's
+    ``include:``), each file's folder and their ancestors must be owned by this user (or root), writable by no one
+    else; else :class:`KVQuantError` naming ``what``. Returns the resolved path."""
+    top = Path(path).expanduser().resolve()
+    todo, seen = [top], set()
+    while todo:
+        item = todo.pop().resolve()
+        if item in seen or not item.exists():  # a missing include is lm-eval's own error
+            continue
+        seen.add(item)
+        if item.is_dir():
+            todo += [Path(root) / n for root, dirs, files in os.walk(item) for n in [*dirs, *files]]
+        elif item.suffix in (".yaml", ".yml"):
+            todo += _yaml_includes(item)
+        folder = item if item.is_dir() else item.parent
+        reason = _untrusted(item) or _untrusted(folder) or _unsafe_ancestor(folder)
         if reason:
-            raise KVQuantError(f"{what}: refusing {path}: {reason}; lm-eval runs code that task files name, so they "
+            raise KVQuantError(f"{what}: refusing {top}: {reason}; lm-eval runs code that task files name, so they "
                                "must be files only you can write")
-    reason = _unsafe_ancestor(path)
-    if reason:
-        raise KVQuantError(f"{what}: refusing {path}: {reason}")
-    return path
+    return top
 
 
 def private_dir(path: str | Path, what: str) -> Path:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import inspect
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -227,6 +229,26 @@ def _task_names(flags: dict) -> list[str]:
     return [t.strip() for v in tasks for t in str(v).split(",") if t.strip()]
 
 
+def task_paths(tasks: list[str]) -> list[str]:
+    """The ``--tasks`` entries lm-eval reads as files or folders (a path, or a glob it expands), each checked to
+    be only yours (:func:`kvquant.fs.check_trusted`); a glob that matches nothing is refused."""
+    paths = []
+    for task in tasks:
+        pathlike = os.sep in task or task.endswith((".yaml", ".yml")) or any(c in task for c in "*?[")
+        if not (pathlike or Path(task).exists()):
+            continue
+        matches = sorted(glob.glob(task)) if any(c in task for c in "*?[") else [task] if Path(task).exists() else []
+        if not matches:
+            raise KVQuantError(f"--tasks: {task} names no file or folder")
+        for match in matches:
+            if not (Path(match).is_dir() or Path(match).suffix in (".yaml", ".yml")):
+                raise KVQuantError(f"--tasks: {match} is a file but not a task YAML; name a task, a .yaml file or a "
+                                   "folder")
+            check_trusted(match, "--tasks")
+        paths.append(task)
+    return paths
+
+
 def _model_args(flags: dict) -> dict:
     args = flags.get("model_args") or {}
     return parse_model_args([args]) if isinstance(args, str) else dict(args)
@@ -250,13 +272,12 @@ def check(argv: list[str]) -> Path | None:
     flags = lm_eval_flags(argv)
     check_flags(flags)
     tasks = _task_names(flags)
-    paths = [t for t in tasks if Path(t).exists()]  # lm-eval loads a task file (or folder) given by its path
-    for path in paths:
-        if not (Path(path).is_dir() or Path(path).suffix in (".yaml", ".yml")):
-            raise KVQuantError(f"--tasks: {path} is a file but not a task YAML; name a task, a .yaml file or a folder")
-        check_trusted(path, "--tasks")
-    if flags.get("include_path") is not None:
-        check_trusted(flags["include_path"], "--include_path")
+    paths = task_paths(tasks)
+    include = flags.get("include_path")
+    if include is not None:
+        if not isinstance(include, str):
+            raise KVQuantError(f"--include_path must be one folder, got {type(include).__name__} {include!r:.80}")
+        check_trusted(include, "--include_path")
     else:
         check_tasks([t for t in tasks if t not in paths], "--tasks", single=False)
         check_task_data(tasks, "--tasks")

@@ -14,6 +14,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
 from . import data
 from .cache import make_cache, simulate_memory
 from .config import Candidate, ExperimentConfig
@@ -22,7 +24,7 @@ from .evaluate import Scorer, memory_probe, perplexity_samples
 from .models import max_length
 from .results import Measured, Memory, Outcomes, perplexity_outcomes, task_outcomes
 from .tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task,
-                    task_manager)
+                    task_data_digest, task_manager)
 
 #: Tokens per sequence at which every cache's memory is also stated (the planner's arithmetic).
 LONG_CONTEXT = 8192
@@ -92,6 +94,18 @@ def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
     return counts
 
 
+@torch.no_grad()
+def weights_digest(model) -> str:
+    """A digest of the model's weights (per tensor: its name, shape, sum and sum of squares), so a result is never
+    reused for another model behind the same path: one pass over the weights, far cheaper than any evaluation."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.device.type != "meta":
+            x = p.detach().double()
+            digest.update(f"{name}{tuple(p.shape)}{float(x.sum())!r}{float((x * x).sum())!r}".encode())
+    return digest.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Split:
     """What a measurement reads: ``name`` (``evaluation`` or ``calibration``, part of every resume key), the
@@ -116,6 +130,7 @@ class Session:
     def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape):
         self.cfg, self.model, self.tokenizer, self.store, self.shape = cfg, model, tokenizer, store, shape
         self.maxlen = max_length(model, cfg.model)
+        self.weights = weights_digest(model)
         probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
                                                                       "eval.tasks.names")))
@@ -127,9 +142,9 @@ class Session:
         cfg, label = self.cfg, label or candidate.label
         make = lambda c=candidate: make_cache(self.model, c.quantizer, **c.options)  # noqa: E731
         settings = described(make())  # what the cache really uses, defaults filled in
-        key = {"model": asdict(cfg.model), "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
-               "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed, "max_length": self.maxlen,
-               "split": split.name, "settings": settings,
+        key = {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
+               "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
+               "max_length": self.maxlen, "split": split.name, "settings": settings,
                **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
         scorer = Scorer(self.model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
                         share_prefix=shares_prefix(candidate))
@@ -155,7 +170,8 @@ class Session:
         which = ({"documents": [documents.start, documents.stop]} if documents is not None
                  else {"limit": cfg.eval.tasks.limit_for(task)})
         raw = self.store.get_or_compute(
-            label, f"task/{task}", {**key, "task": task, **which, "num_fewshot": cfg.eval.tasks.num_fewshot},
+            label, f"task/{task}", {**key, "task": task, **which, "num_fewshot": cfg.eval.tasks.num_fewshot,
+                                    "data": task_data_digest(task)},
             lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
                              list(documents) if documents is not None else None))
         outcomes = task_outcomes(task, raw, gated_metric(task))

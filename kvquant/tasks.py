@@ -48,6 +48,28 @@ def gated_metric(task: str) -> str:
     return GATED_METRIC.get(task.removesuffix("_local"), "acc")
 
 
+def task_data_digest(name: str) -> str | None:
+    """A digest of the offline data file ``name`` reads (its ``<task>_local`` copy, or the stories of the last-word
+    task), so results are never reused over edited documents; None for a hub task or a probe (whose documents
+    kvquant writes from the tokenizer, keyed with the model)."""
+    root = data_dir()
+    task = name.removesuffix("_local")
+    rel = LASTWORD_SOURCE if task == LASTWORD else OFFLINE_TASKS[task][2] if task in OFFLINE_TASKS else None
+    if root is None or rel is None or not (root / rel).is_file():
+        return None
+    path = (root / rel).resolve()
+    return _file_digest(str(path), path.stat().st_size, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 #: task -> (built-in YAML under lm_eval/tasks, split name, data file under the data directory, extra keys)
 OFFLINE_TASKS = {
     "lambada_openai": ("lambada/lambada_openai.yaml", "test", "tasks/lambada_openai/lambada_test_en.jsonl", {}),

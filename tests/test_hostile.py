@@ -111,6 +111,9 @@ RUN_CASES = [
     ("gate-ratio-below-1", S("gate.max_perplexity_ratio=0.5"), "gate.max_perplexity_ratio"),
     ("gate-accuracy-above-1", S("gate.min_relative_accuracy=1.5"), "gate.min_relative_accuracy"),
     ("gate-accuracy-zero", S("gate.min_relative_accuracy=0"), "gate.min_relative_accuracy"),
+    # thresholds that switch the gate off without being 0 (int2 PASSed, exit 0)
+    ("gate-accuracy-tiny", S("gate.min_relative_accuracy=1.0e-300"), "must be in [0.5, 1], got 1e-300; a looser gate"),
+    ("gate-ratio-huge", S("gate.max_perplexity_ratio=1.0e+300"), "must be in [1, 2.0], got 1e+300; a looser gate"),
     ("gate-accuracy-string", S("gate.min_relative_accuracy=high"), "gate.min_relative_accuracy must be float"),
     ("gate-bootstrap-huge", S("gate.bootstrap=300000000"), "gate.bootstrap must be in 1..100000"),
     ("gate-bootstrap-zero", S("gate.bootstrap=0"), "gate.bootstrap"),

@@ -208,7 +208,8 @@ def test_get_seq_length_rejects_bad_layers(model, layer, match):
     (torch.tensor([[2, 1, 1, 1, 1, 1]] * 2), r"0 \(padding\) and 1"),
     (torch.tensor([[0.5] * 6] * 2), r"0 \(padding\) and 1"),
     (torch.ones(2, 6, dtype=torch.complex64), r"torch.complex64"),
-], ids=["additive", "two", "half", "complex"])
+    (torch.ones(2, 6, dtype=torch.long, device="meta"), r"meta tensor"),
+], ids=["additive", "two", "half", "complex", "meta"])
 def test_set_padding_rejects_masks_that_are_not_zero_one(model, mask, match):
     cache = written(model)
     with pytest.raises(KVQuantError, match="set_padding: attention_mask .*" + match):

@@ -3,6 +3,7 @@ broken offline task data. Each is refused with one line and exit 2 (or one :clas
 can be, before a model loads (the loaders and lm-eval's own CLI are booby-trapped)."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -356,3 +357,23 @@ def test_lm_eval_refuses_broken_task_data_before_loading(data, trapped, capsys):
         code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}",
                                  "--tasks", f"{name},tinystories_lastword"])
         assert_one_line(code, capsys.readouterr().err, f"--tasks: task 'hellaswag': {path}, line 1: no field")
+
+
+@pytest.mark.parametrize("row, needle", [
+    ({"text": "\u0000\u0000\u0000\u0000"}, "row 1 is not text: 4 of its 4 characters are control characters (NUL"),
+    ({"text": "\x01\x02\x03 almost nothing but control bytes \x04\x05\x06"}, "row 1 is not text: 6 of its"),
+    ({"text": "\ud800 lone surrogate"}, "row 1 is not text: it holds a lone surrogate at character 0"),
+    ({"text": 5}, "row 1: field 'text' is int 5, not text"),
+    ({"text": None}, "row 1: field 'text' is NoneType None, not text"),
+])
+def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
+    """Found by the second hostile session: NUL text was accepted (and measured), a lone surrogate crashed the
+    tokenizer (exit 3), and a number in the text field was called a missing field."""
+    from kvquant.config import PerplexitySet
+    from kvquant.data import load_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8", errors="surrogatepass")
+    with pytest.raises(KVQuantError, match=re.escape(needle)) as info:
+        load_rows(PerplexitySet(name="t", source=str(path)))
+    assert "\n" not in str(info.value)

@@ -240,3 +240,36 @@ def test_each_task_is_gated_on_its_standard_metric():
     assert {row.metric.name for row in rows} == {f"{m}/{t}" for m in ("acc", "acc_norm") for t in tasks}
     gated = {row.metric.name for row in rows if row.gated}
     assert gated == {"acc_norm/hellaswag", "acc/lambada_openai", "acc_norm/piqa_local"}
+
+
+def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_path, monkeypatch):
+    """Found by the second hostile session: the same config over a data directory whose model weights and task
+    stories changed reused every result (the key held the model's path and the task's name only)."""
+    import shutil
+
+    from kvquant.paths import data_dir
+
+    real = data_dir()
+    root = tmp_path / "data"
+    shutil.copytree(real / "models/stories260K", root / "models/stories260K")
+    (root / "text/tinystories").mkdir(parents=True)
+    stories = real / "text/tinystories/validation-first1000.jsonl"
+    shutil.copy(stories, root / "text/tinystories/validation-first1000.jsonl")
+    monkeypatch.setenv("KVQUANT_DATA", str(root))
+    path = write_config(tmp_path, TINY.replace("gate: {{bootstrap: 50}}", "  tasks: {{names: [tinystories_lastword], "
+                                               "limit: 5}}\ngate: {{bootstrap: 50}}"))
+    out_dir = tmp_path / "reports" / "tiny"
+    main([str(path)])
+    assert read_report(out_dir)["results"]["computed"] == 6  # baseline and int8: ppl, task, memory
+    from safetensors.torch import load_file, save_file
+    weights_file = root / "models/stories260K/hf/model.safetensors"
+    weights = load_file(weights_file)
+    weights["model.layers.0.mlp.up_proj.weight"] *= 0.5
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    main([str(path)])
+    assert read_report(out_dir)["results"] == {"computed": 6, "reused_from_partial": 0, "set_aside": []}
+    lines = (root / "text/tinystories/validation-first1000.jsonl").read_text().splitlines()
+    lines[600] = json.dumps({"text": "Once upon a time there was a zebra. The zebra ate grass with the other zebra."})
+    (root / "text/tinystories/validation-first1000.jsonl").write_text("\n".join(lines) + "\n")
+    main([str(path), "--set", "eval.perplexity=[]", "--set", "gate.perplexity=[]"])
+    assert read_report(out_dir)["results"]["computed"] >= 2  # the task is measured again over the edited stories

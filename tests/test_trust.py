@@ -59,6 +59,17 @@ metric_list: [{metric: acc}]
 """
 
 
+def plant_evil(folder: Path, tmp_path: Path, task: str = "tinystories_lastword") -> Path:
+    """Write into ``folder`` a task ``task`` whose ``!function`` writes a marker file; returns the marker."""
+    marker = tmp_path / "pwned"
+    docs = folder / "docs.jsonl"
+    docs.write_text(json.dumps({"context": "a", "target": " b"}) + "\n")
+    (folder / "evil.py").write_text(f"def process_docs(ds):\n    open({str(marker)!r}, 'w').write('ran')\n"
+                                    "    return ds\n")
+    (folder / "evil.yaml").write_text(EVIL_TASK.replace("tinystories_lastword", task) % docs)
+    return marker
+
+
 def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_loaded(tmp_path):
     """An attacker who can write the temp directory plants a task that redefines the gated task with
     ``!function``; building kvquant's task manager and task must not run it (it did: the folder was
@@ -67,12 +78,7 @@ def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_l
     planted = shared_tmp / "kvquant-tasks" / re.sub(r"[^A-Za-z0-9]+", "_", str(data_dir()))
     planted.mkdir(parents=True)
     planted.chmod(0o777)
-    marker = tmp_path / "pwned"
-    docs = planted / "docs.jsonl"
-    docs.write_text(json.dumps({"context": "a", "target": " b"}) + "\n")
-    (planted / "evil.py").write_text(f"def process_docs(ds):\n    open({str(marker)!r}, 'w').write('ran')\n"
-                                     "    return ds\n")
-    (planted / "evil.yaml").write_text(EVIL_TASK % docs)
+    marker = plant_evil(planted, tmp_path)
     script = ("from lm_eval.tasks import get_task_dict\nfrom kvquant.tasks import task_manager\n"
               "get_task_dict(['tinystories_lastword'], task_manager())\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
@@ -308,21 +314,21 @@ def test_sigterm_unwinds_like_ctrl_c_and_a_rerun_removes_what_it_does_not_regene
 # --- found by the hostile session after #19's first pass ------------------------------------------------------
 
 
+def _shared_evil(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder like /tmp (sticky, anyone may add files) holding a task whose !function writes a marker."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    return shared, plant_evil(shared, tmp_path, "evil")
+
+
 def test_code_execution_a_task_file_named_on_the_lm_eval_command_line_from_a_shared_folder_is_refused(tmp_path):
     """``--tasks /shared/evil.yaml``: lm-eval loads the file and imports what its ``!function`` names from the
     same folder. A file in a folder others can write (or that another user owns) is refused before lm-eval
     starts; it ran before (exit 0)."""
     from kvquant import lm_eval as lm_eval_cli
 
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)  # like /tmp: anyone may add files next to ours
-    marker = tmp_path / "pwned"
-    docs = shared / "docs.jsonl"
-    docs.write_text(json.dumps({"context": "a", "target": " b"}) + "\n")
-    (shared / "evil.py").write_text(f"def process_docs(ds):\n    open({str(marker)!r}, 'w').write('ran')\n"
-                                    "    return ds\n")
-    (shared / "evil.yaml").write_text(EVIL_TASK.replace("tinystories_lastword", "evil") % docs)
+    shared, marker = _shared_evil(tmp_path)
     model = str(data_dir() / "models/stories260K/hf")
     argv = ["--model", "kvquant", "--model_args", f"pretrained={model}", "--tasks", str(shared / "evil.yaml"),
             "--limit", "1"]
@@ -400,3 +406,31 @@ def test_a_sigterm_while_an_error_is_being_reported_still_exits_143():
         raise Late("bad input")
 
     assert guarded("kvquant", body) == EXIT_TERMINATED
+
+
+@pytest.mark.parametrize("how", ["glob", "include", "symlink-in-own-folder", "config-include-path-list"])
+def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_path, how):
+    """Found by the second hostile session, each ran the planted task (exit 0) or crashed (exit 3): a glob on
+    --tasks, a task file of one's own that ``include:``s a shared one, a symlink in one's own folder to a shared
+    file, and ``include_path`` as a list in an lm-eval --config file."""
+    from kvquant import lm_eval as lm_eval_cli
+
+    shared, marker = _shared_evil(tmp_path)
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    model = str(data_dir() / "models/stories260K/hf")
+    base = ["--model", "kvquant", "--model_args", f"pretrained={model}", "--limit", "1"]
+    if how == "glob":
+        argv = [*base, "--include_path", str(own), "--tasks", str(shared / "evi*.yaml")]
+    elif how == "include":
+        (own / "inc.yaml").write_text(f"include: {shared / 'evil.yaml'}\ntask: inc\n")
+        argv = [*base, "--tasks", str(own / "inc.yaml")]
+    elif how == "symlink-in-own-folder":
+        (own / "t.yaml").symlink_to(shared / "evil.yaml")
+        argv = [*base, "--tasks", str(own)]
+    else:
+        (own / "lm.yaml").write_text(yaml.safe_dump({"include_path": [str(shared)], "tasks": ["evil"]}))
+        argv = [*base, "--config", str(own / "lm.yaml")]
+    with pytest.raises(KVQuantError, match="--include_path must be one folder" if "list" in how else "refusing"):
+        lm_eval_cli.check(argv)
+    assert lm_eval_cli.main(argv) == 2 and not marker.exists()
