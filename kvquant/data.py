@@ -34,6 +34,7 @@ def load_rows(spec: PerplexitySet) -> list[str]:
             raise KVQuantError(f"{where} holds no text (every row is empty or whitespace)")
         for i, row in enumerate(rows, 1):
             check_text(row, f"{where}: row {i}")
+        check_text(spec.separator, "separator")
     except KVQuantError as err:
         raise KVQuantError(f"perplexity set {spec.name!r}: {err}") from None
     return rows

@@ -46,21 +46,36 @@ def _untrusted(item: Path) -> str | None:
     return None
 
 
-def _yaml_includes(path: Path) -> list[Path]:
-    """The files a task YAML's ``include:`` names (relative to its folder), read without running its tags."""
+def _task_file_refs(path: Path) -> tuple[list[Path], list[Path]]:
+    """What lm-eval reads because of the task YAML ``path``, found as lm-eval finds it (its own YAML base loader,
+    the whole file, any encoding it accepts) but without running anything: each ``include:`` (any file, relative
+    to this file's folder) and the module file of each ``!function`` (``mod.sub.fn`` -> ``mod/sub.py`` beside
+    the file, or an absolute path)."""
     import yaml
+    from lm_eval.tasks._yaml_loader import _Base
 
-    class Tagless(yaml.SafeLoader):
+    includes: list[Path] = []
+    modules: list[Path] = []
+
+    class Recording(_Base):
         pass
 
-    Tagless.add_multi_constructor("", lambda loader, suffix, node: None)  # !function and friends: not run here
+    def function(loader, node):
+        module = loader.construct_scalar(node).rpartition(".")[0]
+        modules.append(path.parent / f"{module.replace('.', '/')}.py")
+        return None
+
+    Recording.add_constructor("!function", function)
     try:
-        doc = yaml.load(path.read_text(encoding="utf-8", errors="replace")[: 1 << 20], Loader=Tagless)  # noqa: S506
-    except yaml.YAMLError:
-        return []  # lm-eval cannot load it either
-    includes = doc.get("include") if isinstance(doc, dict) else None
-    includes = [includes] if isinstance(includes, str) else includes if isinstance(includes, list) else []
-    return [path.parent / i for i in includes if isinstance(i, str)]
+        with path.open("rb") as f:
+            doc = yaml.load(f, Loader=Recording)  # noqa: S506  (a safe base; !function is only recorded)
+    except (yaml.YAMLError, ValueError, UnicodeError):
+        return includes, modules  # lm-eval cannot load it either
+    named = doc.get("include") if isinstance(doc, dict) else None
+    for inc in named if isinstance(named, list) else [named] if named else []:
+        if isinstance(inc, str):
+            includes.append(path.parent / inc)
+    return includes, modules
 
 
 def check_trusted(path: str | Path, what: str) -> Path:
@@ -69,7 +84,7 @@ def check_trusted(path: str | Path, what: str) -> Path:
     ``include:``), each file's folder and their ancestors must be owned by this user (or root), writable by no one
     else; else :class:`KVQuantError` naming ``what``. Returns the resolved path."""
     top = Path(path).expanduser().resolve()
-    todo, seen = [top], set()
+    todo, seen, included = [top], set(), set()
     while todo:
         item = todo.pop().resolve()
         if item in seen or not item.exists():  # a missing include is lm-eval's own error
@@ -77,8 +92,10 @@ def check_trusted(path: str | Path, what: str) -> Path:
         seen.add(item)
         if item.is_dir():
             todo += [Path(root) / n for root, dirs, files in os.walk(item) for n in [*dirs, *files]]
-        elif item.suffix in (".yaml", ".yml"):
-            todo += _yaml_includes(item)
+        elif item == top or item.suffix in (".yaml", ".yml") or item in included:
+            includes, modules = _task_file_refs(item)  # an included file is a task YAML whatever its name
+            included.update(r.resolve() for r in includes)
+            todo += [*includes, *modules]
         folder = item if item.is_dir() else item.parent
         reason = _untrusted(item) or _untrusted(folder) or _unsafe_ancestor(folder)
         if reason:

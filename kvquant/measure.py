@@ -95,10 +95,13 @@ def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
 
 
 @torch.no_grad()
-def weights_digest(model) -> str:
-    """A digest of the model's weights (per tensor: its name, shape, sum and sum of squares), so a result is never
-    reused for another model behind the same path: one pass over the weights, far cheaper than any evaluation."""
-    digest = hashlib.sha256()
+def weights_digest(model, tokenizer) -> str:
+    """A digest of what the model computes with: its config, its tokenizer (vocabulary, merges, special tokens)
+    and its weights (per tensor: name, shape, sum and sum of squares), so a result is never reused for another
+    model behind the same path; one pass over the weights, far cheaper than any evaluation."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
     for name, p in model.named_parameters():
         if p.device.type != "meta":
             x = p.detach().double()
@@ -130,7 +133,7 @@ class Session:
     def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape):
         self.cfg, self.model, self.tokenizer, self.store, self.shape = cfg, model, tokenizer, store, shape
         self.maxlen = max_length(model, cfg.model)
-        self.weights = weights_digest(model)
+        self.weights = weights_digest(model, tokenizer)
         probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
                                                                       "eval.tasks.names")))

@@ -377,3 +377,16 @@ def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
     with pytest.raises(KVQuantError, match=re.escape(needle)) as info:
         load_rows(PerplexitySet(name="t", source=str(path)))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("separator, needle", [("\u0000\u0000", "separator is not text"),
+                                               ("\ud800", "separator is not text: it holds a lone surrogate")])
+def test_a_separator_that_is_not_text_is_refused(tmp_path, separator, needle):
+    """The rows were checked but not what joins them (a NUL separator was measured; a surrogate was exit 3)."""
+    from kvquant.config import PerplexitySet
+    from kvquant.data import load_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"text": "Once upon a time."}) + "\n")
+    with pytest.raises(KVQuantError, match=re.escape(needle)):
+        load_rows(PerplexitySet(name="t", source=str(path), layout="stream", separator=separator))

@@ -273,3 +273,26 @@ def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_p
     (root / "text/tinystories/validation-first1000.jsonl").write_text("\n".join(lines) + "\n")
     main([str(path), "--set", "eval.perplexity=[]", "--set", "gate.perplexity=[]"])
     assert read_report(out_dir)["results"]["computed"] >= 2  # the task is measured again over the edited stories
+
+
+def test_the_model_digest_changes_with_its_config_tokenizer_or_weights(model, tokenizer):
+    """Found by the third hostile session: task results were reused after tokenizer.json or config.json changed
+    (the key held a digest of the weights only)."""
+    import copy
+
+    import torch
+
+    from kvquant.measure import weights_digest
+
+    base = weights_digest(model, tokenizer)
+    assert weights_digest(model, tokenizer) == base
+    other = copy.deepcopy(model)
+    other.config.rope_theta = 10.0
+    assert weights_digest(other, tokenizer) != base
+    edited = copy.deepcopy(tokenizer)
+    edited.add_tokens(["zebra-token"])
+    assert weights_digest(model, edited) != base
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters())[0, 0] += 1.0
+    assert weights_digest(other, tokenizer) != base

@@ -408,7 +408,13 @@ def test_a_sigterm_while_an_error_is_being_reported_still_exits_143():
     assert guarded("kvquant", body) == EXIT_TERMINATED
 
 
-@pytest.mark.parametrize("how", ["glob", "include", "symlink-in-own-folder", "config-include-path-list"])
+OWN_TASK = ("task: own\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {docs}}}}}\ntest_split: test\n"
+            "output_type: loglikelihood\ndoc_to_target: '{{{{target}}}}'\nmetric_list: [{{metric: acc}}]\n")
+
+
+@pytest.mark.parametrize("how", ["glob", "include", "symlink-in-own-folder", "config-include-path-list",
+                                 "function-by-absolute-path", "function-module-symlinked", "include-through-txt",
+                                 "utf16-include", "include-after-a-mebibyte"])
 def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_path, how):
     """Found by the second hostile session, each ran the planted task (exit 0) or crashed (exit 3): a glob on
     --tasks, a task file of one's own that ``include:``s a shared one, a symlink in one's own folder to a shared
@@ -428,9 +434,22 @@ def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_pat
     elif how == "symlink-in-own-folder":
         (own / "t.yaml").symlink_to(shared / "evil.yaml")
         argv = [*base, "--tasks", str(own)]
-    else:
+    elif how == "config-include-path-list":
         (own / "lm.yaml").write_text(yaml.safe_dump({"include_path": [str(shared)], "tasks": ["evil"]}))
         argv = [*base, "--config", str(own / "lm.yaml")]
+    else:  # found by the third hostile session: a task file of one's own that reaches shared code another way
+        task = OWN_TASK.format(docs=shared / "docs.jsonl")
+        text = {"function-by-absolute-path": task + f"process_docs: !function {shared}/evil.process_docs\n",
+                "function-module-symlinked": task + "process_docs: !function evil.process_docs\n",
+                "include-through-txt": "include: base.txt\ntask: own\n",
+                "utf16-include": f"include: {shared / 'evil.yaml'}\ntask: own\n",
+                "include-after-a-mebibyte": "task: own\n# " + "a" * (1 << 20) + f"\ninclude: {shared / 'evil.yaml'}\n"}
+        if how == "function-module-symlinked":
+            (own / "evil.py").symlink_to(shared / "evil.py")
+        if how == "include-through-txt":
+            (own / "base.txt").write_text(f"include: {shared / 'evil.yaml'}\n")
+        (own / "t.yaml").write_bytes(text[how].encode("utf-16" if how == "utf16-include" else "utf-8"))
+        argv = [*base, "--tasks", str(own / "t.yaml")]
     with pytest.raises(KVQuantError, match="--include_path must be one folder" if "list" in how else "refusing"):
         lm_eval_cli.check(argv)
     assert lm_eval_cli.main(argv) == 2 and not marker.exists()
