@@ -245,18 +245,26 @@ class GateConfig:
     perplexity: list[str] | None = None
 
     def __post_init__(self):
-        off = "a looser gate passes any cache, int2 included: it is switched off, not a gate"
-        _require(MIN_ACCURACY_RATIO <= self.min_relative_accuracy <= 1,
-                 f"min_relative_accuracy must be in [{MIN_ACCURACY_RATIO}, 1], got {self.min_relative_accuracy!r}; "
-                 f"{off}")
+        _require(0 < self.min_relative_accuracy <= 1,
+                 f"min_relative_accuracy must be in (0, 1], got {self.min_relative_accuracy!r}")
         _require(math.isfinite(self.max_perplexity_ratio),
                  f"max_perplexity_ratio must be a finite number, got {self.max_perplexity_ratio!r}")
-        _require(1 <= self.max_perplexity_ratio <= MAX_PERPLEXITY_RATIO,
-                 f"max_perplexity_ratio must be in [1, {MAX_PERPLEXITY_RATIO}], got {self.max_perplexity_ratio!r}; "
-                 f"{off}")
+        _require(self.max_perplexity_ratio >= 1,
+                 f"max_perplexity_ratio must be a finite number >= 1, got {self.max_perplexity_ratio!r}")
         _require(0 < self.confidence < 1, f"confidence must be in (0, 1), got {self.confidence!r}")
         _require(1 <= self.bootstrap <= MAX_BOOTSTRAP,
                  f"bootstrap must be in 1..{MAX_BOOTSTRAP} resamples, got {self.bootstrap!r}")
+
+    def check_is_a_gate(self) -> None:
+        """The run's gate must be one: thresholds looser than these pass any cache (the search's calibration
+        target is the search's own affair, so this is checked on the config's gate only)."""
+        off = "a looser gate passes any cache, int2 included: it is switched off, not a gate"
+        _require(MIN_ACCURACY_RATIO <= self.min_relative_accuracy,
+                 f"gate.min_relative_accuracy must be in [{MIN_ACCURACY_RATIO}, 1], got "
+                 f"{self.min_relative_accuracy!r}; {off}")
+        _require(self.max_perplexity_ratio <= MAX_PERPLEXITY_RATIO,
+                 f"gate.max_perplexity_ratio must be in [1, {MAX_PERPLEXITY_RATIO}], got "
+                 f"{self.max_perplexity_ratio!r}; {off}")
 
 
 @dataclass(frozen=True)
@@ -318,6 +326,7 @@ class ExperimentConfig:
     def __post_init__(self):
         check_plain_name("name", self.name)
         _require(bool(self.output_dir), "output_dir must name a directory, got ''")
+        self.gate.check_is_a_gate()
         if self.stages:
             _require(not self.candidates and not self.search, "stages: a staged run measures its stages only; remove "
                      "candidates and search")

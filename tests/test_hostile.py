@@ -209,7 +209,7 @@ RUN_CASES = [
     ("data-blank-txt", src("{files}/blank.txt"), "blank.txt holds no text"),
     ("data-no-field", src("{files}/nofield.jsonl"), "row 1 has no text field 'text' (fields: story)"),
     ("data-empty-jsonl", src("{files}/empty.jsonl"), "empty.jsonl holds no text"),
-    ("data-number-text", src("{files}/numbers.jsonl"), "numbers.jsonl: row 1 has no text field"),
+    ("data-number-text", src("{files}/numbers.jsonl"), "numbers.jsonl: row 1: field 'text' is int"),
     ("data-latin1", src("{files}/latin1.txt"), "latin1.txt: not UTF-8"),
     ("data-csv", src("{files}/table.csv"), "unsupported text file type '.csv'"),
     ("data-directory", src("{files}/a_dir"), "a_dir is not a file"),
