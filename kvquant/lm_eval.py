@@ -29,7 +29,7 @@ from .config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, 
                      read_text_file)
 from .errors import EXIT_PASS, KVQuantError, guarded
 from .fs import check_trusted
-from .lm_eval_model import batch_rows
+from .lm_eval_model import batch_rows, parse_value, whole_number
 from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, trained_context
 from .tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_dir
 
@@ -40,22 +40,10 @@ EVAL_ARGS = ("mode", "chunk_size")
 PASS_THROUGH = {"-h", "--help", "ls", "validate"}
 
 
-def _value(text: str):
-    """A model_args value as lm-eval and the kvquant model read it: ``None`` -> None, else YAML (``32`` -> 32)."""
-    if text in ("None", "none"):
-        return None
-    try:
-        return load_yaml(text, "--model_args")
-    except ConfigError as err:
-        if "not valid YAML" in str(err):
-            return text  # a plain string
-        raise KVQuantError(str(err)) from None
-
-
 def parse_model_args(values: list[str]) -> dict:
     """``pretrained=DIR,quantizer=int4`` (one or more such strings) or one JSON object, as a dict."""
     if len(values) == 1 and values[0].lstrip().startswith("{"):
-        parsed = _value(values[0])
+        parsed = parse_value(values[0])
         if not isinstance(parsed, dict):
             raise KVQuantError(f"--model_args: {values[0]!r} is not a JSON object")
         return parsed
@@ -64,7 +52,7 @@ def parse_model_args(values: list[str]) -> dict:
         key, eq, text = item.partition("=")
         if not eq or not key.strip():
             raise KVQuantError(f"--model_args: expected key=value, got {item!r}")
-        out[key.strip()] = _value(text.strip())
+        out[key.strip()] = parse_value(text.strip())
     return out
 
 
@@ -151,13 +139,6 @@ def check_limit(value) -> None:
                            f"got {_text(value)!r}")
 
 
-def _whole(value, name: str, minimum: int) -> int:
-    text = _text(value).strip()
-    if isinstance(value, bool) or not (text.lstrip("-").isdigit()) or int(text) < minimum:
-        raise KVQuantError(f"{name} must be an integer >= {minimum}, got {_text(value)!r}")
-    return int(text)
-
-
 def check_seed(value) -> None:
     """``--seed``: one integer or None for all four generators, or 3-4 comma-separated, each in numpy's range."""
     from lm_eval._cli.utils import _int_or_none_list_arg_type
@@ -209,7 +190,7 @@ def check_flags(flags: dict) -> None:
     if flags.get("samples") and flags.get("limit") is not None:
         raise KVQuantError("--samples and --limit cannot be used together: --samples names the documents")
     if flags.get("num_fewshot") is not None:
-        _whole(flags["num_fewshot"], "--num_fewshot", 0)
+        whole_number(flags["num_fewshot"], "--num_fewshot", 0)
     if "batch_size" in flags or flags.get("max_batch_size") is not None:
         batch_rows(flags.get("batch_size", 1), flags.get("max_batch_size"), ("--batch_size", "--max_batch_size"))
     if flags.get("seed") is not None:

@@ -15,14 +15,13 @@ import sys
 
 import lm_eval.models  # noqa: F401  (before registering: lm-eval fills its built-in models only into an empty registry)
 import torch
-import yaml
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from .cache import make_cache
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig, load_yaml
 from .errors import KVQuantError
 from .evaluate import Scorer, check_mode
 from .models import load_model, max_length as model_max_length
@@ -32,20 +31,28 @@ from .models import load_model, max_length as model_max_length
 DEFAULT_AUTO_BATCH = 16
 
 
-def _parse(value):
-    """model_args values arrive as strings: '32' -> 32, 'true' -> True, 'abc' -> 'abc'."""
+def parse_value(value):
+    """A model_args value as lm-eval and the kvquant model read it: non-strings as they are, ``None`` -> None,
+    else YAML (``'32'`` -> 32, ``'true'`` -> True) through kvquant's bounded loader, else the string itself."""
     if not isinstance(value, str):
         return value
+    if value in ("None", "none"):
+        return None
     try:
-        return yaml.safe_load(value)
-    except yaml.YAMLError:
-        return value
+        return load_yaml(value, "--model_args")
+    except ConfigError as err:
+        if "not valid YAML" in str(err):
+            return value  # a plain string
+        raise
 
 
-def _rows(value, name: str, what: str) -> int:
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
-            or int(value) < 1:
-        raise KVQuantError(f"{name} must be {what}, got {value if isinstance(value, str) else repr(value)!r}")
+def whole_number(value, name: str, minimum: int = 1, what: str | None = None) -> int:
+    """``value`` (an int, or its text) as an integer >= ``minimum``; else one line naming ``name``."""
+    text = value.strip() if isinstance(value, str) else None
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (text is not None and text.lstrip("-").isdigit())
+    if not ok or int(value) < minimum:
+        shown = value if isinstance(value, str) else repr(value)
+        raise KVQuantError(f"{name} must be {what or f'an integer >= {minimum}'}, got {shown!r}")
     return int(value)
 
 
@@ -54,7 +61,7 @@ def batch_rows(batch_size, max_batch_size=None, names: tuple[str, str] = ("batch
     ``max_batch_size`` (caps ``auto``). kvquant does not probe memory: ``auto`` is :data:`DEFAULT_AUTO_BATCH`.
     ``names``: how messages name the two (``--batch_size`` on the command line)."""
     what = "an integer >= 1, 'auto' or 'auto:N' (N >= 1)"
-    cap = None if max_batch_size is None else _rows(max_batch_size, names[1], "an integer >= 1")
+    cap = None if max_batch_size is None else whole_number(max_batch_size, names[1])
     if batch_size is None:
         return 1
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -63,7 +70,7 @@ def batch_rows(batch_size, max_batch_size=None, names: tuple[str, str] = ("batch
             if head != "auto" or not tries.isdigit() or int(tries) < 1:
                 raise KVQuantError(f"{names[0]} must be {what}, got {batch_size!r}")
         return min(DEFAULT_AUTO_BATCH, cap) if cap else DEFAULT_AUTO_BATCH
-    return _rows(batch_size, names[0], what)
+    return whole_number(batch_size, names[0], what=what)
 
 
 @register_model("kvquant")
@@ -86,7 +93,7 @@ class KVQuantLM(TemplateLM):
         **cache_options,
     ):
         super().__init__()
-        chunk_size, max_length, share_prefix = map(_parse, (chunk_size, max_length, share_prefix))
+        chunk_size, max_length, share_prefix = map(parse_value, (chunk_size, max_length, share_prefix))
         batch_size = batch_rows(batch_size, max_batch_size)
         check_mode(mode, chunk_size)
         if not isinstance(share_prefix, bool):
@@ -105,7 +112,7 @@ class KVQuantLM(TemplateLM):
             self.model, self.tokenizer = pretrained, tokenizer
             spec = ModelConfig(max_length=max_length)
         self.max_length = model_max_length(self.model, spec)
-        options = {k: _parse(v) for k, v in cache_options.items()}
+        options = {k: parse_value(v) for k, v in cache_options.items()}
         self.quantizer = quantizer
         self.cache_options = options
         make_cache(self.model, quantizer, **options)  # validate the settings now, not at the first request
