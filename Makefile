@@ -17,9 +17,9 @@ CONFIG ?= configs/int4.yaml
 
 setup: .venv/installed
 
-# A gate FAIL (exit 1) is a result, not a broken run: make reports it and succeeds; bad config/data (2) fails.
+# A gate FAIL (exit 1) or INCONCLUSIVE (exit 4) is a result, not a broken run: make reports it and succeeds; bad config/data (2) fails.
 run: setup
-	@$(PY) -m kvquant.run $(CONFIG); code=$$?; [ $$code -le 1 ] || exit $$code
+	@$(PY) -m kvquant.run $(CONFIG); code=$$?; [ $$code -le 1 ] || [ $$code -eq 4 ] || exit $$code
 
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q

@@ -69,7 +69,8 @@ def index_block(reports: dict[str, dict]) -> str:
 def report_block(name: str, rep: dict) -> str:
     cfg, env = rep["config"], rep["environment"]
     gate = cfg["gate"]
-    basis = "point estimate" if gate["decide_on"] == "point" else "lower bound"
+    basis = {"point": "point estimate (the old rule: not a test)", "lower_bound": "lower bound (the old rule)"}.get(
+        gate["decide_on"], f"paired {gate['confidence']:.0%} interval: pass / fail / inconclusive")
     mode = rep["mode"] + (f", chunk {rep['chunk_size']}" if rep["mode"] == "streaming" else "")
     metrics = gated_metrics(rep)
     first = rep["candidates"][0]["metrics"]
@@ -81,7 +82,7 @@ def report_block(name: str, rep: dict) -> str:
              "", f"Baseline (fp16 quantizer): {baseline}.", ""]
     long = next((c["memory"]["long"]["tokens"] for c in rep["candidates"] if "long" in c["memory"]), None)
     header = ["candidate", "bits/element", "memory vs fp16", *([f"at {long:,} tokens"] if long else []),
-              *[f"{m}" for m in metrics], "passed"]
+              *[f"{m}" for m in metrics], "verdict"]
     rows = []
     for cand in rep["candidates"]:
         cells = [f"`{cand['name']}`", num(cand["bits_per_element"]), num(cand["memory_ratio"])]
@@ -89,13 +90,13 @@ def report_block(name: str, rep: dict) -> str:
             cells.append(num(cand.get("memory_ratio_long")))
         for m in metrics:
             res = cand["metrics"].get(m)
-            cell = num(res["relative"]) if res else "—"
+            cell = num(res.get("statistic", res["relative"])) if res else "—"
             cells.append(f"**{cell}**" if res and not res["passed"] else cell)
-        cells.append("yes" if cand["passed"] else "no")
+        cells.append(cand.get("verdict", "pass" if cand["passed"] else "fail"))
         rows.append(cells)
     lines.append(table(header, rows, "lrr" + "r" * (len(metrics) + bool(long)) + "l"))
     lines += ["", "Gated metrics as relative scores (candidate/baseline; baseline/candidate for perplexity); "
-              "**bold**: below the threshold. Bits/element and memory measured at "
+              "**bold**: not passed. Bits/element and memory measured at "
               f"{cfg['eval']['memory_probe_tokens']} tokens."]
     if rep.get("search"):
         lines += ["", *search_lines(rep["search"])]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import numbers
 import re
@@ -21,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_lay
 from .errors import InternalError, KVQuantError, NonFiniteKVError, one_line
 from .eviction import Eviction, get_eviction
 from .quantizers import QUANTIZERS, Codec, Quantizer, available_quantizers, get_quantizer
+from .reads import Reads, Run, last_runs
 
 FP16_BYTES = 2
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -284,6 +286,17 @@ class _Stream:
         first = max(skip - s - q, 0)
         out[:, :, s + q + first - skip :] = self.tail[:, :, first:]
 
+    def read_runs(self, m: int) -> list[Run]:
+        """Which of the ``m`` tokens :meth:`materialize_into` reads are stored quantized, as runs in read order
+        (sinks and ``tail`` are full precision)."""
+        s, q, t = self.sinks.shape[2], self.n_enc, self.tail.shape[2]
+        if self.hidden:
+            flags = [s <= i < s + q for i, o in enumerate(self.ords) if o not in self.hidden]
+            return [(flag, len(list(run))) for flag, run in itertools.groupby(flags[len(flags) - m :])]
+        if s and m < len(self):
+            return [(False, s), *last_runs([(True, q), (False, t)], m - s)]
+        return last_runs([(False, s), (True, q), (False, t)], m)
+
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every stored tensor with its role key (shared ones included)."""
         return [("sinks", self.sinks), ("tail", self.tail), *(item for seg in self.segments() for item in seg.items())]
@@ -496,6 +509,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.k: list[_Stream] = []
         self.v: list[_Stream] = []
         self.index: int | None = None  # the layer's index in its cache (for error messages)
+        self.reads: Reads | None = None  # counts what attention reads, when given a counter
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch = key_states.shape[0]
@@ -591,6 +605,8 @@ class QuantizedLayer(CacheLayerMixin):
                                                   (self.v[row], value_states, values, "values", checked[1])):
                 _write(stream, states[row : row + 1], new[row], lambda real=real: real()[kv_len - n :], name, ok)
                 _read(stream, out[row : row + 1], visible[row], real)
+                if self.reads is not None:
+                    self.reads.count(name, stream.read_runs(visible[row][0]), new[row][0])
                 if self.capacity is not None and not self.eviction_by_importance:
                     stream.evict(keep[row])
             if self.eviction_by_importance:
@@ -740,6 +756,7 @@ class KVQuantCache(Cache):
         self.layer_options = layer_options or {}  # normalized ``layers=`` of make_cache
         self.eviction = eviction
         self.padding = next((layer.padding for layer in layers if isinstance(layer, QuantizedLayer)), Padding())
+        self._reads: Reads | None = None
         for index, layer in enumerate(layers):
             if isinstance(layer, QuantizedLayer):
                 layer.index = index
@@ -752,6 +769,18 @@ class KVQuantCache(Cache):
             raise KVQuantError(f"update: layer_idx {layer_idx} is a layer that reuses another layer's KV (it stores "
                                "nothing); update the layer that computes them")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    @property
+    def reads(self) -> Reads | None:
+        """The counter of what attention read from this cache (:mod:`kvquant.reads`), if one was given."""
+        return self._reads
+
+    @reads.setter
+    def reads(self, counter: Reads | None) -> None:
+        self._reads = counter
+        for layer in self.layers:
+            if isinstance(layer, QuantizedLayer):
+                layer.reads = counter
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions written (padding included) to layer ``layer_idx``."""
@@ -897,8 +926,10 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
         if new.is_initialized:
             new._check()
         layers.append(new)
-    return KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim,
-                        first.layer_options, first.eviction)
+    stacked = KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim,
+                           first.layer_options, first.eviction)
+    stacked.reads = first.reads  # the rows go on counting where they were counted
+    return stacked
 
 
 def _kinds(cache: KVQuantCache) -> list:

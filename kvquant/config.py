@@ -32,6 +32,9 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 MAX_BOOTSTRAP = 100_000
 MAX_SEED = 2**32 - 1
+MAX_FEWSHOT = 100
+MAX_DOCUMENTS = 1_000_000
+MAX_KL_DIVERGENCE = 1.0
 #: The loosest gate that is still a gate: half the accuracy kept, perplexity doubled.
 MIN_ACCURACY_RATIO, MAX_PERPLEXITY_RATIO = 0.5, 2.0
 MAX_CALIBRATION = 100_000
@@ -190,20 +193,35 @@ class TaskSet:
     limit: int | None = None
     #: Per-task exceptions to ``limit`` (null = all documents of that task).
     limits: dict[str, Any] = field(default_factory=dict)
-    num_fewshot: int = 0
+    #: Few-shot examples before each document: one count for every task, or per task (``{arc_easy: 25}``; the
+    #: others 0), as lm-eval's ``num_fewshot``.
+    num_fewshot: Any = 0
 
     def __post_init__(self):
         _require(all(self.names), "names must be task names, got an empty name")
+        if isinstance(self.num_fewshot, dict):
+            for task, shots in self.num_fewshot.items():
+                _require(task in self.names, f"num_fewshot: {task!r} is not among names "
+                         f"({', '.join(self.names) or 'none'})")
+                _require(isinstance(shots, int) and not isinstance(shots, bool) and 0 <= shots <= MAX_FEWSHOT,
+                         f"num_fewshot.{task} must be an integer in 0..{MAX_FEWSHOT}, got {shots!r}")
+        else:
+            _require(isinstance(self.num_fewshot, int) and not isinstance(self.num_fewshot, bool)
+                     and 0 <= self.num_fewshot <= MAX_FEWSHOT, f"num_fewshot must be an integer in 0..{MAX_FEWSHOT} "
+                     f"or a mapping of task names to such integers, got {self.num_fewshot!r}")
         _require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
         _at_least("limit", self.limit, 1, nullable=True)
         for task, limit in self.limits.items():
             _require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")
             _require(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1),
                      f"limits.{task} must be an integer >= 1 or null, got {limit!r}")
-        _at_least("num_fewshot", self.num_fewshot, 0)
 
     def limit_for(self, task: str) -> int | None:
         return self.limits[task] if task in self.limits else self.limit
+
+    def fewshot_for(self, task: str) -> int:
+        shots = self.num_fewshot
+        return shots.get(task, 0) if isinstance(shots, dict) else shots
 
 
 @dataclass(frozen=True)
@@ -236,10 +254,22 @@ class GateConfig:
     min_relative_accuracy: float = 0.97
     #: Maximum candidate/baseline perplexity on every gated perplexity set.
     max_perplexity_ratio: float = 1.05
-    #: ``point``: decide on the measured ratio; ``lower_bound``: on the lower end of its bootstrap interval.
-    decide_on: Literal["point", "lower_bound"] = "point"
+    #: ``interval``: pass / fail / inconclusive from the paired bootstrap interval (see ``kvquant.gate``);
+    #: ``point``: on the point estimate alone (not a test: its verdicts say so).
+    decide_on: Literal["interval", "point"] = "interval"
+    #: Two-sided confidence of the intervals: a wrong pass (or a wrong fail) has at most half of 1 - confidence.
     confidence: float = 0.95
     bootstrap: int = 1000
+    #: Sequential documents: per task, score up to this many (doubling from ``eval.tasks.limit``) while a
+    #: candidate's verdict on it is open (null: the first ``limit`` only).
+    max_documents: int | None = None
+    #: A gated metric counts only when at least this share of the keys and of the values attention read was
+    #: quantized (else: not exercised).
+    min_quantized_share: float = 0.9
+    #: Gate the perplexity sets on the mean KL divergence from the baseline (nats per token) and on the share
+    #: of positions whose most likely token is the baseline's (null: reported, not gated).
+    max_kl_divergence: float | None = None
+    min_top1_agreement: float | None = None
     #: Gated tasks and perplexity sets (null = all of them); the others are reported only.
     tasks: list[str] | None = None
     perplexity: list[str] | None = None
@@ -254,6 +284,16 @@ class GateConfig:
         _require(0 < self.confidence < 1, f"confidence must be in (0, 1), got {self.confidence!r}")
         _require(1 <= self.bootstrap <= MAX_BOOTSTRAP,
                  f"bootstrap must be in 1..{MAX_BOOTSTRAP} resamples, got {self.bootstrap!r}")
+        _at_least("max_documents", self.max_documents, 1, nullable=True)
+        _require(self.max_documents is None or self.max_documents <= MAX_DOCUMENTS,
+                 f"max_documents must be at most {MAX_DOCUMENTS}, got {self.max_documents!r}")
+        _require(0 <= self.min_quantized_share <= 1,
+                 f"min_quantized_share must be in [0, 1], got {self.min_quantized_share!r}")
+        _require(self.max_kl_divergence is None or 0 < self.max_kl_divergence <= MAX_KL_DIVERGENCE,
+                 f"max_kl_divergence must be in (0, {MAX_KL_DIVERGENCE}] nats per token or null, got "
+                 f"{self.max_kl_divergence!r}")
+        _require(self.min_top1_agreement is None or 0.5 <= self.min_top1_agreement <= 1,
+                 f"min_top1_agreement must be in [0.5, 1] or null, got {self.min_top1_agreement!r}")
 
     def check_is_a_gate(self) -> None:
         """The run's gate must be one: thresholds looser than these pass any cache (the search's calibration
@@ -355,6 +395,17 @@ class ExperimentConfig:
                                                                               [p.name for p in self.eval.perplexity])]
         _require(bool(gated), "gate: nothing is gated (gate.tasks and gate.perplexity select no task and no "
                  "perplexity set), so every candidate would pass; gate at least one")
+        for key in ("max_kl_divergence", "min_top1_agreement"):
+            _require(getattr(self.gate, key) is None or bool(self.gated_perplexity()),
+                     f"gate.{key}: divergence from the baseline is measured on perplexity sets, and none is gated; "
+                     "add one to eval.perplexity (and gate.perplexity)")
+        if self.gate.max_documents is not None:
+            for task in self.gated_tasks():
+                limit = self.eval.tasks.limit_for(task)
+                _require(limit is not None and limit <= self.gate.max_documents,
+                         f"gate.max_documents {self.gate.max_documents} is where sequential documents stop, and "
+                         f"task {task!r} starts at {limit if limit is not None else 'all its documents'}; set "
+                         "eval.tasks.limit (where each task starts) at or below it")
         if self.search:
             self._check_split()
 
@@ -371,8 +422,9 @@ class ExperimentConfig:
         for task in self.gated_tasks():
             _require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
                      "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")
-        _require(self.eval.tasks.num_fewshot == 0, "search: num_fewshot must be 0, since few-shot examples may be "
-                 "drawn from the documents evaluation reads, and calibration would see them")
+        _require(not any(map(self.eval.tasks.fewshot_for, self.eval.tasks.names)),
+                 "search: num_fewshot must be 0, since few-shot examples may be drawn from the documents evaluation "
+                 "reads, and calibration would see them")
 
     def gated_perplexity(self) -> list[PerplexitySet]:
         names = self._gated("perplexity", [p.name for p in self.eval.perplexity])

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+EXIT_INCONCLUSIVE = 4
 ERROR_LOG = "error.log"
 
 

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from .cache import KVQuantCache, stack_rows
 from .data import Window
 from .errors import KVQuantError
+from .reads import Reads
 
 MODES = ("simulated", "streaming")
 
@@ -44,10 +45,12 @@ def check_mode(mode, chunk_size) -> None:
 
 @dataclass
 class Scored:
-    """Log-probabilities ``[n]`` of the scored tokens and whether each was the greedy choice."""
+    """Log-probabilities ``[n]`` of the scored tokens and whether each was the greedy choice; with
+    ``Scorer.distributions``, the logits of the whole next-token distribution ``[n, vocab]`` (float32, CPU)."""
 
     logprobs: torch.Tensor
     greedy: torch.Tensor
+    distribution: torch.Tensor | None = None
 
 
 @dataclass
@@ -152,7 +155,11 @@ class _Batch:
 
 
 class Scorer:
-    """Scores token sequences with ``model``, reading K/V through a fresh ``make_cache()`` per batch."""
+    """Scores token sequences with ``model``, reading K/V through a fresh ``make_cache()`` per batch.
+
+    ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.reads`) and ``lengths``
+    holds every scored request's length (context + continuation tokens), in scoring order. With
+    ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline)."""
 
     def __init__(self, model, make_cache: Callable[[], KVQuantCache], mode: str = "simulated", chunk_size: int = 64,
                  batch_size: int = 1, share_prefix: bool = True):
@@ -161,6 +168,7 @@ class Scorer:
             raise KVQuantError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
         self.batch_size, self.share_prefix = batch_size, share_prefix
+        self.reads, self.lengths, self.distributions = Reads(), [], False
         if mode == "simulated" and self.evicts:
             raise KVQuantError("eviction acts between forwards, and simulated mode scores each sequence in one "
                                "forward, which reads every token; use streaming mode")
@@ -173,6 +181,11 @@ class Scorer:
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
+
+    def _new_cache(self) -> KVQuantCache:
+        cache = self.make_cache()
+        cache.reads = self.reads
+        return cache
 
     def score(self, ids: list[int], score_from: int) -> Scored:
         """Score ``ids[score_from:]`` given everything before them (``1 <= score_from < len(ids)``)."""
@@ -198,6 +211,7 @@ class Scorer:
         for context, continuation in requests:
             if not context or not continuation:
                 raise KVQuantError("every scored request needs at least one context and one continuation token")
+        self.lengths += [len(context) + len(continuation) for context, continuation in requests]
         share = self.share_prefix and self.mode == "streaming"
         groups: dict[tuple, list[int]] = {}
         for i, (context, _) in enumerate(requests):
@@ -233,20 +247,20 @@ class Scorer:
         """Feed each prefix (a list of chunks) through a cache; per prefix, the cache and row that now hold it.
         One-chunk prefixes are batched by length (padded in front), longer ones go alone (unpadded, chunk by
         chunk; see _Batch), empty ones share a fresh cache."""
-        fresh = self.make_cache()
+        fresh = self._new_cache()
         where: list[tuple[KVQuantCache, int]] = [(fresh, 0)] * len(prefixes)
         short = sorted((g for g, p in enumerate(prefixes) if len(p) == 1), key=lambda g: -len(prefixes[g][0]))
         start = 0
         for size in _cut([len(prefixes[g][0]) for g in short], self.batch_size):
             run = short[start : start + size]
             start += size
-            cache = self.make_cache()
+            cache = self._new_cache()
             _Batch(self.model, cache, len(run)).step([prefixes[g][0] for g in run], pad_first=True)
             for row, g in enumerate(run):
                 where[g] = (cache, row)
         for g, prefix in enumerate(prefixes):
             if len(prefix) > 1:
-                cache = self.make_cache()
+                cache = self._new_cache()
                 runner = _Batch(self.model, cache, 1)
                 for chunk in prefix:
                     runner.step([chunk])
@@ -275,6 +289,7 @@ class Scorer:
         """Feed each row's chunks, step by step, and score its targets from the logits of its scored positions."""
         logprobs: list[list[torch.Tensor]] = [[] for _ in rows]
         greedy: list[list[torch.Tensor]] = [[] for _ in rows]
+        whole: list[list[torch.Tensor]] = [[] for _ in rows]
         fed = [0] * len(rows)
         for step in range(max(len(r.chunks) for r in rows)):
             tokens = [r.chunks[step] if step < len(r.chunks) else [] for r in rows]
@@ -296,13 +311,50 @@ class Scorer:
             for r, (a, b) in enumerate(zip(lp.split(counts), hit.split(counts))):
                 logprobs[r].append(a)
                 greedy[r].append(b)
-        return [Scored(torch.cat(lp), torch.cat(hit)) for lp, hit in zip(logprobs, greedy)]
+            if self.distributions:
+                for r, d in enumerate(logits.cpu().split(counts)):
+                    whole[r].append(d)
+        return [Scored(torch.cat(lp), torch.cat(hit), torch.cat(d) if self.distributions else None)
+                for lp, hit, d in zip(logprobs, greedy, whole)]
 
 
-def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str = "perplexity") -> dict[str, list[float]]:
-    """Per-window summed negative log-likelihood and predicted-token count."""
+def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str = "perplexity") -> dict:
+    """Per-window summed negative log-likelihood and predicted-token count, and what attention read."""
     scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows], desc=desc)
-    return {"nll": [float(-s.logprobs.double().sum()) for s in scored], "tokens": [len(s.logprobs) for s in scored]}
+    return {"nll": [float(-s.logprobs.double().sum()) for s in scored], "tokens": [len(s.logprobs) for s in scored],
+            "reads": scorer.reads.to_dict(), "lengths": scorer.lengths}
+
+
+#: Scored positions x vocabulary entries held at once per scorer while comparing distributions (float32: 1 GiB).
+DISTRIBUTION_ELEMENTS = 2**28
+
+
+def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window], desc: str | None = None) -> dict:
+    """Per window: the per-token KL divergence ``KL(baseline || candidate)`` of the next-token distributions (nats,
+    ``kl[w][t]``), how many positions keep the baseline's most likely token (``top1``), and the positions
+    (``tokens``). Windows go through both scorers a few at a time, so at most :data:`DISTRIBUTION_ELEMENTS`
+    log-probabilities per scorer are held (never a run's logits)."""
+    baseline.distributions = candidate.distributions = True
+    out: dict[str, list] = {"kl": [], "top1": [], "tokens": []}
+    requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
+    try:
+        head = baseline.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else baseline.model.config.get_text_config().vocab_size
+        longest = max((len(c) for _, c in requests), default=1)
+        step = max(1, DISTRIBUTION_ELEMENTS // (longest * vocab))
+        for start in tqdm(range(0, len(requests), step), desc=desc, leave=False, disable=desc is None):
+            group = requests[start : start + step]
+            for ref, got in zip(baseline.score_many(group), candidate.score_many(group)):
+                p = ref.distribution.double().log_softmax(-1)
+                q = got.distribution.double().log_softmax(-1)
+                terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
+                kl = terms.sum(-1).clamp(min=0)  # >= 0 in exact arithmetic; rounding may dip below
+                out["kl"].append(kl.tolist())
+                out["top1"].append(int((p.argmax(-1) == q.argmax(-1)).sum()))
+                out["tokens"].append(len(kl))
+    finally:
+        baseline.distributions = candidate.distributions = False
+    return {**out, "reads": candidate.reads.to_dict(), "lengths": candidate.lengths}
 
 
 @torch.inference_mode()

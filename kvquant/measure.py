@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import math
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -20,9 +21,9 @@ from . import data
 from .cache import make_cache, simulate_memory
 from .config import Candidate, ExperimentConfig
 from .errors import KVQuantError
-from .evaluate import Scorer, memory_probe, perplexity_samples
+from .evaluate import Scorer, divergence_samples, memory_probe, perplexity_samples
 from .models import max_length
-from .results import Measured, Memory, Outcomes, perplexity_outcomes, task_outcomes
+from .results import Measured, Memory, Outcomes, divergence_outcomes, perplexity_outcomes, task_outcomes
 from .tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task,
                     task_data_digest, task_manager)
 
@@ -69,7 +70,7 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
     name = resolve_task(task)
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
-    out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.num_fewshot,
+    out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
                                   limit=None if documents else limit,
                                   samples={name: list(documents)} if documents else None,
                                   task_manager=task_manager(folder), log_samples=True,
@@ -80,7 +81,8 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
         scores = [r[0] for s in samples for r in s["filtered_resps"] if isinstance(r, (list, tuple))]
         check_baseline_finite(scores, cfg, f"task {task!r}")
     metrics = [m for m in ("acc", "acc_norm") if f"{m},none" in out["results"][name]]
-    return {"task": name, **{m: [float(s[m]) for s in samples] for m in metrics}}
+    return {"task": name, **{m: [float(s[m]) for s in samples] for m in metrics},
+            "reads": lm.scorer.reads.to_dict(), "lengths": lm.scorer.lengths}
 
 
 def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
@@ -112,12 +114,15 @@ def weights_digest(model, tokenizer) -> str:
 @dataclass(frozen=True)
 class Split:
     """What a measurement reads: ``name`` (``evaluation`` or ``calibration``, part of every resume key), the
-    token windows of each perplexity set, and each task's documents (None: the first ``eval.tasks.limit``)."""
+    token windows of each perplexity set, and each task's documents (None: the first ``eval.tasks.limit``), then
+    ``more`` of them: further ranges of documents, each measured and kept on its own and appended in order (a
+    sequential gate adds documents this way, and every document scored stays scored)."""
 
     name: str
     windows: dict[str, list[data.Window]]
     documents: dict[str, range | None]
     progress: bool = True  # a progress bar per perplexity set
+    more: dict[str, tuple[range, ...]] = dataclasses.field(default_factory=dict)
 
 
 def evaluation_split(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[str, list[str]]) -> Split:
@@ -149,12 +154,16 @@ class Session:
                "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
                "max_length": self.maxlen, "split": split.name, "settings": settings,
                **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
-        scorer = Scorer(self.model, make, cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
-                        share_prefix=shares_prefix(candidate))
-        outcomes = [self._perplexity(candidate, label, key, scorer, name, ws, split.progress)
+        outcomes = [self._perplexity(candidate, label, key, self._scorer(candidate), name, ws, split.progress)
                     for name, ws in split.windows.items()]
+        if candidate is not BASELINE and split.name == "evaluation":
+            for name, ws in split.windows.items():
+                outcomes += self._divergence(candidate, label, key, name, ws, split.progress)
         for task, documents in (split.documents.items() if tasks else ()):
-            outcomes += self._task(candidate, label, key, task, documents)
+            chunks = [self._task(candidate, label, key, task, documents)]
+            chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
+                       for more in split.more.get(task, ())]
+            outcomes += [Outcomes.joined(parts) for parts in zip(*chunks)]
         memory = self._memory(candidate, label, key, make, settings, probe) if probe else None
         return Measured(label, tuple(outcomes), memory)
 
@@ -166,18 +175,46 @@ class Session:
                                         lambda: perplexity_samples(scorer, windows, desc=desc))
         if candidate is BASELINE:
             check_baseline_finite(raw["nll"], self.cfg, f"perplexity {name!r}")
-        return perplexity_outcomes(name, raw)
+        return perplexity_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in windows]))
 
-    def _task(self, candidate, label, key, task: str, documents: range | None) -> list[Outcomes]:
+    def _scorer(self, candidate: Candidate) -> Scorer:
+        """A scorer of its own (so what it counts is one measurement's) reading through ``candidate``'s caches."""
+        cfg = self.cfg
+        return Scorer(self.model, lambda: make_cache(self.model, candidate.quantizer, **candidate.options),
+                      cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
+                      share_prefix=shares_prefix(candidate))
+
+    def _divergence(self, candidate, label, key, name: str, windows: list[data.Window],
+                    progress: bool) -> list[Outcomes]:
+        """KL divergence from the baseline's next-token distributions on a perplexity set, window by window."""
+        ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
+        scorers = [self._scorer(BASELINE), self._scorer(candidate)]
+        desc = f"{label} {name} divergence" if progress else None
+        raw = self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
+                                        lambda: divergence_samples(*scorers, windows, desc=desc))
+        return divergence_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in windows]))
+
+    def _bits(self, candidate, lengths: list[int]) -> float:
+        """Bits per element this cache stores at the median of ``lengths`` tokens (its own code, shapes only)."""
+        if not lengths:
+            return math.nan
+        shape = self.shape
+        tokens = max(1, int(sorted(lengths)[len(lengths) // 2]))
+        return simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
+                               kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=tokens,
+                               dtype=self.model.dtype)["bits_per_element"]
+
+    def _task(self, candidate, label, key, task: str, documents: range | None, part: str = "") -> list[Outcomes]:
         cfg = self.cfg
         which = ({"documents": [documents.start, documents.stop]} if documents is not None
                  else {"limit": cfg.eval.tasks.limit_for(task)})
         raw = self.store.get_or_compute(
-            label, f"task/{task}", {**key, "task": task, **which, "num_fewshot": cfg.eval.tasks.num_fewshot,
-                                    "data": task_data_digest(task)},
+            label, f"task/{task}{part}", {**key, "task": task, **which,
+                                          "num_fewshot": cfg.eval.tasks.fewshot_for(task),
+                                          "data": task_data_digest(task)},
             lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
                              list(documents) if documents is not None else None))
-        outcomes = task_outcomes(task, raw, gated_metric(task))
+        outcomes = task_outcomes(task, raw, gated_metric(task), self._bits(candidate, raw.get("lengths", [])))
         if task in cfg.gated_tasks() and not any(o.metric.standard for o in outcomes):
             raise KVQuantError(f"gate.tasks: task {task!r} reports no {gated_metric(task)} (what it is gated on), "
                                "so the gate could not judge it; gate other tasks")

@@ -29,7 +29,8 @@ from .config import ExperimentConfig
 from .errors import ERROR_LOG
 from .fs import write_together
 from .measure import LONG_CONTEXT
-from .results import PERPLEXITY, Measured, Memory, MetricRow, RunResult, Verdict
+from .gate import looks, quantile_interval
+from .results import AGREEMENT, DIVERGENCE, PERPLEXITY, Memory, MetricRow, RunResult, Verdict
 from .tasks import probe_distance
 from .paths import PROJECT_ROOT
 from .stages import max_batch
@@ -49,7 +50,8 @@ REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png"
 
 #: Modules that only orchestrate, check or render (runner, gate, planner, report, CLI): they run afresh
 #: every time and decide no measured value, so a change to them keeps finished results reusable.
-NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py", "lm_eval.py"})
+NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py", "lm_eval.py",
+                           "config.py", "results.py", "search.py"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,15 +88,30 @@ def environment() -> dict[str, str]:
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def _metric_entry(verdict: Verdict, results: dict[str, Measured]) -> dict:
-    row = verdict.row
+def _metric_entry(verdict: Verdict, run: RunResult) -> dict:
+    row, results = verdict.row, run.results
+    outcomes = results[row.candidate][row.metric]
     entry = {"kind": row.kind, "value": row.value, "baseline": row.baseline, "relative": row.relative,
-             "ci_low": row.ci_low, "ci_high": row.ci_high, "threshold": verdict.threshold, "gated": row.gated,
-             "passed": verdict.passed, "n": row.n}
+             "statistic": row.statistic, "ci_low": row.ci_low, "ci_high": row.ci_high, "confidence": row.confidence,
+             "threshold": verdict.threshold, "gated": row.gated, "verdict": verdict.verdict,
+             "point_estimate_only": verdict.point, "more_documents": verdict.more, "passed": verdict.passed,
+             "n": row.n, "quantized_share": row.quantized_share}
+    exercise = outcomes.exercise
+    if exercise is not None:
+        entry.update(key_share=exercise.reads.share("keys"), value_share=exercise.reads.share("values"),
+                     reads=exercise.reads.to_dict(), median_length=exercise.length_quantile(0.5),
+                     p90_length=exercise.length_quantile(0.9), bits_per_element_at_median=exercise.bits_per_element)
     if row.kind == PERPLEXITY:
-        cand, base = results[row.candidate][row.metric], results["baseline"][row.metric]
-        entry.update(nll_sum=float(np.sum(cand.scores)), tokens=int(np.sum(cand.tokens)),
+        base = results["baseline"][row.metric]
+        entry.update(nll_sum=float(np.sum(outcomes.scores)), tokens=int(np.sum(outcomes.tokens)),
                      baseline_nll_sum=float(np.sum(base.scores)), baseline_tokens=int(np.sum(base.tokens)))
+    if row.kind == DIVERGENCE:
+        cfg = run.config
+        for name, q in (("median", 0.5), ("p99", 0.99)):
+            low, high = quantile_interval(outcomes.per_token, q, cfg.gate.bootstrap, cfg.gate.confidence,
+                                          cfg.eval.seed)
+            entry[name] = float(np.quantile(np.concatenate(outcomes.per_token), q))
+            entry[f"{name}_ci"] = [low, high]
     return entry
 
 
@@ -108,8 +125,8 @@ def _candidate_entry(candidate, run: RunResult) -> dict:
     return {"name": candidate.label, "settings": memory.settings, "bits_per_element": memory.bits_per_element,
             "memory_ratio": memory.measured["ratio"], "memory_ratio_long": memory.long["ratio"],
             "bits_per_element_long": memory.long["bits_per_element"], "memory": _memory_entry(memory),
-            "passed": run.decision.passed[candidate.label],
-            "metrics": {v.row.metric.name: _metric_entry(v, run.results) for v in verdicts}}
+            "passed": run.decision.passed[candidate.label], "verdict": run.decision.statuses[candidate.label],
+            "metrics": {v.row.metric.name: _metric_entry(v, run) for v in verdicts}}
 
 
 def document(run: RunResult, run_id: str) -> dict:
@@ -244,31 +261,61 @@ def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    metrics = sorted({m for c in candidates for m, e in c["metrics"].items() if e["gated"]})
-    for metric in metrics:
-        pts = sorted((c["bits_per_element"], c["metrics"][metric]["relative"], c["name"])
-                     for c in candidates if metric in c["metrics"])
-        _named_curve(ax, pts, label=metric)
+    metrics = sorted({m for c in candidates for m, e in c["metrics"].items()
+                      if e["gated"] and e["kind"] not in (DIVERGENCE, AGREEMENT)})
+    for i, metric in enumerate(metrics):
+        entries = sorted((c["bits_per_element"], c["metrics"][metric], c["name"]) for c in candidates
+                         if metric in c["metrics"])
+        pts = [(x, e["relative"], name) for x, e, name in entries]
+        line = _named_curve(ax, pts, label=metric)
+        offset = (i - len(metrics) / 2) * 0.04  # side by side, so intervals do not hide each other
+        ax.errorbar([x + offset for x, _, _ in entries], [e["relative"] for _, e, _ in entries],
+                    yerr=[[max(e["relative"] - e["ci_low"], 0) for _, e, _ in entries],
+                          [max(e["ci_high"] - e["relative"], 0) for _, e, _ in entries]],
+                    fmt="none", ecolor=line.get_color(), alpha=0.5, capsize=2)
     _accuracy_threshold(ax, cfg)
     ax.axhline(1 / cfg.gate.max_perplexity_ratio, color="orange", ls=":", lw=1,
                label=f"perplexity threshold 1/{cfg.gate.max_perplexity_ratio}")
     ax.set_xlabel("bits per element (measured memory_report)")
-    ax.set_ylabel("relative score (1.0 = fp16 baseline)")
+    ax.set_ylabel("relative score, paired interval (1.0 = fp16 baseline)")
     ax.set_title(f"{cfg.name}: quality vs KV-cache size ({cfg.eval.mode} mode)")
     ax.legend(fontsize=7, loc="lower right")
     return _png(fig)
 
 
-def _named_curve(ax, points: list[tuple[float, float, str]], label: str | None = None) -> None:
-    """``(x, y, name)`` points joined in order, each annotated with its name."""
-    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+def _named_curve(ax, points: list[tuple[float, float, str]], label: str | None = None):
+    """``(x, y, name)`` points joined in order, each annotated with its name; returns the line."""
+    (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
     for x, y, name in points:
         ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    return line
 
 
 def _accuracy_threshold(ax, cfg: ExperimentConfig) -> None:
     ax.axhline(cfg.gate.min_relative_accuracy, color="red", ls="--", lw=1,
                label=f"accuracy threshold {cfg.gate.min_relative_accuracy}")
+
+
+def _gate_line(cfg: ExperimentConfig) -> str:
+    gate = cfg.gate
+    limits = [f"accuracy ratio >= {gate.min_relative_accuracy}", f"perplexity ratio <= {gate.max_perplexity_ratio}",
+              *([f"mean KL divergence <= {gate.max_kl_divergence} nats/token"] if gate.max_kl_divergence else []),
+              *([f"top-1 agreement >= {gate.min_top1_agreement}"] if gate.min_top1_agreement else [])]
+    if gate.decide_on == "point":
+        how = ("**decided on the point estimate alone (`decide_on: point`): not a statistical test**; "
+               f"{gate.confidence:.0%} paired bootstrap intervals are shown")
+    else:
+        how = (f"paired non-inferiority: pass when the {gate.confidence:.0%} paired interval (accuracy: Dirichlet "
+               f"posterior of the paired outcomes; windows: {gate.bootstrap} bootstrap resamples) clears the "
+               "threshold, fail when it lies beyond it, else inconclusive")
+    if gate.max_documents:
+        plans = "; ".join(f"{task} after {', '.join(map(str, looks(cfg.eval.tasks.limit_for(task), cap)))}"
+                          for task, cap in ((t, gate.max_documents) for t in cfg.gated_tasks()))
+        how += (f"; sequential documents while a verdict is open, looks planned per task ({plans} documents), each "
+                "look's interval widened for the looks planned (the confidence beside each row) so that all together "
+                f"keep the error at {1 - gate.confidence:.0%}")
+    return (", ".join(limits) + f"; {how}; a gated metric counts only where at least {gate.min_quantized_share:.0%} "
+            "of the keys and of the values attention read were quantized (else: not exercised)")
 
 
 def _header(doc: dict, cfg: ExperimentConfig) -> list[str]:
@@ -282,10 +329,7 @@ def _header(doc: dict, cfg: ExperimentConfig) -> list[str]:
         "",
         f"- command: `{doc['command']}`",
         f"- model: `{cfg.model.path}` ({cfg.model.dtype}); evaluation mode: {mode}; seed {cfg.eval.seed}",
-        f"- gate: accuracy ratio >= {cfg.gate.min_relative_accuracy}, perplexity ratio <= "
-        f"{cfg.gate.max_perplexity_ratio}, decided on the "
-        f"{'lower confidence bound' if doc['decide_on'] == 'lower_bound' else 'point estimate'}; "
-        f"{int(cfg.gate.confidence * 100)}% paired bootstrap intervals ({cfg.gate.bootstrap} resamples)",
+        f"- gate: {_gate_line(cfg)}",
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "
@@ -307,14 +351,14 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig, curve: dict
         "## Candidates",
         "",
         f"| candidate | settings | bits/element | memory vs fp16 | memory vs fp16 at {LONG_CONTEXT:,} tokens | "
-        "passed |",
+        "verdict |",
         "|---|---|---:|---:|---:|---|",
     ]
     for c in doc["candidates"]:
         settings = ", ".join(f"{k}={v}" if k != "layers" else f"layers=({len(v)} ranges, in results.json)"
                              for k, v in c["settings"].items())
         lines.append(f"| {c['name']} | {settings} | {c['bits_per_element']:.2f} | {c['memory_ratio']:.3f} | "
-                     f"{c['memory_ratio_long']:.3f} | {'yes' if c['passed'] else 'no'} |")
+                     f"{c['memory_ratio_long']:.3f} | {c['verdict'].upper()} |")
     mem = doc["baseline"]["memory"]
     lines += ["", f"Bits/element and memory vs fp16: measured by `memory_report()` after {mem['tokens']} tokens "
               "through the model (payload, scales and full-precision tokens, all counted; the gate's 'cheapest' "
@@ -322,18 +366,34 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig, curve: dict
               f"model's layers, states in the model's dtype (fp16 takes {mem['long']['fp16_bytes'] / 2**20:.1f} MiB "
               "per sequence there). The baseline "
               f"holds {mem['bits_per_element']:.0f} bits/element (the model's dtype).", "", "## Metrics", "",
-              "| candidate | metric | value | baseline | relative | 95% CI | threshold | gated | passed | n |",
-              "|---|---|---:|---:|---:|---|---:|---|---|---:|"]
+              "| candidate | metric | value | baseline | statistic | interval | threshold | verdict | quantized "
+              "share | median / p90 tokens | bits at median | n |",
+              "|---|---|---:|---:|---:|---|---:|---|---:|---|---:|---:|"]
     for _, r in frame.iterrows():
-        lines.append(f"| {r.candidate} | {r.metric} | {r.value:.4f} | {r.baseline:.4f} | {r.relative:.4f} | "
-                     f"[{r.ci_low:.4f}, {r.ci_high:.4f}] | {r.threshold:.4f} | {'yes' if r.gated else 'no'} | "
-                     f"{'yes' if r.passed else 'no'} | {r.n} |")
-    small = sorted({int(r.n) for _, r in frame.iterrows() if r.gated and r.n < 100})
-    if small:
-        lines += ["", f"Note: some gated metrics rest on few samples (n = {small}); read their intervals."]
-    lines += ["", "Perplexity rows: value = exp(summed NLL / tokens); summed NLL and token counts are in "
-              "results.json. Relative = baseline/candidate for perplexity, candidate/baseline for accuracy.",
-              "", "![quality vs bits](plot.png)", ""]
+        verdict = r.verdict.upper() if r.gated else "not gated"
+        if r.point_estimate_only and r.gated:
+            verdict += " (point estimate)"
+        if isinstance(r.more_documents, (int, float)) and r.more_documents == r.more_documents:
+            verdict += f", ~{int(r.more_documents):,} more to decide"
+        share = f"{r.quantized_share:.1%}" if r.quantized_share == r.quantized_share else "-"
+        lengths = (f"{r.median_length:.0f} / {r.p90_length:.0f}" if "median_length" in r and
+                   r.median_length == r.median_length else "-")
+        bits = (f"{r.bits_per_element_at_median:.2f}" if "bits_per_element_at_median" in r and
+                r.bits_per_element_at_median == r.bits_per_element_at_median else "-")
+        threshold = f"{r.threshold:.4f}" if r.threshold == r.threshold else "-"
+        lines.append(f"| {r.candidate} | {r.metric} | {r.value:.4f} | {r.baseline:.4f} | {r.statistic:.4f} | "
+                     f"[{r.ci_low:.4f}, {r.ci_high:.4f}] ({r.confidence:.1%}) | {threshold} | {verdict} | {share} | "
+                     f"{lengths} | {bits} | {r.n} |")
+    lines += ["", "Statistic: the relative score (candidate / baseline accuracy, baseline / candidate perplexity; "
+              "1.0 = no loss), or the value of `kl/` (mean KL divergence of the candidate's next-token distribution "
+              "from the baseline's, nats per position) and `top1/` (share of positions whose most likely token is "
+              "the baseline's). Interval: paired bootstrap over documents (tasks) or windows (perplexity sets), at "
+              "the confidence shown. Quantized share: of the keys and of the values attention read (per query, "
+              "causally, over every layer), the smaller share stored quantized; bits at median: the cache's bits "
+              "per element at the median request length (the bits column of the candidates is at "
+              f"{mem['tokens']} tokens). Perplexity rows: summed NLL and token counts are in results.json.", ""]
+    lines += _divergence_table(doc)
+    lines += ["![quality vs bits](plot.png)", ""]
     if curve:
         lines += _probe_table(curve)
     if "search" in doc:
@@ -341,6 +401,23 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig, curve: dict
     if "staged" in doc:
         lines += _stages_section(doc)
     return "\n".join(lines)
+
+
+def _divergence_table(doc: dict) -> list[str]:
+    rows = [(c["name"], name.split("/", 1)[1], e, c["metrics"].get(f"top1/{name.split('/', 1)[1]}"))
+            for c in doc["candidates"] for name, e in c["metrics"].items() if e["kind"] == DIVERGENCE]
+    if not rows:
+        return []
+    lines = ["## Divergence from the baseline", "", "Per position, KL(baseline || candidate) of the next-token "
+             "distributions (nats), with paired bootstrap intervals over windows; top-1: positions whose most likely "
+             "token is unchanged.", "", "| candidate | set | mean KL | median KL | p99 KL | top-1 agreement |",
+             "|---|---|---|---|---|---|"]
+    for name, pset, e, top in rows:
+        cell = lambda v, ci: f"{v:.5f} [{ci[0]:.5f}, {ci[1]:.5f}]"  # noqa: E731
+        agreement = f"{top['value']:.4f} [{top['ci_low']:.4f}, {top['ci_high']:.4f}]" if top else "-"
+        lines.append(f"| {name} | {pset} | {cell(e['value'], (e['ci_low'], e['ci_high']))} | "
+                     f"{cell(e['median'], e['median_ci'])} | {cell(e['p99'], e['p99_ci'])} | {agreement} |")
+    return [*lines, ""]
 
 
 def _search_section(search: dict) -> list[str]:

@@ -16,12 +16,20 @@ The result store keeps raw JSON (``{"nll": [...], "tokens": [...]}`` per perplex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-ACCURACY, PERPLEXITY = "accuracy", "perplexity"
+from .reads import Reads
+
+ACCURACY, PERPLEXITY, DIVERGENCE, AGREEMENT = "accuracy", "perplexity", "divergence", "agreement"
+#: What each measure is a kind of: accuracy of a task; perplexity, KL divergence from the baseline's next-token
+#: distribution and top-1 agreement with it, of a perplexity set.
+KINDS = {"acc": ACCURACY, "acc_norm": ACCURACY, "ppl": PERPLEXITY, "kl": DIVERGENCE, "top1": AGREEMENT}
+#: Kinds measured per window as (a sum, positions): their value is the token-weighted mean.
+WINDOWED = (PERPLEXITY, DIVERGENCE, AGREEMENT)
 
 
 @dataclass(frozen=True)
@@ -30,11 +38,11 @@ class MetricId:
 
     measure: str
     source: str
-    standard: bool = True  # the source's standard metric (perplexity: always; a task: acc_norm or acc)
+    standard: bool = True  # the source's standard metric (perplexity sets: always; a task: acc_norm or acc)
 
     @property
     def kind(self) -> str:
-        return PERPLEXITY if self.measure == "ppl" else ACCURACY
+        return KINDS[self.measure]
 
     @property
     def name(self) -> str:
@@ -43,13 +51,40 @@ class MetricId:
 
 
 @dataclass(frozen=True)
+class Exercise:
+    """How much a measurement exercised the cache: what attention read (:class:`kvquant.reads.Reads`), the
+    length of every scored request (context + continuation tokens; per window for a perplexity set), and the
+    cache's bits per element at their median length."""
+
+    reads: Reads
+    lengths: tuple[int, ...]
+    bits_per_element: float = math.nan
+
+    @property
+    def quantized_share(self) -> float:
+        return self.reads.quantized_share
+
+    def length_quantile(self, q: float) -> float:
+        return float(np.quantile(self.lengths, q)) if self.lengths else math.nan
+
+    def joined(self, other: Exercise) -> Exercise:
+        lengths = self.lengths + other.lengths
+        bits = self.bits_per_element if len(self.lengths) >= len(other.lengths) else other.bits_per_element
+        return Exercise(self.reads.add(other.reads), lengths, bits)
+
+
+@dataclass(frozen=True)
 class Outcomes:
-    """Per-sample outcomes of one metric: accuracy per document (``scores``, 0..1), or per window the summed
-    negative log-likelihood (``scores``) and the tokens it predicted (``tokens``)."""
+    """Per-sample outcomes of one metric: accuracy per document (``scores``, 0..1), or per window a sum
+    (``scores``: negative log-likelihood, KL divergence, or positions whose top-1 token agrees) over the
+    positions it predicted (``tokens``); ``per_token``: the KL divergence of every position, per window;
+    ``exercise``: what attention read meanwhile."""
 
     metric: MetricId
     scores: tuple[float, ...]
     tokens: tuple[int, ...] = ()
+    exercise: Exercise | None = None
+    per_token: tuple[tuple[float, ...], ...] = ()
 
     @property
     def n(self) -> int:
@@ -57,28 +92,66 @@ class Outcomes:
 
     @property
     def value(self) -> float:
-        """Accuracy (the mean score), or perplexity ``exp(summed NLL / tokens)``."""
+        """Accuracy (the mean score), perplexity ``exp(summed NLL / tokens)``, mean KL divergence per token, or
+        the share of positions whose most likely token is the baseline's."""
         if self.metric.kind == ACCURACY:
-            return float(np.mean(self.scores))
-        return float(np.exp(np.sum(self.scores) / np.sum(self.tokens)))
+            return float(np.mean(self.scores)) if self.scores else math.nan
+        mean = float(np.sum(self.scores) / np.sum(self.tokens))
+        return float(np.exp(mean)) if self.metric.kind == PERPLEXITY else mean
 
     def samples(self) -> np.ndarray:
-        """What the paired bootstrap resamples: ``[n]`` scores, or ``[n, 2]`` rows of (summed NLL, tokens)."""
+        """What the paired bootstrap resamples: ``[n]`` scores, or ``[n, 2]`` rows of (sum, positions)."""
         if self.metric.kind == ACCURACY:
             return np.asarray(self.scores, dtype=float)
         return np.column_stack([np.asarray(self.scores, dtype=float), np.asarray(self.tokens, dtype=float)])
 
+    def first(self, n: int) -> Outcomes:
+        """The outcomes of the first ``n`` samples (what a candidate scored of the documents the baseline did)."""
+        if n >= self.n:
+            return self
+        return dataclasses.replace(self, scores=self.scores[:n], tokens=self.tokens[:n],
+                                   per_token=self.per_token[:n])
 
-def perplexity_outcomes(name: str, raw: dict) -> Outcomes:
-    """A perplexity set's stored result (``{"nll": [...], "tokens": [...]}``) as outcomes."""
-    return Outcomes(MetricId("ppl", name), tuple(map(float, raw["nll"])), tuple(map(int, raw["tokens"])))
+    @staticmethod
+    def joined(parts: list[Outcomes]) -> Outcomes:
+        """These outcomes of one metric, one part after another (documents measured in stages)."""
+        first = parts[0]
+        exercise = first.exercise
+        for part in parts[1:]:
+            exercise = exercise.joined(part.exercise) if exercise and part.exercise else exercise or part.exercise
+        return Outcomes(first.metric, sum((p.scores for p in parts), ()), sum((p.tokens for p in parts), ()),
+                        exercise, sum((p.per_token for p in parts), ()))
 
 
-def task_outcomes(task: str, raw: dict, standard: str) -> list[Outcomes]:
-    """A task's stored result (``{"acc": [...], "acc_norm": [...]}``, either may be absent) as outcomes;
-    ``standard``: the measure gated for this task."""
-    return [Outcomes(MetricId(m, task, m == standard), tuple(map(float, raw[m]))) for m in ("acc", "acc_norm")
-            if m in raw]
+def _exercise(raw: dict, bits: float) -> Exercise | None:
+    if "reads" not in raw:
+        return None
+    return Exercise(Reads(**raw["reads"]), tuple(map(int, raw.get("lengths", ()))), bits)
+
+
+def perplexity_outcomes(name: str, raw: dict, bits: float = math.nan) -> Outcomes:
+    """A perplexity set's stored result (``{"nll": [...], "tokens": [...], "reads": {...}}``) as outcomes."""
+    tokens = tuple(map(int, raw["tokens"]))
+    return Outcomes(MetricId("ppl", name), tuple(map(float, raw["nll"])), tokens,
+                    _exercise(raw, bits))
+
+
+def divergence_outcomes(name: str, raw: dict, bits: float = math.nan) -> list[Outcomes]:
+    """A perplexity set's stored divergence from the baseline (``{"kl": [[...] per window], "top1": [...],
+    "tokens": [...]}``) as two metrics: ``kl`` (mean KL divergence per position) and ``top1`` (agreement)."""
+    tokens = tuple(map(int, raw["tokens"]))
+    per_token = tuple(tuple(map(float, w)) for w in raw["kl"])
+    exercise = _exercise(raw, bits)
+    return [Outcomes(MetricId("kl", name), tuple(float(sum(w)) for w in per_token), tokens, exercise, per_token),
+            Outcomes(MetricId("top1", name), tuple(map(float, raw["top1"])), tokens, exercise)]
+
+
+def task_outcomes(task: str, raw: dict, standard: str, bits: float = math.nan) -> list[Outcomes]:
+    """A task's stored result (``{"acc": [...], "acc_norm": [...]}``, either may be absent, ``reads`` and
+    ``lengths``) as outcomes; ``standard``: the measure gated for this task."""
+    exercise = _exercise(raw, bits)
+    return [Outcomes(MetricId(m, task, m == standard), tuple(map(float, raw[m])), (), exercise)
+            for m in ("acc", "acc_norm") if m in raw]
 
 
 @dataclass(frozen=True)
@@ -113,8 +186,9 @@ class Measured:
 
 @dataclass(frozen=True)
 class MetricRow:
-    """One candidate x metric against the baseline; ``ci_low``/``ci_high``: the paired interval of the
-    relative score."""
+    """One candidate x metric against the baseline; ``ci_low``/``ci_high``: the paired interval of its
+    :attr:`statistic` at ``confidence``; ``quantized_share``: of what attention read, the share stored quantized
+    (keys or values, the smaller; nan where not counted)."""
 
     candidate: str
     metric: MetricId
@@ -124,6 +198,8 @@ class MetricRow:
     gated: bool = True
     ci_low: float = math.nan
     ci_high: float = math.nan
+    quantized_share: float = math.nan
+    confidence: float = math.nan
 
     @property
     def kind(self) -> str:
@@ -133,10 +209,17 @@ class MetricRow:
     def relative(self) -> float:
         return relative_score(self.kind, self.value, self.baseline)
 
+    @property
+    def statistic(self) -> float:
+        """What the gate compares with its threshold: the relative score, or the value of a divergence metric."""
+        return self.value if self.kind in (DIVERGENCE, AGREEMENT) else self.relative
+
 
 def relative_score(kind: str, value: float, baseline: float) -> float:
-    """candidate/baseline for accuracy, baseline/candidate for perplexity (1.0 = no loss)."""
-    num, den = (value, baseline) if kind == ACCURACY else (baseline, value)
+    """candidate/baseline for accuracy (and agreement), baseline/candidate for perplexity: 1.0 = no loss."""
+    if kind == DIVERGENCE:
+        return math.nan  # the baseline's divergence from itself is 0: no ratio; the gate reads the value
+    num, den = (baseline, value) if kind == PERPLEXITY else (value, baseline)
     if den == 0:
         return 1.0 if num == 0 else math.inf
     return num / den
@@ -144,19 +227,30 @@ def relative_score(kind: str, value: float, baseline: float) -> float:
 
 @dataclass(frozen=True)
 class Verdict:
+    """The gate's verdict on a row: ``pass``, ``fail``, ``inconclusive`` (``more``: about how many more documents
+    would decide it), ``not exercised`` or ``not gated``; ``point``: judged on the point estimate alone."""
+
     row: MetricRow
     threshold: float
     statistic: float  # what was compared with the threshold
-    passed: bool
+    verdict: str
+    more: int | None = None
+    point: bool = False
+
+    @property
+    def passed(self) -> bool:
+        """Whether the row stands in the way of nothing: passes, or is not gated."""
+        return self.verdict in ("pass", "not gated")
 
 
 @dataclass(frozen=True)
 class Decision:
-    decision: str  # "pass" or "fail"
+    decision: str  # "pass", "fail" or "inconclusive"
     chosen: str | None  # the answer: the cheapest passing candidate, or a staged run's last stage before a fail
     passed: dict[str, bool]
     verdicts: list[Verdict]
     reason: str
+    statuses: dict[str, str] = field(default_factory=dict)  # per candidate: pass, fail, inconclusive, not exercised
 
 
 @dataclass(frozen=True)

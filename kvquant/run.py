@@ -4,12 +4,12 @@ Measures the fp16 baseline (the identity quantizer, through the same cache code)
 same model, token windows and task documents, with the quantized K/V read by attention; gates the result and
 writes ``reports/<name>/``.
 
-Exit code: 0 the gate passes, 1 it fails, 2 bad input (config, data, model, device, quantizer options: one
-line naming the key, file or value), 3 an internal error (the traceback goes to error.log in the report
-directory), 130 interrupted. Everything is checked before the model loads, and nothing is written into the
-report directory until then. Every finished (candidate, metric) result is saved at once under a key of its
-inputs and the code version, so an interrupted run resumes where it stopped; a lock refuses a second run
-into the same directory.
+Exit code: 0 the gate passes, 1 it fails, 4 it cannot tell yet (inconclusive: more documents would decide), 2 bad
+input (config, data, model, device, quantizer options: one line naming the key, file or value), 3 an internal
+error (the traceback goes to error.log in the report directory), 130 interrupted. Everything is checked before
+the model loads, and nothing is written into the report directory until then. Every finished (candidate,
+metric) result is saved at once under a key of its inputs and the code version, so an interrupted run resumes
+where it stopped; a lock refuses a second run into the same directory.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ import torch
 
 from . import data, models, report
 from .config import ExperimentConfig, Stage, load_config
-from .errors import EXIT_FAIL, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
+from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .fs import cache_dir, read_file, real_dir, set_aside, write_file
-from .gate import ACCURACY, decide, metric_rows
-from .measure import BASELINE, Session, measure, probe_counts
+from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
+from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
 from .planner import check_candidate, parse_bytes, shape_from_config
 from .results import Decision, Provenance, RunResult
 from .search import check_search, search
 from .stages import serve, serving_tokens, staged_decision
-from .tasks import check_task_data, check_tasks, prepare_probe_tasks, task_dir
+from .tasks import check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir, task_manager
 
 LOCK = ".lock"
 
@@ -281,6 +281,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     folder = None
     if probes:  # documents are cut with the model's tokenizer: write and check them now
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
+    check_fewshot(cfg, folder)
     if cfg.search:
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
@@ -294,6 +295,28 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
             warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
                  "reads up to chunk_size - 1 tokens beyond the window")
     return rows, warnings
+
+
+def check_fewshot(cfg: ExperimentConfig, folder) -> None:
+    """Few-shot examples come from the task's own documents (the offline tasks hold one split): a task needs more
+    documents than its examples."""
+    shots = {t: cfg.eval.tasks.fewshot_for(t) for t in cfg.eval.tasks.names if cfg.eval.tasks.fewshot_for(t)}
+    if not shots:
+        return
+    import datasets
+    from lm_eval.tasks import get_task_dict
+
+    datasets.disable_progress_bars()  # stderr holds one line on bad input
+    manager = task_manager(str(folder or task_dir()))
+    for task, count in shots.items():
+        name = resolve_task(task)
+        found = get_task_dict([name], manager)[name]
+        pool = found.fewshot_docs()
+        own = pool is None or not (found.has_training_docs() or found.has_validation_docs())
+        pool = found.eval_docs if pool is None else pool
+        if count > len(pool) - own:  # drawn from the evaluation documents: never the document itself
+            raise KVQuantError(f"eval.tasks.num_fewshot: {task!r} asks for {count} examples, and its task draws them "
+                               f"from {len(pool)} documents; ask for fewer")
 
 
 def serving_text(cfg: ExperimentConfig, tokenizer, rows: dict):
@@ -318,11 +341,67 @@ def serve_stages(session: Session, rows: dict) -> dict:
             "prefix_sharing": {s.label: s.prefix_sharing for s in cfg.stages}}
 
 
+def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
+    """Per gated task, the looks a sequential gate plans (each look's interval is widened for all of them)."""
+    if cfg.gate.max_documents is None:
+        return {}
+    return {task: len(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)) for task in cfg.gated_tasks()}
+
+
+def task_size(session: Session, task: str) -> int:
+    """How many documents a task holds (lm-eval's evaluation split of it)."""
+    from lm_eval.tasks import get_task_dict
+
+    name = resolve_task(task)
+    return len(get_task_dict([name], task_manager(session.folder()))[name].eval_docs)
+
+
+def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict) -> dict:
+    """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
+    has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
+    (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
+    already scored; then judge again. Returns the results with every look."""
+    cfg = session.cfg
+    split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
+    probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
+    plan, sizes = planned_looks(cfg), {}
+    more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
+    while True:
+        table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan)
+        decision = decide(table, bits, cfg.gate)
+        wanted: dict[str, set[str]] = {}
+        hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
+        for v in decision.verdicts:
+            if v.verdict == INCONCLUSIVE and v.row.kind == ACCURACY and v.row.metric.source in plan and \
+                    decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
+                wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
+        grown = {}
+        for task, labels in wanted.items():
+            scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated)].n
+            if task not in sizes:
+                sizes[task] = task_size(session, task)
+            nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
+            nxt = min(nxt, sizes[task]) if nxt is not None else None
+            if nxt is not None and nxt > scored:
+                grown[task] = (range(scored, nxt), labels)
+        if not grown:
+            return results
+        for task, (docs, labels) in grown.items():
+            print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
+                  f"{', '.join(sorted(labels))} (inconclusive at {docs.start}) and the baseline")
+            for label in [BASELINE.label, *labels]:
+                more[label].setdefault(task, []).append(docs)
+        for c in [BASELINE, *candidates]:
+            if any(task in more[c.label] for task in grown):
+                extended = dataclasses.replace(split, more={t: tuple(r) for t, r in more[c.label].items()})
+                results[c.label] = session.measure(c, extended, probe=probe)
+
+
 def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: dict | None,
               warnings: list[str]) -> tuple[list, Decision]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
     failing one)."""
-    table = metric_rows(cfg, results, [c.label for c in candidates])
+    table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned_looks(cfg))
     for row in table:
         if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
             warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
@@ -336,6 +415,10 @@ def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: di
     decision = decide(table, bits, cfg.gate)
     if staged:
         verdict, chosen, staged["first_failing"], reason = staged_decision(candidates, decision.passed)
+        first = staged["first_failing"]
+        if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet
+            reason += f"; {first} is {decision.statuses[first]}, not shown to fail"
+            verdict = verdict if chosen is not None else INCONCLUSIVE
         decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)
     return table, decision
 
@@ -356,15 +439,17 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     if cfg.stages:
         staged = serve_stages(session, rows)
     results = measure(session, candidates, rows)
+    if cfg.gate.max_documents is not None:
+        bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
+        results = add_documents(session, candidates, rows, results, bits)
     table, decision = judge_run(cfg, candidates, results, staged, warnings)
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings))
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged)
     paths = report.write(out_dir, run)
-    verdict = "PASS" if decision.decision == "pass" else "FAIL"
-    print(f"\nkvquant: {verdict}: {decision.reason}")
+    print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}")
     print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name})")
-    return EXIT_PASS if decision.decision == "pass" else EXIT_FAIL
+    return {PASS: EXIT_PASS, FAIL: EXIT_FAIL, INCONCLUSIVE: EXIT_INCONCLUSIVE}[decision.decision]
 
 
 def main(argv: list[str] | None = None) -> int:

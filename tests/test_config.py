@@ -67,10 +67,10 @@ def test_missing_and_inconsistent(tmp_path):
 
 def test_set_overrides(tmp_path):
     path = write(tmp_path, MINIMAL)
-    cfg = load_config(path, ["eval.seed=7", "candidates.0.options.group_size=64", "gate.decide_on=lower_bound",
+    cfg = load_config(path, ["eval.seed=7", "candidates.0.options.group_size=64", "gate.decide_on=point",
                              "eval.tasks.names=[a, b]"])
     assert cfg.eval.seed == 7 and cfg.candidates[0].options == {"group_size": 64}
-    assert cfg.gate.decide_on == "lower_bound" and cfg.eval.tasks.names == ["a", "b"]
+    assert cfg.gate.decide_on == "point" and cfg.eval.tasks.names == ["a", "b"]
     with pytest.raises(ConfigError, match="expects key=value"):
         load_config(path, ["eval.seed"])
     with pytest.raises(ConfigError, match="has no item 3"):

@@ -1,4 +1,5 @@
-"""The gate on hand-made tables."""
+"""The gate on hand-made tables: the point-estimate mode, the three verdicts of the paired test at their
+boundaries, the exercised rule, the divergence metrics and the decision."""
 
 import math
 
@@ -6,10 +7,12 @@ import numpy as np
 import pytest
 
 from kvquant.config import GateConfig
-from kvquant.gate import bootstrap_interval, decide
+from kvquant.gate import FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, paired_interval, decide, judge, looks
 from kvquant.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
 
-POLICY = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05)
+POLICY = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, decide_on="point")
+TEST = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, max_kl_divergence=0.01,
+                  min_top1_agreement=0.95)
 
 
 def acc(candidate, value, baseline=0.5, ci=(math.nan, math.nan), gated=True, metric="acc/task"):
@@ -42,14 +45,79 @@ def test_thresholds_on_both_sides():
     assert decide([acc("a", 0.6), ppl("a", 3.9)], {"a": 4}, POLICY).decision == "pass"
 
 
-def test_lower_bound_mode_uses_the_interval():
-    row = acc("a", 0.49, ci=(0.95, 1.01))  # point 0.98 passes, lower bound 0.95 does not
-    assert decide([row], {"a": 4}, POLICY).decision == "pass"
-    strict = GateConfig(decide_on="lower_bound")
-    d = decide([row], {"a": 4}, strict)
-    assert d.decision == "fail" and "lower confidence bound" in d.reason
-    assert decide([acc("a", 0.49, ci=(0.975, 1.0))], {"a": 4}, strict).decision == "pass"
-    assert decide([acc("a", 0.49)], {"a": 4}, strict).decision == "fail"  # no interval: cannot pass
+def test_point_mode_is_marked_as_such():
+    d = decide([acc("a", 0.49, ci=(0.9, 1.05))], {"a": 4}, POLICY)
+    assert d.decision == "pass" and "point estimate, not a test" in d.reason and d.verdicts[0].point
+
+
+def test_interval_verdicts_at_their_boundaries():
+    at = 0.97
+    assert judge(acc("a", 0.49, ci=(at, 1.01)), TEST).verdict == PASS  # the lower bound reaches the threshold
+    assert judge(acc("a", 0.49, ci=(at - 1e-9, 1.01)), TEST).verdict == INCONCLUSIVE
+    assert judge(acc("a", 0.45, ci=(0.85, at - 1e-9)), TEST).verdict == FAIL  # the upper bound is below it
+    assert judge(acc("a", 0.45, ci=(0.85, at)), TEST).verdict == INCONCLUSIVE
+    assert judge(acc("a", 0.49), TEST).verdict == INCONCLUSIVE  # no interval: nothing is shown
+    low = 1 / 1.05
+    assert judge(ppl("a", 4.1, ci=(low, 1.0)), TEST).verdict == PASS
+    assert judge(ppl("a", 4.5, ci=(0.8, low - 1e-9)), TEST).verdict == FAIL
+
+
+def test_divergence_metrics_are_lower_or_higher_is_better():
+    kl = lambda v, ci: MetricRow("a", MetricId("kl", "text"), v, 0.0, 50, True, *ci)  # noqa: E731
+    top = lambda v, ci: MetricRow("a", MetricId("top1", "text"), v, 1.0, 50, True, *ci)  # noqa: E731
+    assert judge(kl(0.005, (0.004, 0.01)), TEST).verdict == PASS  # the upper bound reaches the maximum
+    assert judge(kl(0.011, (0.0100001, 0.02)), TEST).verdict == FAIL
+    assert judge(kl(0.009, (0.008, 0.0101)), TEST).verdict == INCONCLUSIVE
+    assert judge(top(0.97, (0.95, 0.99)), TEST).verdict == PASS
+    assert judge(top(0.90, (0.88, 0.9499)), TEST).verdict == FAIL
+    assert judge(kl(0.5, (0.4, 0.6)), GateConfig()).verdict == NOT_GATED  # no threshold set: reported only
+
+
+def test_a_metric_read_mostly_unquantized_is_not_exercised():
+    row = MetricRow("a", MetricId("acc", "task"), 0.5, 0.5, 200, True, 1.0, 1.0, quantized_share=0.2)
+    assert judge(row, TEST).verdict == NOT_EXERCISED
+    d = decide([row, ppl("a", 4.0, ci=(0.99, 1.0))], {"a": 4}, TEST)
+    assert d.decision == INCONCLUSIVE and d.statuses == {"a": NOT_EXERCISED} and "not exercised (20%" in d.reason
+    at = MetricRow("a", MetricId("acc", "task"), 0.5, 0.5, 200, True, 1.0, 1.0, quantized_share=0.9)
+    assert judge(at, TEST).verdict == PASS  # the minimum share itself counts
+
+
+def test_a_loss_shown_through_a_mostly_unquantized_cache_still_fails():
+    """Found in review: 'not exercised' hid clear fails (int2 with its default 128-token residual window came out
+    inconclusive, exit 4, 'more documents would decide it')."""
+    row = MetricRow("int2-r128", MetricId("ppl", "wikitext2"), 13.0, 10.0, 16, True, 0.74, 0.80, 0.52)
+    assert judge(row, TEST).verdict == FAIL
+    assert decide([row], {"int2-r128": 9.0}, TEST).decision == FAIL
+
+
+def test_looks_need_a_first_look():
+    with pytest.raises(ValueError):
+        looks(0, 800)  # was an endless loop
+
+
+def test_decision_pass_fail_inconclusive():
+    passes, fails = acc("int8", 0.5, ci=(0.99, 1.01)), acc("int2", 0.3, ci=(0.5, 0.7))
+    open_ = acc("int4", 0.49, ci=(0.94, 1.02))
+    d = decide([passes, open_, fails], {"int8": 8.5, "int4": 4.5, "int2": 2.5}, TEST)
+    assert (d.decision, d.chosen) == (PASS, "int8") and "cheaper and undecided: int4" in d.reason
+    assert d.statuses == {"int8": PASS, "int4": INCONCLUSIVE, "int2": FAIL}
+    d = decide([open_, fails], {"int4": 4.5, "int2": 2.5}, TEST)
+    assert d.decision == INCONCLUSIVE and d.chosen is None and "int4: acc/task" in d.reason and "int2" not in d.reason
+    assert "more documents would decide it" in d.reason
+    assert decide([fails], {"int2": 2.5}, TEST).decision == FAIL
+
+
+def test_more_documents_estimate():
+    # estimate 0.98, upper reach 0.02 toward... the lower bound 0.95 is 0.03 below it, the threshold 0.01:
+    # the reach must shrink 3x, so 9x the documents
+    v = judge(acc("a", 0.49, ci=(0.95, 1.01)), TEST)
+    assert v.verdict == INCONCLUSIVE and v.more == 200 * 9 - 200
+
+
+def test_looks_double_up_to_the_budget():
+    assert looks(100, None) == [100]
+    assert looks(100, 100) == [100]
+    assert looks(100, 1000) == [100, 200, 400, 800, 1000]
 
 
 def test_ungated_metrics_are_reported_not_gated():
@@ -65,22 +133,25 @@ def test_sweep_chooses_the_cheapest_passing_setting():
     assert d.passed == {"int8": True, "int4": True, "int2": False}
 
 
-def test_bootstrap_interval_accuracy():
+def test_paired_interval_accuracy():
     rng = np.random.default_rng(0)
     base = (rng.random(400) < 0.6).astype(float)
     cand = base.copy()
     cand[:20] = 0  # a candidate that loses some answers
-    low, high = bootstrap_interval(ACCURACY, base, cand, 2000, 0.95, seed=1)
+    low, high = paired_interval(ACCURACY, base, cand, 2000, 0.95, seed=1)
     point = cand.mean() / base.mean()
     assert low < point < high < 1.0 + 1e-9
-    assert (low, high) == bootstrap_interval(ACCURACY, base, cand, 2000, 0.95, seed=1)  # reproducible
-    same = bootstrap_interval(ACCURACY, base, base, 500, 0.95, seed=1)
-    assert same == (1.0, 1.0)  # paired: identical outcomes give no spread
+    assert (low, high) == paired_interval(ACCURACY, base, cand, 2000, 0.95, seed=1)  # reproducible
+    same = paired_interval(ACCURACY, base, base, 500, 0.95, seed=1)
+    assert same[0] < 1.0 < same[1] and same[1] - same[0] < high - low  # paired: identical outcomes spread least,
+    # yet 400 documents without a flip do not show that none would ever flip
+    few = paired_interval(ACCURACY, base[:10], base[:10], 500, 0.95, seed=1)
+    assert few[0] < 0.9  # ten documents show nothing (was [1, 1]: a pass on ten documents)
 
 
-def test_bootstrap_interval_perplexity():
+def test_paired_interval_perplexity():
     base = np.array([[100.0, 50], [120.0, 60], [90.0, 40], [110.0, 55]])
     cand = base * [1.02, 1]
-    low, high = bootstrap_interval(PERPLEXITY, base, cand, 500, 0.9, seed=0)
+    low, high = paired_interval(PERPLEXITY, base, cand, 500, 0.9, seed=0)
     point = math.exp((base[:, 0].sum() - cand[:, 0].sum()) / base[:, 1].sum())
     assert low <= point <= high < 1

@@ -1,0 +1,163 @@
+"""Sequential documents, by simulation: repeated looks at a growing set of paired documents must not inflate the
+chance of a wrong PASS above the configured error, and a candidate equal to the baseline is eventually PASSed.
+
+Synthetic paired per-document outcomes (0/1, as lm-eval scores accuracy): the baseline is right with
+probability 0.5, the candidate disagrees on a few documents (as a quantized cache does), the disagreements
+set its true accuracy ratio. Each repetition runs the gate's own procedure: judge after ``limit`` documents,
+then after every look of :func:`kvquant.gate.looks` while the verdict is inconclusive.
+"""
+
+import numpy as np
+from scipy.stats import binom
+
+from kvquant.config import GateConfig
+from kvquant.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge, look_confidence, looks
+from kvquant.results import MetricId, MetricRow
+
+SEED = 20261202
+BASE_RIGHT = 0.5
+
+
+def paired(n: int, lost: float, gained: float, rng) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` documents: P(baseline right, candidate wrong) = ``lost``, P(wrong, right) = ``gained``."""
+    u = rng.random(n)
+    base = (u < BASE_RIGHT).astype(float)
+    cand = base.copy()
+    cand[u < lost] = 0  # of the baseline's right answers (u < 0.5), these are lost
+    cand[(u >= BASE_RIGHT) & (u < BASE_RIGHT + gained)] = 1
+    return base, cand
+
+
+def sequential_verdict(base, cand, policy: GateConfig, limit: int, seed: int, widen: bool = True) -> tuple[str, int]:
+    """The verdict and documents used by the gate's looks over these documents (``widen=False``: every look at
+    the plain confidence, the naive procedure whose error the looks inflate)."""
+    counts = looks(limit, policy.max_documents)
+    confidence = look_confidence(policy, len(counts)) if widen else policy.confidence
+    for n in counts:
+        low, high = paired_interval("accuracy", base[:n], cand[:n], policy.bootstrap, confidence, seed)
+        row = MetricRow("c", MetricId("acc", "task"), cand[:n].mean(), base[:n].mean(), n, True, low, high)
+        verdict = judge(row, policy).verdict
+        if verdict != INCONCLUSIVE:
+            return verdict, n
+    return INCONCLUSIVE, counts[-1]
+
+
+def simulate(lost, gained, policy, limit, reps, widen=True):
+    rng = np.random.default_rng(SEED)
+    out = []
+    for rep in range(reps):
+        base, cand = paired(policy.max_documents, lost, gained, rng)
+        out.append(sequential_verdict(base, cand, policy, limit, SEED + rep, widen))
+    return out
+
+
+def test_a_candidate_at_the_threshold_passes_at_most_at_the_error_rate():
+    """True ratio exactly 0.97 (the worst case for a wrong pass): at most (1 - confidence) / 2 = 2.5% may
+    pass. 1,000 repetitions, 5 looks (100..1,600 documents); the bound checked is that the observed count is
+    within the 99.9% binomial range of a 2.5% rate, and the naive procedure (95% at every look) errs more."""
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600, bootstrap=400)
+    lost = 0.04
+    gained = lost - (1 - 0.97) * BASE_RIGHT  # candidate right with probability 0.485: ratio 0.97
+    reps = 1000
+    verdicts = [v for v, _ in simulate(lost, gained, policy, 100, reps)]
+    wrong = verdicts.count(PASS)
+    allowed = (1 - policy.confidence) / 2
+    assert wrong <= binom.ppf(0.999, reps, allowed), f"{wrong} wrong passes in {reps}"
+    naive = [v for v, _ in simulate(lost, gained, policy, 100, reps, widen=False)].count(PASS)
+    assert naive > wrong  # the looks do inflate the error without the widening: the test can see it
+
+
+def test_rare_disagreements_do_not_make_a_wrong_pass_likely():
+    """Found in review: a good quantizer flips few documents, and a normal-theory interval shrank to nothing
+    there (no flip in 100 documents gave [1, 1], 26% wrong passes over the looks). True ratio 0.97, the
+    candidate only ever loses answers (1.5% of documents): 500 repetitions over the looks."""
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600, bootstrap=400)
+    reps = 500
+    wrong = [v for v, _ in simulate(0.015, 0.0, policy, 100, reps)].count(PASS)
+    assert wrong <= binom.ppf(0.999, reps, (1 - policy.confidence) / 2), f"{wrong} wrong passes in {reps}"
+
+
+def test_a_candidate_clearly_below_fails_and_never_passes():
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600, bootstrap=400)
+    verdicts = [v for v, _ in simulate(0.08, 0.0, policy, 100, 200)]  # ratio 0.84
+    assert verdicts.count(PASS) == 0 and verdicts.count(FAIL) >= 190
+
+
+def test_a_candidate_equal_to_the_baseline_is_eventually_passed():
+    """Equal accuracy, 8% of the documents flipping either way: undecidable at 100 documents, PASSed by the
+    budget in nearly every repetition."""
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=12800, bootstrap=400)
+    outcomes = simulate(0.04, 0.04, policy, 100, 200)
+    verdicts = [v for v, _ in outcomes]
+    assert verdicts.count(FAIL) == 0
+    assert verdicts.count(PASS) >= 196
+    assert np.median([n for v, n in outcomes if v == PASS]) > 100  # it took more than the first look
+
+
+class FakeTokenizer:
+    def __call__(self, text):
+        return type("Encoded", (), {"input_ids": [1, 2, 3]})()
+
+
+class FakeSession:
+    """Measures synthetic paired outcomes of one task: documents ``[0, limit)`` then every range the split adds,
+    recording which (label, range) it was asked to score."""
+
+    def __init__(self, cfg, outcomes: dict[str, np.ndarray]):
+        self.cfg, self.outcomes, self.tokenizer, self.maxlen = cfg, outcomes, FakeTokenizer(), 64
+        self.scored: list[tuple[str, int, int]] = []
+
+    def measure(self, candidate, split, label=None, tasks=True, probe=None):
+        from kvquant.results import Measured, Memory, Outcomes
+
+        label = label or candidate.label
+        parts = [range(self.cfg.eval.tasks.limit), *split.more.get("task", ())]
+        for part in parts:
+            if (label, part.start, part.stop) not in self.scored:
+                self.scored.append((label, part.start, part.stop))
+        scores = np.concatenate([self.outcomes[label][p.start : p.stop] for p in parts])
+        metric = MetricId("acc", "task")
+        return Measured(label, (Outcomes(metric, tuple(scores)),), Memory({}, {"bits_per_element": 4.0}))
+
+
+def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
+    """Looks planned at 100, 200, 400 and 800 documents; the task ends at 500: the nearly equal candidate is
+    scored while it is open, to the task's end; the clearly worse one fails at the first look and gets no more
+    documents; the baseline is scored on every document a candidate is."""
+    from kvquant import run
+    from kvquant.config import load_config
+
+    rng = np.random.default_rng(SEED)
+    base, equal = paired(500, 0.0, 0.0, rng)
+    equal[rng.random(500) < 0.01] = 0  # a few lost answers: open at 100 documents, shown fine later
+    worse = base * (rng.random(500) < 0.6)
+    import yaml
+
+    text = yaml.safe_dump({"name": "seq", "candidates": [{"quantizer": "int8", "name": "equal"},
+                                                         {"quantizer": "int2", "name": "worse"}],
+                           "eval": {"tasks": {"names": ["task"], "limit": 100}},
+                           "gate": {"tasks": ["task"], "max_documents": 800}})
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    cfg = load_config(f.name)
+    session = FakeSession(cfg, {"baseline": base, "equal": equal, "worse": worse})
+    monkeypatch.setattr(run, "task_size", lambda s, task: 500)
+    first = {c.label: session.measure(c, run.evaluation_split(cfg, None, 64, {}))
+             for c in [run.BASELINE, *cfg.candidates]}
+    results = run.add_documents(session, list(cfg.candidates), {}, first, {"equal": 8.0, "worse": 2.0})
+    ranges = {(label, a, b) for label, a, b in session.scored}
+    assert ("worse", 100, 200) not in ranges  # failed at the first look
+    assert {("equal", 100, 200), ("baseline", 100, 200)} <= ranges
+    assert max(b for _, _, b in ranges) <= 500  # never beyond the task
+    table = run.metric_rows(cfg, results, ["equal", "worse"], planned_looks=run.planned_looks(cfg))
+    decision = run.decide(table, {"equal": 8.0, "worse": 2.0}, cfg.gate)
+    assert decision.statuses["worse"] == FAIL
+    # equal: open at every look, so scored to the task's end (500), not to max_documents (800)
+    assert sorted(ranges) == [("baseline", 0, 100), ("baseline", 100, 200), ("baseline", 200, 400),
+                              ("baseline", 400, 500), ("equal", 0, 100), ("equal", 100, 200), ("equal", 200, 400),
+                              ("equal", 400, 500), ("worse", 0, 100)]
+    assert results["equal"][MetricId("acc", "task")].n == 500 and results["worse"][MetricId("acc", "task")].n == 100
+    assert decision.statuses["worse"] == FAIL and decision.statuses["equal"] != FAIL
+    assert run.planned_looks(cfg) == {"task": 4}  # 100, 200, 400, 800 planned: the widening counts all of them
