@@ -153,7 +153,7 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
         path.write_text(CONFIG.format(out=tmp_path / str(ratio)))
         code = main([str(path), "--set", "search.documents=0", "--set", f"search.max_perplexity_ratio={ratio}",
                      *(aliases if ratio > 1 else [])])
-        assert code in (0, 1)  # the map found passes or fails the gate on evaluation; 2 would be an error
+        assert code in (0, 1, 4)  # the map found passes, fails or is undecided on evaluation; 2 would be an error
         doc = json.loads((tmp_path / str(ratio) / "searched-tiny" / "results.json").read_text())
         found[ratio] = doc["search"]
         assert "acc/tinystories_lastword" in doc["candidates"][0]["metrics"]  # tasks still gate the evaluation
