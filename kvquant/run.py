@@ -297,6 +297,14 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     return rows, warnings
 
 
+def lm_eval_task(task: str, folder):
+    """The lm-eval task object behind a task name, its files from ``folder`` (:func:`kvquant.tasks.task_dir`)."""
+    from lm_eval.tasks import get_task_dict
+
+    name = resolve_task(task)
+    return get_task_dict([name], task_manager(str(folder)))[name]
+
+
 def check_fewshot(cfg: ExperimentConfig, folder) -> None:
     """Few-shot examples come from the task's own documents (the offline tasks hold one split): a task needs more
     documents than its examples."""
@@ -304,13 +312,10 @@ def check_fewshot(cfg: ExperimentConfig, folder) -> None:
     if not shots:
         return
     import datasets
-    from lm_eval.tasks import get_task_dict
 
     datasets.disable_progress_bars()  # stderr holds one line on bad input
-    manager = task_manager(str(folder or task_dir()))
     for task, count in shots.items():
-        name = resolve_task(task)
-        found = get_task_dict([name], manager)[name]
+        found = lm_eval_task(task, folder or task_dir())
         pool = found.fewshot_docs()
         own = pool is None or not (found.has_training_docs() or found.has_validation_docs())
         pool = found.eval_docs if pool is None else pool
@@ -350,10 +355,7 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
 
 def task_size(session: Session, task: str) -> int:
     """How many documents a task holds (lm-eval's evaluation split of it)."""
-    from lm_eval.tasks import get_task_dict
-
-    name = resolve_task(task)
-    return len(get_task_dict([name], task_manager(session.folder()))[name].eval_docs)
+    return len(lm_eval_task(task, session.folder()).eval_docs)
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict) -> dict:
