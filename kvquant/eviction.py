@@ -2,13 +2,15 @@
 
 A policy is a small frozen dataclass whose fields are its options. It composes with any quantizer in the same
 cache (``make_cache(model, "fp8_e4m3", eviction="sink_window", sink_tokens=4, window=1024)``): the cache keeps
-what the policy says and frees the rest, in whole quantized units (see :mod:`kvquant.cache`).
+what the policy says and frees the rest, in whole quantized units (see :mod:`kvquant.cache.storage`).
 
 Semantics (what attention reads): a forward over positions ``[c, c + n)`` reads the tokens the policy kept of
 ``[0, c)`` plus the chunk itself, causally. Decoding one token at a time that is exactly the policy's window;
 a prefill chunk of ``n`` tokens reads up to ``n - 1`` more recent tokens, as eviction between steps does in
-serving. Adding a policy is one class plus ``@register_eviction("name")``; an importance policy sets
-``importance = True`` and defines ``score(keys) -> [n]`` (the cache keeps the best-scored tokens).
+serving. Adding a policy is one class plus ``@register_eviction("name")``: a position policy says how many tokens
+it keeps (:meth:`Eviction.capacity`) and the cache's storage drops the oldest; an importance policy sets
+``importance = True`` and defines ``score(keys [B, H, n, D]) -> [B, n]`` and ``choose`` (which tokens to stop
+reading; see :class:`KeyNorm`).
 """
 
 from __future__ import annotations
@@ -95,5 +97,27 @@ class KeyNorm(Eviction):
 
     @staticmethod
     def score(keys):
-        """``[1, H, n, D]`` keys -> ``[n]``, higher = more important."""
-        return -keys.float().norm(dim=-1).mean(dim=1)[0]
+        """``[B, H, n, D]`` keys -> ``[B, n]``, higher = more important."""
+        return -keys.float().norm(dim=-1).mean(dim=1)
+
+    def choose(self, visible: list[int], hidden: set[int], sinks: int, block: int, excess: int,
+               scores: dict[int, float]) -> list[int]:
+        """Which ``excess`` of a row's ``visible`` tokens (ordinals, in order; ``hidden``: those stored but no longer
+        read) to stop reading: never a sink or one of the last ``window``, and block by block (a block: ``block``
+        tokens, whole units of both streams), finishing a block it began first, so at most one block is ever partly
+        read and the bytes stored do not depend on the scores. Lowest mean ``scores`` first."""
+        middle = visible[sinks : len(visible) - self.window]
+        blocks: dict[int, list[int]] = {}
+        for o in middle:
+            blocks.setdefault((o - sinks) // block, []).append(o)
+        # a block is evictable when none of its tokens is in the window (its others are already unread)
+        middle_or_hidden = set(middle) | hidden
+        whole = {b for b in blocks if all(sinks + b * block + i in middle_or_hidden for i in range(block))}
+        started = sorted(b for b in whole if len(blocks[b]) < block)
+        rank = lambda b: (sum(scores.get(o, 0.0) for o in blocks[b]) / len(blocks[b]), b)  # noqa: E731
+        chosen: list[int] = []
+        for b in started + sorted((b for b in whole if b not in started), key=rank):
+            chosen += sorted(blocks[b], key=lambda o: (scores.get(o, 0.0), o))[: excess - len(chosen)]
+            if len(chosen) == excess:
+                break
+        return chosen

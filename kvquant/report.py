@@ -61,7 +61,7 @@ def code_version() -> dict[str, str]:
     every resume key, so results of other code are recomputed."""
     root = Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("csrc/*")]):
+    for path in sorted([*root.rglob("*.py"), *root.glob("csrc/*")]):
         if path.name in NOT_MEASURING:
             continue
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

@@ -112,12 +112,12 @@ def test_bookkeeping_of_windows_and_groups(model, story_ids):
     cache = kvquant.make_cache(model, "int4", group_size=group, residual_length=residual, sink_tokens=sinks)
     for length in (30, 31, 70, 119, 200, 201):  # prompt of 30, then uneven chunks
         forward(model, story_ids[:, cache.get_seq_length() : length], cache)
-        k, v = cache.layers[0].k[0], cache.layers[0].v[0]
+        k, v = cache.layers[0].k, cache.layers[0].v
         assert cache.get_seq_length() == length
-        assert k.sinks.shape[2] == v.sinks.shape[2] == min(sinks, length)
-        k_tail, v_tail = k.tail.shape[2], v.tail.shape[2]
-        assert k.n_enc % group == 0
-        assert len(k) == len(v) == length
+        assert k.n_sinks[0] == v.n_sinks[0] == min(sinks, length)
+        k_tail, v_tail = k.n_tail[0], v.n_tail[0]
+        assert k.unit == group and v.unit == 1  # a key unit is a whole group of tokens
+        assert k.stored(0) == v.stored(0) == length
         if length - sinks >= residual + group:
             assert residual <= k_tail < residual + group  # only the window and an incomplete group
         if length - sinks >= residual:
@@ -127,15 +127,17 @@ def test_bookkeeping_of_windows_and_groups(model, story_ids):
 def test_appending_never_requantizes_stored_codes(model, story_ids):
     cache = kvquant.make_cache(model, "int4", residual_length=0)
     forward(model, story_ids[:, :100], cache)
-    before = {k: v.clone() for k, v in cache.layers[2].k[0].enc.items()}
-    before_v = {k: v.clone() for k, v in cache.layers[2].v[0].enc.items()}
+    def units(store):  # row 0's stored units, in order: role -> [units, H, ...]
+        return {role: p[store.table[0, : store.units[0]]].clone() for role, p in store.pool.items()}
+
+    before, before_v = units(cache.layers[2].k), units(cache.layers[2].v)
     for i in range(100, 140):
         forward(model, story_ids[:, i : i + 1], cache)
-    after, after_v = cache.layers[2].k[0].enc, cache.layers[2].v[0].enc
+    after, after_v = units(cache.layers[2].k), units(cache.layers[2].v)
     for k in before:
-        assert torch.equal(after[k][:, :, : before[k].shape[2]], before[k])
-        assert torch.equal(after_v[k][:, :, : before_v[k].shape[2]], before_v[k])
-    assert after["payload"].shape[2] > before["payload"].shape[2]
+        assert torch.equal(after[k][: before[k].shape[0]], before[k])
+        assert torch.equal(after_v[k][: before_v[k].shape[0]], before_v[k])
+    assert after["payload"].shape[0] > before["payload"].shape[0]
 
 
 def test_memory_report_counts_every_stored_tensor(model, story_ids):
@@ -143,8 +145,9 @@ def test_memory_report_counts_every_stored_tensor(model, story_ids):
     cache = kvquant.make_cache(model, "int4", residual_length=0)
     forward(model, story_ids[:, :tokens], cache)
     report = cache.memory_report()
-    stored = sum(t.numel() * t.element_size() for layer in cache.layers
-                 for s in layer.k + layer.v for _, t in s.tensors())
+    # every tensor the layers hold (one row written at once: no pool slot reserved, no tail slot unused)
+    stored = sum(t.numel() * t.element_size() for layer in cache.layers for s in (layer.k, layer.v)
+                 for t in [*s.pool.values(), s.sinks, s.tail])
     assert report["total_bytes"] == stored
     assert report["fp16_bytes"] == 2 * layers * heads * head_dim * 2 * tokens
     # keys: 4 bits + fp16 scale and zero per channel per 32 tokens (1 bit); values: 4 bits + fp16 scale and
@@ -320,6 +323,12 @@ def _feed(model, cache, parts, mask, pad_first=False):
     return [logits[b][step[b].bool()] for b in range(len(parts))], mask
 
 
+def stored_of(cache):
+    """Tokens layer 0 stores per row."""
+    k = cache.layers[0].k
+    return [k.stored(r) for r in range(k.rows)]
+
+
 @pytest.mark.parametrize("name", ["fp16", "int4", "int2"])
 def test_stacked_rows_continue_as_in_their_own_caches(model64, story_ids, name):
     """Rows prefilled in different caches (a left-padded batch, a single row, a cache with nothing written) are
@@ -332,12 +341,12 @@ def test_stacked_rows_continue_as_in_their_own_caches(model64, story_ids, name):
     batch, single, fresh = make(), make(), make()
     _, batch_mask = _feed(model, batch, contexts[:2], torch.ones(2, 0, dtype=torch.long), pad_first=True)
     _feed(model, single, contexts[2:3], torch.ones(1, 0, dtype=torch.long))
-    stored = [len(s) for s in batch.layers[0].k]
+    stored = stored_of(batch)
     sources = [(single, 0), (batch, 1), (batch, 0), (batch, 1), (fresh, 0)]
     which = [2, 1, 0, 1, 3]  # the context of each stacked row
     stacked = stack_rows(sources)
     assert stacked.get_seq_length() == 30 and stacked.rows() == 5
-    assert [len(s) for s in stacked.layers[0].k] == [20, 12, 30, 12, 0]
+    assert stored_of(stacked) == [20, 12, 30, 12, 0]
     continuations = [ids[100:109], ids[110:113], ids[120:125], ids[130:131], ids[140:147]]
     history = stacked.padding.real(0, 30, 5).long()
     assert history.sum(1).tolist() == [20, 12, 30, 12, 0] and history[:, -1].tolist() == [1, 1, 1, 1, 0]
@@ -347,7 +356,7 @@ def test_stacked_rows_continue_as_in_their_own_caches(model64, story_ids, name):
         if contexts[context]:
             forward(model, torch.tensor([contexts[context]]), alone)
         torch.testing.assert_close(logits[row], forward(model, torch.tensor([cont]), alone)[0], rtol=0, atol=1e-9)
-    assert [len(s) for s in batch.layers[0].k] == stored and batch.padding.mask.shape == batch_mask.shape
+    assert stored_of(batch) == stored and batch.padding.mask.shape == batch_mask.shape
 
 
 def test_stack_rows_rejects_what_it_cannot_stack(model):
@@ -383,7 +392,7 @@ def test_padding_is_never_checked_against_the_scale_limit(model):
     keys = torch.ones(2, 4, 3, 8)
     keys[0, :, 2] = 3e7  # padding
     out, _ = layer.update(keys, torch.ones(2, 4, 3, 8))
-    assert torch.isfinite(out).all() and [len(s) for s in layer.k] == [2, 3]
+    assert torch.isfinite(out).all() and [layer.k.stored(r) for r in range(2)] == [2, 3]
     cache = kvquant.make_cache(model, "fp8_e4m3")
     cache.set_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
     keys[1, :, 0] = 3e7  # real

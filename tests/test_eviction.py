@@ -246,9 +246,9 @@ def test_key_norm_frees_whole_units_and_its_bytes_do_not_depend_on_the_data(grou
             out, _ = layer.update(k, v)
             capacity = 2 + group + 2 + 2 * group
             assert out.shape[2] == min(layer.cumulative_length - n, capacity) + n
-            for stream in (layer.k[0], layer.v[0]):
-                assert len(stream.visible()) == min(layer.cumulative_length, capacity)
-                assert len(stream) - len(stream.visible()) <= group - 1
+            for store in (layer.k, layer.v):
+                assert len(store.visible(0)) == min(layer.cumulative_length, capacity)
+                assert store.stored(0) - len(store.visible(0)) <= group - 1
         assert layer.cumulative_length > 3 * capacity
     assert layers[0].memory() == layers[1].memory() == layers[2].memory()
 
@@ -293,15 +293,14 @@ def test_forks_that_evict_keep_sharing_what_they_all_still_hold():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_evicted_pages_of_a_shared_prefix_are_freed_by_the_formula(rows):
-    """fp8 (one token per unit): a 64-token prefix shared by ``rows`` rows is cut into PAGES pages of 8 tokens;
-    after every row has evicted ``e`` of its tokens, the prefix holds (PAGES - e // 8) pages: its bytes times that
-    share, and the rows read what one unshared row reads."""
+def test_evicted_units_of_a_shared_prefix_are_freed_by_the_formula(rows):
+    """fp8 (one token per unit): a 64-token prefix shared by ``rows`` rows; after every row has evicted ``e`` of
+    its tokens, the prefix holds its last 64 - e units (each unit is its own slot, freed once no row holds it): its
+    bytes times that share, and the rows read what one unshared row reads."""
     model = model_of()
     ids = torch.randint(0, 64, (1, 84), generator=torch.Generator().manual_seed(4))
     opts = dict(eviction="window", window=64, residual_length=0)  # the prefix fits: nothing evicted before the fork
     first, alone = kvquant.make_cache(model, "fp8_e4m3", **opts), kvquant.make_cache(model, "fp8_e4m3", **opts)
-    pages = kvquant.cache._Stream.PAGES
     with torch.no_grad():
         model(ids[:, :64], cache=first)
         prefix = first.memory_report()["shareable_bytes"]
@@ -311,11 +310,12 @@ def test_evicted_pages_of_a_shared_prefix_are_freed_by_the_formula(rows):
         out = model(ids[:, 64:].repeat(rows, 1), cache=batch).logits
         model(ids[:, :64], cache=alone)
         ref = model(ids[:, 64:], cache=alone).logits
-    evicted = batch.layers[0].k[0].evicted
-    assert 8 <= evicted <= 64 and all(s.evicted == evicted for layer in batch.layers for s in [*layer.k, *layer.v])
-    assert shared_before == prefix  # pages cost nothing beyond the prefix itself
+    evicted = batch.layers[0].k.evicted[0]
+    assert 8 <= evicted <= 64 and all(e == evicted for layer in batch.layers for s in (layer.k, layer.v)
+                                      for e in s.evicted)
+    assert shared_before == prefix  # sharing costs nothing beyond the prefix itself
     report = batch.memory_report()
-    kept = prefix * (pages - evicted // (64 // pages)) // pages  # a page partly evicted stays whole
+    kept = prefix * (64 - evicted) // 64
     per_token = prefix // 64
     assert report["total_bytes"] == kept + rows * 20 * per_token  # each row's own 20 tokens, the prefix once
     assert report["shared_bytes"] == (kept if rows > 1 else 0)

@@ -163,7 +163,7 @@ def test_fork_and_reorder_cache_reject_bad_rows(model, call, name, rows, match):
     with pytest.raises(KVQuantError, match=f"{call}: {name} .*" + match) as err:
         getattr(cache, call)(rows)
     one_line(err)
-    assert cache.rows() == 2 and all(len(layer.k) == 2 for layer in cache.layers)  # nothing changed
+    assert cache.rows() == 2 and all(layer.batch == 2 for layer in cache.layers)  # nothing changed
 
 
 def test_a_valid_reorder_still_works_after_a_rejected_one(model):
@@ -270,7 +270,7 @@ def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, cap
     from kvquant.errors import EXIT_INTERNAL, InternalError, guarded
 
     cache = written(model)
-    cache.layers[0].k[1].evicted += 1  # what a bookkeeping bug would leave behind
+    cache.layers[0].k.evicted[1] += 1  # what a bookkeeping bug would leave behind
     with pytest.raises(InternalError, match=r"row 1 stores .* tokens") as info:
         cache.layers[0]._check()
     assert not isinstance(info.value, KVQuantError)

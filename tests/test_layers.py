@@ -118,8 +118,10 @@ def test_equivalent_maps_stack_and_write_alike():
         out = model(torch.tensor([[5], [5]]), cache=stacked).logits
     # the same stored codes in both rows: equal up to how a batched fp32 matmul splits its rows over threads
     assert torch.allclose(out[0], out[1], rtol=0, atol=1e-6)
-    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(stacked.layers[0].k[0].tensors(),
-                                                           stacked.layers[0].k[1].tensors()))
+    k = stacked.layers[0].k
+    assert k.units[0] == k.units[1] and k.n_tail[0] == k.n_tail[1]
+    assert all(torch.equal(p[k.table[0, : k.units[0]]], p[k.table[1, : k.units[1]]]) for p in k.pool.values())
+    assert torch.equal(k.tail[0], k.tail[1])
 
 
 @pytest.mark.parametrize("layers, message", [

@@ -1,0 +1,37 @@
+"""The one package that touches transformers' cache internals (``transformers.cache_utils``).
+
+``make_cache(model, "int4")`` returns a :class:`KVQuantCache`, a ``transformers.Cache`` whose layers store
+keys and values quantized *on write*: every ``update`` quantizes what it can of the new states (all but the
+sink tokens, the residual window and an incomplete key group) and returns the dequantized view of the whole
+layer, the current call's tokens included. A single forward pass (simulated mode) and chunked or
+token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
+
+- :mod:`.storage` one layer's keys (or values) for all rows: a pool of quantized units and a table per row
+- :mod:`.layer` :class:`KVQuantLayer`, the transformers layer contract over two stores; eviction executed
+- :mod:`.cache` :class:`KVQuantCache` and :func:`stack_rows`
+- :mod:`.build` :func:`make_cache`, :func:`build_cache`, per-layer settings, :func:`simulate_memory`
+- :mod:`.memory` ``memory_report()`` sums and :func:`stored_bytes`; :mod:`.padding`, :mod:`.checks`
+"""
+
+from transformers.cache_utils import DummyLayer
+
+from .build import (
+    CACHE_OPTIONS,
+    SLIDING_TYPES,
+    attention_layout,
+    build_cache,
+    head_dim_of,
+    layer_range,
+    layer_settings,
+    make_cache,
+    simulate_memory,
+)
+from .cache import KVQuantCache, stack_rows
+from .layer import FP16_BYTES, KVQuantLayer, check_importance
+from .memory import stored_bytes
+from .padding import Padding
+from .storage import Store
+
+__all__ = ["CACHE_OPTIONS", "FP16_BYTES", "SLIDING_TYPES", "DummyLayer", "KVQuantCache", "KVQuantLayer", "Padding",
+           "Store", "attention_layout", "build_cache", "check_importance", "head_dim_of", "layer_range",
+           "layer_settings", "make_cache", "simulate_memory", "stack_rows", "stored_bytes"]

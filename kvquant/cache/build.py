@@ -1,0 +1,235 @@
+"""Building a :class:`~kvquant.cache.KVQuantCache` for a model: its attention layout, per-layer settings, the
+cache options, and the memory a setting would take (the planner's simulation on shapes only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
+
+from ..errors import KVQuantError
+from ..eviction import get_eviction
+from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, get_quantizer
+from .cache import KVQuantCache
+from .checks import shown
+from .layer import KVQuantLayer, check_importance
+from .memory import summarize
+from .padding import Padding
+
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+#: make_cache's own options (the others are the quantizer's)
+CACHE_OPTIONS = ("budget", "eviction", "layers", "residual_length", "sink_tokens", "window")
+
+
+def attention_layout(model_or_config) -> list[int | None | str]:
+    """Per decoder layer: ``None`` for full attention, the window for sliding-window attention, ``"shared"`` for a
+    layer that reuses another layer's KV (it stores nothing). Errors name layers kvquant cannot cache."""
+    if isinstance(model_or_config, type):
+        raise KVQuantError(f"model_or_config must be a transformers model or config instance, got the class "
+                           f"{model_or_config.__name__} (load one, e.g. with from_pretrained)")
+    config = getattr(model_or_config, "config", model_or_config)
+    if not hasattr(config, "get_text_config"):
+        raise KVQuantError(f"model_or_config must be a transformers model or config instance, got "
+                           f"{shown(model_or_config)}")
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "is_encoder_decoder", False):
+        raise KVQuantError("kvquant quantizes decoder-only self-attention caches; this model is encoder-decoder")
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    except (AttributeError, TypeError) as err:
+        raise KVQuantError(f"cannot read the attention layers of {type(config).__name__}: {err}") from err
+    layout = []
+    for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        if kind == "full_attention":
+            layout.append(None)
+        elif kind in SLIDING_TYPES:
+            layout.append(kwargs["sliding_window"])
+        elif kind == "dummy":
+            layout.append("shared")
+        else:
+            raise KVQuantError(
+                f"layer {i} is {kind!r}, which keeps no attention KV cache kvquant can quantize "
+                f"(supported: full_attention, {', '.join(SLIDING_TYPES)})"
+            )
+    if all(w == "shared" for w in layout):
+        raise KVQuantError(f"{type(config).__name__} has no attention layers with a KV cache to quantize")
+    return layout
+
+
+def head_dim_of(model_or_config) -> int | None:
+    """The attention head dimension of a model or config (``head_dim``, else hidden_size / heads)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
+        head_dim = text.hidden_size // text.num_attention_heads
+    return head_dim
+
+
+def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
+    """``quantizer`` with some of its options changed (validated as a new quantizer)."""
+    QUANTIZERS.check_options(quantizer.name, options)
+    return dataclasses.replace(quantizer, **options) if options else quantizer
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise KVQuantError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
+
+
+def layer_range(selector, count: int) -> range:
+    """Layers named by a ``layers=`` key: ``5``, ``"5"`` or the inclusive range ``"0-3"``, within ``count``."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", selector) if isinstance(selector, str) else None
+    if isinstance(selector, int) and not isinstance(selector, bool):
+        low = high = selector
+    elif match:
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+    else:
+        raise KVQuantError(f"layers: {selector!r} is not a layer or a layer range (write 5 or '0-3')")
+    if not 0 <= low <= high < count:
+        raise KVQuantError(f"layers: {selector!r} is outside the model's layers 0-{count - 1}" if low <= high else
+                           f"layers: {selector!r} runs backwards (write low-high)")
+    return range(low, high + 1)
+
+
+def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
+                   layers: dict | None, head_dim: int | None = None
+                   ) -> tuple[list[tuple[Quantizer, int, int] | None], dict[str, dict]]:
+    """Per layer of ``layout``: ``(quantizer, residual_length, sink_tokens)`` (None for a shared layer), and the
+    normalized ``layers`` mapping (keys ``"a-b"``, every option spelled out, so it rebuilds the same layers).
+    Each ``layers`` entry maps a layer or inclusive range to options: without ``quantizer`` they change the
+    cache's quantizer's options for those layers; naming a quantizer (even the cache's), that quantizer with its
+    own defaults and these options. ``residual_length`` and ``sink_tokens`` default to the cache's. A layer named
+    twice, an entry naming only shared layers and sinks on a sliding-window layer (which keeps none) are
+    errors; with ``head_dim`` each entry's quantizer is checked against it."""
+    plan = [None if w == "shared" else (quantizer, residual_length, sink_tokens) for w in layout]
+    if layers is None:
+        return plan, {}
+    if not isinstance(layers, dict):
+        raise KVQuantError(f"layers must map layers or ranges ('0-3') to options, got {type(layers).__name__}")
+    owner: dict[int, object] = {}
+    normalized = {}
+    for selector, options in layers.items():
+        span = layer_range(selector, len(layout))
+        if not isinstance(options, dict):
+            raise KVQuantError(f"layers[{selector!r}] must be a mapping of options, got {type(options).__name__} "
+                               f"{options!r}")
+        clash = next((i for i in span if i in owner), None)
+        if clash is not None:
+            raise KVQuantError(f"layers: layer {clash} is named by both {owner[clash]!r} and {selector!r}")
+        owner.update(dict.fromkeys(span, selector))
+        options = dict(options)
+        name = options.pop("quantizer", None)
+        residual, sinks = options.pop("residual_length", residual_length), options.pop("sink_tokens", sink_tokens)
+        _check_count(f"layers[{selector!r}].residual_length", residual)
+        _check_count(f"layers[{selector!r}].sink_tokens", sinks)
+        if all(layout[i] == "shared" for i in span):
+            raise KVQuantError(f"layers[{selector!r}]: names only layers that reuse another layer's KV (they store "
+                               "nothing)")
+        sliding = next((i for i in span if isinstance(layout[i], int) and not isinstance(layout[i], bool)), None)
+        if sinks and sliding is not None:
+            raise KVQuantError(f"layers[{selector!r}]: layer {sliding} is a sliding-window layer, which keeps no "
+                               "sink tokens")
+        try:
+            chosen = _with_options(quantizer, options) if name is None else get_quantizer(name, **options)
+            if head_dim is not None:
+                chosen.codecs(head_dim)
+        except KVQuantError as err:
+            raise KVQuantError(f"layers[{selector!r}]: {err}") from None
+        for i in span:
+            if plan[i] is not None:
+                plan[i] = (chosen, residual, sinks)
+        key = f"{span.start}-{span.stop - 1}" if len(span) > 1 else str(span.start)
+        normalized[key] = {**chosen.describe(), "residual_length": residual, "sink_tokens": sinks}
+    return plan, dict(sorted(normalized.items(), key=lambda item: int(item[0].split("-")[0])))
+
+
+def build_cache(
+    layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
+    sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, eviction: str | None = None,
+    window: int | None = None, budget: int | None = None, **options
+) -> KVQuantCache:
+    """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
+    ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
+    if isinstance(quantizer, str):
+        QUANTIZERS.check_options(quantizer, options, also=CACHE_OPTIONS)
+        quantizer = get_quantizer(quantizer, **options)
+    elif not isinstance(quantizer, Quantizer):
+        raise KVQuantError(f"quantizer must be a name ({', '.join(available_quantizers())}) or a Quantizer, "
+                           f"got {type(quantizer).__name__} {quantizer!r}")
+    elif options:
+        raise KVQuantError(f"options {sorted(options)} given with a Quantizer instance; set them on the instance")
+    if residual_length is None:
+        residual_length = quantizer.default_residual_length
+    _check_count("residual_length", residual_length)
+    _check_count("sink_tokens", sink_tokens)
+    policy = None
+    if eviction is not None:
+        policy = get_eviction(eviction, sink_tokens, window=window, **({} if budget is None else {"budget": budget}))
+    elif window is not None or budget is not None:
+        raise KVQuantError("window and budget are options of an eviction policy; set eviction= (e.g. 'sink_window')")
+    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim)
+    if policy:
+        longest = max(spec[1] for spec in plan if spec is not None)
+        if longest >= policy.window and not all(spec[0].name == "fp16" for spec in plan if spec is not None):
+            raise KVQuantError(f"residual_length {longest} is not below the eviction window {policy.window}: tokens "
+                               "would leave the full-precision window before ever being quantized (set "
+                               "residual_length=0 or a smaller one)")
+    if policy and any(spec[2] != sink_tokens for spec in plan if spec is not None):
+        raise KVQuantError("layers: with eviction every full-attention layer keeps the cache's sink_tokens (the "
+                           "model's one causal mask is sized for all of them)")
+    if head_dim is not None:
+        quantizer.codecs(head_dim)
+        if policy and policy.importance:
+            for chosen, residual, _ in {spec for spec in plan if spec is not None}:
+                check_importance(policy, *chosen.codecs(head_dim), residual)
+    padding = Padding()
+    built = [DummyLayer() if spec is None else KVQuantLayer(*spec, sliding, padding, policy) for spec, sliding in
+             zip(plan, layout)]
+    return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized, policy)
+
+
+def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
+    """Build a quantized cache for a decoder model (or its config).
+
+    quantizer: a registered name (see ``kvquant.available_quantizers()``) or a :class:`Quantizer`.
+    residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
+    sink_tokens: first tokens kept in full precision (full-attention layers only).
+    eviction, window: an eviction policy for the full-attention layers (``"window"``, ``"sink_window"``: see
+    :mod:`kvquant.eviction`) and its window, e.g. ``eviction="sink_window", sink_tokens=4, window=1024``.
+    layers: per-layer settings, e.g. ``{"0-3": {"quantizer": "int8"}, 5: {"key_bits": 8}}``: a layer or inclusive
+    range of layers and its options (see :func:`layer_settings`); the other layers use the arguments above.
+    Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
+    For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
+    """
+    for name in ("layout", "head_dim"):
+        if name in options:
+            raise KVQuantError(f"make_cache: {name} is not an option, it is read from model_or_config; the options: "
+                               f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
+    return build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config), **options)
+
+
+def simulate_memory(
+    layout: list[int | None | str], settings: dict, *, batch: int, kv_heads: int, head_dim: int, tokens: int,
+    dtype: torch.dtype = torch.float16,
+) -> dict[str, float]:
+    """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
+    cache's own code on meta tensors (shapes only, no data, no compute) for one row; rows are stored apart and
+    alike, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
+    ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included)."""
+    settings = dict(settings)
+    quantizer = settings.pop("quantizer")
+    states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
+    cache = build_cache(layout, quantizer, head_dim=head_dim, **settings)
+    parts, seen = {}, {}
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, KVQuantLayer):
+            continue
+        kind = (layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, layer.eviction)
+        if kind not in seen:  # layers of one kind store the same: simulate one each
+            layer.update(states, states)
+            seen[kind] = {key: nbytes * batch for key, nbytes in layer.memory().items()}
+        parts[i] = seen[kind]
+    return summarize(parts, tokens)
