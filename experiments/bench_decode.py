@@ -106,6 +106,7 @@ def main(argv=None):
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the 'bench' shape")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
@@ -126,7 +127,8 @@ def main(argv=None):
         for context in args.contexts:
             for name, make in tqdm(factories.items(), desc=f"batch {batch} x context {context}"):
                 rows.append({"context": context, "cache": name,
-                             **measure(model, make, context, args.steps, args.repeats, batch, args.fill)})
+                             **measure(model, make, context, args.steps, args.repeats, batch, args.fill,
+                                         args.warmup)})
     df = pd.DataFrame(rows)
     key = list(zip(df.batch, df.context))
     base = {k: t for k, t, c in zip(key, df.tokens_per_s, df.cache) if c == "DynamicCache"}
@@ -198,7 +200,7 @@ def render(df, args):
         + "; ".join(f"{n}: {kvquant.make_cache(LlamaConfig(), n).settings()}" for n in kvquant.available_quantizers()),
         f"- transformers quanto int4: q_group_size {GROUP}, residual {RESIDUAL}; transformers fp8: per-tensor scale "
         "frozen on the prompt",
-        f"- timing: {args.steps} single-token decode steps after 8 warm-up steps, best of {args.repeats}; "
+        f"- timing: {args.steps} single-token decode steps after {args.warmup} warm-up steps, best of {args.repeats}; "
         "memory: bytes of every stored tensor at the end",
         "",
         "## Targets (ratios measured in this run)",

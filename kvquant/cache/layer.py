@@ -160,7 +160,7 @@ class KVQuantLayer(CacheLayerMixin):
         first = self._window()  # DynamicCache returns positions [first, past + n): min(past, W - 1) + n of them
         declared = self.padding.mask is not None
         real = self.padding.real(first, past + n, batch) if declared else None  # [B, kv_len]
-        new = [left_align(x, real[:, -n:] if declared else None) for x in (key_states, value_states)]
+        new = [left_align(x, real[:, real.shape[1] - n :] if declared else None) for x in (key_states, value_states)]
         for (states, _), raw, store, name in zip(new, (key_states, value_states), (self.k, self.v),
                                                  ("keys", "values")):
             if not fits(raw, store.codec.max_abs):  # one reduction; then only the real tokens (padding may hold any)
