@@ -216,8 +216,8 @@ def simulate_memory(
     dtype: torch.dtype = torch.float16,
 ) -> dict[str, float]:
     """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
-    cache's own code on meta tensors (shapes only, no data, no compute) for one row; rows are stored apart and
-    alike, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
+    cache's own code on meta tensors (shapes only, no data, no compute) for one row; unshared rows each hold
+    their own units, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
     ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included)."""
     settings = dict(settings)
     quantizer = settings.pop("quantizer")

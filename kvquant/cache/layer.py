@@ -250,7 +250,7 @@ class KVQuantLayer(CacheLayerMixin):
             self.v.select(rows)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: rows are stored apart, so they reorder exactly."""
+        """Beam search: each row keeps its own table, so rows reorder exactly."""
         self.select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
