@@ -58,7 +58,7 @@ def test_each_row_is_encoded_as_alone_and_all_rows_in_one_call(name, options, mo
     for codec in (key_codec, value_codec):
         calls = []
         encode = type(codec).encode
-        monkeypatch.setattr(type(codec), "encode", lambda self, x, encode=encode: calls.append(x.shape) or
+        monkeypatch.setattr(type(codec), "encode", lambda self, x, encode=encode, calls=calls: calls.append(x.shape) or
                             encode(self, x))
         store = Store(codec, 0, 0, torch.zeros(rows, HEADS, 0, HEAD_DIM), rows)
         written = [torch.zeros(HEADS, 0, HEAD_DIM) for _ in range(rows)]

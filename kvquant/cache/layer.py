@@ -191,7 +191,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     def _evict_least_important(self, row: int, keep: int) -> None:
         """Stop reading the tokens of row ``row`` the policy drops to keep ``keep`` (see
-        :meth:`kvquant.eviction.Eviction.choose`)."""
+        :meth:`kvquant.eviction.KeyNorm.choose`)."""
         k, v = self.k, self.v
         visible = k.visible(row)
         excess = len(visible) - keep

@@ -1,0 +1,50 @@
+"""``key_norm``: importance by key norm (KnormPress)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .base import Eviction, register_eviction
+
+
+@register_eviction("key_norm")
+@dataclass(frozen=True)
+class KeyNorm(Eviction):
+    """Importance by key norm (KnormPress, Devoto et al. 2024: keys of small L2 norm draw the most attention):
+    keeps the sinks, the last ``window`` tokens and, of the tokens before them, the ``budget`` whose keys have the
+    smallest norm (averaged over KV heads), dropping the others block by block (see :meth:`choose`)."""
+
+    importance: ClassVar[bool] = True
+    #: Tokens kept from before the window, chosen by score.
+    budget: int
+
+    def capacity(self, sink_tokens: int) -> int:
+        return sink_tokens + self.window + self.budget
+
+    @staticmethod
+    def score(keys):
+        """``[B, H, n, D]`` keys -> ``[B, n]``, higher = more important."""
+        return -keys.float().norm(dim=-1).mean(dim=1)
+
+    def choose(self, visible: list[int], hidden: set[int], sinks: int, block: int, excess: int,
+               scores: dict[int, float]) -> list[int]:
+        """Which ``excess`` of a row's ``visible`` tokens (ordinals, in order; ``hidden``: those stored but no longer
+        read) to stop reading: never a sink or one of the last ``window``, and block by block (a block: ``block``
+        tokens, whole units of both streams), finishing a block it began first, so at most one block is ever partly
+        read and the bytes stored do not depend on the scores. Lowest mean ``scores`` first."""
+        middle = visible[sinks : len(visible) - self.window]
+        blocks: dict[int, list[int]] = {}
+        for o in middle:
+            blocks.setdefault((o - sinks) // block, []).append(o)
+        # a block is evictable when none of its tokens is in the window (its others are already unread)
+        middle_or_hidden = set(middle) | hidden
+        whole = {b for b in blocks if all(sinks + b * block + i in middle_or_hidden for i in range(block))}
+        started = sorted(b for b in whole if len(blocks[b]) < block)
+        rank = lambda b: (sum(scores.get(o, 0.0) for o in blocks[b]) / len(blocks[b]), b)  # noqa: E731
+        chosen: list[int] = []
+        for b in started + sorted((b for b in whole if b not in started), key=rank):
+            chosen += sorted(blocks[b], key=lambda o: (scores.get(o, 0.0), o))[: excess - len(chosen)]
+            if len(chosen) == excess:
+                break
+        return chosen
