@@ -100,3 +100,12 @@ def dequantize_into(payload, scale, zero, bits: int, group: int, token_axis: boo
     every size and raises on a mismatch."""
     target = out.view(-1, *out.shape[2:])  # a view of out, or an error: never a silent copy
     _extension().dequantize_into(payload.contiguous(), scale.float(), zero.float(), bits, group, token_axis, target)
+
+
+def dequantize_slots_into(payload, scale, zero, table, bits: int, group: int, token_axis: bool,
+                          out: torch.Tensor) -> None:
+    """Units read through a table of pool slots, dequantized in one pass (no gathered copy of the codes, scales
+    in their stored dtype): payload ``[N, H, R, Dp]`` uint8 (``R``: 1 on the token axis, ``group`` on the channel
+    axis), scale/zero ``[N, H, n]``, table ``[B, U]`` int64 (an entry < 0 reads slot 0), out ``[B, H, U * R, D]``
+    written in place. The kernel checks every size and every slot."""
+    _extension().dequantize_slots_into(payload, scale, zero, table.contiguous(), bits, group, token_axis, out)

@@ -42,6 +42,18 @@ class Codec:
     def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def decode_slots_into(self, pool: Encoded, table: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode units held in a pool of slots (``pool[role]`` ``[N, H, *u]``: what :meth:`encode` returns per
+        unit, the unit dimension removed) through ``table`` ``[B, U]`` (slot numbers; -1 reads slot 0) into ``out``
+        ``[B, H, U * tokens_per_unit, D]``: the units gathered, then :meth:`decode_into`."""
+        batch, width = table.shape
+        index = table.clamp(min=0).flatten()
+        enc = {}
+        for role, p in pool.items():
+            picked = p.index_select(0, index.to(p.device))
+            enc[role] = picked.view(batch, width, *p.shape[1:]).transpose(1, 2).contiguous()
+        self.decode_into(enc, out)
+
 
 class IdentityCodec(Codec):
     """Keeps the states as they are: the baseline through the same code path as every quantizer."""
@@ -97,6 +109,18 @@ class IntCodec(Codec):
             kernels.dequantize_into(payload, scale, zero, self.bits, self.group, token, out)
             return
         # Eager path (GPU, or no kernel): arithmetic in fp32, rounded once to the output dtype.
+        self._decode_eager(enc, out)
+
+    def decode_slots_into(self, pool, table, out):
+        if not kernels.usable(out):
+            return super().decode_slots_into(pool, table, out)
+        n = pool["payload"].shape[0]
+        token = self.axis == "token"
+        payload = pool["payload"].view(n, out.shape[1], 1 if token else self.group, -1)
+        scale, zero = (pool[role].reshape(n, out.shape[1], -1) for role in ("scale", "zero"))
+        kernels.dequantize_slots_into(payload, scale, zero, table, self.bits, self.group, token, out)
+
+    def _decode_eager(self, enc, out):
         work = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
         codes = ops.unpack_bits(enc["payload"], self.bits)
         if self.axis == "token":

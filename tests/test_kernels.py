@@ -114,3 +114,40 @@ def test_the_build_is_keyed_by_the_cpu(monkeypatch, tmp_path):
     assert kernels.build_dir() == here
     monkeypatch.setattr(kernels, "cpu_identity", lambda: "flags : fpu sse2 (an older CPU)")
     assert kernels.build_dir() != here and kernels.build_dir().parent == here.parent
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("scale_dtype, out_dtype", [(torch.float16, torch.float32), (torch.float32, torch.bfloat16),
+                                                    (torch.bfloat16, torch.float16)])
+def test_reading_units_through_a_table_equals_gathering_them_first(head_dim, bits, axis, scale_dtype, out_dtype):
+    """The batched cache's read: units in a pool of slots, through a table with shared slots and unused (-1)
+    entries, decoded in one pass, equal the same units gathered into a tensor and decoded (both kernels compute
+    zero + code * scale in float32, rounded once)."""
+    c = IntCodec(bits=bits, axis=axis, group=codec(bits, axis, head_dim).group, scale_dtype=scale_dtype)
+    enc = c.encode(states(head_dim, tokens=64))  # role -> [2, 3, U, *u]
+    pool = {role: v.transpose(1, 2).flatten(0, 1).contiguous() for role, v in enc.items()}  # [2 U, 3, *u]
+    slots = pool["payload"].shape[0]
+    table = torch.randint(0, slots, (3, 5), generator=torch.Generator().manual_seed(bits))
+    table[1, 1] = table[0, 1]  # a slot two rows share
+    table[2, 3:] = -1  # a row with fewer units: reads slot 0 there
+    unit = c.tokens_per_unit
+    fast = torch.full((3, 3, 5 * unit, head_dim), float("nan"), dtype=out_dtype)
+    c.decode_slots_into(pool, table, fast)
+    gathered = {role: p[table.clamp(min=0).flatten()].view(3, 5, *p.shape[1:]).transpose(1, 2).contiguous()
+                for role, p in pool.items()}
+    slow = torch.empty_like(fast)
+    c.decode_into(gathered, slow)
+    assert torch.equal(fast, slow)
+
+
+@needs_kernel
+def test_reading_units_through_a_table_checks_its_slots():
+    c = IntCodec(bits=4, axis="token", group=32)
+    enc = c.encode(states(64, tokens=4))
+    pool = {role: v.transpose(1, 2).flatten(0, 1).contiguous() for role, v in enc.items()}
+    out = torch.empty(1, 3, 2, 64)
+    with pytest.raises(RuntimeError, match="table names slot 8 of a pool of 8"):
+        c.decode_slots_into(pool, torch.tensor([[0, 8]]), out)

@@ -225,12 +225,7 @@ class Store:
         if out is None:
             out = self.tail.new_empty(self.rows, self.heads, width * self.unit, self.head_dim)
         if width:
-            index = self.table[:, :width].clamp(min=0).flatten()
-            enc = {}
-            for role, p in self.pool.items():
-                picked = p.index_select(0, index.to(p.device))
-                enc[role] = picked.view(self.rows, width, *p.shape[1:]).transpose(1, 2).contiguous()
-            self.codec.decode_into(enc, out)
+            self.codec.decode_slots_into(self.pool, self.table[:, :width], out)
         return out
 
     def read(self, out: torch.Tensor, real: torch.Tensor | None, counts: list[int]) -> None:

@@ -110,4 +110,104 @@ void dequantize_into(const torch::Tensor& payload, const torch::Tensor& scale, c
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("dequantize_into", &dequantize_into); }
+// The same arithmetic through a table of pool slots (the batched cache's storage), with the scales in their stored
+// dtype (float32, float16 or bfloat16): out[b, h, u * R + r] is row r of unit table[b, u].
+// payload [N, H, R, Dp] uint8 (R rows per unit: 1 on the token axis, group on the channel axis);
+// scale/zero [N, H, n] (n = D / group on the token axis, D on the channel axis); table [B, U] int64 (entries < 0
+// read slot 0); out [B, H, U * R, D]: any strides for the first three dimensions, the last contiguous.
+template <typename scalar_t, typename scale_t>
+static void run_slots(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero,
+                      const torch::Tensor& table, int64_t bits, int64_t group, bool token_axis, torch::Tensor& out) {
+  const int64_t H = payload.size(1), R = payload.size(2), Dp = payload.size(3);
+  const int64_t B = table.size(0), U = table.size(1), n = scale.size(2);
+  const int64_t k = 8 / bits, D = Dp * k;
+  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+  const uint8_t* p = payload.data_ptr<uint8_t>();
+  const scale_t* s = scale.data_ptr<scale_t>();
+  const scale_t* z = zero.data_ptr<scale_t>();
+  const int64_t* tb = table.data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
+  at::parallel_for(0, B * H * U, 16, [&](int64_t begin, int64_t end) {
+    float row[1024], sc[1024], ze[1024];  // the unit's scale and zero point of every channel
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / (H * U), h = (w / U) % H, u = w % U;
+      const int64_t slot = std::max<int64_t>(tb[b * U + u], 0);
+      const scale_t* sr = s + (slot * H + h) * n;
+      const scale_t* zr = z + (slot * H + h) * n;
+      for (int64_t c = 0; c < D; ++c) {
+        const int64_t g = token_axis ? c / group : c;
+        sc[c] = static_cast<float>(sr[g]);
+        ze[c] = static_cast<float>(zr[g]);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const uint8_t* pr = p + ((slot * H + h) * R + r) * Dp;
+        for (int64_t j = 0; j < k; ++j) {
+          const int shift = static_cast<int>(j * bits);
+          float* rb = row + j * Dp;
+          const float* scj = sc + j * Dp;
+          const float* zej = ze + j * Dp;
+          for (int64_t i = 0; i < Dp; ++i) rb[i] = zej[i] + static_cast<float>((pr[i] >> shift) & mask) * scj[i];
+        }
+        store(row, o + b * os0 + h * os1 + (u * R + r) * os2, D);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+static void run_slots_scaled(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero,
+                             const torch::Tensor& table, int64_t bits, int64_t group, bool token_axis,
+                             torch::Tensor& out) {
+  if (scale.scalar_type() == torch::kFloat) {
+    run_slots<scalar_t, float>(payload, scale, zero, table, bits, group, token_axis, out);
+  } else if (scale.scalar_type() == torch::kHalf) {
+    run_slots<scalar_t, at::Half>(payload, scale, zero, table, bits, group, token_axis, out);
+  } else if (scale.scalar_type() == torch::kBFloat16) {
+    run_slots<scalar_t, at::BFloat16>(payload, scale, zero, table, bits, group, token_axis, out);
+  } else {
+    TORCH_CHECK(false, "kvquant kernel: unsupported scale dtype ", scale.scalar_type());
+  }
+}
+
+void dequantize_slots_into(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero,
+                           const torch::Tensor& table, int64_t bits, int64_t group, bool token_axis,
+                           torch::Tensor out) {
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "kvquant kernel: bits must be 2, 4 or 8, got ", bits);
+  TORCH_CHECK(group >= 1, "kvquant kernel: group must be >= 1, got ", group);
+  TORCH_CHECK(payload.dim() == 4 && payload.scalar_type() == torch::kByte && payload.is_contiguous(),
+              "kvquant kernel: payload must be a contiguous uint8 [N, H, R, Dp] tensor");
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && zero.is_contiguous() && zero.sizes() == scale.sizes() &&
+              zero.scalar_type() == scale.scalar_type(),
+              "kvquant kernel: scale and zero must be contiguous [N, H, n] tensors of one dtype");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kLong && table.is_contiguous(),
+              "kvquant kernel: table must be a contiguous int64 [B, U] tensor");
+  const int64_t N = payload.size(0), H = payload.size(1), R = payload.size(2), D = payload.size(3) * (8 / bits);
+  const int64_t n = token_axis ? D / group : D;
+  TORCH_CHECK(scale.size(0) == N && scale.size(1) == H && scale.size(2) == n && (!token_axis || D % group == 0) &&
+              (token_axis ? R == 1 : R == group),
+              "kvquant kernel: scales ", scale.sizes(), " do not fit payload ", payload.sizes(), " for group ", group);
+  TORCH_CHECK(D <= 1024, "kvquant kernel: head_dim ", D, " > 1024");
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == table.size(0) && out.size(1) == H &&
+              out.size(2) == table.size(1) * R && out.size(3) == D && out.stride(3) == 1,
+              "kvquant kernel: out must be [", table.size(0), ", ", H, ", ", table.size(1) * R, ", ", D,
+              "] with a contiguous last dimension, got ", out.sizes());
+  if (table.numel() == 0) return;
+  TORCH_CHECK(N > 0, "kvquant kernel: a table of ", table.numel(), " entries over an empty pool");
+  const int64_t most = table.max().item<int64_t>();
+  TORCH_CHECK(most < N, "kvquant kernel: table names slot ", most, " of a pool of ", N);
+  if (out.scalar_type() == torch::kFloat) {
+    run_slots_scaled<float>(payload, scale, zero, table, bits, group, token_axis, out);
+  } else if (out.scalar_type() == torch::kBFloat16) {
+    run_slots_scaled<at::BFloat16>(payload, scale, zero, table, bits, group, token_axis, out);
+  } else if (out.scalar_type() == torch::kHalf) {
+    run_slots_scaled<at::Half>(payload, scale, zero, table, bits, group, token_axis, out);
+  } else {
+    TORCH_CHECK(false, "kvquant kernel: unsupported output dtype ", out.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dequantize_into", &dequantize_into);
+  m.def("dequantize_slots_into", &dequantize_slots_into);
+}
