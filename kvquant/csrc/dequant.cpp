@@ -128,17 +128,34 @@ static void run_slots(const torch::Tensor& payload, const torch::Tensor& scale, 
   const int64_t* tb = table.data_ptr<int64_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
-  at::parallel_for(0, B * H * U, 16, [&](int64_t begin, int64_t end) {
-    float row[1024], sc[1024], ze[1024];  // the unit's scale and zero point of every channel
+  // a work item is one unit: a token (token axis) or a group of tokens sharing per-channel scales
+  at::parallel_for(0, B * H * U, std::max<int64_t>(1, 1024 / R), [&](int64_t begin, int64_t end) {
+    float row[1024], sc[1024], ze[1024];
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / (H * U), h = (w / U) % H, u = w % U;
       const int64_t slot = std::max<int64_t>(tb[b * U + u], 0);
       const scale_t* sr = s + (slot * H + h) * n;
       const scale_t* zr = z + (slot * H + h) * n;
-      for (int64_t c = 0; c < D; ++c) {
-        const int64_t g = token_axis ? c / group : c;
-        sc[c] = static_cast<float>(sr[g]);
-        ze[c] = static_cast<float>(zr[g]);
+      scalar_t* orow = o + b * os0 + h * os1 + u * R * os2;
+      if (token_axis) {  // one token: walk each block in runs of channels that share a group, as run() does
+        const uint8_t* pr = p + (slot * H + h) * Dp;
+        for (int64_t j = 0; j < k; ++j) {
+          const int shift = static_cast<int>(j * bits);
+          float* rb = row + j * Dp;
+          int64_t i = 0;
+          while (i < Dp) {
+            const int64_t g = (j * Dp + i) / group;
+            const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
+            const float scv = static_cast<float>(sr[g]), zev = static_cast<float>(zr[g]);
+            for (; i < run_end; ++i) rb[i] = zev + static_cast<float>((pr[i] >> shift) & mask) * scv;
+          }
+        }
+        store(row, orow, D);
+        continue;
+      }
+      for (int64_t c = 0; c < D; ++c) {  // channel axis: one scale per channel, for all R tokens of the unit
+        sc[c] = static_cast<float>(sr[c]);
+        ze[c] = static_cast<float>(zr[c]);
       }
       for (int64_t r = 0; r < R; ++r) {
         const uint8_t* pr = p + ((slot * H + h) * R + r) * Dp;
@@ -149,7 +166,7 @@ static void run_slots(const torch::Tensor& payload, const torch::Tensor& scale, 
           const float* zej = ze + j * Dp;
           for (int64_t i = 0; i < Dp; ++i) rb[i] = zej[i] + static_cast<float>((pr[i] >> shift) & mask) * scj[i];
         }
-        store(row, o + b * os0 + h * os1 + (u * R + r) * os2, D);
+        store(row, orow + r * os2, D);
       }
     }
   });
