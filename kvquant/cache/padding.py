@@ -25,6 +25,7 @@ class Padding:
     def mask(self, value: torch.Tensor | None) -> None:
         self._mask = value
         self._spans: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}  # every layer asks the same
+        self._reals: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def spans(self, start: int, stop: int, batch: int) -> list[tuple[int, int, int]]:
         """Per row ``(count, first, last)``: real tokens among positions ``[start, stop)``, and the bounds (from
@@ -80,10 +81,14 @@ class Padding:
             if batch % self.mask.shape[0]:
                 raise KVQuantError(f"set_padding described {self.mask.shape[0]} rows, the model wrote {batch}")
             self.mask = self.mask.repeat_interleave(batch // self.mask.shape[0], dim=0)
+        key = (start, stop, batch)
+        if key in self._reals:  # every layer of a forward asks the same (callers only read it)
+            return self._reals[key]
         out = torch.ones(batch, stop - start, dtype=torch.bool)
         if self.mask is not None and start < self.mask.shape[1]:
             declared = self.mask[:, start:stop]
             out[:, : declared.shape[1]] = declared
+        self._reals[key] = out
         return out
 
     def count(self, start: int, stop: int, batch: int) -> list[int]:
