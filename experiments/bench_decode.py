@@ -2,19 +2,21 @@
 
     python experiments/bench_decode.py --contexts 512 2048 8192 --steps 160
     python experiments/bench_decode.py --shape smollm2 --batch 64 --contexts 256 --fill direct \
-        --only DynamicCache kvquant-int4-r0
+        --only DynamicCache kvquant-int4-r0 kvquant-int4-r0-fused
 
 For each context length (and ``--batch`` rows): fill each cache with a random prompt (chunked prefill through the
 model, or with ``--fill direct`` random states written straight into every layer, which is what a long prefill
 stores without its compute), run a few warm-up decode steps, then time ``--steps`` single-token steps (best of
 ``--repeats``) and read the stored bytes. ``--shape smollm2`` is SmolLM2-135M's (30 layers, 9 query and 3 KV heads,
-head_dim 64), random-init. Writes ``results.csv`` and ``report.md`` (with the command, machine and date, and the
-targets as ratios from this run) to ``--out``.
+head_dim 64), random-init. Names ending in ``-fused`` run on a copy of the model with
+``kvquant.enable_fused_decode``: decode steps attend over the stored codes. Writes ``results.csv`` and
+``report.md`` (with the command, machine and date, and the targets as ratios from this run) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,19 @@ def caches(config):
     for name in ("int4", "int2"):  # what the Hadamard rotation costs (same bytes)
         out[f"kvquant-{name}-hadamard"] = lambda name=name: kvquant.make_cache(config, name, rotation="hadamard")
     return out
+
+
+FUSED = "-fused"
+
+
+def fused_caches(config):
+    """The same caches on a model with fused decode (``config`` of that model): attention reads the codes."""
+    return {
+        "kvquant-int4-r0" + FUSED: lambda: kvquant.make_cache(config, "int4", residual_length=0),
+        "kvquant-int8" + FUSED: lambda: kvquant.make_cache(config, "int8"),
+        "kvquant-fp8_e4m3" + FUSED: lambda: kvquant.make_cache(config, "fp8_e4m3"),
+        "kvquant-fp16" + FUSED: lambda: kvquant.make_cache(config, "fp16"),
+    }
 
 
 SHAPES = {
@@ -121,14 +136,18 @@ def main(argv=None):
                          max_position_embeddings=max(args.contexts) + 2 * args.steps + 16)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
-    factories = {k: v for k, v in caches(config).items() if not args.only or k in args.only}
+    fused_model = LlamaForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    fused_model.load_state_dict(model.state_dict())
+    kvquant.enable_fused_decode(fused_model)
+    factories = {k: v for k, v in {**caches(config), **fused_caches(fused_model.config)}.items()
+                 if not args.only or k in args.only}
     rows = []
     for batch in args.batch:
         for context in args.contexts:
             for name, make in tqdm(factories.items(), desc=f"batch {batch} x context {context}"):
                 rows.append({"context": context, "cache": name,
-                             **measure(model, make, context, args.steps, args.repeats, batch, args.fill,
-                                         args.warmup)})
+                             **measure(fused_model if name.endswith(FUSED) else model, make, context, args.steps,
+                                         args.repeats, batch, args.fill, args.warmup)})
     df = pd.DataFrame(rows)
     key = list(zip(df.batch, df.context))
     base = {k: t for k, t, c in zip(key, df.tokens_per_s, df.cache) if c == "DynamicCache"}
@@ -153,10 +172,11 @@ def target_lines(df, args):
 
     if args.shape == "smollm2":  # the batched cache's targets (issue 21): step time as a multiple of DynamicCache's
         lines = []
-        for batch, context, bound in ((64, 256, 1.3), (16, 8192, 1.1)):
-            speed = at("kvquant-int4-r0", context, "speed_vs_dynamic", batch)
+        for (batch, context, bound), cache in itertools.product(((64, 256, 1.3), (16, 8192, 1.1)),
+                                                                ("kvquant-int4-r0", "kvquant-int4-r0" + FUSED)):
+            speed = at(cache, context, "speed_vs_dynamic", batch)
             if speed is not None:
-                lines.append(f"| kvquant-int4-r0 | {batch} x {context} | step time / DynamicCache's | "
+                lines.append(f"| {cache} | {batch} x {context} | step time / DynamicCache's | "
                              f"{1 / speed:.3f} | "
                              f"<= {bound} | {'PASS' if 1 / speed <= bound else 'FAIL'} |")
         return lines

@@ -11,6 +11,7 @@
 """
 
 from .cache import KVQuantCache, make_cache
+from .cache.fused import enable_fused_decode
 from .errors import KVQuantError, NonFiniteKVError
 from .quantizers import Quantizer, available_quantizers, get_quantizer, quantizer_options, register_quantizer
 
@@ -22,6 +23,7 @@ __all__ = [
     "NonFiniteKVError",
     "Quantizer",
     "available_quantizers",
+    "enable_fused_decode",
     "get_quantizer",
     "make_cache",
     "quantizer_options",

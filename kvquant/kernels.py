@@ -109,3 +109,11 @@ def dequantize_slots_into(payload, scale, zero, table, bits: int, group: int, to
     axis), scale/zero ``[N, H, n]``, table ``[B, U]`` int64 (an entry < 0 reads slot 0), out ``[B, H, U * R, D]``
     written in place. The kernel checks every size and every slot."""
     _extension().dequantize_slots_into(payload, scale, zero, table.contiguous(), bits, group, token_axis, out)
+
+
+def attend_into(query, key: list, key_opts: list[int], value: list, value_opts: list[int], lo, hi, scaling: float,
+                out: torch.Tensor) -> None:
+    """Fused decode attention over stored codes (:mod:`kvquant.cache.fused`): query ``[B, Hq, n, D]``, each stream
+    as its tensors and options (:func:`kvquant.cache.fused._args`), ``lo``/``hi`` ``[B, n]`` int64, ``out`` like
+    query. The kernel checks every size, slot and range and raises on a mismatch."""
+    _extension().attend_into(query, key, key_opts, value, value_opts, lo, hi, scaling, out)

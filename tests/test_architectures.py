@@ -7,6 +7,7 @@ import transformers
 from transformers import DynamicCache
 
 import kvquant
+from kvquant import kernels
 from reference import FakeQuantReference, Spec
 
 COMMON = dict(vocab_size=128, intermediate_size=128, num_hidden_layers=3)
@@ -63,3 +64,24 @@ def test_architecture(name):
     quantized = run(model, ids, cache)
     torch.testing.assert_close(quantized, run(model, ids, reference), rtol=0, atol=2e-5)
     assert (quantized - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("prefill", [10, 40])  # shorter and longer than the sliding windows (24)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_decode_on_every_architecture(name, prefill, monkeypatch):
+    """With fused decode, the fp16 cache still equals DynamicCache (within float rounding: the kernel sums in
+    another order) and int4 still equals the fake-quant reference path through the dequantized copy; Gemma2's
+    soft-capped attention goes through the copy (the kernel does not soft-cap)."""
+    model = build(name)
+    ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(1))
+    ref = run(model, ids, DynamicCache(config=model.config), prefill)
+    unfused = run(model, ids, kvquant.make_cache(model, "int4", residual_length=0), prefill)
+    calls = []
+    kernel = kernels.attend_into
+    monkeypatch.setattr(kernels, "attend_into", lambda *a: calls.append(1) or kernel(*a))
+    kvquant.enable_fused_decode(model)
+    cache = kvquant.make_cache(model, "fp16")
+    torch.testing.assert_close(run(model, ids, cache, prefill), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(run(model, ids, kvquant.make_cache(model, "int4", residual_length=0), prefill),
+                               unfused, atol=1e-4, rtol=0)
+    assert bool(calls) == (name != "gemma2"), "the kernel ran where it cannot, or did not run where it can"

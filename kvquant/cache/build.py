@@ -13,6 +13,7 @@ from ..errors import KVQuantError
 from ..eviction import get_eviction
 from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, get_quantizer
 from .cache import KVQuantCache
+from .fused import is_fused
 from .checks import shown
 from .layer import KVQuantLayer, check_importance
 from .memory import summarize
@@ -203,12 +204,19 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     range of layers and its options (see :func:`layer_settings`); the other layers use the arguments above.
     Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
+    On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
     for name in ("layout", "head_dim"):
         if name in options:
             raise KVQuantError(f"make_cache: {name} is not an option, it is read from model_or_config; the options: "
                                f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
-    return build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config), **options)
+    cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
+                        **options)
+    if is_fused(getattr(model_or_config, "config", model_or_config)):
+        for layer in cache.layers:
+            if isinstance(layer, KVQuantLayer):
+                layer.fused = True
+    return cache
 
 
 def simulate_memory(

@@ -199,7 +199,7 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
                 setattr(new, name, Store.stack([(getattr(part, name), r) if part.is_initialized else (None, 0)
                                                 for part, r in held]))
             new.device, new.is_initialized = template.device, True
-        new.cumulative_length = width
+        new.cumulative_length, new.fused = width, layer.fused
         if new.is_initialized:
             new._check()
         layers.append(new)

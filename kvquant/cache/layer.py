@@ -12,9 +12,11 @@ from ..errors import InternalError, KVQuantError
 from ..eviction import Eviction
 from ..quantizers import Codec, Quantizer
 from ..reads import Reads
+from . import fused
 from .checks import STATES, check_states, fits, shown
 from .padding import Padding
 from .storage import Store, left_align
+from .streams import fusable
 
 FP16_BYTES = 2
 _ROLE = {"payload": "payload_bytes", "scale": "scale_bytes", "zero": "scale_bytes", "full": "full_precision_bytes"}
@@ -74,6 +76,7 @@ class KVQuantLayer(CacheLayerMixin):
         self.v: Store | None = None
         self.index: int | None = None  # the layer's index in its cache (for error messages)
         self.reads: Reads | None = None  # counts what attention reads, when given a counter
+        self.fused = False  # short steps return placeholders read by fused.attention (set by make_cache)
 
     @property
     def batch(self) -> int:
@@ -168,12 +171,17 @@ class KVQuantLayer(CacheLayerMixin):
         self.cumulative_length += n
         keep = self.held()  # per row, what the window still needs after this update
         visible = real.sum(1).tolist() if declared else [past + n - first] * batch
-        out = []
-        for (states, counts), store, name in zip(new, (self.k, self.v), ("keys", "values")):
+        for (states, counts), store in zip(new, (self.k, self.v)):
             store.append(states, counts)
-            read = states.new_empty(batch, states.shape[1], past + n - first, states.shape[3])
-            store.read(read, real, visible)
-            out.append(read)
+        if self._fuses(n):  # attention reads the stores' codes (fused.attention), before the eviction below
+            out = fused.placeholders(self, key_states, real, visible, past + n - first)
+        else:
+            out = []
+            for (states, _), store in zip(new, (self.k, self.v)):
+                read = states.new_empty(batch, states.shape[1], past + n - first, states.shape[3])
+                store.read(read, real, visible)
+                out.append(read)
+        for (_, counts), store, name in zip(new, (self.k, self.v), ("keys", "values")):
             if self.reads is not None:
                 for row in range(batch):
                     self.reads.count(name, store.read_runs(row, visible[row]), counts[row])
@@ -184,6 +192,13 @@ class KVQuantLayer(CacheLayerMixin):
                 self._evict_least_important(row, keep[row])
         self._check()
         return out[0], out[1]
+
+    def _fuses(self, n: int) -> bool:
+        """Whether this step's attention reads the stored codes (:mod:`kvquant.cache.fused`): fused decode is on, the
+        step is short, and a kernel reads both stores as they are (no importance eviction, whose hidden tokens
+        change between steps)."""
+        return self.fused and n <= fused.MAX_QUERY and not self.eviction_by_importance and \
+            fusable(self.k.codec) and fusable(self.v.codec) and self.k.tail.device.type != "meta"
 
     @property
     def eviction_by_importance(self) -> bool:

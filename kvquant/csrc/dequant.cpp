@@ -9,6 +9,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
 
 static inline void store(const float* row, float* out, int64_t n) {
   for (int64_t c = 0; c < n; ++c) out[c] = row[c];
@@ -224,7 +229,310 @@ void dequantize_slots_into(const torch::Tensor& payload, const torch::Tensor& sc
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Fused decode attention over the stored codes (kvquant/cache/streams.py describes the layout; this is its CPU
+// reader). For each row b and KV head h, the G query heads of h and the n queries of the step score every read
+// key straight from its unit (decoded into a stack buffer of R x D floats, rounded to the model's dtype as the
+// dequantized copy is), softmax in fp32 over each query's first hi[b, i] read tokens, then accumulate the values
+// the same way: the dequantized history is never materialized.
+
+enum Kind : int64_t { KIND_INT = 0, KIND_FP8_E4M3 = 1, KIND_FP8_E5M2 = 2, KIND_FULL = 3 };
+
+template <typename scalar_t>
+static inline float to_model(float x) {  // round through the model's dtype, as the dequantized copy does
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    return static_cast<float>(static_cast<at::Half>(std::min(std::max(x, -65504.0f), 65504.0f)));
+  } else {  // bfloat16, rounded to nearest even as store() does
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    float r;
+    std::memcpy(&r, &u, 4);
+    return r;
+  }
+}
+
+static void scales_to_float(const torch::Tensor& t, int64_t offset, int64_t n, float* out) {
+  if (t.scalar_type() == torch::kFloat) {
+    const float* p = t.data_ptr<float>() + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = p[i];
+  } else if (t.scalar_type() == torch::kHalf) {
+    const at::Half* p = t.data_ptr<at::Half>() + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  } else {
+    const at::BFloat16* p = t.data_ptr<at::BFloat16>() + offset;
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  }
+}
+
+// One stream (keys or values) of one layer: see streams.py.
+struct StreamView {
+  int64_t kind, bits, group, R, Dp, H, D;
+  bool token_axis;
+  torch::Tensor payload, scale, zero;
+  const int64_t *table, *n_sinks, *skip, *units, *n_tail;
+  int64_t U;
+  torch::Tensor sinks, tail;
+
+  int64_t count(int64_t b) const { return n_sinks[b] + units[b] * R + n_tail[b] - skip[b]; }
+
+  // unit `slot`, head h: R rows of D floats into rows (rounded to the model dtype)
+  template <typename scalar_t>
+  void decode_unit(int64_t slot, int64_t h, float* rows, float* sc, float* ze) const {
+    if (kind == KIND_FULL) {
+      const scalar_t* p = payload.data_ptr<scalar_t>() + (slot * H + h) * D;
+      for (int64_t c = 0; c < D; ++c) rows[c] = static_cast<float>(p[c]);
+      return;
+    }
+    if (kind == KIND_FP8_E4M3 || kind == KIND_FP8_E5M2) {
+      float s;  // one scale per token and head, or per token for all heads (tensor granularity)
+      const int64_t hs = scale.size(1);
+      scales_to_float(scale, slot * hs + (hs == 1 ? 0 : h), 1, &s);
+      if (kind == KIND_FP8_E4M3) {
+        const c10::Float8_e4m3fn* p = payload.data_ptr<c10::Float8_e4m3fn>() + (slot * H + h) * D;
+        for (int64_t c = 0; c < D; ++c) rows[c] = to_model<scalar_t>(static_cast<float>(p[c]) * s);
+      } else {
+        const c10::Float8_e5m2* p = payload.data_ptr<c10::Float8_e5m2>() + (slot * H + h) * D;
+        for (int64_t c = 0; c < D; ++c) rows[c] = to_model<scalar_t>(static_cast<float>(p[c]) * s);
+      }
+      return;
+    }
+    const int64_t k = 8 / bits, n = token_axis ? D / group : D;
+    const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+    scales_to_float(scale, (slot * H + h) * n, n, sc);
+    scales_to_float(zero, (slot * H + h) * n, n, ze);
+    const uint8_t* base = payload.data_ptr<uint8_t>() + (slot * H + h) * R * Dp;
+    for (int64_t r = 0; r < R; ++r) {
+      const uint8_t* pr = base + r * Dp;
+      float* row = rows + r * D;
+      for (int64_t j = 0; j < k; ++j) {
+        const int shift = static_cast<int>(j * bits);
+        float* rb = row + j * Dp;
+        if (token_axis) {  // runs of channels sharing a group, as run_slots() walks them
+          int64_t i = 0;
+          while (i < Dp) {
+            const int64_t g = (j * Dp + i) / group;
+            const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
+            const float scv = sc[g], zev = ze[g];
+            for (; i < run_end; ++i) rb[i] = to_model<scalar_t>(zev + static_cast<float>((pr[i] >> shift) & mask) * scv);
+          }
+        } else {
+          const float* scj = sc + j * Dp;
+          const float* zej = ze + j * Dp;
+          for (int64_t i = 0; i < Dp; ++i)
+            rb[i] = to_model<scalar_t>(zej[i] + static_cast<float>((pr[i] >> shift) & mask) * scj[i]);
+        }
+      }
+    }
+  }
+
+  // Call f(j, row) for the read tokens j = 0 .. count(b) - 1 of row b, head h, in order (row: D floats).
+  template <typename scalar_t, typename F>
+  void walk(int64_t b, int64_t h, std::vector<float>& buf, F&& f) const {
+    const int64_t s = n_sinks[b], q = units[b] * R, t = n_tail[b];
+    std::vector<float> sc(D), ze(D);
+    int64_t j = 0;
+    const auto full_row = [&](const torch::Tensor& x, int64_t pos) {
+      const scalar_t* p = x.data_ptr<scalar_t>() + b * x.stride(0) + h * x.stride(1) + pos * x.stride(2);
+      for (int64_t c = 0; c < D; ++c) buf[c] = static_cast<float>(p[c]);
+      f(j++, buf.data());
+    };
+    for (int64_t i = 0; i < s; ++i) full_row(sinks, i);
+    int64_t p = skip[b];
+    while (p < q) {
+      const int64_t u = p / R;
+      decode_unit<scalar_t>(table[b * U + u], h, buf.data() + D, sc.data(), ze.data());
+      for (int64_t r = p % R; r < R; ++r, ++p) f(j++, buf.data() + D + r * D);
+    }
+    for (; p < q + t; ++p) full_row(tail, p - q);
+  }
+};
+
+static StreamView view_of(const std::vector<torch::Tensor>& t, const std::vector<int64_t>& opts) {
+  // t: payload, scale, zero, table, sinks, tail, n_sinks, skip, units, n_tail; opts: kind, bits, group, token_axis
+  TORCH_CHECK(t.size() == 10 && opts.size() == 4, "kvquant kernel: a stream is 10 tensors and 4 options");
+  StreamView v;
+  v.kind = opts[0];
+  v.bits = opts[1];
+  v.group = opts[2];
+  v.token_axis = opts[3] != 0;
+  v.payload = t[0];
+  v.scale = t[1];
+  v.zero = t[2];
+  v.sinks = t[4];
+  v.tail = t[5];
+  TORCH_CHECK(v.payload.dim() == 4 && v.payload.is_contiguous(), "kvquant kernel: payload must be [N, H, R, Dp]");
+  v.H = v.payload.size(1);
+  v.R = v.payload.size(2);
+  v.Dp = v.payload.size(3);
+  v.D = v.sinks.size(3);
+  TORCH_CHECK(v.D <= 1024, "kvquant kernel: head_dim ", v.D, " > 1024");
+  const int64_t N = v.payload.size(0);
+  if (v.kind == KIND_INT) {
+    TORCH_CHECK(v.bits == 2 || v.bits == 4 || v.bits == 8, "kvquant kernel: bits must be 2, 4 or 8");
+    TORCH_CHECK(v.payload.scalar_type() == torch::kByte && v.Dp * (8 / v.bits) == v.D,
+                "kvquant kernel: int payload must be uint8 [N, H, R, D * bits / 8]");
+    const int64_t n = v.token_axis ? v.D / v.group : v.D;
+    TORCH_CHECK(v.group >= 1 && (!v.token_axis || (v.D % v.group == 0 && v.R == 1)) &&
+                (v.token_axis || v.R == v.group), "kvquant kernel: group ", v.group, " does not fit the payload");
+    TORCH_CHECK(v.scale.is_contiguous() && v.zero.is_contiguous() && v.scale.dim() == 3 &&
+                v.scale.size(0) == N && v.scale.size(1) == v.H && v.scale.size(2) == n &&
+                v.zero.sizes() == v.scale.sizes() && v.zero.scalar_type() == v.scale.scalar_type(),
+                "kvquant kernel: int scales must be contiguous [N, H, ", n, "]");
+  } else if (v.kind == KIND_FP8_E4M3 || v.kind == KIND_FP8_E5M2) {
+    TORCH_CHECK(v.payload.scalar_type() == (v.kind == KIND_FP8_E4M3 ? torch::kFloat8_e4m3fn : torch::kFloat8_e5m2) &&
+                v.R == 1 && v.Dp == v.D, "kvquant kernel: fp8 payload must be [N, H, 1, D] of its fp8 dtype");
+    TORCH_CHECK(v.scale.is_contiguous() && v.scale.dim() == 3 && v.scale.size(0) == N && v.scale.size(2) == 1 &&
+                (v.scale.size(1) == v.H || v.scale.size(1) == 1), "kvquant kernel: fp8 scales must be [N, H or 1, 1]");
+  } else {
+    TORCH_CHECK(v.kind == KIND_FULL && v.R == 1 && v.Dp == v.D && v.payload.scalar_type() == v.sinks.scalar_type(),
+                "kvquant kernel: unknown stream kind ", v.kind);
+  }
+  if (v.kind != KIND_INT && v.kind != KIND_FULL) {
+    TORCH_CHECK(v.scale.scalar_type() == torch::kFloat || v.scale.scalar_type() == torch::kHalf ||
+                v.scale.scalar_type() == torch::kBFloat16, "kvquant kernel: unsupported scale dtype");
+  }
+  for (int i = 6; i < 10; ++i)
+    TORCH_CHECK(t[i].scalar_type() == torch::kLong && t[i].is_contiguous() && t[i].dim() == 1,
+                "kvquant kernel: per-row counts must be int64 [B]");
+  const int64_t B = t[6].size(0);
+  TORCH_CHECK(t[3].scalar_type() == torch::kLong && t[3].dim() == 2 && t[3].is_contiguous() && t[3].size(0) == B,
+              "kvquant kernel: table must be a contiguous int64 [B, U]");
+  TORCH_CHECK(v.sinks.dim() == 4 && v.tail.dim() == 4 && v.sinks.size(0) == B && v.tail.size(0) == B &&
+              v.sinks.size(1) == v.H && v.tail.size(1) == v.H && v.tail.size(3) == v.D &&
+              v.sinks.stride(3) == 1 && v.tail.stride(3) == 1 && v.tail.scalar_type() == v.sinks.scalar_type(),
+              "kvquant kernel: sinks and tail must be [B, H, *, D] of the model's dtype");
+  v.table = t[3].data_ptr<int64_t>();
+  v.U = t[3].size(1);
+  v.n_sinks = t[6].data_ptr<int64_t>();
+  v.skip = t[7].data_ptr<int64_t>();
+  v.units = t[8].data_ptr<int64_t>();
+  v.n_tail = t[9].data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(v.n_sinks[b] >= 0 && v.n_sinks[b] <= v.sinks.size(2) && v.n_tail[b] >= 0 &&
+                v.n_tail[b] <= v.tail.size(2) && v.units[b] >= 0 && v.units[b] <= v.U && v.skip[b] >= 0 &&
+                v.skip[b] <= v.units[b] * v.R + v.n_tail[b], "kvquant kernel: row ", b, "'s counts do not fit");
+    for (int64_t u = 0; u < v.units[b]; ++u) {
+      const int64_t slot = v.table[b * v.U + u];
+      TORCH_CHECK(slot >= 0 && slot < N, "kvquant kernel: row ", b, " names slot ", slot, " of a pool of ", N);
+    }
+  }
+  return v;
+}
+
+// sum of a[c] * b[c] in 16 interleaved partial sums (a loop the compiler vectorizes), then the rest
+static inline float dot_product(const float* a, const float* b, int64_t n) {
+  float part[16] = {0.f};
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    for (int t = 0; t < 16; ++t) part[t] += a[c + t] * b[c + t];
+  float sum = 0.f;
+  for (int t = 0; t < 16; ++t) sum += part[t];
+  for (; c < n; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+template <typename scalar_t>
+static void run_attend(const torch::Tensor& query, const StreamView& k, const StreamView& v, const torch::Tensor& lo,
+                       const torch::Tensor& hi, double scaling, torch::Tensor& out) {
+  const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3), H = k.H;
+  const int64_t G = Hq / H, Q = G * n;
+  const int64_t *lp = lo.data_ptr<int64_t>(), *hp = hi.data_ptr<int64_t>();
+  const scalar_t* qp = query.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf((1 + std::max(k.R, v.R)) * D), qf(Q * D), acc(Q * D), m(Q), l(Q);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / H, h = w % H, count = k.count(b);
+      std::vector<int64_t> first(Q), last(Q);
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* src = qp + ((b * Hq + h * G + g) * n + i) * D;
+          for (int64_t c = 0; c < D; ++c) qf[(g * n + i) * D + c] = static_cast<float>(src[c]) * scale;
+          first[g * n + i] = lp[b * n + i];
+          last[g * n + i] = hp[b * n + i];
+        }
+      }
+      std::vector<float> score(Q * std::max<int64_t>(count, 1));
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      k.walk<scalar_t>(b, h, buf, [&](int64_t j, const float* key) {
+        for (int64_t x = 0; x < Q; ++x) {
+          if (j < first[x] || j >= last[x]) continue;
+          const float dot = dot_product(qf.data() + x * D, key, D);
+          score[x * count + j] = dot;
+          m[x] = std::max(m[x], dot);
+        }
+      });
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t x = 0; x < Q; ++x) {
+        for (int64_t j = first[x]; j < last[x]; ++j) {
+          const float e = std::exp(score[x * count + j] - m[x]);
+          score[x * count + j] = e;
+          l[x] += e;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      v.walk<scalar_t>(b, h, buf, [&](int64_t j, const float* value) {
+        for (int64_t x = 0; x < Q; ++x) {
+          if (j < first[x] || j >= last[x]) continue;
+          const float p = score[x * count + j];
+          float* a = acc.data() + x * D;
+          for (int64_t c = 0; c < D; ++c) a[c] += p * value[c];
+        }
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t x = g * n + i;
+          const float inv = l[x] > 0.f ? 1.f / l[x] : 0.f;
+          for (int64_t c = 0; c < D; ++c) acc[x * D + c] *= inv;
+          store(acc.data() + x * D, op + ((b * Hq + h * G + g) * n + i) * D, D);
+        }
+      }
+    }
+  });
+}
+
+// query [B, Hq, n, D] contiguous; lo, hi [B, n] int64: query i of row b reads its read tokens [lo, hi) (none:
+// zeros); out like query. Keys and values: see view_of.
+void attend_into(const torch::Tensor& query, const std::vector<torch::Tensor>& key, const std::vector<int64_t>& key_opts,
+                 const std::vector<torch::Tensor>& value, const std::vector<int64_t>& value_opts,
+                 const torch::Tensor& lo, const torch::Tensor& hi, double scaling, torch::Tensor out) {
+  const StreamView k = view_of(key, key_opts), v = view_of(value, value_opts);
+  TORCH_CHECK(query.dim() == 4 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
+              out.scalar_type() == query.scalar_type(), "kvquant kernel: query and out must be contiguous [B, Hq, n, D]");
+  const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
+  TORCH_CHECK(k.D == D && v.D == D && k.H == v.H && Hq % k.H == 0 && k.sinks.size(0) == B && v.sinks.size(0) == B,
+              "kvquant kernel: query ", query.sizes(), " does not fit the streams");
+  TORCH_CHECK(query.scalar_type() == k.sinks.scalar_type() && query.scalar_type() == v.sinks.scalar_type(),
+              "kvquant kernel: query and stored tokens must have one dtype");
+  for (const auto& t : {lo, hi})
+    TORCH_CHECK(t.scalar_type() == torch::kLong && t.is_contiguous() && t.dim() == 2 && t.size(0) == B &&
+                t.size(1) == n, "kvquant kernel: lo and hi must be contiguous int64 [B, n]");
+  const int64_t *lp = lo.data_ptr<int64_t>(), *hp = hi.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(k.count(b) == v.count(b), "kvquant kernel: row ", b, " reads ", k.count(b), " keys and ", v.count(b),
+                " values");
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(lp[b * n + i] >= 0 && lp[b * n + i] <= hp[b * n + i] && hp[b * n + i] <= k.count(b),
+                  "kvquant kernel: row ", b, " query ", i, " reads [", lp[b * n + i], ", ", hp[b * n + i],
+                  ") of ", k.count(b), " tokens");
+  }
+  if (query.scalar_type() == torch::kFloat) {
+    run_attend<float>(query, k, v, lo, hi, scaling, out);
+  } else if (query.scalar_type() == torch::kBFloat16) {
+    run_attend<at::BFloat16>(query, k, v, lo, hi, scaling, out);
+  } else if (query.scalar_type() == torch::kHalf) {
+    run_attend<at::Half>(query, k, v, lo, hi, scaling, out);
+  } else {
+    TORCH_CHECK(false, "kvquant kernel: unsupported dtype ", query.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_into", &dequantize_into);
   m.def("dequantize_slots_into", &dequantize_slots_into);
+  m.def("attend_into", &attend_into);
 }

@@ -1,0 +1,184 @@
+"""Fused decode: for single-token and short-chunk steps, attention reads the stored codes directly instead of a
+dequantized copy of the whole history.
+
+``enable_fused_decode(model)`` switches the model's attention to :func:`attention`, registered with transformers'
+``AttentionInterface`` as ``"kvquant_fused_<previous>"`` with the previous implementation's masks. A
+:class:`~kvquant.cache.KVQuantCache` made for such a model then answers a step of at most :data:`MAX_QUERY` tokens
+with placeholders (``[B, H, 0, D]`` tensors, the keys carrying a :class:`Pending` read) instead of dequantized keys
+and values, and :func:`attention` runs a kernel over the stores: the C++ one (``kvquant/csrc/dequant.cpp``
+``attend_into``) on the CPU, the Triton one (:mod:`.triton_attend`) on a GPU. Every other call (prefill, other
+caches, a layout or attention option no kernel reads: soft-capping, attention sinks, dropout) goes to the
+attention the model had before, with the dequantized copy, as without fused decode.
+
+What a query attends to comes from the model's own mask, translated to the row's read order (padding declared
+with ``set_padding`` is not stored, so read positions skip it): each query reads a contiguous range ``[lo, hi)``
+of its row's read tokens (causal, sliding windows, padding). A mask with holes in it goes through the dequantized
+copy. Kernel and copy agree within float rounding (tests/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from .storage import Store, _rank
+from .streams import Stream, stream
+
+NAME = "kvquant_fused"
+#: Longest step (query tokens) answered by the kernel; longer ones (prefill) read the dequantized copy.
+MAX_QUERY = 16
+#: Attention arguments the kernel does not implement: a call that sets one reads the dequantized copy.
+UNSUPPORTED = ("softcap", "s_aux", "sinks")
+_KIND = {"int": 0, "full": 3}
+
+
+@dataclass
+class Pending:
+    """A layer's step, read later by :func:`attention`: snapshots of its stores taken before eviction (a shallow
+    copy is enough: eviction and the next write replace a store's tensors and lists, they do not modify them, and
+    the pool's slots are only rewritten by the next write), the padding of the returned window (``real``
+    ``[B, kv_len]`` bool, None: none declared) and how many tokens each row reads."""
+
+    keys: Store
+    values: Store
+    real: torch.Tensor | None
+    counts: list[int]
+    kv_len: int
+
+    def materialize(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dequantized ``[B, H, kv_len, D]`` keys and values the layer would have returned."""
+        out = []
+        for store in (self.keys, self.values):
+            read = like.new_empty(store.rows, store.heads, self.kv_len, store.head_dim)
+            store.read(read, self.real, self.counts)
+            out.append(read)
+        return out[0], out[1]
+
+    def ranges(self, mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(lo, hi)`` ``[B, n]`` long: query ``i`` of row ``b`` reads read tokens ``[lo, hi)``, from the model's
+        mask (``[B, 1, n, kv_len]`` bool or additive, None: causal); None where that is not a contiguous range."""
+        batch = len(self.counts)
+        counts = torch.tensor(self.counts)
+        if mask is None:
+            if self.real is not None and not bool(self.real.all()):
+                return None
+            hi = counts[:, None] - (n - 1 - torch.arange(n))[None, :]
+            hi = hi.clamp(min=0)
+            return torch.zeros_like(hi), hi
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        allowed = allowed.to("cpu")
+        if allowed.shape[-1] != self.kv_len or allowed.shape[-2] != n:
+            return None
+        allowed = allowed.expand(batch, -1, -1, -1)[:, 0]  # [B, n, kv_len]
+        if self.real is not None:  # read order: each row's real positions, in order
+            order = _rank(self.real)[:, : max(self.counts, default=0)]
+            allowed = torch.gather(allowed, 2, order[:, None, :].expand(-1, n, -1))
+            allowed &= (torch.arange(order.shape[1])[None, :] < counts[:, None])[:, None, :]
+        width = allowed.shape[2]
+        index = torch.arange(width)
+        any_ = allowed.any(2)
+        lo = torch.where(any_, torch.where(allowed, index, width).amin(2), 0)
+        hi = torch.where(any_, torch.where(allowed, index + 1, 0).amax(2), 0)
+        if not torch.equal(allowed.sum(2), hi - lo):
+            return None
+        return lo, hi
+
+
+def _args(s: Stream) -> tuple[list[torch.Tensor], list[int]]:
+    kind = _KIND.get(s.kind, 1 if s.payload.dtype == torch.float8_e4m3fn else 2)
+    empty = torch.empty(0)
+    return ([s.payload, s.scale if s.scale is not None else empty, s.zero if s.zero is not None else empty, s.table,
+             s.sinks, s.tail, s.n_sinks, s.skip, s.units, s.n_tail], [kind, s.bits, s.group, int(s.token_axis)])
+
+
+def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, hi: torch.Tensor,
+           scaling: float) -> torch.Tensor | None:
+    """``softmax(scaling * q k^T) v`` for ``query`` ``[B, Hq, n, D]`` over each query's read tokens ``[lo, hi)``,
+    read from the stored codes; ``[B, Hq, n, D]``, or None where no kernel can run it here."""
+    if query.device.type == "cpu":
+        if not kernels.available() or query.dtype not in kernels.OUT_DTYPES or query.shape[-1] > 1024:
+            return None
+        out = torch.empty_like(query.contiguous())
+        (kt, ko), (vt, vo) = _args(keys), _args(values)
+        kernels.attend_into(query.contiguous(), kt, ko, vt, vo, lo.contiguous(), hi.contiguous(), scaling, out)
+        return out
+    if query.device.type == "cuda" and not bool(lo.any()):
+        from . import triton_attend
+
+        if triton_attend.available():
+            return triton_attend.attend(query, keys, values, hi.to(query.device), scaling)
+    return None
+
+
+def _fallback(module):
+    """The attention the model had before :func:`enable_fused_decode` (``eager`` is each model's own function)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    previous = getattr(module, "_kvquant_fallback", "sdpa")
+    if previous in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[previous]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function contract (``AttentionInterface``): ``query`` ``[B, Hq, n, D]``, ``key`` /
+    ``value`` ``[B, H, kv_len, D]`` (or a kvquant placeholder); returns ``([B, n, Hq, D], None)``."""
+    pending: Pending | None = getattr(key, "_kvquant_pending", None)
+    if pending is None:
+        return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                 **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = None
+    if not dropout and not any(kwargs.get(name) is not None for name in UNSUPPORTED):
+        ranges = pending.ranges(attention_mask, query.shape[2])
+        if ranges is not None:
+            out = attend(query, stream(pending.keys, pending.counts), stream(pending.values, pending.counts),
+                         *ranges, scaling)
+    if out is None:
+        key, value = pending.materialize(query)
+        return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                 **kwargs)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def placeholders(layer, keys: torch.Tensor, real, counts: list[int], kv_len: int):
+    """What a fused layer's ``update`` returns for a short step: empty ``[B, H, 0, D]`` keys and values, the keys
+    carrying the :class:`Pending` read (snapshots of the stores, taken now, before eviction)."""
+    pending = Pending(copy.copy(layer.k), copy.copy(layer.v), real, counts, kv_len)
+    k = keys.new_empty(keys.shape[0], keys.shape[1], 0, keys.shape[3])
+    k._kvquant_pending = pending
+    return k, keys.new_empty(keys.shape[0], keys.shape[1], 0, layer.v.head_dim)
+
+
+def register(previous: str) -> str:
+    """Register :func:`attention` with transformers in front of the ``previous`` implementation, with that
+    implementation's masks (``sdpa``'s are boolean, ``eager``'s additive); returns the name."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import AttentionInterface
+
+    name = f"{NAME}_{previous}"
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
+    return name
+
+
+def enable_fused_decode(model) -> None:
+    """Let kvquant caches made for ``model`` from now on answer decode steps from the stored codes (see the module
+    docstring). The attention the model used before serves every other call. Undo with
+    ``model.set_attn_implementation(previous)``; a cache made while fused decode was on needs it on."""
+    previous = model.config._attn_implementation or "eager"
+    if is_fused(model.config):
+        return
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            module._kvquant_fallback = previous
+    model.set_attn_implementation(register(previous))
+
+
+def is_fused(config) -> bool:
+    """Whether a model of this config has fused decode enabled."""
+    return str(getattr(config, "_attn_implementation", None)).startswith(NAME)
