@@ -46,6 +46,10 @@ QUANTIZERS = {  # name -> make_cache arguments
 }
 
 
+#: quantizers also measured with ``kvquant.enable_fused_decode`` (the Triton kernel reads their codes)
+FUSED = ("fp16", "fp8_e4m3", "int8", "int4")
+
+
 def shapes() -> dict:
     """name -> (model class, config): real models' attention shapes, few layers, random weights."""
     llama = dict(vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=32768)
@@ -163,14 +167,19 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
     """Checks 4 and 5 on the Llama-3-8B layer stack in bfloat16."""
     cls, config = shapes()["llama3-8b-4layers"]
     model = build(cls, config, device, torch.bfloat16)
-    factories = {"DynamicCache": lambda: DynamicCache(config=config)}
-    factories.update({f"kvquant-{n}": (lambda q=q, o=o: kvquant.make_cache(model, q, **o))
+    fused = build(cls, config, device, torch.bfloat16)  # the same weights; decode steps attend over the codes
+    fused.load_state_dict(model.state_dict())
+    kvquant.enable_fused_decode(fused)
+    factories = {"DynamicCache": (model, lambda: DynamicCache(config=config))}
+    factories.update({f"kvquant-{n}": (model, lambda q=q, o=o: kvquant.make_cache(model, q, **o))
                       for n, (q, o) in QUANTIZERS.items()})
+    factories.update({f"kvquant-{n}-fused": (fused, lambda q=q, o=o: kvquant.make_cache(fused, q, **o))
+                      for n, (q, o) in QUANTIZERS.items() if n in FUSED})
     rows = []
     for context in contexts:
         prompt = torch.randint(0, config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(3))
         prompt = prompt.to(device)
-        for name, make in factories.items():
+        for name, (runner, make) in factories.items():
             row = {"cache": name, "context": context, "batch": batch}
             try:
                 torch.cuda.synchronize()
@@ -178,17 +187,17 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
                 before = torch.cuda.memory_allocated()
                 cache = make()
                 for i in range(0, context, 2048):
-                    model(prompt[:, i : i + 2048], cache=cache, use_cache=True, logits_to_keep=1)
+                    runner(prompt[:, i : i + 2048], cache=cache, use_cache=True, logits_to_keep=1)
                 torch.cuda.synchronize()
                 row["allocated_bytes"] = torch.cuda.memory_allocated() - before
                 row["reported_bytes"] = stored_bytes(cache)
                 token = prompt[:, -1:]
                 for _ in range(4):
-                    model(token, cache=cache, use_cache=True)
+                    runner(token, cache=cache, use_cache=True)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 for _ in range(steps):
-                    model(token, cache=cache, use_cache=True)
+                    runner(token, cache=cache, use_cache=True)
                 torch.cuda.synchronize()
                 row["steps_per_s"] = steps / (time.perf_counter() - start)
                 del cache

@@ -106,11 +106,11 @@ def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, 
         (kt, ko), (vt, vo) = _args(keys), _args(values)
         kernels.attend_into(query.contiguous(), kt, ko, vt, vo, lo.contiguous(), hi.contiguous(), scaling, out)
         return out
-    if query.device.type == "cuda" and not bool(lo.any()):
+    if query.device.type == "cuda":
         from . import triton_attend
 
         if triton_attend.available():
-            return triton_attend.attend(query, keys, values, hi.to(query.device), scaling)
+            return triton_attend.attend(query, keys, values, hi.to(query.device), scaling, lo=lo.to(query.device))
     return None
 
 
