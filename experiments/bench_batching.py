@@ -72,7 +72,8 @@ def main(argv=None):
     for batch in args.batch_sizes:
         rows.append({"what": "model forward alone", "batch": batch, "seconds": plain(model, reqs, batch)})
         for name in args.quantizers:
-            rows.append({"what": f"kvquant Scorer, {name}", "batch": batch, "seconds": scored(model, reqs, batch, name)})
+            seconds = scored(model, reqs, batch, name)
+            rows.append({"what": f"kvquant Scorer, {name}", "batch": batch, "seconds": seconds})
     df = pd.DataFrame(rows)
     one = {w: s for w, b, s in zip(df.what, df.batch, df.seconds) if b == min(args.batch_sizes)}
     df["speedup_vs_smallest_batch"] = [one[w] / s for w, s in zip(df.what, df.seconds)]
