@@ -11,6 +11,7 @@ import lm-eval).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import lm_eval.models  # noqa: F401  (before registering: lm-eval fills its built-in models only into an empty registry)
@@ -73,6 +74,17 @@ def batch_rows(batch_size, max_batch_size=None, names: tuple[str, str] = ("batch
     return whole_number(batch_size, names[0], what=what)
 
 
+def processes():
+    """accelerate's process state when this process is one of several (``accelerate launch`` or ``torchrun``:
+    the gloo backend on CPUs, NCCL on GPUs), else None."""
+    from accelerate import PartialState
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    state = PartialState(cpu=not torch.cuda.is_available())  # accelerate needs to be told to use gloo on CPUs
+    return state if state.num_processes > 1 else None
+
+
 @register_model("kvquant")
 class KVQuantLM(TemplateLM):
     def __init__(
@@ -104,6 +116,14 @@ class KVQuantLM(TemplateLM):
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
             device = "cpu"
+        state = processes()
+        if state is not None:  # launched with several processes: this one scores its share of the requests
+            self._rank, self._world_size = state.process_index, state.num_processes
+            if device_map:
+                raise KVQuantError("device_map shards one model over devices; it cannot be combined with several "
+                                   "data-parallel processes (launch one process, or drop device_map)")
+            if state.device.type == "cuda":
+                device = str(state.device)  # one GPU per process
         if isinstance(pretrained, str):
             spec = ModelConfig(path=pretrained, tokenizer=tokenizer, dtype=dtype, device=device or "auto",
                                device_map=device_map, gguf_file=gguf_file, max_length=max_length)
@@ -120,6 +140,24 @@ class KVQuantLM(TemplateLM):
 
     def new_cache(self):
         return make_cache(self.model, self.quantizer, **self.cache_options)
+
+    # lm-eval's data-parallel protocol (lm_eval.api.model.LM): with world_size > 1 its evaluator gives each rank
+    # its share of every task's documents, then gathers the scored samples on rank 0
+    def all_gather(self, tensor):
+        from accelerate.utils import gather
+
+        return gather(tensor) if self.world_size > 1 else tensor
+
+    def gather_object(self, obj, dst=0):
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            processes().wait_for_everyone()
 
     @property
     def eot_token_id(self) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
 from .planner import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes, parse_setting,
-                      resolve_model)
+                      resolve_model, tensor_parallel)
 
 DEFAULT_SETTINGS = ["fp16", "fp8_e4m3", "int8", "int4", "int2"]
 
@@ -36,7 +36,8 @@ def parse_reserve(text: str, budget: int) -> int:
 
 
 def build_plan(args) -> dict:
-    shape = resolve_model(args.model)
+    whole = resolve_model(args.model)
+    shape = tensor_parallel(whole, args.tensor_parallel)  # what one GPU holds (weights and KV heads)
     if args.context is None or args.context <= 0 or args.context > MAX_CONTEXT:
         raise KVQuantError(f"--context must be between 1 and {MAX_CONTEXT:,} tokens, got {args.context}")
     if args.batch <= 0 or args.batch > 1_000_000:
@@ -79,7 +80,8 @@ def build_plan(args) -> dict:
     fp16 = fp16 or Planner(shape, {"quantizer": "fp16"}, torch.float16).kv_bytes(args.batch, args.context)
     for row in rows:
         row["gain_over_fp16"] = fp16 / row["kv_bytes"]
-    return {"model": shape.name, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+    return {"model": shape.name, "layers": shape.layers, "kv_heads": whole.kv_heads, "head_dim": shape.head_dim,
+            "tensor_parallel": args.tensor_parallel, "kv_heads_per_gpu": shape.kv_heads,
             "sliding_layers": sum(isinstance(w, int) for w in shape.layout),
             "context": args.context, "batch": args.batch, "weights_bytes": weights, "gpu_memory_bytes": budget,
             "available_for_kv_bytes": available, "kv_bytes": rows[0]["kv_bytes"], "settings": rows,
@@ -90,6 +92,12 @@ def render(plan: dict) -> str:
     lines = [f"model {plan['model']}: {plan['layers']} layers ({plan['sliding_layers']} sliding-window), "
              f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
              f"batch {plan['batch']} x context {plan['context']:,} tokens; B = bytes, GiB = 2^30 B, GB = 10^9 B"]
+    if plan["tensor_parallel"] > 1:
+        ranks, heads = plan["tensor_parallel"], plan["kv_heads_per_gpu"]
+        copies = ranks * heads // plan["kv_heads"]
+        lines.append(f"per GPU of {ranks} (tensor parallel): {heads} KV head{'s' if heads > 1 else ''} each"
+                     + (f", each head replicated on {copies} GPUs" if copies > 1 else "")
+                     + "; bytes, weights and budget below are one GPU's")
     if plan["max_positions"] and plan["context"] > plan["max_positions"]:
         lines.append(f"note: the context exceeds the model's trained length ({plan['max_positions']:,})")
     lines += [f"note: {n}" for n in plan["notes"]]
@@ -138,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--gpu-memory (10%%) or a size (4GiB)")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                         help="a prompt prefix shared by all sequences: how much storing it once saves")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="GPUs one model is split over (vLLM's tensor parallelism): answers per GPU, its KV "
+                        "heads split across them, replicated when there are fewer KV heads than GPUs")
     parser.add_argument("--json", action="store_true", help="print one JSON object (kv_bytes: the first --cache)")
     args = parse_args(parser, argv)
     if isinstance(args, int):

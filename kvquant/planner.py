@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -178,6 +178,24 @@ def parse_bytes(text: str, flag: str = "size") -> int:
 
 def human(nbytes: float) -> str:
     return f"{nbytes:,.0f} B ({nbytes / 2**30:,.2f} GiB = {nbytes / 1e9:,.2f} GB)"
+
+
+def tensor_parallel(shape: ModelShape, ranks: int) -> ModelShape:
+    """The shape one of ``ranks`` tensor-parallel GPUs holds, as vLLM splits attention: each rank keeps
+    ``kv_heads / ranks`` KV heads, or one head replicated ``ranks / kv_heads`` times when there are fewer KV heads
+    than ranks (vLLM needs one count to divide the other)."""
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise KVQuantError(f"--tensor-parallel must be an integer >= 1, got {ranks!r}")
+    if shape.kv_heads % ranks and ranks % shape.kv_heads:
+        raise KVQuantError(f"--tensor-parallel {ranks} does not split {shape.kv_heads} KV heads: one must divide the "
+                           f"other (vLLM's rule), e.g. {', '.join(map(str, _splits(shape.kv_heads)))}")
+    if ranks == 1:
+        return shape
+    return replace(shape, kv_heads=max(shape.kv_heads // ranks, 1), params=shape.params / ranks)
+
+
+def _splits(kv_heads: int) -> list[int]:
+    return [n for n in (1, 2, 4, 8, 16, 32, 64) if kv_heads % n == 0 or n % kv_heads == 0]
 
 
 class Planner:

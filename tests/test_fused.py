@@ -62,7 +62,9 @@ def layer_step(name, options, *, head_dim, heads=2, groups=1, batch=3, prompt=45
     layer.fused = True
     k_new, v_new = states(step), states(step)
     kph, vph = layer.update(k_new, v_new)
-    assert kph.shape[2] == 0 and hasattr(kph, "_kvquant_pending"), "the short step was not answered by placeholders"
+    assert hasattr(kph, "_kvquant_pending") and vph._kvquant_pending is kph._kvquant_pending, \
+        "the short step was not answered by placeholders"
+    assert kph.stride() == (0, 0, 0, 0) and bool(kph.isnan().all()), "a placeholder holds memory or numbers"
     pending = kph._kvquant_pending
     keys, values = pending.materialize(k_new)
     kv_len = keys.shape[2]
@@ -194,3 +196,106 @@ def test_enable_fused_decode_keeps_the_previous_attention_for_prefill():
         after = model(ids).logits
     assert fused.is_fused(model.config)
     torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+
+
+STORIES = "/work/shared/data/models/stories260K/hf"
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("declared", [False, True])
+def test_left_padded_short_prompt_without_declared_padding(attn, declared, model):
+    """A 9-token left-padded prompt (a step the kernel could take) then token by token: fused equals unfused on
+    the real positions. Without declared padding the padding queries read no key; eager attention averages every
+    value there (and those outputs become the next layer's stored padding K/V), so such a step reads the copy.
+    Failed before: 0.32 off with eager and undeclared padding."""
+    path = model.name_or_path
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 512, (2, 30), generator=gen)
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :3] = 0
+    outs = []
+    for on in (False, True):
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
+        if on:
+            kvquant.enable_fused_decode(m)
+        cache = kvquant.make_cache(m, "int4", group_size=8, residual_length=0)
+        if declared:
+            cache.set_padding(mask)
+        with torch.no_grad():
+            logits = [m(ids[:, :9], attention_mask=mask[:, :9], cache=cache).logits]
+            for i in range(9, 30):
+                logits.append(m(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], cache=cache).logits)
+        outs.append(torch.cat(logits, 1)[mask.bool()])
+    # every token is quantized on write, so float rounding of one path can flip a later code (1.6e-4 seen)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=0)
+
+
+def test_gradients_flow_through_a_fused_step():
+    """The kernels compute no gradients: a step recorded by autograd reads the copy (failed before: no gradient)."""
+    grads = []
+    for on in (False, True):
+        model = tiny_llama()
+        if on:
+            kvquant.enable_fused_decode(model)
+        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            model(ids[:, :32], cache=cache)
+        model(ids[:, 32:], cache=cache).logits.sum().backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)
+    assert grads[1] is not None
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_fused_cache_read_by_another_attention_fails_loudly():
+    """Undoing fused decode (or lending the cache to an unfused model) cannot compute silently wrong numbers: the
+    placeholders hold NaN, which the next layer's cache refuses to store (failed before: logits 0.156 off, finite)."""
+    model = tiny_llama()
+    kvquant.enable_fused_decode(model)
+    cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+    ids = torch.randint(3, 97, (1, 33), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids[:, :32], cache=cache)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(kvquant.NonFiniteKVError):
+            model(ids[:, 32:], cache=cache)
+
+
+def test_values_changed_before_attention_are_refused():
+    query, kph, vph, allowed, _, values = layer_step("int4", {"group_size": 16}, head_dim=64)
+    with pytest.raises(kvquant.KVQuantError, match="changes the keys or values"):
+        run_fused(query, kph, values, allowed, 1, 0.125)
+
+
+def test_a_block_mask_reads_the_copy(monkeypatch):
+    """flex attention's masks are not tensors: such calls read the copy (failed before: AttributeError)."""
+    monkeypatch.setattr(kernels, "attend_into", lambda *a: pytest.fail("the kernel ran on a block mask"))
+    _, kph, _, _, _, _ = layer_step("int4", {"group_size": 16}, head_dim=64)
+    assert kph._kvquant_pending.ranges(object(), 1) is None
+
+
+def test_unverified_model_types_are_refused():
+    from transformers import FalconConfig
+
+    model = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_attention_heads=4,
+                                                          num_hidden_layers=1))
+    with pytest.raises(kvquant.KVQuantError, match="verified for model types"):
+        kvquant.enable_fused_decode(model)
+    assert not fused.is_fused(model.config)
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda k, ko: ko.__setitem__(2, 0), "group"),                       # a group of 0 channels (was SIGFPE)
+    (lambda k, ko: k.__setitem__(7, k[7][:1]), "per-row counts"),       # skip for one row of three (read past it)
+    (lambda k, ko: k[3].fill_(10**6), "names slot"),                    # a slot beyond the pool
+])
+def test_the_kernel_refuses_inconsistent_arguments(break_it, message):
+    query, kph, vph, allowed, _, _ = layer_step("int4", {"group_size": 16, "key_axis": "token"}, head_dim=64)
+    pending = kph._kvquant_pending
+    k, ko = fused._args(fused.stream(pending.keys, pending.counts))
+    v, vo = fused._args(fused.stream(pending.values, pending.counts))
+    k = [t.clone() for t in k]
+    break_it(k, ko)
+    lo, hi = pending.ranges(allowed[:, None], 1)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.attend_into(query, k, ko, v, vo, lo, hi, 0.125, torch.empty_like(query))

@@ -113,6 +113,8 @@ def test_config_without_kv_heads_or_head_dim(tmp_path, capsys):
     (["--model", "llama-2-7b", "--context", "10", "--gpu-memory", "lots"], "cannot read 'lots'"),
     (["--model", "llama-2-7b", "--context", "10", "--cache", "int3"], "unknown cache setting"),
     (["--model", "llama-2-7b", "--context", "10", "--cache", "int4:group_size=3"], "group_size 3 does not divide"),
+    (["--model", "llama-3.1-8b", "--context", "10", "--tensor-parallel", "3"], "does not split 8 KV heads"),
+    (["--model", "llama-3.1-8b", "--context", "10", "--tensor-parallel", "0"], "--tensor-parallel must be"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert main(argv) == 2
@@ -128,3 +130,26 @@ def test_human_output(capsys):
     assert main(["--model", "llama-3.1-8b", "--context", "32768", "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "GiB = 2^30 B, GB = 10^9 B" in out and "max batch @context" in out and "int4" in out
+
+
+@pytest.mark.parametrize("ranks, heads_per_gpu", [(2, 4), (8, 1), (16, 1)])
+def test_tensor_parallel_answers_per_gpu(capsys, ranks, heads_per_gpu):
+    """Llama-3.1-8B (8 KV heads, 128 KiB per token in fp16) over N GPUs as vLLM splits it: 8/N heads per GPU, or one
+    head replicated when N > 8; the weights split N ways; every per-GPU figure from that GPU's share."""
+    whole = plan_json(capsys, "--model", "llama-3.1-8b", "--context", "32768", "--cache", "fp16", "--cache", "int4")
+    out = plan_json(capsys, "--model", "llama-3.1-8b", "--context", "32768", "--cache", "fp16", "--cache", "int4",
+                    "--tensor-parallel", str(ranks))
+    assert (out["tensor_parallel"], out["kv_heads"], out["kv_heads_per_gpu"]) == (ranks, 8, heads_per_gpu)
+    for mine, all_ in zip(out["settings"], whole["settings"]):
+        assert mine["kv_bytes"] * 8 == all_["kv_bytes"] * heads_per_gpu
+    assert out["settings"][0]["kv_bytes"] == heads_per_gpu * 32 * 128 * 2 * 2 * 32768
+    assert out["weights_bytes"] == pytest.approx(whole["weights_bytes"] / ranks, rel=1e-9)
+
+
+def test_tensor_parallel_budget_is_one_gpus(capsys):
+    """--gpu-memory is one GPU's and holds that GPU's half of the weights (a small budget keeps the search short)."""
+    out = plan_json(capsys, "--model", "llama-3.1-8b", "--context", "4096", "--cache", "fp16", "--gpu-memory",
+                    "9.5GB", "--tensor-parallel", "2")
+    assert out["available_for_kv_bytes"] == 9_500_000_000 - out["weights_bytes"] - 950_000_000
+    fits = out["settings"][0]["max_context_at_batch"]
+    assert fits * 4 * 32 * 128 * 2 * 2 <= out["available_for_kv_bytes"] < (fits + 1) * 4 * 32 * 128 * 2 * 2

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..errors import KVQuantError
 from .storage import Store, _rank
 from .streams import Stream, stream
 
@@ -34,6 +35,10 @@ MAX_QUERY = 16
 #: Attention arguments the kernel does not implement: a call that sets one reads the dequantized copy.
 UNSUPPORTED = ("softcap", "s_aux", "sinks")
 _KIND = {"int": 0, "full": 3}
+#: Model types whose attention passes the cache's keys and values to the attention function unchanged (tested in
+#: tests/test_architectures.py); :func:`enable_fused_decode` refuses others.
+VERIFIED = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gpt_neox", "cohere2",
+                      "olmo2"})
 
 
 @dataclass
@@ -60,15 +65,18 @@ class Pending:
 
     def ranges(self, mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(lo, hi)`` ``[B, n]`` long: query ``i`` of row ``b`` reads read tokens ``[lo, hi)``, from the model's
-        mask (``[B, 1, n, kv_len]`` bool or additive, None: causal); None where that is not a contiguous range."""
+        mask (``[B, 1, n, kv_len]`` bool or additive, None: causal); None where that is not a contiguous range, where
+        a query reads nothing (eager attention then averages every value, which the kernels do not) or where the
+        mask is not a tensor (flex attention's block masks)."""
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return None
         batch = len(self.counts)
         counts = torch.tensor(self.counts)
         if mask is None:
             if self.real is not None and not bool(self.real.all()):
                 return None
             hi = counts[:, None] - (n - 1 - torch.arange(n))[None, :]
-            hi = hi.clamp(min=0)
-            return torch.zeros_like(hi), hi
+            return (torch.zeros_like(hi), hi) if bool((hi > 0).all()) else None
         allowed = mask if mask.dtype == torch.bool else mask == 0
         allowed = allowed.to("cpu")
         if allowed.shape[-1] != self.kv_len or allowed.shape[-2] != n:
@@ -83,7 +91,7 @@ class Pending:
         any_ = allowed.any(2)
         lo = torch.where(any_, torch.where(allowed, index, width).amin(2), 0)
         hi = torch.where(any_, torch.where(allowed, index + 1, 0).amax(2), 0)
-        if not torch.equal(allowed.sum(2), hi - lo):
+        if not torch.equal(allowed.sum(2), hi - lo) or not bool(any_.all()):
             return None
         return lo, hi
 
@@ -128,12 +136,16 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     """transformers' attention-function contract (``AttentionInterface``): ``query`` ``[B, Hq, n, D]``, ``key`` /
     ``value`` ``[B, H, kv_len, D]`` (or a kvquant placeholder); returns ``([B, n, Hq, D], None)``."""
     pending: Pending | None = getattr(key, "_kvquant_pending", None)
-    if pending is None:
+    if pending is None and getattr(value, "_kvquant_pending", None) is None:
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  **kwargs)
+    if pending is None or getattr(value, "_kvquant_pending", None) is not pending:
+        raise KVQuantError(f"{type(module).__name__} changes the keys or values between the cache and attention; "
+                           "fused decode cannot serve it (make the cache without kvquant.enable_fused_decode)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = None
-    if not dropout and not any(kwargs.get(name) is not None for name in UNSUPPORTED):
+    # the kernels compute no gradients, soft-capping, sinks or dropout: those calls read the copy
+    if not dropout and not query.requires_grad and not any(kwargs.get(n) is not None for n in UNSUPPORTED):
         ranges = pending.ranges(attention_mask, query.shape[2])
         if ranges is not None:
             out = attend(query, stream(pending.keys, pending.counts), stream(pending.values, pending.counts),
@@ -146,12 +158,17 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 def placeholders(layer, keys: torch.Tensor, real, counts: list[int], kv_len: int):
-    """What a fused layer's ``update`` returns for a short step: empty ``[B, H, 0, D]`` keys and values, the keys
-    carrying the :class:`Pending` read (snapshots of the stores, taken now, before eviction)."""
+    """What a fused layer's ``update`` returns for a short step: keys and values of the real ``[B, H, kv_len, D]``
+    shape that hold no memory (one NaN, expanded: any attention but :func:`attention` computes NaN, never a silent
+    wrong number), both carrying the :class:`Pending` read (snapshots of the stores, taken now, before eviction)."""
     pending = Pending(copy.copy(layer.k), copy.copy(layer.v), real, counts, kv_len)
-    k = keys.new_empty(keys.shape[0], keys.shape[1], 0, keys.shape[3])
-    k._kvquant_pending = pending
-    return k, keys.new_empty(keys.shape[0], keys.shape[1], 0, layer.v.head_dim)
+    out = []
+    for store in (layer.k, layer.v):
+        x = torch.full((), float("nan"), dtype=keys.dtype, device=keys.device).expand(
+            keys.shape[0], store.heads, kv_len, store.head_dim)
+        x._kvquant_pending = pending
+        out.append(x)
+    return out[0], out[1]
 
 
 def register(previous: str) -> str:
@@ -169,7 +186,18 @@ def register(previous: str) -> str:
 def enable_fused_decode(model) -> None:
     """Let kvquant caches made for ``model`` from now on answer decode steps from the stored codes (see the module
     docstring). The attention the model used before serves every other call. Undo with
-    ``model.set_attn_implementation(previous)``; a cache made while fused decode was on needs it on."""
+    ``model.set_attn_implementation(previous)``; a cache made while fused decode was on reads NaN without it (the
+    next layer's cache refuses the non-finite states it gets: a loud failure), so make a new cache then.
+
+    Only model families whose attention hands the cache's keys and values to the attention function unchanged
+    (:data:`VERIFIED`, each tested in tests/test_architectures.py) are accepted: others (multi-head latent
+    attention, which expands the cached latent; DiffLlama, which splits the values; Gemma4, whose KV sharing checks
+    the attention's name) would need code of their own."""
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    kind = getattr(text, "model_type", None)
+    if kind not in VERIFIED:
+        raise KVQuantError(f"fused decode is verified for model types {', '.join(sorted(VERIFIED))}; this model is "
+                           f"{kind!r}, whose attention may change keys and values after the cache")
     previous = model.config._attn_implementation or "eager"
     if is_fused(model.config):
         return
@@ -177,6 +205,9 @@ def enable_fused_decode(model) -> None:
         if hasattr(module, "layer_idx"):
             module._kvquant_fallback = previous
     model.set_attn_implementation(register(previous))
+    if not is_fused(model.config):
+        raise KVQuantError(f"{type(model).__name__} did not accept kvquant's attention function (transformers kept "
+                           f"{model.config._attn_implementation!r}); fused decode is not available for it")
 
 
 def is_fused(config) -> bool:

@@ -364,6 +364,9 @@ static StreamView view_of(const std::vector<torch::Tensor>& t, const std::vector
   v.sinks = t[4];
   v.tail = t[5];
   TORCH_CHECK(v.payload.dim() == 4 && v.payload.is_contiguous(), "kvquant kernel: payload must be [N, H, R, Dp]");
+  TORCH_CHECK(v.sinks.dim() == 4, "kvquant kernel: sinks must be [B, H, S, D]");
+  TORCH_CHECK(v.group >= 1 && v.payload.size(1) >= 1 && v.payload.size(2) >= 1,
+              "kvquant kernel: group, heads and tokens per unit must be >= 1");
   v.H = v.payload.size(1);
   v.R = v.payload.size(2);
   v.Dp = v.payload.size(3);
@@ -394,10 +397,10 @@ static StreamView view_of(const std::vector<torch::Tensor>& t, const std::vector
     TORCH_CHECK(v.scale.scalar_type() == torch::kFloat || v.scale.scalar_type() == torch::kHalf ||
                 v.scale.scalar_type() == torch::kBFloat16, "kvquant kernel: unsupported scale dtype");
   }
+  const int64_t B = t[6].dim() == 1 ? t[6].size(0) : -1;
   for (int i = 6; i < 10; ++i)
-    TORCH_CHECK(t[i].scalar_type() == torch::kLong && t[i].is_contiguous() && t[i].dim() == 1,
-                "kvquant kernel: per-row counts must be int64 [B]");
-  const int64_t B = t[6].size(0);
+    TORCH_CHECK(t[i].scalar_type() == torch::kLong && t[i].is_contiguous() && t[i].dim() == 1 && t[i].size(0) == B,
+                "kvquant kernel: per-row counts must be four int64 [B] tensors");
   TORCH_CHECK(t[3].scalar_type() == torch::kLong && t[3].dim() == 2 && t[3].is_contiguous() && t[3].size(0) == B,
               "kvquant kernel: table must be a contiguous int64 [B, U]");
   TORCH_CHECK(v.sinks.dim() == 4 && v.tail.dim() == 4 && v.sinks.size(0) == B && v.tail.size(0) == B &&
@@ -504,7 +507,7 @@ void attend_into(const torch::Tensor& query, const std::vector<torch::Tensor>& k
   TORCH_CHECK(query.dim() == 4 && query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
               out.scalar_type() == query.scalar_type(), "kvquant kernel: query and out must be contiguous [B, Hq, n, D]");
   const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
-  TORCH_CHECK(k.D == D && v.D == D && k.H == v.H && Hq % k.H == 0 && k.sinks.size(0) == B && v.sinks.size(0) == B,
+  TORCH_CHECK(k.H >= 1 && k.D == D && v.D == D && k.H == v.H && Hq % k.H == 0 && k.sinks.size(0) == B && v.sinks.size(0) == B,
               "kvquant kernel: query ", query.sizes(), " does not fit the streams");
   TORCH_CHECK(query.scalar_type() == k.sinks.scalar_type() && query.scalar_type() == v.sinks.scalar_type(),
               "kvquant kernel: query and stored tokens must have one dtype");
