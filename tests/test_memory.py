@@ -58,3 +58,27 @@ def test_planner_equals_closed_form_for_gemma_2_9b(capsys, context):
         assert fp16 == 1_376_256_000  # 42 layers x 4000 tokens x 2 x 8 x 256 x 2 bytes
     int4 = plan_bytes(capsys, "int4:group_size=32,residual_length=128,sink_tokens=4", context)
     assert int4 == model_bytes(("int4", 32, 4, 128))
+
+
+def test_each_layer_stores_on_its_own_layer_device_and_memory_is_reported_per_device():
+    """A model split over devices (here what a CPU machine honestly has: layer 0's states on the CPU, layer 1's on
+    the meta device, where tensors have shapes and no data) keeps each layer's cache where that layer's states are,
+    and memory_report() sums the bytes per device."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    cache = kvquant.make_cache(config, "int4", group_size=8, residual_length=4)
+    for layer, device in ((0, "cpu"), (1, "meta")):
+        states = torch.randn(1, 2, 20, 16).to(device)
+        cache.update(states, states, layer)
+    for layer, device in zip(cache.layers, ("cpu", "meta")):
+        held = [layer.k.tail, layer.v.tail, layer.k.sinks, *layer.k.pool.values(), *layer.v.pool.values()]
+        assert {t.device.type for t in held} == {device}
+    report = cache.memory_report()
+    assert [entry["device"] for entry in report["per_layer"]] == ["cpu", "meta"]
+    one = report["per_layer"][0]["total_bytes"]
+    assert report["per_device"] == {"cpu": one, "meta": one} and report["total_bytes"] == 2 * one
+    # 16 tokens in two int4 key groups of 8 (payload + fp16 scale and zero per channel), 16 int4 value tokens
+    # (payload + one fp16 pair per 8 channels), 4 full-precision float32 tokens, 2 heads, keys and values
+    keys = 2 * (16 * 8 + 2 * 2 * 16 * 2)
+    values = 2 * 16 * (8 + 2 * 2 * 2)
+    assert one == keys + values + 2 * 2 * 4 * 16 * 4

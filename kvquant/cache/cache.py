@@ -144,10 +144,13 @@ class KVQuantCache(Cache):
         row; with eviction, for every token written), ``ratio``, ``bits_per_element``, the breakdown by role,
         ``shared_bytes`` (stored once for several rows), ``shared_saved_bytes`` (what storing those once saves
         over storing them per row), ``shareable_bytes`` (what a fork of row 0 would share now),
-        ``tokens`` (sequence length) and ``per_layer``: per decoder layer that stores KV, ``{"layer",
-        "total_bytes", "fp16_bytes", "bits_per_element"}``."""
+        ``tokens`` (sequence length), ``per_layer``: per decoder layer that stores KV, ``{"layer",
+        "total_bytes", "fp16_bytes", "bits_per_element", "device"}``, and ``per_device``: total bytes on each device
+        (a model split over devices keeps each layer's cache on that layer's device)."""
         parts = {i: layer.memory() for i, layer in enumerate(self.layers) if isinstance(layer, KVQuantLayer)}
-        return summarize(parts, self.get_seq_length())
+        devices = {i: str(layer.device) for i, layer in enumerate(self.layers)
+                   if isinstance(layer, KVQuantLayer) and layer.is_initialized}
+        return summarize(parts, self.get_seq_length(), devices)
 
 
 def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:

@@ -7,17 +7,27 @@ import torch
 from transformers.cache_utils import Cache
 
 
-def summarize(parts: dict[int, dict[str, int]], tokens: int) -> dict[str, float]:
-    """``parts``: per layer index, :meth:`KVQuantLayer.memory`."""
+def summarize(parts: dict[int, dict[str, int]], tokens: int, devices: dict[int, str] | None = None
+              ) -> dict[str, float]:
+    """``parts``: per layer index, :meth:`KVQuantLayer.memory`; ``devices``: per layer index that stores anything
+    yet, its device (None: not reported)."""
     report = {key: sum(p[key] for p in parts.values()) for key in (
         "payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes", "shareable_bytes",
         "shared_bytes")}
-    return {
+    out = {
         **totals(report),
         **report,
         "tokens": tokens,
         "per_layer": [{"layer": i, **totals(p), "fp16_bytes": p["fp16_bytes"]} for i, p in sorted(parts.items())],
     }
+    if devices is not None:
+        per_device: dict[str, int] = {}
+        for entry in out["per_layer"]:
+            entry["device"] = devices.get(entry["layer"])
+            if entry["device"] is not None:
+                per_device[entry["device"]] = per_device.get(entry["device"], 0) + entry["total_bytes"]
+        out["per_device"] = per_device
+    return out
 
 
 def totals(part: dict[str, int]) -> dict[str, float]:
