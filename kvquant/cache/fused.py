@@ -4,11 +4,12 @@ dequantized copy of the whole history.
 ``enable_fused_decode(model)`` switches the model's attention to :func:`attention`, registered with transformers'
 ``AttentionInterface`` as ``"kvquant_fused_<previous>"`` with the previous implementation's masks. A
 :class:`~kvquant.cache.KVQuantCache` made for such a model then answers a step of at most :data:`MAX_QUERY` tokens
-with placeholders (``[B, H, 0, D]`` tensors, the keys carrying a :class:`Pending` read) instead of dequantized keys
-and values, and :func:`attention` runs a kernel over the stores: the C++ one (``kvquant/csrc/dequant.cpp``
-``attend_into``) on the CPU, the Triton one (:mod:`.triton_attend`) on a GPU. Every other call (prefill, other
-caches, a layout or attention option no kernel reads: soft-capping, attention sinks, dropout) goes to the
-attention the model had before, with the dequantized copy, as without fused decode.
+with placeholders (a NaN broadcast to ``[B, H, kv_len, D]``, holding no memory, keys and values carrying one
+:class:`Pending` read) instead of dequantized keys and values, and :func:`attention` runs a kernel over the
+stores: the C++ one (``kvquant/csrc/dequant.cpp`` ``attend_into``) on the CPU, the Triton one
+(:mod:`.triton_attend`) on a GPU. Every other call (prefill, other caches, a layout or attention option no kernel
+reads: soft-capping, attention sinks, dropout, autograd) goes to the attention the model had before, with the
+dequantized copy, as without fused decode.
 
 What a query attends to comes from the model's own mask, translated to the row's read order (padding declared
 with ``set_padding`` is not stored, so read positions skip it): each query reads a contiguous range ``[lo, hi)``
@@ -70,6 +71,17 @@ class Pending:
         mask is not a tensor (flex attention's block masks)."""
         if mask is not None and not isinstance(mask, torch.Tensor):
             return None
+        if mask is None:
+            return self._ranges(mask, n)
+        # every layer of a forward reads the same mask: worked out once (on a GPU, one copy to the host per step);
+        # within one forward, one window (kv_len) has one padding tensor, so its id and the counts name it
+        key = (id(self.real), tuple(self.counts), self.kv_len, n)
+        memo = mask.__dict__.setdefault("_kvquant_ranges", {})
+        if key not in memo:
+            memo[key] = self._ranges(mask, n)
+        return memo[key]
+
+    def _ranges(self, mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         batch = len(self.counts)
         counts = torch.tensor(self.counts)
         if mask is None:
@@ -110,9 +122,10 @@ def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, 
     if query.device.type == "cpu":
         if not kernels.available() or query.dtype not in kernels.OUT_DTYPES or query.shape[-1] > 1024:
             return None
-        out = torch.empty_like(query.contiguous())
+        query = query.contiguous()
+        out = torch.empty_like(query)
         (kt, ko), (vt, vo) = _args(keys), _args(values)
-        kernels.attend_into(query.contiguous(), kt, ko, vt, vo, lo.contiguous(), hi.contiguous(), scaling, out)
+        kernels.attend_into(query, kt, ko, vt, vo, lo.contiguous(), hi.contiguous(), scaling, out)
         return out
     if query.device.type == "cuda":
         from . import triton_attend
