@@ -79,6 +79,21 @@ def check_device(key: str, device: str) -> None:
     _require(parsed.type in DEVICE_TYPES, f"{key} {device!r} is not a device to run a model on; {valid}")
 
 
+def map_device(device: str | int) -> str:
+    """A device map's entry as a device name (a GPU index ``N`` is ``cuda:N``)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        _require(device >= 0, f"a GPU index must be >= 0, got {device}")
+        return f"cuda:{device}"
+    return device
+
+
+def mapped_devices(device_map: str | dict | None) -> list[str]:
+    """The devices a device map names (none for a strategy such as ``auto``)."""
+    if isinstance(device_map, dict):
+        return [map_device(d) for d in device_map.values()]
+    return [] if device_map is None or device_map in DEVICE_MAPS else [device_map]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     #: ``local:REL`` (under the data directory), a local directory, or a Hugging Face hub id.
@@ -92,8 +107,10 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     #: ``auto``: the GPU when there is one, else the CPU.
     device: str = "auto"
-    #: accelerate's device map (e.g. ``auto``) for a model larger than one GPU; overrides ``device``.
-    device_map: str | None = None
+    #: accelerate's device map for a model larger than one GPU, in one process: a strategy (``auto``, ...), one
+    #: device, or an explicit map of module names to devices (``{model.layers.0: 0, lm_head: cuda:1}``, a GPU
+    #: index or a device name); overrides ``device``.
+    device_map: str | dict[str, str | int] | None = None
     #: Longest sequence fed to the model (defaults to the model's ``max_position_embeddings``).
     max_length: int | None = None
 
@@ -102,7 +119,11 @@ class ModelConfig:
         _require(self.gguf_file is None or bool(self.gguf_file), "gguf_file must be a file name or null")
         _at_least("max_length", self.max_length, 2, nullable=True)
         check_device("device", self.device)
-        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+        if isinstance(self.device_map, dict):
+            _require(bool(self.device_map), "device_map: an explicit map names at least one module")
+            for name, device in self.device_map.items():
+                check_device(f"device_map.{name}", map_device(device))
+        elif self.device_map is not None and self.device_map not in DEVICE_MAPS:
             check_device(f"device_map (one of {', '.join(DEVICE_MAPS)} or a device)", self.device_map)
 
 

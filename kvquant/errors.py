@@ -99,7 +99,8 @@ def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | No
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as stop:
-        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+        how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else " ".join(["interrupted", *(
+            [f"({stop})"] if str(stop) else [])])  # e.g. another process of a data-parallel run ended
         print(f"\n{prog}: {how}{on_interrupt()}", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001 - the point: every other failure becomes one line and a log

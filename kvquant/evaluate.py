@@ -15,6 +15,12 @@ context's cached row (``stack_rows``), which is exactly what it would have store
 Contexts are prefilled in batches of similar context lengths and continuations run in batches of similar
 continuation lengths, so little is padded; only the scored positions are projected onto the vocabulary.
 Simulated mode writes context and continuation in one pass, so it has nothing to share.
+
+Under several processes (:mod:`kvquant.parallel`) every process is handed the same requests; each scores every
+``world``-th group of them (longest first, so the shares cost alike) and the results are gathered, so each process
+returns all of them, as one process would. A request's log-probabilities equal one process's exactly when it is
+scored alone (``batch_size`` 1) with the same thread count; in batches, the rows that share its batch differ, which
+moves them by float rounding (see ``docs/parallel.md``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from tqdm import tqdm
 
 from .cache import KVQuantCache, stack_rows
 from .data import Window
-from .errors import KVQuantError
+from .errors import InternalError, KVQuantError
+from .parallel import ONE, Processes
 from .reads import Reads
 
 MODES = ("simulated", "streaming")
@@ -159,15 +166,16 @@ class Scorer:
 
     ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.reads`) and ``lengths``
     holds every scored request's length (context + continuation tokens), in scoring order. With
-    ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline)."""
+    ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline).
+    ``processes``: the run's processes, which share every call's requests (``reads`` then counts all of theirs)."""
 
     def __init__(self, model, make_cache: Callable[[], KVQuantCache], mode: str = "simulated", chunk_size: int = 64,
-                 batch_size: int = 1, share_prefix: bool = True):
+                 batch_size: int = 1, share_prefix: bool = True, processes: Processes = ONE):
         check_mode(mode, chunk_size)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise KVQuantError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
-        self.batch_size, self.share_prefix = batch_size, share_prefix
+        self.batch_size, self.share_prefix, self.processes = batch_size, share_prefix, processes
         self.reads, self.lengths, self.distributions = Reads(), [], False
         if mode == "simulated" and self.evicts:
             raise KVQuantError("eviction acts between forwards, and simulated mode scores each sequence in one "
@@ -200,8 +208,10 @@ class Scorer:
         return _chunks(context[:-1], self.chunk_size), _Row(_chunks(scored, self.chunk_size), 0, continuation)
 
     @torch.inference_mode()
-    def score_many(self, requests: list[tuple[list[int], list[int]]], desc: str | None = None) -> list[Scored]:
-        """Score each ``(context, continuation)`` (both non-empty token lists); results in request order.
+    def score_many(self, requests: list[tuple[list[int], list[int]]], desc: str | None = None,
+                   local: bool = False) -> list[Scored | None]:
+        """Score each ``(context, continuation)`` (both non-empty token lists); results in request order. Under
+        several processes with ``local``, only this process's share is returned (None for the others' requests).
 
         Requests are taken in pools of groups (the requests sharing a context, or each request alone). In a pool,
         the contexts are prefilled in batches of similar lengths (a context longer than one chunk alone, chunk by
@@ -218,6 +228,8 @@ class Scorer:
             groups.setdefault(tuple(context) if share else (i,), []).append(i)
         # longest first: the first pool shows the memory peak at once; similar lengths share pools
         order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
+        order = self.processes.share(order)
+        before = self.reads.to_dict()
         # A pool holds at most POOL_BATCHES batches of rows and batch_size chunks of context (what one batch of
         # contexts could hold), or a single group whose context is longer than a chunk.
         pools, current, rows, tokens = [], [], 0, 0
@@ -236,11 +248,26 @@ class Scorer:
         if current:
             pools.append(current)
         results: list[Scored | None] = [None] * len(requests)
-        with tqdm(total=len(requests), desc=desc, leave=False, disable=desc is None) as bar:
+        mine = sum(map(len, order))
+        with tqdm(total=mine, desc=desc, leave=False, disable=desc is None or not self.processes.main) as bar:
             for pool in pools:
                 for i, scored in self._score_pool(requests, pool):
                     results[i] = scored
                 bar.update(sum(map(len, pool)))
+        return self._gathered(results, before, local)
+
+    def _gathered(self, results: list[Scored | None], before: dict[str, int], local: bool) -> list[Scored | None]:
+        """Under several processes: ``reads`` summed over all of them, and (unless ``local``) every process's
+        results in place of the None of the requests it scored."""
+        if self.processes.world == 1:
+            return results
+        own = {k: v - before[k] for k, v in self.reads.to_dict().items()}
+        parts = self.processes.gather((own, [] if local else [(i, s) for i, s in enumerate(results) if s is not None]))
+        for name, total in functools.reduce(lambda a, b: {k: a[k] + b[k] for k in a}, [p[0] for p in parts]).items():
+            setattr(self.reads, name, before[name] + total)
+        for _, scored in parts:
+            for i, s in scored:
+                results[i] = s
         return results
 
     def _prefill(self, prefixes: list[list[list[int]]]) -> list[tuple[KVQuantCache, int]]:
@@ -333,28 +360,42 @@ def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window
     """Per window: the per-token KL divergence ``KL(baseline || candidate)`` of the next-token distributions (nats,
     ``kl[w][t]``), how many positions keep the baseline's most likely token (``top1``), and the positions
     (``tokens``). Windows go through both scorers a few at a time, so at most :data:`DISTRIBUTION_ELEMENTS`
-    log-probabilities per scorer are held (never a run's logits)."""
+    log-probabilities per scorer are held (never a run's logits). Under several processes each compares the
+    windows it scored (both scorers share requests out alike) and only the comparisons are gathered."""
     baseline.distributions = candidate.distributions = True
-    out: dict[str, list] = {"kl": [], "top1": [], "tokens": []}
+    found: dict[int, tuple[list[float], int, int]] = {}
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
     try:
         head = baseline.model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else baseline.model.config.get_text_config().vocab_size
         longest = max((len(c) for _, c in requests), default=1)
         step = max(1, DISTRIBUTION_ELEMENTS // (longest * vocab))
-        for start in tqdm(range(0, len(requests), step), desc=desc, leave=False, disable=desc is None):
+        for start in tqdm(range(0, len(requests), step), desc=desc, leave=False,
+                          disable=desc is None or not candidate.processes.main):
             group = requests[start : start + step]
-            for ref, got in zip(baseline.score_many(group), candidate.score_many(group)):
-                p = ref.distribution.double().log_softmax(-1)
-                q = got.distribution.double().log_softmax(-1)
-                terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
-                kl = terms.sum(-1).clamp(min=0)  # >= 0 in exact arithmetic; rounding may dip below
-                out["kl"].append(kl.tolist())
-                out["top1"].append(int((p.argmax(-1) == q.argmax(-1)).sum()))
-                out["tokens"].append(len(kl))
+            pairs = zip(baseline.score_many(group, local=True), candidate.score_many(group, local=True))
+            for i, (ref, got) in enumerate(pairs, start):
+                if (ref is None) != (got is None):
+                    raise InternalError("the baseline and the candidate scorer shared their requests out differently")
+                if ref is not None:
+                    found[i] = _compare(ref.distribution, got.distribution)
     finally:
         baseline.distributions = candidate.distributions = False
-    return {**out, "reads": candidate.reads.to_dict(), "lengths": candidate.lengths}
+    for part in candidate.processes.gather(found):
+        found.update(part)
+    kl, top1, tokens = zip(*(found[i] for i in range(len(requests)))) if requests else ((), (), ())
+    return {"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "reads": candidate.reads.to_dict(),
+            "lengths": candidate.lengths}
+
+
+def _compare(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], int, int]:
+    """Per-position KL divergence of ``got`` from ``reference`` (logits ``[positions, vocab]``), how many positions
+    keep the reference's most likely token, and the positions."""
+    p = reference.double().log_softmax(-1)
+    q = got.double().log_softmax(-1)
+    terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
+    kl = terms.sum(-1).clamp(min=0)  # >= 0 in exact arithmetic; rounding may dip below
+    return kl.tolist(), int((p.argmax(-1) == q.argmax(-1)).sum()), len(kl)
 
 
 @torch.inference_mode()

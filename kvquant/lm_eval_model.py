@@ -7,11 +7,15 @@ shared context once (``share_prefix``). Generation builds a fresh quantized cach
 than the ones named in ``__init__`` are handed to ``kvquant.make_cache`` (``group_size``, ``residual_length``,
 ``key_bits``, ...). Importing this module registers the model with lm-eval (``import kvquant`` alone does not
 import lm-eval).
+
+Under several processes (``torchrun`` / ``accelerate launch``) the work is shared out in one of two ways
+(``share_out``): ``documents``, lm-eval's own protocol (each rank builds and scores its share of every task's
+documents, and lm-eval gathers them on rank 0), or ``requests``, the runner's way (every rank builds every request,
+with the same few-shot draws as one process, and the scorer shares out its requests; every rank gets all scores).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import lm_eval.models  # noqa: F401  (before registering: lm-eval fills its built-in models only into an empty registry)
@@ -26,10 +30,13 @@ from .config import ConfigError, ModelConfig, load_yaml
 from .errors import KVQuantError
 from .evaluate import Scorer, check_mode
 from .models import load_model, max_length as model_max_length
+from . import parallel
 
 
 #: rows per batch for lm-eval's ``batch_size=auto`` (kvquant does not probe memory)
 DEFAULT_AUTO_BATCH = 16
+#: How several processes share the work (the module docstring).
+SHARE_OUT = ("documents", "requests")
 
 
 def parse_value(value):
@@ -74,17 +81,6 @@ def batch_rows(batch_size, max_batch_size=None, names: tuple[str, str] = ("batch
     return whole_number(batch_size, names[0], what=what)
 
 
-def processes():
-    """accelerate's process state when this process is one of several (``accelerate launch`` or ``torchrun``:
-    the gloo backend on CPUs, NCCL on GPUs), else None."""
-    from accelerate import PartialState
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    state = PartialState(cpu=not torch.cuda.is_available())  # accelerate needs to be told to use gloo on CPUs
-    return state if state.num_processes > 1 else None
-
-
 @register_model("kvquant")
 class KVQuantLM(TemplateLM):
     def __init__(
@@ -102,6 +98,7 @@ class KVQuantLM(TemplateLM):
         batch_size=1,
         max_batch_size=None,
         share_prefix=True,
+        share_out: str = "documents",
         **cache_options,
     ):
         super().__init__()
@@ -116,14 +113,16 @@ class KVQuantLM(TemplateLM):
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
             device = "cpu"
-        state = processes()
-        if state is not None:  # launched with several processes: this one scores its share of the requests
-            self._rank, self._world_size = state.process_index, state.num_processes
+        if share_out not in SHARE_OUT:
+            raise KVQuantError(f"share_out must be one of {', '.join(SHARE_OUT)}, got {share_out!r}")
+        group = parallel.current()
+        if group.world > 1:  # launched with several processes: this one scores its share
             if device_map:
                 raise KVQuantError("device_map shards one model over devices; it cannot be combined with several "
                                    "data-parallel processes (launch one process, or drop device_map)")
-            if state.device.type == "cuda":
-                device = str(state.device)  # one GPU per process
+            device = parallel.device() or device  # one GPU per process
+            if share_out == "documents":
+                self._rank, self._world_size = group.rank, group.world
         if isinstance(pretrained, str):
             spec = ModelConfig(path=pretrained, tokenizer=tokenizer, dtype=dtype, device=device or "auto",
                                device_map=device_map, gguf_file=gguf_file, max_length=max_length)
@@ -136,7 +135,8 @@ class KVQuantLM(TemplateLM):
         self.quantizer = quantizer
         self.cache_options = options
         make_cache(self.model, quantizer, **options)  # validate the settings now, not at the first request
-        self.scorer = Scorer(self.model, self.new_cache, mode, chunk_size, batch_size, share_prefix)
+        self.processes = group if share_out == "requests" else parallel.ONE
+        self.scorer = Scorer(self.model, self.new_cache, mode, chunk_size, batch_size, share_prefix, self.processes)
 
     def new_cache(self):
         return make_cache(self.model, self.quantizer, **self.cache_options)
@@ -157,7 +157,7 @@ class KVQuantLM(TemplateLM):
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            processes().wait_for_everyone()
+            torch.distributed.barrier()
 
     @property
     def eot_token_id(self) -> int:
@@ -194,8 +194,20 @@ class KVQuantLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False):
+        """Each request's greedy (or sampled) continuation through a fresh quantized cache; with ``share_out``
+        ``requests``, each process generates every ``world``-th one and all are gathered."""
+        args = [r.args for r in requests]
+        mine = self.processes.share(list(range(len(args))))
+        texts = self._generate([args[i] for i in mine], disable_tqdm or not self.processes.main)
+        out: list[str | None] = [None] * len(args)
+        for part in self.processes.gather(list(zip(mine, texts))):
+            for i, text in part:
+                out[i] = text
+        return out
+
+    def _generate(self, args: list, disable_tqdm: bool) -> list[str]:
         out = []
-        for context, gen_kwargs in tqdm([r.args for r in requests], desc="kvquant generate", disable=disable_tqdm):
+        for context, gen_kwargs in tqdm(args, desc="kvquant generate", disable=disable_tqdm):
             kwargs = dict(gen_kwargs)
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)

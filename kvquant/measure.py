@@ -13,11 +13,13 @@ import hashlib
 import json
 import math
 import dataclasses
+import os
+import unittest.mock
 from dataclasses import asdict, dataclass
 
 import torch
 
-from . import data
+from . import data, parallel
 from .cache import make_cache, simulate_memory
 from .config import Candidate, ExperimentConfig
 from .errors import KVQuantError
@@ -66,16 +68,18 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
 
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.quantizer, mode=cfg.eval.mode,
                    chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
-                   share_prefix=shares_prefix(candidate), **candidate.options)
+                   share_prefix=shares_prefix(candidate), share_out="requests", **candidate.options)
     name = resolve_task(task)
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
-    out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
-                                  limit=None if documents else limit,
-                                  samples={name: list(documents)} if documents else None,
-                                  task_manager=task_manager(folder), log_samples=True,
-                                  bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+    with unittest.mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}):  # lm-eval returns results only where it is 0;
+        # under several processes here, every one builds every request and holds every score (share_out)
+        out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
+                                      limit=None if documents else limit,
+                                      samples={name: list(documents)} if documents else None,
+                                      task_manager=task_manager(folder), log_samples=True,
+                                      bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
     if candidate is BASELINE:
         scores = [r[0] for s in samples for r in s["filtered_resps"] if isinstance(r, (list, tuple))]
@@ -137,6 +141,7 @@ class Session:
 
     def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape):
         self.cfg, self.model, self.tokenizer, self.store, self.shape = cfg, model, tokenizer, store, shape
+        self.processes = parallel.current()  # several share out every measurement's scoring
         self.maxlen = max_length(model, cfg.model)
         self.weights = weights_digest(model, tokenizer)
         probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
@@ -182,7 +187,7 @@ class Session:
         cfg = self.cfg
         return Scorer(self.model, lambda: make_cache(self.model, candidate.quantizer, **candidate.options),
                       cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
-                      share_prefix=shares_prefix(candidate))
+                      share_prefix=shares_prefix(candidate), processes=self.processes)
 
     def _divergence(self, candidate, label, key, name: str, windows: list[data.Window],
                     progress: bool) -> list[Outcomes]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, mapped_devices
 from .errors import KVQuantError, one_line
 from .fs import cache_dir
 from .paths import resolve
@@ -91,6 +91,8 @@ def check_model(spec: ModelConfig, keys: dict[str, str] | None = None):
     if spec.tokenizer:
         _check_reference(spec.tokenizer, key("tokenizer"))
     check_device_present(spec.device, key("device"))
+    for device in mapped_devices(spec.device_map):  # every device a map names must exist here
+        check_device_present(device, key("device_map"))
     source, kwargs = path, {}
     if spec.gguf_file:
         gguf = _gguf_path(path, spec.gguf_file, key("path"), key("gguf_file"))

@@ -139,7 +139,8 @@ def document(run: RunResult, run_id: str) -> dict:
         "chunk_size": cfg.eval.chunk_size if cfg.eval.mode == "streaming" else None,
         "command": run.command, "environment": environment(), "config": cfg.to_dict(),
         "results": {"computed": provenance.computed, "reused_from_partial": provenance.reused,
-                    "set_aside": list(provenance.set_aside)},
+                    "set_aside": list(provenance.set_aside), "processes": provenance.processes,
+                    "seconds": provenance.seconds},
         "warnings": list(provenance.warnings),
         "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
         "candidates": [_candidate_entry(c, run) for c in run.candidates],
@@ -337,7 +338,8 @@ def _header(doc: dict, cfg: ExperimentConfig) -> list[str]:
         f"sources {env['kvquant_source_sha256']}); git {env['git_commit']}; {env['date']}",
         f"- run {doc['run_id']} (also in results.json and config.resolved.yaml); results: "
         f"{doc['results']['computed']} measured in this run, {doc['results']['reused_from_partial']} reused from "
-        "partial/ (same inputs, same code version)"
+        f"partial/ (same inputs, same code version); {doc['results']['processes']} process(es), "
+        f"{doc['results']['seconds']} s"
         + (f"; unreadable partial results set aside and recomputed: {', '.join(doc['results']['set_aside'])}"
            if doc["results"]["set_aside"] else ""),
         *(f"- warning: {w}" for w in doc["warnings"]),

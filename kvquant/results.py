@@ -256,12 +256,15 @@ class Decision:
 @dataclass(frozen=True)
 class Provenance:
     """Where a run's results came from: ``computed`` in this run or ``reused`` from ``partial/``, the partial
-    results ``set_aside`` as unreadable (and recomputed), and the run's warnings."""
+    results ``set_aside`` as unreadable (and recomputed), the run's warnings, how many data-parallel
+    ``processes`` ran it and its wall-clock ``seconds`` (model load to gate)."""
 
     computed: int
     reused: int
     set_aside: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    processes: int = 1
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)

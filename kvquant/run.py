@@ -10,11 +10,17 @@ error (the traceback goes to error.log in the report directory), 130 interrupted
 the model loads, and nothing is written into the report directory until then. Every finished (candidate,
 metric) result is saved at once under a key of its inputs and the code version, so an interrupted run resumes
 where it stopped; a lock refuses a second run into the same directory.
+
+Under ``torchrun`` or ``accelerate launch`` the run's processes share out the scoring of every measurement (each
+scores its share of the windows and documents through its own quantized cache, and every process gathers all the
+scores, so all of them take the same steps); process 0 alone holds the lock and writes partial results and the
+report (``docs/parallel.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -26,12 +32,13 @@ import secrets
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import data, models, report
+from . import data, models, parallel, report
 from .config import ExperimentConfig, Stage, load_config
 from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .fs import cache_dir, read_file, real_dir, set_aside, write_file
@@ -48,8 +55,9 @@ LOCK = ".lock"
 
 
 def warn(warnings: list[str], message: str) -> None:
-    """Print a warning now and keep it for the report."""
-    print(f"kvquant: warning: {message}", file=sys.stderr)
+    """Print a warning now (process 0 of several) and keep it for the report."""
+    if parallel.current().main:
+        print(f"kvquant: warning: {message}", file=sys.stderr)
     warnings.append(message)
 
 
@@ -59,12 +67,13 @@ class ResultStore:
     and the result under this user's private key (:func:`result_key`), so a result edited by hand or written
     by another user or machine is recomputed, never trusted. An unreadable or unverified file is named in a
     warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. Counts what it
-    reused and computed."""
+    reused and computed. Under several processes, process 0 alone reads and writes the files: it hands every
+    process the saved result, or all of them compute it together (``compute`` shares its scoring out)."""
 
-    def __init__(self, directory: Path, code: dict, warnings: list[str]):
-        self.directory, self.code, self.warnings = directory, code, warnings
+    def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE):
+        self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
         self.reused, self.computed, self.set_aside = 0, 0, []
-        self.secret = result_key()
+        self.secret = result_key() if processes.main else b""
 
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / (metric.replace("/", "__") + ".json")
@@ -77,17 +86,19 @@ class ResultStore:
         path = self._path(candidate, metric)
         inputs = {**key, "code": self.code}
         digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
-        saved = self._read(path, digest)
+        saved = self.processes.broadcast(self._read(path, digest) if self.processes.main else None)
         if saved is not None:
             self.reused += 1
             return saved["result"]
         result = compute()
+        self.computed += 1
+        if not self.processes.main:
+            return result
         real_dir(self.directory, "partial results")
         real_dir(path.parent, "partial results")
         stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
         write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
                                      "signature": self._sign(digest, stored)}, default=str))
-        self.computed += 1
         return result
 
     def _read(self, path: Path, digest: str) -> dict | None:
@@ -245,6 +256,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
     perplexity set's text and every task name. Returns the perplexity rows and warnings."""
     check_report_dir(Path(cfg.output_dir) / cfg.name)
+    check_processes(cfg, parallel.current().world)
     model_config = check_model(cfg.model)
     shape = shape_from_config(model_config, cfg.model.path)
     for i, candidate in enumerate(cfg.candidates):
@@ -295,6 +307,27 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
             warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
                  "reads up to chunk_size - 1 tokens beyond the window")
     return rows, warnings
+
+
+def check_processes(cfg: ExperimentConfig, world: int) -> None:
+    """Several data-parallel processes (``world``) can share this run: one model per process (no device map),
+    a GPU each where the model runs on GPUs, and something to score for each in every measurement (when the
+    config bounds the windows and documents)."""
+    if world == 1:
+        return
+    if cfg.model.device_map:
+        raise KVQuantError(f"model.device_map shards one model over devices, and {world} data-parallel processes "
+                           "each load their own; launch one process, or drop model.device_map")
+    device = models.pick_device(cfg.model.device)
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # this machine's processes (torchrun sets it)
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if device.startswith("cuda") and here > gpus:
+        raise KVQuantError(f"{here} processes on this machine, each driving one GPU, but it has {gpus}; launch at "
+                           f"most {gpus} per machine")
+    sizes = [p.limit for p in cfg.eval.perplexity] + [cfg.eval.tasks.limit_for(t) for t in cfg.eval.tasks.names]
+    if sizes and all(sizes) and world > max(sizes):
+        raise KVQuantError(f"{world} processes, and no measurement has more than {max(sizes)} windows or documents "
+                           f"to share out (eval.perplexity[].limit, eval.tasks.limit): launch at most {max(sizes)}")
 
 
 def lm_eval_task(task: str, folder):
@@ -389,8 +422,9 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         if not grown:
             return results
         for task, (docs, labels) in grown.items():
-            print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
-                  f"{', '.join(sorted(labels))} (inconclusive at {docs.start}) and the baseline")
+            if session.processes.main:
+                print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
+                      f"{', '.join(sorted(labels))} (inconclusive at {docs.start}) and the baseline")
             for label in [BASELINE.label, *labels]:
                 more[label].setdefault(task, []).append(docs)
         for c in [BASELINE, *candidates]:
@@ -428,10 +462,13 @@ def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: di
 def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
     """Run a validated config's steps into ``out_dir`` (held under its lock): the search (its map joins the
     candidates), the serving shape of a staged run, the candidates (or stages) measured, the gate, the report.
-    The config is never rewritten: each step reads it as given."""
+    The config is never rewritten: each step reads it as given. Every process of several takes every step (each
+    holds every result); process 0 alone writes."""
+    start, processes = time.monotonic(), parallel.current()
     seed_everything(cfg.eval.seed)
-    model, tokenizer = load_model(cfg.model)
-    store = ResultStore(out_dir / "partial", report.code_version(), warnings)
+    device = parallel.device()  # one GPU per process; the resume keys keep the config's own device
+    model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
+    store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes)
     session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
     candidates = list(cfg.stages or cfg.candidates)
     searched = staged = None
@@ -445,13 +482,41 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
         results = add_documents(session, candidates, rows, results, bits)
     table, decision = judge_run(cfg, candidates, results, staged, warnings)
-    provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings))
+    # under a launcher a process's code other than 0 reads as a crash (torchrun stops the run and prints a failure
+    # report), so each process of several ends 0 once the run is done, whatever the decision; process 0 prints the
+    # decision and results.json holds it
+    code = {PASS: EXIT_PASS, FAIL: EXIT_FAIL, INCONCLUSIVE: EXIT_INCONCLUSIVE}[decision.decision]
+    code = code if processes.world == 1 else EXIT_PASS
+    if not processes.main:
+        return code
+    provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
+                            round(time.monotonic() - start, 1))
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged)
     paths = report.write(out_dir, run)
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
-    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}")
+    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}"
+          + (f", by {processes.world} processes" if processes.world > 1 else ""))
     print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name})")
-    return {PASS: EXIT_PASS, FAIL: EXIT_FAIL, INCONCLUSIVE: EXIT_INCONCLUSIVE}[decision.decision]
+    return code
+
+
+@contextlib.contextmanager
+def locked(out_dir: Path, held: list[Path]):
+    """The run's hold on ``out_dir``: process 0 takes its :class:`RunLock` and tells the others whether it could
+    (so all of them stop with its one line when it cannot)."""
+    processes = parallel.current()
+    with contextlib.ExitStack() as stack:
+        refused = None
+        if processes.main:
+            try:
+                stack.enter_context(RunLock(out_dir))
+                held.append(out_dir)
+            except KVQuantError as err:
+                refused = str(err)
+        refused = processes.broadcast(refused)
+        if refused is not None:
+            raise KVQuantError(refused)
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,8 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         out_dir = Path(cfg.output_dir) / cfg.name
         rows, warnings = preflight(cfg)
-        with RunLock(out_dir):
-            held.append(out_dir)
+        with locked(out_dir, held):
             return execute(cfg, out_dir, command, rows, warnings)
 
     def resume_hint() -> str:

@@ -240,8 +240,9 @@ class _Search:
         passed = decide(table, {label: self.map_bits(m)}, self.gate).passed[label]
         self.checked[m] = {"step": m, "bits_per_element": self.map_bits(m), "passed": passed,
                            "metrics": {row.metric.name: row.relative for row in table if row.gated}}
-        print(f"kvquant: search: step {m}/{len(self.maps) - 1} ({self.map_bits(m):.3f} bits/element): "
-              f"{'passes' if passed else 'fails'} on the calibration split")
+        if self.session.processes.main:
+            print(f"kvquant: search: step {m}/{len(self.maps) - 1} ({self.map_bits(m):.3f} bits/element): "
+                  f"{'passes' if passed else 'fails'} on the calibration split")
         return passed
 
     def choose(self) -> tuple[int, int | None]:

@@ -196,6 +196,11 @@ RUN_CASES = [
     ("device-banana", S("model.device=banana"), "model.device 'banana' is not a device"),
     ("device-meta", S("model.device=meta"), "model.device 'meta'"),
     ("device-map-typo", S("model.device_map=autoo"), "device_map"),
+    ("device-map-entry", S("model.device_map={model.layers.0: banana}"), "model.device_map.model.layers.0 'banana'"),
+    ("device-map-index", S("model.device_map={model.layers.0: -1}"), "a GPU index must be >= 0, got -1"),
+    ("device-map-empty", S("model.device_map={}"), "an explicit map names at least one module"),
+    ("device-map-absent", S("model.device_map={model.layers.0: 0, lm_head: cpu}"), "torch sees no GPU") if NO_GPU else
+    ("device-map-absent", S("model.device_map={model.layers.0: 99}"), "cuda:99"),
     ("dtype-typo", S("model.dtype=float64"), "model.dtype must be one of"),
     ("model-missing-path", S("model.path=/nonexistent/model"), "'/nonexistent/model' does not exist"),
     ("model-missing-local", S("model.path=local:models/nope"), "local:models/nope"),

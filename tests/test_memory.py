@@ -82,3 +82,33 @@ def test_each_layer_stores_on_its_own_layer_device_and_memory_is_reported_per_de
     keys = 2 * (16 * 8 + 2 * 2 * 16 * 2)
     values = 2 * 16 * (8 + 2 * 2 * 2)
     assert one == keys + values + 2 * 2 * 4 * 16 * 4
+
+
+def test_a_model_placed_by_a_device_map_keeps_each_layers_cache_on_that_layers_device():
+    """stories260K dispatched by accelerate's device map: the embedding and layers 0-1 on the CPU, layers 2-4 and the
+    head on the meta device (a second device a CPU machine honestly has; accelerate's hooks move each layer's input
+    there). A forward through the base model (the top-level hook would copy meta outputs back to the CPU, which
+    meta cannot do) writes every layer's cache where the layer runs, and the bytes are reported per device."""
+    from accelerate import dispatch_model
+    from transformers import AutoModelForCausalLM
+
+    from kvquant.paths import resolve
+
+    model = AutoModelForCausalLM.from_pretrained(resolve("local:models/stories260K/hf"), dtype=torch.float32).eval()
+    placed = ["cpu", "cpu", "meta", "meta", "meta"]
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "meta", "lm_head": "meta",
+                  **{f"model.layers.{i}": device for i, device in enumerate(placed)}}
+    model = dispatch_model(model, device_map=device_map, main_device="cpu")
+    assert [layer.self_attn.k_proj.weight.device.type for layer in model.model.layers] == placed
+    cache = kvquant.make_cache(model, "int4", group_size=8, residual_length=4)
+    with torch.no_grad():
+        model.model(torch.arange(1, 30)[None], cache=cache, use_cache=True)
+    for layer, device in zip(cache.layers, placed):
+        held = [layer.k.tail, layer.v.tail, *layer.k.pool.values(), *layer.v.pool.values()]
+        assert {t.device.type for t in held} == {device}
+    cpu = cache.layers[0].k.tail
+    assert torch.isfinite(cpu).all() and cpu.abs().sum() > 0  # the CPU layers hold real states
+    report = cache.memory_report()
+    assert [entry["device"] for entry in report["per_layer"]] == placed
+    one = report["per_layer"][0]["total_bytes"]
+    assert report["per_device"] == {"cpu": 2 * one, "meta": 3 * one} and report["total_bytes"] == 5 * one

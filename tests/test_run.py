@@ -119,12 +119,19 @@ def read_report(out_dir):
     return json.loads((out_dir / "results.json").read_text())
 
 
+def provenance(doc: dict) -> dict:
+    """What results.json says of where its results came from, less the run's process count and seconds."""
+    results = dict(doc["results"])
+    assert results.pop("processes") == 1 and results.pop("seconds") > 0
+    return results
+
+
 def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_path, capsys, monkeypatch):
     path = write_config(tmp_path, TINY)
     out_dir = tmp_path / "reports" / "tiny"
     assert main([str(path)]) == 0
     first = read_report(out_dir)
-    assert first["results"] == {"computed": 5, "reused_from_partial": 0, "set_aside": []}  # ppl, kl, memory
+    assert provenance(first) == {"computed": 5, "reused_from_partial": 0, "set_aside": []}  # ppl, kl, memory
     for name in ("report.md", "config.resolved.yaml"):  # the three files describe the same run
         assert first["run_id"] in (out_dir / name).read_text()
     assert "5 measured in this run, 0 reused" in (out_dir / "report.md").read_text()
@@ -135,7 +142,7 @@ def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_pat
     err = capsys.readouterr().err
     assert str(victim) in err and "moved to ppl__tinystories.json.corrupt and recomputed" in err
     second = read_report(out_dir)
-    assert second["results"] == {"computed": 1, "reused_from_partial": 4, "set_aside": ["int8/ppl__tinystories.json"]}
+    assert provenance(second) == {"computed": 1, "reused_from_partial": 4, "set_aside": ["int8/ppl__tinystories.json"]}
     assert [c["metrics"] for c in second["candidates"]] == [c["metrics"] for c in first["candidates"]]
     assert "1 measured in this run, 4 reused" in (out_dir / "report.md").read_text()
     real = report.code_version()
@@ -158,7 +165,7 @@ def test_a_perplexity_file_whose_text_changed_is_measured_again_not_reused(tmp_p
                             for i in range(4)))
     main([str(path)])
     second = read_report(out_dir)
-    assert second["results"] == {"computed": 5, "reused_from_partial": 0, "set_aside": []}  # was: 2 reused
+    assert provenance(second) == {"computed": 5, "reused_from_partial": 0, "set_aside": []}  # was: 2 reused
     assert second["candidates"][0]["metrics"]["ppl/tinystories"]["value"] != \
         first["candidates"][0]["metrics"]["ppl/tinystories"]["value"]
 
@@ -271,7 +278,7 @@ def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_p
     weights["model.layers.0.mlp.up_proj.weight"] *= 0.5
     save_file(weights, weights_file, metadata={"format": "pt"})
     main([str(path)])
-    assert read_report(out_dir)["results"] == {"computed": 7, "reused_from_partial": 0, "set_aside": []}
+    assert provenance(read_report(out_dir)) == {"computed": 7, "reused_from_partial": 0, "set_aside": []}
     lines = (root / "text/tinystories/validation-first1000.jsonl").read_text().splitlines()
     lines[600] = json.dumps({"text": "Once upon a time there was a zebra. The zebra ate grass with the other zebra."})
     (root / "text/tinystories/validation-first1000.jsonl").write_text("\n".join(lines) + "\n")

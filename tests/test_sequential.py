@@ -104,7 +104,10 @@ class FakeSession:
     recording which (label, range) it was asked to score."""
 
     def __init__(self, cfg, outcomes: dict[str, np.ndarray]):
+        from kvquant.parallel import ONE
+
         self.cfg, self.outcomes, self.tokenizer, self.maxlen = cfg, outcomes, FakeTokenizer(), 64
+        self.processes = ONE
         self.scored: list[tuple[str, int, int]] = []
 
     def measure(self, candidate, split, label=None, tasks=True, probe=None):
