@@ -14,6 +14,7 @@ from .cache import KVQuantCache, make_cache
 from .cache.fused import enable_fused_decode
 from .errors import KVQuantError, NonFiniteKVError
 from .quantizers import Quantizer, available_quantizers, get_quantizer, quantizer_options, register_quantizer
+from . import engines  # noqa: F401  (registers the serving engines' formats)
 
 
 

@@ -25,13 +25,15 @@ FP16_TINY = torch.finfo(torch.float16).tiny
 
 @dataclass(frozen=True)
 class Spec:
-    """What one stream stores: ``kind`` is "exact", "int" or "fp8"."""
+    """What one stream stores: ``kind`` is "exact", "int", "fp8" or "fn" (``fn`` fake-quantizes each token's
+    ``[B, H, T, D]`` block, every token on its own)."""
 
     kind: str
     bits: int = 0
     axis: str = "token"  # int: "channel" = groups of `group` tokens per channel; "token" = `group` channels
     group: int = 1
     fp8: torch.dtype | None = None
+    fn: object = None
 
     @property
     def unit(self) -> int:
@@ -65,6 +67,8 @@ def fake_quant_history(x: torch.Tensor, spec: Spec, sinks: int, residual: int) -
     body = out[:, :, sinks : sinks + quantized]
     if spec.kind == "fp8":
         body.copy_(fp8_fake_quant(body, spec.fp8))
+    elif spec.kind == "fn":
+        body.copy_(spec.fn(body))
     elif spec.axis == "channel":
         grouped = body.unflatten(2, (-1, spec.group))
         grouped.copy_(int_fake_quant(grouped, spec.bits, 3))

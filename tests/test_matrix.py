@@ -41,7 +41,9 @@ SETTINGS = {
 
 
 def test_every_registered_quantizer_is_in_the_matrix():
-    assert set(SETTINGS) == set(kvquant.available_quantizers())
+    """Serving engines' formats are checked against their own references in test_engines.py."""
+    engines = {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
+    assert set(SETTINGS) == set(kvquant.available_quantizers()) - engines
 
 
 _MODELS = {}
