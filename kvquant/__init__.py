@@ -1,8 +1,8 @@
 """kvquant: KV-cache quantization you can measure honestly.
 
 >>> import kvquant
->>> kvquant.available_quantizers()
-['fp16', 'fp8_e4m3', 'fp8_e5m2', 'int2', 'int4', 'int8']
+>>> kvquant.available_quantizers()  # and the serving engines' formats: 'vllm_fp8', 'sglang_mxfp8', ...
+['fp16', 'fp8_e4m3', 'fp8_e5m2', 'int2', 'int4', 'int8', 'sglang_mxfp8', 'vllm_fp8', ...]
 >>> cache = kvquant.make_cache(model, "int4", group_size=32, residual_length=128)
 >>> model.generate(ids, cache=cache, max_new_tokens=64)
 

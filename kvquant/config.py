@@ -40,6 +40,8 @@ MIN_ACCURACY_RATIO, MAX_PERPLEXITY_RATIO = 0.5, 2.0
 MAX_CALIBRATION = 100_000
 #: Result labels the search uses for its own measurements.
 SEARCH_PREFIX = "search-"
+#: How a candidate's static scales are calibrated: one per layer and tensor, or per layer and KV head.
+CALIBRATE = ("tensor", "head")
 
 
 class ConfigError(KVQuantError):
@@ -135,10 +137,15 @@ class Candidate:
     options: dict[str, Any] = field(default_factory=dict)
     #: Label in reports (default: derived from quantizer and options).
     name: str | None = None
+    #: Static scales (a quantizer's ``k_scale``/``v_scale``) observed on the calibration split (``calibration:``)
+    #: per layer, one per tensor (``tensor``) or per KV head (``head``), as llm-compressor observes them.
+    calibrate: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         _require(bool(self.quantizer), "quantizer must name a quantizer, got ''")
         check_plain_name("name" if self.name else "label (derived from quantizer and options; set name)", self.label)
+        _require(self.calibrate in (None, *CALIBRATE), f"calibrate must be one of {list(CALIBRATE)} or null, got "
+                 f"{self.calibrate!r}")
 
     @property
     def label(self) -> str:
@@ -370,6 +377,20 @@ class SearchConfig:
 
 
 @dataclass(frozen=True)
+class CalibrationConfig:
+    """The calibration split static scales are observed on: per gated perplexity set, ``windows`` windows after
+    its evaluation ``limit`` (held apart from evaluation), each one forward; the running minimum and maximum of the
+    keys and values move by ``averaging`` per forward (llm-compressor's minmax observer)."""
+
+    windows: int = 8
+    averaging: float = 0.01
+
+    def __post_init__(self):
+        _at_least("windows", self.windows, 1)
+        _require(0 < self.averaging <= 1, f"averaging must be in (0, 1], got {self.averaging!r}")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     name: str
     candidates: list[Candidate] = field(default_factory=list)
@@ -381,6 +402,8 @@ class ExperimentConfig:
     #: A staged memory loop instead of candidates: levers stacked in order, each stage gated (see kvquant.stages).
     stages: list[Stage] = field(default_factory=list)
     serving: ServingConfig | None = None
+    #: The calibration split of candidates with ``calibrate`` (null: none calibrates).
+    calibration: CalibrationConfig | None = None
     #: Reports go to ``<output_dir>/<name>/``.
     output_dir: str = "reports"
 
@@ -429,6 +452,23 @@ class ExperimentConfig:
                          "eval.tasks.limit (where each task starts) at or below it")
         if self.search:
             self._check_split()
+        self._check_calibration()
+
+    def _check_calibration(self) -> None:
+        """Candidates that calibrate have a calibration split: windows after each gated perplexity set's limit."""
+        calibrating = [f"{where}[{i}] ({c.label})" for where, listed in (("candidates", self.candidates),
+                                                                          ("stages", self.stages))
+                       for i, c in enumerate(listed) if c.calibrate]
+        if not calibrating:
+            return
+        _require(self.calibration is not None, f"{calibrating[0]}: calibrate needs a calibration split held apart "
+                 "from evaluation; add calibration: {windows: 8} (windows after each gated perplexity set's limit)")
+        sets = self.gated_perplexity()
+        _require(bool(sets), f"{calibrating[0]}: calibration windows come from the gated perplexity sets, and none "
+                 "is gated; add one to eval.perplexity (and gate.perplexity)")
+        for pset in sets:
+            _require(pset.limit is not None, f"calibration: perplexity set {pset.name!r} has no limit, so no windows "
+                     "are left to calibrate on apart from evaluation; set eval.perplexity[].limit")
 
     def _check_split(self) -> None:
         """A search calibrates on data held apart from evaluation: after each gated set's and task's limit."""

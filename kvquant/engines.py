@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -348,13 +349,17 @@ class VllmFp8(Quantizer):
     KV head (compressed-tensors ``strategy: attn_head``, FlashAttention 3). A checkpoint without scales runs at 1.0
     (``kv_cache.py:117-169``), the default here; calibrated scales are ``amax / 448``."""
 
-    k_scale: float | list[float] = 1.0
-    v_scale: float | list[float] = 1.0
+    #: calibrated scales are amax / 448 (``kvquant.calibrate``)
+    calibration_divisor: ClassVar[float] = E4M3_MAX
+    k_scale: float | tuple[float, ...] = 1.0
+    v_scale: float | tuple[float, ...] = 1.0
 
     def __post_init__(self):
         super().__post_init__()
         for field in ("k_scale", "v_scale"):
             _positive_scales(self.name, field, getattr(self, field))
+            if isinstance(getattr(self, field), list):  # per-head scales, kept hashable
+                object.__setattr__(self, field, tuple(getattr(self, field)))
 
     def _codecs(self, head_dim):
         return (StaticFp8Codec(_positive_scales(self.name, "k_scale", self.k_scale)),
@@ -395,6 +400,8 @@ class VllmNvfp4(Quantizer):
     """vLLM ``--kv-cache-dtype nvfp4``: e2m1 in blocks of 16 with e4m3 block scales under a static global scale
     per layer (``k_scale``/``v_scale``: 1.0 without checkpoint scales; ModelOpt's are ``amax / (6 * 448)``)."""
 
+    #: calibrated global scales are amax / (6 x 448), as ModelOpt's (``kvquant.calibrate``)
+    calibration_divisor: ClassVar[float] = 6 * E4M3_MAX
     k_scale: float = 1.0
     v_scale: float = 1.0
 

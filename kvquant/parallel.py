@@ -60,28 +60,43 @@ class Processes:
 ONE = Processes()
 
 
+#: what gloo and NCCL say when a peer's connection closed or a collective timed out
+PEER_GONE = ("connection", "closed", "reset by peer", "broken pipe", "timed out", "timeout", "nccl communicator")
+
+
 def _collective(op, *args, **kwargs) -> None:
     try:
         op(*args, **kwargs)
-    except (RuntimeError, ConnectionError) as err:  # gloo / NCCL: a peer closed its connection or timed out
+    except ConnectionError as err:
         raise PeerEnded from err
+    except RuntimeError as err:
+        if any(words in str(err).lower() for words in PEER_GONE):
+            raise PeerEnded from err
+        raise  # anything else (out of memory, an object that does not pickle) is this process's own error
 
 
-def current() -> Processes:
-    """The processes of this run: several when launched by ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE``
-    above 1; the process group is started here, through accelerate), else :data:`ONE`."""
+def start(cpu: bool) -> Processes:
+    """Start the run's process group (once; later calls and :func:`current` reuse it): gloo on CPUs when ``cpu``
+    (a config whose model runs on the CPU, even where there are GPUs), else one GPU per process with NCCL."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return ONE
     from accelerate import PartialState
 
-    state = PartialState(cpu=not torch.cuda.is_available())  # accelerate needs to be told to use gloo on CPUs
+    state = PartialState(cpu=cpu or not torch.cuda.is_available())  # accelerate must be told to use gloo on CPUs
     return Processes(state.process_index, state.num_processes) if state.num_processes > 1 else ONE
+
+
+def current() -> Processes:
+    """The processes of this run: several when launched by ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE``
+    above 1; the process group is started by :func:`start`, or here on GPUs where there are any), else :data:`ONE`."""
+    return start(cpu=False)
 
 
 def device() -> str | None:
     """This process's GPU when the run's processes each drive one (``cuda:<local rank>``), else None."""
-    if current().world == 1 or not torch.cuda.is_available():
+    if current().world == 1:
         return None
     from accelerate import PartialState
 
-    return str(PartialState().device)
+    placed = PartialState().device
+    return str(placed) if placed.type == "cuda" else None

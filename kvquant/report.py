@@ -46,12 +46,13 @@ def _version(package: str) -> str:
 #: Every file a run may leave in its report directory (besides ``partial/``): what a run does not regenerate
 #: is removed, so nothing there describes an earlier run.
 REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png", "config.resolved.yaml",
-                          "searched.yaml", "stages.png", "probe.png", ERROR_LOG})
+                          "searched.yaml", "stages.png", "probe.png", "DEPLOY.md", "kv_cache_scheme.json",
+                          "kv_scales.safetensors", ERROR_LOG})
 
 #: Modules that only orchestrate, check or render (runner, gate, planner, report, CLI): they run afresh
 #: every time and decide no measured value, so a change to them keeps finished results reusable.
 NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py", "lm_eval.py",
-                           "config.py", "results.py", "search.py"})
+                           "config.py", "results.py", "search.py", "deploy.py", "export.py"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -144,6 +145,7 @@ def document(run: RunResult, run_id: str) -> dict:
         "warnings": list(provenance.warnings),
         "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
         "candidates": [_candidate_entry(c, run) for c in run.candidates],
+        **({"calibration": run.calibration} if run.calibration else {}),
         **({"search": run.search} if run.search else {}),
         **({"staged": run.staged} if run.staged else {}),
     }
@@ -265,8 +267,8 @@ def _plot(candidates: list[dict], cfg: ExperimentConfig) -> bytes:
     metrics = sorted({m for c in candidates for m, e in c["metrics"].items()
                       if e["gated"] and e["kind"] not in (DIVERGENCE, AGREEMENT)})
     for i, metric in enumerate(metrics):
-        entries = sorted((c["bits_per_element"], c["metrics"][metric], c["name"]) for c in candidates
-                         if metric in c["metrics"])
+        entries = sorted(((c["bits_per_element"], c["metrics"][metric], c["name"]) for c in candidates
+                          if metric in c["metrics"]), key=lambda entry: (entry[0], entry[2]))  # equal bits: by name
         pts = [(x, e["relative"], name) for x, e, name in entries]
         line = _named_curve(ax, pts, label=metric)
         offset = (i - len(metrics) / 2) * 0.04  # side by side, so intervals do not hide each other
@@ -346,6 +348,29 @@ def _header(doc: dict, cfg: ExperimentConfig) -> list[str]:
     ]
 
 
+def _span(entry: dict, role: str) -> str:
+    """The smallest and largest of a calibrated candidate's ``role`` scales, over layers and heads."""
+    values = [v for own in entry["layers"].values() for v in (own[role] if isinstance(own[role], list)
+                                                               else [own[role]])]
+    return f"{min(values):.4g}..{max(values):.4g}"
+
+
+def _calibration_section(calibration: dict) -> list[str]:
+    """Each calibrated candidate's static scales: their range over layers (and KV heads), per layer in
+    results.json."""
+    lines = ["## Calibrated scales", "", "| candidate | granularity | windows | k_scale min..max | v_scale min..max |",
+             "|---|---|---:|---|---|"]
+    for label, entry in calibration.items():
+        lines.append(f"| {label} | {entry['granularity']} | {entry['windows']} | {_span(entry, 'k_scale')} | "
+                     f"{_span(entry, 'v_scale')} |")
+    lines += ["", "Scales are amax / divisor of the keys and values observed on the calibration split (windows after "
+              "each gated perplexity set's evaluation windows; llm-compressor's minmax observer); every layer's "
+              "scales are in results.json (`calibration`).", ""]
+    for label, entry in calibration.items():
+        lines += [f"- {label}: {message}" for message in entry["saturating"]]
+    return lines
+
+
 def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig, curve: dict) -> str:
     lines = [
         *_header(doc, cfg),
@@ -398,6 +423,8 @@ def _markdown(doc: dict, frame: pd.DataFrame, cfg: ExperimentConfig, curve: dict
     lines += ["![quality vs bits](plot.png)", ""]
     if curve:
         lines += _probe_table(curve)
+    if "calibration" in doc:
+        lines += _calibration_section(doc["calibration"])
     if "search" in doc:
         lines += _search_section(doc["search"])
     if "staged" in doc:

@@ -272,7 +272,7 @@ class RunResult:
     """Everything a report renders: the config as given (never rewritten), the candidates evaluated (the config's
     candidates, or its stages, and a search's map), what each measured, the gate's rows and decision, and what a
     search or a staged run adds (``search``: the map found and every step checked; ``staged``: the serving
-    measurements and the stages' order)."""
+    measurements and the stages' order), and per calibrated candidate its static scales (``calibration``)."""
 
     config: object  # the ExperimentConfig
     candidates: tuple  # Candidate or Stage, in the report's order
@@ -283,3 +283,4 @@ class RunResult:
     provenance: Provenance
     search: dict | None = None
     staged: dict | None = None
+    calibration: dict = dataclasses.field(default_factory=dict)

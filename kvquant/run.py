@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from . import data, models, parallel, report
-from .config import ExperimentConfig, Stage, load_config
+from .calibrate import calibrated
+from .config import Candidate, ExperimentConfig, Stage, load_config
+from .deploy import deploy_beside
 from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, one_line, parse_args
 from .fs import cache_dir, read_file, real_dir, set_aside, write_file
 from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
@@ -47,7 +49,8 @@ from .measure import BASELINE, Session, evaluation_split, measure, probe_counts,
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
 from .planner import check_candidate, parse_bytes, shape_from_config
 from .results import Decision, Provenance, RunResult
-from .search import check_search, search
+from .quantizers import QUANTIZERS, available_quantizers
+from .search import calibration_windows, check_search, search
 from .stages import serve, serving_tokens, staged_decision
 from .tasks import check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir, task_manager
 
@@ -260,9 +263,11 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     model_config = check_model(cfg.model)
     shape = shape_from_config(model_config, cfg.model.path)
     for i, candidate in enumerate(cfg.candidates):
-        check_candidate(candidate, shape, f"candidates[{i}] ({candidate.label})")
+        where = f"candidates[{i}] ({candidate.label})"
+        check_candidate(placeholder_scales(candidate, shape, where), shape, where)
     for i, stage in enumerate(cfg.stages):
-        check_candidate(stage, shape, f"stages[{i}] ({stage.label})")
+        where = f"stages[{i}] ({stage.label})"
+        check_candidate(placeholder_scales(stage, shape, where), shape, where)
         if stage.offload:
             raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
                                f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see the README's "
@@ -287,13 +292,15 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
     if cfg.eval.tasks.names:
         task_dir()  # the folder lm-eval will load task files from: private, or refused now
     probes = probe_counts(cfg)
-    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving else None
+    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving or cfg.calibration else None
     if cfg.serving:  # the requests' text is long enough
         serving_text(cfg, tokenizer, rows)
     folder = None
     if probes:  # documents are cut with the model's tokenizer: write and check them now
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
     check_fewshot(cfg, folder)
+    if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
+        calibration_windows(cfg, tokenizer, context, rows, cfg.calibration.windows, "calibrate")
     if cfg.search:
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
@@ -307,6 +314,22 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
             warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
                  "reads up to chunk_size - 1 tokens beyond the window")
     return rows, warnings
+
+
+def placeholder_scales(candidate: Candidate, shape, where: str) -> Candidate:
+    """A candidate that calibrates, with scales of 1.0 in place of the ones calibration will find (one per KV
+    head for ``head``), so preflight checks its quantizer's options; any other candidate as it is."""
+    if not candidate.calibrate:
+        return candidate
+    statics = [n for n in available_quantizers() if "k_scale" in QUANTIZERS.options(n)]
+    if candidate.quantizer not in statics:
+        raise KVQuantError(f"{where}: calibrate: {candidate.quantizer!r} has no static scales (k_scale, v_scale) to "
+                           f"calibrate; these have: {', '.join(statics)}")
+    clash = [k for k in ("k_scale", "v_scale", "layers") if k in candidate.options]
+    if clash:
+        raise KVQuantError(f"{where}: calibrate sets k_scale and v_scale per layer; remove options.{clash[0]}")
+    one = 1.0 if candidate.calibrate == "tensor" else [1.0] * shape.kv_heads
+    return dataclasses.replace(candidate, options={**candidate.options, "k_scale": one, "v_scale": one})
 
 
 def check_processes(cfg: ExperimentConfig, world: int) -> None:
@@ -470,7 +493,12 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes)
     session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
-    candidates = list(cfg.stages or cfg.candidates)
+    candidates, calibration = list(cfg.stages or cfg.candidates), {}
+    for i, c in enumerate(candidates):
+        if c.calibrate:
+            candidates[i], calibration[c.label] = calibrated(session, c, rows)
+            for message in calibration[c.label]["saturating"]:
+                warn(warnings, f"{c.label}: {message}")
     searched = staged = None
     if cfg.search:
         found, searched = search(session, rows)
@@ -491,12 +519,15 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
         return code
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
                             round(time.monotonic() - start, 1))
-    run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged)
+    run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
+                    calibration)
     paths = report.write(out_dir, run)
+    deployed = deploy_beside(out_dir)
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}"
           + (f", by {processes.world} processes" if processes.world > 1 else ""))
-    print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name})")
+    print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name}"
+          + (f", {deployed.name}: the serving engine's flags)" if deployed else ")"))
     return code
 
 
@@ -533,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         cfg = load_config(args.config, args.overrides)
+        parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
         rows, warnings = preflight(cfg)
         with locked(out_dir, held):

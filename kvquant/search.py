@@ -53,22 +53,23 @@ def _same_data(pset) -> tuple:
     return tuple(v for k, v in dataclasses.asdict(pset).items() if k not in ("name", "limit"))
 
 
-def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int,
-                        rows: dict) -> dict[str, tuple[int, list[data.Window]]]:
-    """Per gated perplexity set: the index of its first calibration window and the ``search.windows`` windows
-    after what evaluation reads of the same text (the largest ``limit`` among sets cut alike from it), cut as
-    evaluation cuts them."""
+def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict, count: int | None = None,
+                        what: str = "search") -> dict[str, tuple[int, list[data.Window]]]:
+    """Per gated perplexity set: the index of its first calibration window and the ``count`` (default
+    ``search.windows``) windows after what evaluation reads of the same text (the largest ``limit`` among sets cut
+    alike from it), cut as evaluation cuts them; errors name ``what`` asks for them."""
+    count = cfg.search.windows if count is None else count
     out = {}
     for pset in cfg.gated_perplexity():
         alike = [p for p in cfg.eval.perplexity if _same_data(p) == _same_data(pset)]
         if any(p.limit is None for p in alike):
-            raise KVQuantError(f"search: perplexity set {pset.name!r} reads text that another set reads whole, so "
+            raise KVQuantError(f"{what}: perplexity set {pset.name!r} reads text that another set reads whole, so "
                                "no windows are left to calibrate on apart from evaluation")
         start = max(p.limit for p in alike)
-        longer = dataclasses.replace(pset, limit=start + cfg.search.windows)
+        longer = dataclasses.replace(pset, limit=start + count)
         windows = data.windows(longer, tokenizer, maxlen, rows[pset.name])[start:]
         if not windows:
-            raise KVQuantError(f"search: perplexity set {pset.name!r} has no windows after the {start} evaluation "
+            raise KVQuantError(f"{what}: perplexity set {pset.name!r} has no windows after the {start} evaluation "
                                "reads to calibrate on; lower eval.perplexity[].limit or use a longer text")
         out[pset.name] = start, windows
     return out

@@ -66,10 +66,11 @@ def e4m3(values) -> np.ndarray:
 
 
 def e2m1_nearest(v: float) -> float:
-    """The e2m1 value nearest ``v`` (saturating at ±6), a tie to the even mantissa (even grid index)."""
+    """The e2m1 value nearest ``v`` (saturating at ±6), a tie to the even mantissa (even grid index); the sign is
+    kept, so a small negative value rounds to -0 (code 8)."""
     m = min(abs(v), 6.0)
     best = min(range(8), key=lambda i: (abs(E2M1[i] - m), i % 2))
-    return math.copysign(E2M1[best], v) if best else 0.0
+    return math.copysign(E2M1[best], v)
 
 
 # --- per token and head: int8 and fp8 (vLLM triton_reshape_and_cache_flash.py:168-283) ----------------------
@@ -177,11 +178,10 @@ def test_nvfp4_equals_the_reference(d, global_scale):
             factor = F32(sf * (F32(1.0) / (F32(1.0) / g)))
             out_scale = F32(1.0) / factor if factor != 0 else F32(0.0)
             values = [e2m1_nearest(float(F32(t * out_scale))) for t in block]
-            codes += [(E2M1.index(abs(val)) | (8 if val < 0 or (val == 0 and math.copysign(1, val) < 0) else 0))
-                      for val in values]
+            codes += [E2M1.index(abs(val)) | (8 if math.copysign(1, val) < 0 else 0) for val in values]
             want += [F32(val) * sf * g for val in values]
         codes = np.array(codes, dtype=np.uint8)
-        assert np.array_equal(payload[i] & 0x7, (codes[0::2] | (codes[1::2] << 4)) & 0x7), i
+        assert np.array_equal(payload[i], codes[0::2] | (codes[1::2] << 4)), i  # signs and both nibbles
         assert np.array_equal(out.reshape(-1, d)[i].numpy(), np.array(want, dtype=F32)), i
 
 
@@ -190,6 +190,7 @@ def test_e2m1_rounds_half_to_even_and_saturates():
     got = engines.e2m1_values(engines.e2m1_codes(grid))
     assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -6.0, 0.0, 3.0]
     assert [e2m1_nearest(float(v)) for v in grid] == got.tolist()
+    assert engines.e2m1_codes(torch.tensor([-0.1, 0.1])).tolist() == [8, 0]  # -0 keeps its sign bit
 
 
 # --- SGLang mxfp8 (mxfp8_quant.py:19-60): e4m3 in blocks of 32, e8m0 scale ----------------------------------

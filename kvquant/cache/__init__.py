@@ -11,6 +11,7 @@ token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
 - :mod:`.cache` :class:`KVQuantCache` and :func:`stack_rows`
 - :mod:`.build` :func:`make_cache`, :func:`build_cache`, per-layer settings, :func:`simulate_memory`
 - :mod:`.memory` ``memory_report()`` sums and :func:`stored_bytes`; :mod:`.padding`, :mod:`.checks`
+- :mod:`.observe` :class:`ObservingCache`, which hands every layer's new states to a callback (calibration)
 """
 
 from transformers.cache_utils import DummyLayer
@@ -29,9 +30,10 @@ from .build import (
 from .cache import KVQuantCache, stack_rows
 from .layer import FP16_BYTES, KVQuantLayer, check_importance
 from .memory import stored_bytes
+from .observe import ObservingCache
 from .padding import Padding
 from .storage import Store
 
-__all__ = ["CACHE_OPTIONS", "FP16_BYTES", "SLIDING_TYPES", "DummyLayer", "KVQuantCache", "KVQuantLayer", "Padding",
-           "Store", "attention_layout", "build_cache", "check_importance", "head_dim_of", "layer_range",
-           "layer_settings", "make_cache", "simulate_memory", "stack_rows", "stored_bytes"]
+__all__ = ["CACHE_OPTIONS", "FP16_BYTES", "SLIDING_TYPES", "DummyLayer", "KVQuantCache", "KVQuantLayer",
+           "ObservingCache", "Padding", "Store", "attention_layout", "build_cache", "check_importance", "head_dim_of",
+           "layer_range", "layer_settings", "make_cache", "simulate_memory", "stack_rows", "stored_bytes"]

@@ -1,0 +1,210 @@
+"""A report's decision as what a serving engine is started with (``python -m kvquant.export REPORT_DIR``).
+
+Reads ``REPORT_DIR/results.json``; when the chosen setting is a serving engine's own format (``kvquant/engines.py``,
+every token stored quantized, no rotation, sinks, window or eviction of kvquant's own), writes
+``REPORT_DIR/DEPLOY.md``: the engine's command-line flags and Python keyword arguments, what was measured (the
+verdicts) and what was not. The runner writes it beside every report whose decision is engine-native.
+
+A decision no serving engine runs (KIVI int4 g32, int2, eviction, ...) is one line and exit 2: "research
+setting", with the nearest engine format measured in the same report and its verdict. So is a report directory
+that holds no report, and a report without a passing decision.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import KVQuantError
+from .fs import read_file, write_together
+
+#: kvquant's name of each engine format -> (engine, the engine's --kv-cache-dtype value, what else it needs)
+ENGINE_FLAGS = {
+    "vllm_fp8": ("vLLM", "fp8", "static scales from the checkpoint (compressed-tensors k_scale/v_scale; per-head "
+                 "scales need FlashAttention 3); none: 1.0"),
+    "vllm_fp8_per_token_head": ("vLLM", "fp8_per_token_head", "vLLM's Triton attention backend"),
+    "vllm_int8_per_token_head": ("vLLM", "int8_per_token_head", "vLLM's Triton attention backend"),
+    "vllm_int4_per_token_head": ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend"),
+    "vllm_nvfp4": ("vLLM", "nvfp4", "a Blackwell GPU (FlashInfer); the global scale from the checkpoint, else 1.0"),
+    "vllm_turboquant_k8v4": ("vLLM", "turboquant_k8v4", "vLLM keeps the first and last 2 layers of a dense model "
+                             "at full precision on its own"),
+    "vllm_turboquant_4bit_nc": ("vLLM", "turboquant_4bit_nc", "vLLM keeps the first and last 2 layers of a dense "
+                                "model at full precision on its own"),
+    "sglang_mxfp8": ("SGLang", "mxfp8", "SGLang's FA4 attention backend"),
+}
+#: kvquant cache options that no engine has: a setting using any of them is a research setting
+RESEARCH_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction", "rotation")
+
+
+def load_report(report_dir: Path) -> dict:
+    """``results.json`` of a report directory, or one line naming what is wrong."""
+    path = report_dir / "results.json"
+    try:
+        doc = json.loads(read_file(path).decode("utf-8"))
+    except OSError as err:
+        raise KVQuantError(f"{report_dir} is not a kvquant report directory: cannot read {path.name} "
+                           f"({err.strerror or err})") from None
+    except (UnicodeError, ValueError):
+        raise KVQuantError(f"{path} is not a kvquant results.json (not JSON)") from None
+    if not isinstance(doc, dict) or not {"decision", "chosen", "candidates"} <= set(doc):
+        raise KVQuantError(f"{path} is not a kvquant results.json (no decision, chosen or candidates)")
+    return doc
+
+
+def layer_indices(selector) -> range:
+    """The layers a per-layer settings key names: ``5``, ``"5"`` or ``"0-3"``."""
+    low, _, high = str(selector).partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
+#: per-layer options an engine takes from the checkpoint (exported as scales), not from a flag
+CHECKPOINT_OPTIONS = ("k_scale", "v_scale")
+
+
+def skipped_layers(settings: dict) -> list[int] | None:
+    """The layers a per-layer setting keeps at model precision (fp16), [] when it has no per-layer settings, or
+    None when its layers differ in a way no engine expresses (static scales differ per layer in a checkpoint)."""
+    skipped = []
+    for selector, own in (settings.get("layers") or {}).items():
+        if own.get("quantizer") == "fp16":
+            skipped += layer_indices(selector)
+        elif own.get("quantizer", settings["quantizer"]) != settings["quantizer"] or any(
+                own[k] != settings.get(k) for k in own if k not in ("quantizer", *CHECKPOINT_OPTIONS)):
+            return None
+    return sorted(skipped)
+
+
+def native(settings: dict) -> tuple[str, str, str, list[int]] | None:
+    """(engine, flag value, needs, skipped layers) when a cache setting is an engine's own format, else None."""
+    if settings.get("quantizer") not in ENGINE_FLAGS:
+        return None
+    if any(settings.get(k) for k in RESEARCH_OPTIONS):
+        return None
+    skipped = skipped_layers(settings)
+    return None if skipped is None else (*ENGINE_FLAGS[settings["quantizer"]], skipped)
+
+
+def nearest_engine_format(doc: dict, chosen: dict) -> str:
+    """The engine format measured in this report nearest the chosen setting's bits, with its verdict."""
+    measured = [c for c in doc["candidates"] if native(c["settings"])]
+    if not measured:
+        return "no engine format was measured in this report (configs/smollm2-engines.yaml measures them)"
+    near = min(measured, key=lambda c: abs(c["bits_per_element"] - chosen["bits_per_element"]))
+    return (f"the nearest engine format measured here is {near['settings']['quantizer']} ({near['name']}, "
+            f"{near['bits_per_element']:.2f} bits/element): {near['verdict'].upper()}")
+
+
+def checkpoint_scales(settings: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """For static fp8 with per-layer scales (calibrated): the compressed-tensors ``quantization_config`` that
+    declares them (``kv_cache_scheme``: 8-bit float, symmetric, static, per ``tensor`` or ``attn_head``) and the
+    tensors as compressed-tensors names them (``model.layers.N.self_attn.k_scale``: ``[1]`` per tensor,
+    ``[kv_heads, 1, 1]`` per head), float32 as measured; None when there are none to ship."""
+    layers = settings.get("layers") or {}
+    if settings.get("quantizer") != "vllm_fp8" or not layers:
+        return None
+    tensors, per_head = {}, False
+    for selector, own in layers.items():
+        if own.get("quantizer") == "fp16":
+            continue  # kept at full precision: a skipped layer, no scales
+        for layer in layer_indices(selector):
+            for role in ("k_scale", "v_scale"):
+                value = own.get(role, settings.get(role, 1.0))
+                per_head = per_head or isinstance(value, list)
+                scale = torch.tensor(value, dtype=torch.float32)
+                tensors[f"model.layers.{layer}.self_attn.{role}"] = scale.reshape(-1, 1, 1) if scale.dim() else \
+                    scale.reshape(1)
+    scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+              "strategy": "attn_head" if per_head else "tensor"}
+    return {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+            "kv_cache_scheme": scheme}, tensors
+
+
+def unshippable_scales(settings: dict) -> str | None:
+    """Why static scales that were measured (anything but 1.0) cannot be exported, else None: kvquant writes
+    them for vllm_fp8 per layer (``layers``), not yet for one scale for all layers nor for nvfp4's global scales."""
+    if "k_scale" not in settings:
+        return None
+    per_layer = [own.get(k) for own in (settings.get("layers") or {}).values() for k in CHECKPOINT_OPTIONS]
+    top = [settings.get(k) for k in CHECKPOINT_OPTIONS]
+    if settings["quantizer"] == "vllm_fp8":
+        return None if all(v in (None, 1.0) for v in top) else (
+            "one k_scale/v_scale for all layers is not exported (calibrate: tensor gives per-layer scales, which are)")
+    if any(v not in (None, 1.0) for v in [*top, *per_layer]):
+        return (f"exporting {settings['quantizer']}'s global scales (ModelOpt's hf_quant_config.json) is not built "
+                "yet")
+    return None
+
+
+def deploy_text(doc: dict, chosen: dict, engine: str, flag: str, needs: str, skipped: list[int]) -> str:
+    """``DEPLOY.md``: what to run, what was measured, the verdicts, what was not measured."""
+    cli = f"--kv-cache-dtype {flag}" + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}"
+                                         if skipped else "")
+    python = (f"LLM(model=..., kv_cache_dtype={flag!r}"
+              + (f", kv_cache_dtype_skip_layers={[str(i) for i in skipped]!r}" if skipped else "") + ")")
+    if engine == "SGLang":
+        python = f"sglang.Engine(model_path=..., kv_cache_dtype={flag!r})"
+    verdicts = "\n".join(f"| {name} | {m['value']:.4g} (baseline {m['baseline']:.4g}) | {m['verdict']} |"
+                         for name, m in chosen["metrics"].items() if m.get("gated"))
+    model = doc.get("config", {}).get("model", {}).get("path", "?")
+    return f"""# Deploying {chosen['name']} ({engine} `--kv-cache-dtype {flag}`)
+
+Run {engine} with `{cli}` (Python: `{python}`). Needs: {needs}.
+kvquant measured this format ({chosen['settings']['quantizer']}, {chosen['bits_per_element']:.3f} bits per
+element as the engine stores it) on `{model}` against the fp16 baseline through the same cache, with attention
+reading the stored K/V, and the gate decided **{doc['decision'].upper()}**: {doc['reason']}
+
+| metric | value | verdict |
+|---|---:|---|
+{verdicts}
+
+Not measured: the engine itself (kvquant emulates its numerics; see docs/quantizers.md for where an engine's GPU
+arithmetic may differ by an ulp), speed, other models, tasks or lengths than the report's, and the engine's
+prefill, which may attend to unquantized states where kvquant quantizes on write. Report: `{doc.get('run_id')}`,
+command `{doc.get('command')}`.
+"""
+
+
+def export(report_dir: Path) -> Path:
+    """Write ``DEPLOY.md`` for the report's chosen setting; :class:`KVQuantError` when there is none to deploy."""
+    doc = load_report(report_dir)
+    if doc["chosen"] is None:
+        raise KVQuantError(f"{report_dir}: the decision is {str(doc['decision']).upper()}, with no setting chosen; "
+                           "nothing to deploy")
+    chosen = next((c for c in doc["candidates"] if c.get("name") == doc["chosen"]), None)
+    if chosen is None:
+        raise KVQuantError(f"{report_dir / 'results.json'}: the chosen setting {doc['chosen']!r} is not among its "
+                           "candidates")
+    found = native(chosen["settings"])
+    if found is None:
+        raise KVQuantError(f"research setting: no serving engine runs {doc['chosen']} "
+                           f"({chosen['settings'].get('quantizer')}); {nearest_engine_format(doc, chosen)}")
+    unshipped = unshippable_scales(chosen["settings"])
+    if unshipped:
+        raise KVQuantError(f"{doc['chosen']}: {unshipped}; the engine would run at 1.0, not at the scales the gate "
+                           "measured, so there is nothing honest to deploy")
+    files = {"DEPLOY.md": deploy_text(doc, chosen, *found)}
+    shipped = checkpoint_scales(chosen["settings"])
+    if shipped is not None:
+        from safetensors.torch import save
+
+        config, tensors = shipped
+        files["kv_cache_scheme.json"] = json.dumps({"quantization_config": config}, indent=2)
+        files["kv_scales.safetensors"] = save(tensors)
+        files["DEPLOY.md"] += (
+            "\nThe calibrated scales the gate measured are in `kv_scales.safetensors` (compressed-tensors names, "
+            "float32) and `kv_cache_scheme.json` declares them: merge both into the checkpoint (config.json's "
+            "`quantization_config`, a weights file) and vLLM loads them. The names assume the model's attention "
+            "modules are `model.layers.N.self_attn` (Llama, Mistral, Qwen, Gemma). SGLang's "
+            "`--quantization-param-path` holds one scale per layer for keys and values alike, which is not what "
+            "was measured: not exported.\n")
+    write_together(report_dir, files)
+    return report_dir / "DEPLOY.md"
+
+
+def deploy_beside(report_dir: Path) -> Path | None:
+    """The runner's step after a report: ``DEPLOY.md`` when the decision chose an engine's own format, else None."""
+    doc = load_report(report_dir)
+    chosen = next((c for c in doc["candidates"] if c.get("name") == doc["chosen"]), None)
+    return export(report_dir) if chosen is not None and native(chosen["settings"]) else None

@@ -1,0 +1,96 @@
+"""``python -m kvquant.export``: a decision a serving engine runs becomes its flags (DEPLOY.md); anything else is one
+line and exit 2."""
+
+import copy
+import json
+
+import pytest
+
+from kvquant.export import main
+from kvquant.run import main as run_main
+
+
+def candidate(name, quantizer, verdict, bits, **settings):
+    metric = {"value": 1.01, "baseline": 1.0, "verdict": verdict, "gated": True}
+    return {"name": name, "settings": {"quantizer": quantizer, "residual_length": 0, "sink_tokens": 0, **settings},
+            "verdict": verdict, "bits_per_element": bits, "metrics": {"ppl/wikitext2": metric}}
+
+
+DOC = {"run_id": "abc", "decision": "pass", "chosen": "int8-pth", "reason": "int8-pth is the cheapest passing",
+       "command": "python -m kvquant.run x.yaml", "config": {"model": {"path": "local:models/m"}},
+       "candidates": [candidate("int8-pth", "vllm_int8_per_token_head", "pass", 8.5),
+                      candidate("int4-pth", "vllm_int4_per_token_head", "fail", 4.5),
+                      candidate("kivi", "int4", "pass", 5.0, group_size=32)]}
+
+
+def write(tmp_path, doc):
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    return tmp_path
+
+
+def test_an_engine_native_decision_writes_the_engines_flags(tmp_path, capsys):
+    assert main([str(write(tmp_path, DOC))]) == 0
+    text = (tmp_path / "DEPLOY.md").read_text()
+    assert "--kv-cache-dtype int8_per_token_head" in text and "kv_cache_dtype='int8_per_token_head'" in text
+    assert "PASS" in text and "| ppl/wikitext2 | 1.01 (baseline 1) | pass |" in text and "Not measured" in text
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_layers_kept_at_full_precision_become_the_engines_skip_layers(tmp_path):
+    doc = copy.deepcopy(DOC)
+    doc["candidates"][0]["settings"]["layers"] = {"0": {"quantizer": "fp16"}, "29": {"quantizer": "fp16"}}
+    assert main([str(write(tmp_path, doc))]) == 0
+    text = (tmp_path / "DEPLOY.md").read_text()
+    assert "--kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 0 29" in text
+    assert "kv_cache_dtype_skip_layers=['0', '29']" in text
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(chosen="kivi"), "research setting: no serving engine runs kivi (int4); the nearest engine "
+     "format measured here is vllm_int4_per_token_head (int4-pth, 4.50 bits/element): FAIL"),
+    (lambda d: d["candidates"][0]["settings"].update(residual_length=128), "research setting: no serving engine runs"
+     " int8-pth"),
+    (lambda d: d["candidates"][0]["settings"].update(layers={"3": {"quantizer": "int4"}}), "research setting"),
+    (lambda d: d.update(decision="fail", chosen=None), "the decision is FAIL, with no setting chosen"),
+    (lambda d: d.update(chosen="ghost"), "the chosen setting 'ghost' is not among its candidates"),
+    (lambda d: d.pop("candidates"), "is not a kvquant results.json"),
+    (lambda d: d["candidates"][0]["settings"].update(quantizer="vllm_nvfp4", k_scale=1.0, v_scale=1.0,
+                                                     layers={"0": {"k_scale": 0.01, "v_scale": 0.02}}),
+     "exporting vllm_nvfp4's global scales (ModelOpt's hf_quant_config.json) is not built yet; the engine would "
+     "run at 1.0"),
+    (lambda d: d["candidates"][0]["settings"].update(quantizer="vllm_fp8", k_scale=0.05, v_scale=1.0),
+     "one k_scale/v_scale for all layers is not exported"),
+])
+def test_what_cannot_be_deployed_is_one_line_and_exit_2(tmp_path, capsys, change, message):
+    doc = copy.deepcopy(DOC)
+    change(doc)
+    assert main([str(write(tmp_path, doc))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "DEPLOY.md").exists()
+
+
+def test_a_directory_that_is_not_a_report_is_refused(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "is not a kvquant report directory" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text("{not json")
+    assert main([str(tmp_path)]) == 2
+    assert "not JSON" in capsys.readouterr().err
+
+
+def test_the_runner_writes_deploy_md_beside_a_report_that_chose_an_engine_format(tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"""
+name: engine
+output_dir: {tmp_path / "reports"}
+candidates:
+  - {{quantizer: vllm_int8_per_token_head, name: int8-pth}}
+eval:
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 8, max_length: 128}}
+gate: {{bootstrap: 100, max_kl_divergence: 0.05}}
+""")
+    assert run_main([str(config)]) == 0
+    out = tmp_path / "reports" / "engine"
+    assert json.loads((out / "results.json").read_text())["chosen"] == "int8-pth"
+    assert "--kv-cache-dtype int8_per_token_head" in (out / "DEPLOY.md").read_text()
