@@ -94,3 +94,22 @@ gate: {{bootstrap: 100, max_kl_divergence: 0.05}}
     out = tmp_path / "reports" / "engine"
     assert json.loads((out / "results.json").read_text())["chosen"] == "int8-pth"
     assert "--kv-cache-dtype int8_per_token_head" in (out / "DEPLOY.md").read_text()
+
+
+def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_skip_layers():
+    """The settings a search map records (the cheapest rung for the cache, fp16 rungs as ``layers`` entries,
+    normalized by the cache) are an engine format with skipped layers."""
+    import transformers
+
+    import kvquant
+    from kvquant.config import Candidate
+    from kvquant.deploy import native
+    from kvquant.measure import described
+    from kvquant.search import map_candidate
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    ladder = [Candidate("vllm_int4_per_token_head"), Candidate("fp16")]
+    found = map_candidate(ladder, {0: 1, 1: 0, 2: 1, 3: 1}, "searched")
+    settings = described(kvquant.make_cache(config, found.quantizer, **found.options))
+    assert native(settings) == ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend", [0, 2, 3])
