@@ -367,7 +367,10 @@ def _calibration_section(calibration: dict) -> list[str]:
               "each gated perplexity set's evaluation windows; llm-compressor's minmax observer); every layer's "
               "scales are in results.json (`calibration`).", ""]
     for label, entry in calibration.items():
-        lines += [f"- {label}: {message}" for message in entry["saturating"]]
+        if entry["saturating"]:
+            lines += [f"<details><summary>{label}: {len(entry['saturating'])} layer streams saturate at their "
+                      "calibrated scale on the calibration split</summary>", "",
+                      *(f"- {message}" for message in entry["saturating"]), "", "</details>", ""]
     return lines
 
 

@@ -497,8 +497,10 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     for i, c in enumerate(candidates):
         if c.calibrate:
             candidates[i], calibration[c.label] = calibrated(session, c, rows)
-            for message in calibration[c.label]["saturating"]:
-                warn(warnings, f"{c.label}: {message}")
+            saturating = calibration[c.label]["saturating"]
+            if saturating:  # every layer's line is in results.json and report.md
+                warn(warnings, f"{c.label}: calibration values of {len(saturating)} layer streams reach beyond the "
+                     f"format's range at their calibrated scale (they saturate), e.g. {saturating[0]}")
     searched = staged = None
     if cfg.search:
         found, searched = search(session, rows)
