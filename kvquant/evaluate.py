@@ -263,8 +263,8 @@ class Scorer:
             return results
         own = {k: v - before[k] for k, v in self.reads.to_dict().items()}
         parts = self.processes.gather((own, [] if local else [(i, s) for i, s in enumerate(results) if s is not None]))
-        for name, total in functools.reduce(lambda a, b: {k: a[k] + b[k] for k in a}, [p[0] for p in parts]).items():
-            setattr(self.reads, name, before[name] + total)
+        for name in before:
+            setattr(self.reads, name, before[name] + sum(own[name] for own, _ in parts))
         for _, scored in parts:
             for i, s in scored:
                 results[i] = s
