@@ -149,9 +149,10 @@ class Session:
                                                                       "eval.tasks.names")))
 
     def measure(self, candidate: Candidate, split: Split, label: str | None = None, tasks: bool = True,
-                probe: list[int] | None = None) -> Measured:
-        """``candidate``'s outcomes on ``split`` (its tasks too unless ``tasks`` is False) and, given ``probe``
-        tokens, its memory; stored under ``label`` (default: the candidate's)."""
+                probe: list[int] | None = None, divergence: bool | None = None) -> Measured:
+        """``candidate``'s outcomes on ``split`` (its tasks too unless ``tasks`` is False; its KL divergence from
+        the baseline when ``divergence``, by default on the evaluation split only) and, given ``probe`` tokens,
+        its memory; stored under ``label`` (default: the candidate's)."""
         cfg, label = self.cfg, label or candidate.label
         make = lambda c=candidate: make_cache(self.model, c.quantizer, **c.options)  # noqa: E731
         settings = described(make())  # what the cache really uses, defaults filled in
@@ -161,7 +162,7 @@ class Session:
                **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
         outcomes = [self._perplexity(candidate, label, key, self._scorer(candidate), name, ws, split.progress)
                     for name, ws in split.windows.items()]
-        if candidate is not BASELINE and split.name == "evaluation":
+        if candidate is not BASELINE and (split.name == "evaluation" if divergence is None else divergence):
             for name, ws in split.windows.items():
                 outcomes += self._divergence(candidate, label, key, name, ws, split.progress)
         for task, documents in (split.documents.items() if tasks else ()):

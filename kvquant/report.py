@@ -473,9 +473,15 @@ def _search_section(search: dict) -> list[str]:
              + f". Loss with every layer at the top rung: {search['reference_loss']:.4f} nats/token. "
              "On the calibration "
              f"split a map passes when {gated} meet the gate, perplexity ratio at most "
-             f"{cal['max_perplexity_ratio']:g}. {outcome}; "
+             f"{cal['max_perplexity_ratio']:g}"
+             + (f", mean KL divergence at most {cal['max_kl_divergence']:g} nats/token"
+                if cal.get("max_kl_divergence") is not None else "")
+             + (f", top-1 agreement at least {cal['min_top1_agreement']:g}"
+                if cal.get("min_top1_agreement") is not None else "")
+             + f". {outcome}; "
              f"it is evaluated as candidate `{search['name']}` above, and `searched.yaml` reruns it alone.", "",
-             "| step | bits/element | passes on calibration | gated relative scores |", "|---:|---:|---|---|"]
+             "| step | bits/element | passes on calibration | gated relative scores"
+             + (" (KL: nats/token)" if "max_kl_divergence" in cal else "") + " |", "|---:|---:|---|---|"]
     for c in search["checked"]:
         scores = ", ".join(f"{m} {v:.4f}" for m, v in c["metrics"].items())
         lines.append(f"| {c['step']} | {c['bits_per_element']:.3f} | {'yes' if c['passed'] else 'no'} | {scores} |")

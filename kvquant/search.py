@@ -210,7 +210,10 @@ class _Search:
         self.checked: dict[int, dict] = {}
 
     def measure(self, candidate: Candidate, label: str, tasks: bool) -> Measured:
-        return self.session.measure(candidate, self.split, label, tasks=tasks)
+        """``candidate`` on the calibration split; a map gated there (``tasks``) is also measured on what the gate
+        gates beyond tasks and perplexity: its KL divergence (and top-1 agreement) when the gate limits either."""
+        divergence = tasks and (self.gate.max_kl_divergence, self.gate.min_top1_agreement) != (None, None)
+        return self.session.measure(candidate, self.split, label, tasks=tasks, divergence=divergence)
 
     def sensitivities(self) -> None:
         """Each layer's loss increase at each rung below the top, every other layer at the top; then the maps."""
@@ -240,7 +243,7 @@ class _Search:
         table = metric_rows(self.cfg, self.results, [label], baseline=CALIBRATION_BASELINE)
         passed = decide(table, {label: self.map_bits(m)}, self.gate).passed[label]
         self.checked[m] = {"step": m, "bits_per_element": self.map_bits(m), "passed": passed,
-                           "metrics": {row.metric.name: row.relative for row in table if row.gated}}
+                           "metrics": {row.metric.name: row.statistic for row in table if row.gated}}
         if self.session.processes.main:
             print(f"kvquant: search: step {m}/{len(self.maps) - 1} ({self.map_bits(m):.3f} bits/element): "
                   f"{'passes' if passed else 'fails'} on the calibration split")
@@ -273,7 +276,9 @@ class _Search:
                                         for name, (start, ws) in self.calibration.items()},
                             "documents": {t: [d.start, d.stop] for t, d in self.documents.items()},
                             "max_perplexity_ratio": self.gate.max_perplexity_ratio,
-                            "tasks_gated": bool(self.documents)},
+                            "tasks_gated": bool(self.documents),
+                            **{key: getattr(self.gate, key) for key in ("max_kl_divergence", "min_top1_agreement")
+                               if getattr(self.gate, key) is not None}},
         }
 
 

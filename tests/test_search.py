@@ -280,3 +280,20 @@ def test_calibration_starts_after_what_any_set_of_the_same_text_evaluates(tmp_pa
     start, windows = calibration_windows(cfg, tok, 2048, rows)["tinystories"]
     evaluated = {tuple(w.ids) for p in cfg.eval.perplexity for w in data.windows(p, tok, 2048, rows[p.name])}
     assert start == 12 and len(windows) == 4 and not evaluated & {tuple(w.ids) for w in windows}
+
+
+def test_a_gate_on_kl_divergence_gates_the_search_on_it_too(tmp_path):
+    """With gate.max_kl_divergence the maps checked on the calibration split are measured and gated on KL too
+    (before, the search gated them on perplexity alone and took the cheapest map at a loose ratio)."""
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    code = main([str(path), "--set", "search.documents=0", "--set", "search.max_perplexity_ratio=1000",
+                 "--set", "gate.max_kl_divergence=0.001"])
+    assert code in (0, 1, 4)
+    found = json.loads((tmp_path / "searched-tiny" / "results.json").read_text())["search"]
+    assert all(set(c["metrics"]) == {"ppl/tinystories", "kl/tinystories"} for c in found["checked"])
+    assert all(not c["passed"] for c in found["checked"] if c["metrics"]["kl/tinystories"] > 0.001)
+    # at a ratio of 1000 every map passes on perplexity: a map below the one chosen failed on KL alone
+    below = [c for c in found["checked"] if c["step"] < found["step"]]
+    assert below and all(c["metrics"]["kl/tinystories"] > 0.001 and not c["passed"] for c in below)
+    assert found["step"] > 0 and "int8" in found["map"].values()
