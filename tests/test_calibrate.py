@@ -113,7 +113,13 @@ def test_the_runner_measures_with_scales_calibrated_on_the_held_out_windows(tmp_
                 got = tensors[f"model.layers.{layer}.self_attn.{role}_scale"]
                 assert got.shape == ((heads, 1, 1) if per_head else (1,)) and got.dtype == torch.float32
                 assert torch.allclose(got.reshape(-1), want[layer, role].reshape(-1) / 448, rtol=1e-6)
-        assert "--kv-cache-dtype fp8" in (tmp_path / "cal" / "DEPLOY.md").read_text()
+        deploy = (tmp_path / "cal" / "DEPLOY.md").read_text()
+        assert "--kv-cache-dtype fp8" in deploy
+        # SGLang loads compressed-tensors KV scales per tensor only; its scale JSON would not reach attention's read
+        assert ("--kv-cache-dtype fp8_e4m3" in deploy) is not per_head
+        assert ("SGLang: not for these scales" in deploy) is per_head
+        assert "`--quantization-param-path` JSON is not written" in deploy or per_head
+        assert not (tmp_path / "cal" / "quantization_param.json").exists()
 
 
 @pytest.mark.parametrize("change, message", [
