@@ -145,6 +145,7 @@ def document(run: RunResult, run_id: str) -> dict:
         "warnings": list(provenance.warnings),
         "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
         "candidates": [_candidate_entry(c, run) for c in run.candidates],
+        **({"plan": {**dataclasses.asdict(run.plan), "steps": run.plan.steps()}} if run.plan else {}),
         **({"calibration": run.calibration} if run.calibration else {}),
         **({"search": run.search} if run.search else {}),
         **({"staged": run.staged} if run.staged else {}),
@@ -333,6 +334,7 @@ def _header(doc: dict, cfg: ExperimentConfig) -> list[str]:
         f"- command: `{doc['command']}`",
         f"- model: `{cfg.model.path}` ({cfg.model.dtype}); evaluation mode: {mode}; seed {cfg.eval.seed}",
         f"- gate: {_gate_line(cfg)}",
+        *([f"- steps: {'; '.join(doc['plan']['steps'])}"] if "plan" in doc else []),
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "

@@ -268,6 +268,33 @@ class Provenance:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """A run's steps, decided by preflight before the model loads (:func:`kvquant.run.plan`); the runner takes them
+    in this order and the report lists them. ``candidates`` are the labels measured against the baseline on the
+    evaluation split, in the report's order (the config's candidates or stages, then a searched map)."""
+
+    candidates: tuple[str, ...]
+    #: candidates whose static scales are observed on the calibration split first
+    calibrate: tuple[str, ...] = ()
+    #: the name under which a per-layer map, searched on the calibration split, joins the candidates
+    search: str | None = None
+    #: a staged run: each stage's serving figures are measured before the gate chooses among them
+    staged: bool = False
+    #: per gated task, the sequential looks planned (empty: each task's first ``limit`` documents only)
+    looks: dict[str, int] = field(default_factory=dict)
+
+    def steps(self) -> list[str]:
+        """The steps in the order the runner takes them, as the report lists them."""
+        looks = ", ".join(f"{task}: {n} looks" for task, n in self.looks.items())
+        return [*([f"calibrate static scales: {', '.join(self.calibrate)}"] if self.calibrate else []),
+                *([f"search a per-layer map on the calibration split ({self.search})"] if self.search else []),
+                *(["measure each stage's serving memory"] if self.staged else []),
+                f"measure the baseline and {', '.join(self.candidates)} on the evaluation split",
+                *([f"sequential looks while a verdict is inconclusive ({looks})"] if looks else []),
+                "gate" + (" (the last stage before the first failing one)" if self.staged else ""), "report"]
+
+
+@dataclass(frozen=True)
 class RunResult:
     """Everything a report renders: the config as given (never rewritten), the candidates evaluated (the config's
     candidates, or its stages, and a search's map), what each measured, the gate's rows and decision, and what a
@@ -284,3 +311,4 @@ class RunResult:
     search: dict | None = None
     staged: dict | None = None
     calibration: dict = dataclasses.field(default_factory=dict)
+    plan: Plan | None = None

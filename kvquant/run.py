@@ -48,7 +48,7 @@ from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, loo
 from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
 from .planner import check_candidate, parse_bytes, shape_from_config
-from .results import Decision, Provenance, RunResult
+from .results import Decision, Plan, Provenance, RunResult
 from .quantizers import QUANTIZERS, available_quantizers
 from .search import calibration_windows, check_search, search
 from .stages import serve, serving_tokens, staged_decision
@@ -254,10 +254,18 @@ def check_report_dir(out_dir: Path) -> None:
         raise KVQuantError(f"output_dir/name: cannot write into {existing}")
 
 
-def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
+def plan_steps(cfg: ExperimentConfig) -> Plan:
+    """The steps a valid config asks for, in the order the runner takes them."""
+    given = [c.label for c in cfg.stages or cfg.candidates]
+    return Plan(candidates=(*given, *([cfg.search.name] if cfg.search else [])),
+                calibrate=tuple(c.label for c in cfg.stages or cfg.candidates if c.calibrate),
+                search=cfg.search.name if cfg.search else None, staged=bool(cfg.stages), looks=planned_looks(cfg))
+
+
+def preflight(cfg: ExperimentConfig) -> tuple[Plan, dict[str, list[str]], list[str]]:
     """Check everything a run needs before loading anything heavy: the report directory, the model (path, GGUF
     file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
-    perplexity set's text and every task name. Returns the perplexity rows and warnings."""
+    perplexity set's text and every task name. Returns the run's plan, the perplexity rows and warnings."""
     check_report_dir(Path(cfg.output_dir) / cfg.name)
     check_processes(cfg, parallel.current().world)
     model_config = check_model(cfg.model)
@@ -313,7 +321,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[dict[str, list[str]], list[str]]:
         if isinstance(window, int) and cfg.eval.chunk_size > window:
             warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
                  "reads up to chunk_size - 1 tokens beyond the window")
-    return rows, warnings
+    return plan_steps(cfg), rows, warnings
 
 
 def placeholder_scales(candidate: Candidate, shape, where: str) -> Candidate:
@@ -414,15 +422,16 @@ def task_size(session: Session, task: str) -> int:
     return len(lm_eval_task(task, session.folder()).eval_docs)
 
 
-def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict) -> dict:
+def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
+                  plan: dict[str, int]) -> dict:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
     has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
     (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
-    already scored; then judge again. Returns the results with every look."""
-    cfg = session.cfg
+    already scored; then judge again. ``plan``: per gated task, the looks planned. Returns the results with every
+    look."""
+    cfg, sizes = session.cfg, {}
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
-    plan, sizes = planned_looks(cfg), {}
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
     while True:
         table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan)
@@ -456,11 +465,11 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
                 results[c.label] = session.measure(c, extended, probe=probe)
 
 
-def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: dict | None,
+def judge_run(cfg: ExperimentConfig, plan: Plan, candidates: list, results: dict, staged: dict | None,
               warnings: list[str]) -> tuple[list, Decision]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
     failing one)."""
-    table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned_looks(cfg))
+    table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
     for row in table:
         if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
             warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
@@ -482,36 +491,35 @@ def judge_run(cfg: ExperimentConfig, candidates: list, results: dict, staged: di
     return table, decision
 
 
-def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
-    """Run a validated config's steps into ``out_dir`` (held under its lock): the search (its map joins the
-    candidates), the serving shape of a staged run, the candidates (or stages) measured, the gate, the report.
-    The config is never rewritten: each step reads it as given. Every process of several takes every step (each
-    holds every result); process 0 alone writes."""
+def execute(cfg: ExperimentConfig, plan: Plan, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
+    """Take ``plan``'s steps for a validated config into ``out_dir`` (held under its lock): calibration, the
+    search (its map joins the candidates), the serving shape of a staged run, the candidates (or stages) measured,
+    sequential looks, the gate, the report. The config is never rewritten: each step reads it as given. Every
+    process of several takes every step (each holds every result); process 0 alone writes."""
     start, processes = time.monotonic(), parallel.current()
     seed_everything(cfg.eval.seed)
     device = parallel.device()  # one GPU per process; the resume keys keep the config's own device
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes)
     session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
-    candidates, calibration = list(cfg.stages or cfg.candidates), {}
-    for i, c in enumerate(candidates):
-        if c.calibrate:
-            candidates[i], calibration[c.label] = calibrated(session, c, rows)
-            saturating = calibration[c.label]["saturating"]
-            if saturating:  # every layer's line is in results.json and report.md
-                warn(warnings, f"{c.label}: calibration values of {len(saturating)} layer streams reach beyond the "
-                     f"format's range at their calibrated scale (they saturate), e.g. {saturating[0]}")
+    chosen, calibration = {c.label: c for c in cfg.stages or cfg.candidates}, {}
+    for label in plan.calibrate:
+        chosen[label], calibration[label] = calibrated(session, chosen[label], rows)
+        saturating = calibration[label]["saturating"]
+        if saturating:  # every layer's line is in results.json and report.md
+            warn(warnings, f"{label}: calibration values of {len(saturating)} layer streams reach beyond the "
+                 f"format's range at their calibrated scale (they saturate), e.g. {saturating[0]}")
     searched = staged = None
-    if cfg.search:
-        found, searched = search(session, rows)
-        candidates.append(found)
-    if cfg.stages:
+    if plan.search:
+        chosen[plan.search], searched = search(session, rows)
+    if plan.staged:
         staged = serve_stages(session, rows)
+    candidates = [chosen[label] for label in plan.candidates]
     results = measure(session, candidates, rows)
-    if cfg.gate.max_documents is not None:
+    if plan.looks:
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
-        results = add_documents(session, candidates, rows, results, bits)
-    table, decision = judge_run(cfg, candidates, results, staged, warnings)
+        results = add_documents(session, candidates, rows, results, bits, plan.looks)
+    table, decision = judge_run(cfg, plan, candidates, results, staged, warnings)
     # under a launcher a process's code other than 0 reads as a crash (torchrun stops the run and prints a failure
     # report), so each process of several ends 0 once the run is done, whatever the decision; process 0 prints the
     # decision and results.json holds it
@@ -522,7 +530,7 @@ def execute(cfg: ExperimentConfig, out_dir: Path, command: str, rows: dict, warn
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
                             round(time.monotonic() - start, 1))
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
-                    calibration)
+                    calibration, plan)
     paths = report.write(out_dir, run)
     deployed = deploy_beside(out_dir)
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
@@ -568,9 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
-        rows, warnings = preflight(cfg)
+        plan, rows, warnings = preflight(cfg)
         with locked(out_dir, held):
-            return execute(cfg, out_dir, command, rows, warnings)
+            return execute(cfg, plan, out_dir, command, rows, warnings)
 
     def resume_hint() -> str:
         return (f"; finished results are kept in {held[0] / 'partial'}; run the same command to resume"

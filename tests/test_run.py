@@ -1,5 +1,6 @@
 """The experiment runner end to end on stories260K: report files, exit codes, resume."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -226,7 +227,7 @@ def test_interrupt_exits_130_and_leaves_nothing_behind(tmp_path, capsys, monkeyp
 
 def test_a_model_past_its_trained_context_is_warned(tmp_path, capsys):
     cfg = load_config(write_config(tmp_path, TINY), ["model.max_length=2048", "eval.perplexity.0.max_length=4096"])
-    _, warnings = run.preflight(cfg)
+    _, _, warnings = run.preflight(cfg)
     assert "model.max_length 2048 is past the model's trained context (512 positions)" in warnings[0]
     assert "max_length 4096 is cut to the model's 2048 tokens" in warnings[1]
     assert "kvquant: warning: model.max_length 2048" in capsys.readouterr().err
@@ -307,3 +308,38 @@ def test_the_model_digest_changes_with_its_config_tokenizer_or_weights(model, to
     with torch.no_grad():
         next(other.parameters())[0, 0] += 1.0
     assert weights_digest(other, tokenizer) != base
+
+
+@pytest.mark.parametrize("path, want", [
+    ("configs/int4.yaml", {"candidates": ("int4-g32",), "calibrate": (), "search": None,
+                           "staged": False, "looks": {}}),
+    ("configs/smollm2-fp8-calibrated.yaml", {"calibrate": ("vllm-fp8-calibrated-tensor", "vllm-fp8-calibrated-head"),
+                                             "search": None}),
+    ("configs/smollm2-engine-search.yaml", {"candidates": ("vllm-turboquant_k8v4", "k8v4-skip-layers"),
+                                            "search": "k8v4-skip-layers"}),
+    ("configs/smollm2-sweep.yaml", {"looks": {"arc_easy": 3, "hellaswag": 3, "lambada_openai": 3, "piqa": 3}}),
+    ("configs/staged.yaml", {"staged": True, "search": None}),
+])
+def test_preflight_plans_the_steps_a_config_asks_for(path, want):
+    plan = run.plan_steps(load_config(path))
+    assert {key: getattr(plan, key) for key in want} == want
+    steps = plan.steps()
+    assert steps[-2:] == [("gate (the last stage before the first failing one)" if plan.staged else "gate"), "report"]
+    assert any(s.startswith("search a per-layer map") for s in steps) is (plan.search is not None)
+    assert any(s.startswith("calibrate static scales") for s in steps) is bool(plan.calibrate)
+
+
+def test_the_runner_takes_the_plans_steps_not_the_configs(tmp_path, monkeypatch):
+    """A plan that leaves a candidate out: the runner measures only what the plan lists, and the report shows the
+    plan's steps."""
+    text = TINY.replace("candidates:\n",
+                        "candidates:\n  - {{quantizer: int4, name: int4, options: {{residual_length: 0}}}}\n")
+    planned = run.plan_steps
+    monkeypatch.setattr(run, "plan_steps", lambda cfg: dataclasses.replace(planned(cfg), candidates=("int8",)))
+    assert main([str(write_config(tmp_path, text))]) in (0, 1)
+    doc = read_report(tmp_path / "reports" / "tiny")
+    assert [c["name"] for c in doc["candidates"]] == ["int8"]
+    assert doc["plan"]["candidates"] == ["int8"]
+    assert doc["plan"]["steps"] == ["measure the baseline and int8 on the evaluation split", "gate", "report"]
+    assert ("- steps: measure the baseline and int8 on the evaluation split; gate; report"
+            in (tmp_path / "reports" / "tiny" / "report.md").read_text())
