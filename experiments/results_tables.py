@@ -115,13 +115,18 @@ def search_lines(search: dict) -> list[str]:
         found = (f"step {search['step']} of {search['steps']}, which "
                  f"{'passes' if search['found'] else 'fails'} calibration")
     else:
-        target = f"calibration target perplexity ≤ {cal['max_perplexity_ratio']}x"
+        target = (f"calibration target perplexity ≤ {cal['max_perplexity_ratio']}x"
+                  + (f", KL ≤ {cal['max_kl_divergence']} nats/token" if "max_kl_divergence" in cal else "")
+                  + (f", top-1 agreement ≥ {cal['min_top1_agreement']}" if "min_top1_agreement" in cal else ""))
         found = f"step {search['step']} of {search['steps']}" if search["found"] else "none passes calibration"
     rows = [[str(c["step"]), num(c["bits_per_element"]), "yes" if c["passed"] else "no",
-             ", ".join(f"{m} {v:.3f}" for m, v in c["metrics"].items())] for c in search["checked"]]
+             ", ".join(f"{m} {v:.4f}" if m.startswith("kl/") else f"{m} {v:.3f}" for m, v in c["metrics"].items())]
+            for c in search["checked"]]
     return [f"Search `{search['name']}`: ladder {ladder} (bits/element); calibration on {windows}"
             f"{' and task documents' if cal.get('tasks_gated') else ''}; {target}; map: {found}.", "",
-            table(["step", "bits/element", "passed calibration", "calibration relative scores"], rows, "rrl")]
+            table(["step", "bits/element", "passed calibration",
+                   "calibration relative scores" + (" (KL: nats/token)" if "max_kl_divergence" in cal else "")],
+                  rows, "rrl")]
 
 
 def staged_lines(rep: dict) -> list[str]:

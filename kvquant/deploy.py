@@ -171,10 +171,10 @@ def sglang_text(config: dict) -> str:
     if config["kv_cache_scheme"]["strategy"] != "tensor":
         return ("SGLang: not for these scales. SGLang 0.5.23 takes compressed-tensors KV scales per tensor only "
                 "(`CompressedTensorsKVCacheMethod.is_supported_scheme`, "
-                "srt/layers/quantization/compressed_tensors/compressed_tensors.py:1276-1283) and ignores a per-head "
-                "scheme with a warning, running at scale 1.0; calibrate per tensor for SGLang.\n")
+                "srt/layers/quantization/compressed_tensors/compressed_tensors.py:1276-1285) and ignores a per-head "
+                "scheme with a warning (:213-224), running at scale 1.0; calibrate per tensor for SGLang.\n")
     return ("SGLang 0.5.23 loads the same checkpoint scales (per tensor: "
-            "srt/layers/quantization/compressed_tensors/compressed_tensors.py:1267-1283, "
+            "srt/layers/quantization/compressed_tensors/compressed_tensors.py:1267-1285, "
             "srt/layers/quantization/kv_cache.py:51-83): `python -m sglang.launch_server --model-path MERGED "
             "--kv-cache-dtype fp8_e4m3`. It divides by the scale in the model's dtype before the e4m3 cast "
             "(srt/mem_cache/memory_pool.py:2926-2932) where vLLM divides in float32: the same codes for a float32 "
@@ -182,11 +182,12 @@ def sglang_text(config: dict) -> str:
             "backend also casts the query to e4m3 (srt/layers/attention/flashattention_backend.py:1426-1436), "
             "which kvquant does not measure.\n\n"
             "SGLang's `--quantization-param-path` JSON is not written: in 0.5.23 its scales (one per layer for "
-            "keys and values alike) are set as `attn.k_scale` only (srt/models/llama.py:522-524), which the "
+            "keys and values alike) are set as plain floats on `attn.k_scale`/`attn.v_scale`, never on "
+            "`k_scale_float`/`v_scale_float` (srt/models/llama.py:522-524), which the "
             "FlashInfer and Triton backends divide by when they store K/V "
             "(srt/layers/attention/flashinfer_backend.py:997-1000, triton_backend.py:1735-1743) while their "
             "attention reads `k_scale_float` (flashinfer_backend.py:1437, triton_backend.py:1835-1837), which only "
-            "checkpoint scales set (kv_cache.py:82); FlashAttention 3 calls `.expand` on it "
+            "checkpoint scales set (kv_cache.py:82); FlashAttention 3 calls `.expand` on `layer.k_scale` "
             "(flashattention_backend.py:1434), which a float does not have. Use the checkpoint scales above.\n")
 
 

@@ -269,9 +269,9 @@ class Provenance:
 
 @dataclass(frozen=True)
 class Plan:
-    """A run's steps, decided by preflight before the model loads (:func:`kvquant.run.plan`); the runner takes them
-    in this order and the report lists them. ``candidates`` are the labels measured against the baseline on the
-    evaluation split, in the report's order (the config's candidates or stages, then a searched map)."""
+    """A run's steps, decided by preflight before the model loads (:func:`kvquant.run.plan_steps`); the runner
+    takes them in this order and the report lists them. ``candidates`` are the labels measured against the baseline
+    on the evaluation split, in the report's order (the config's candidates or stages, then a searched map)."""
 
     candidates: tuple[str, ...]
     #: candidates whose static scales are observed on the calibration split first
