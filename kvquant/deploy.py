@@ -137,6 +137,18 @@ def unshippable_scales(settings: dict) -> str | None:
     return None
 
 
+def engine_own_skips(chosen: dict, skipped: list[int]) -> str:
+    """For TurboQuant: the boundary layers vLLM keeps at model precision on its own that the measured setting
+    stored in the format (what vLLM runs then stores more there than was measured)."""
+    layers = len(chosen.get("memory", {}).get("per_layer") or [])
+    if not chosen["settings"]["quantizer"].startswith("vllm_turboquant") or layers < 4:
+        return ""
+    own = sorted({0, 1, layers - 2, layers - 1} - set(skipped))
+    return (f" kvquant measured layers {', '.join(map(str, own))} in the format, which vLLM keeps at model precision "
+            "on its own: what it runs stores more than was measured there, and is no less accurate for it."
+            if own else "")
+
+
 def deploy_text(doc: dict, chosen: dict, engine: str, flag: str, needs: str, skipped: list[int]) -> str:
     """``DEPLOY.md``: what to run, what was measured, the verdicts, what was not measured."""
     cli = f"--kv-cache-dtype {flag}" + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}"
@@ -150,7 +162,7 @@ def deploy_text(doc: dict, chosen: dict, engine: str, flag: str, needs: str, ski
     model = doc.get("config", {}).get("model", {}).get("path", "?")
     return f"""# Deploying {chosen['name']} ({engine} `--kv-cache-dtype {flag}`)
 
-Run {engine} with `{cli}` (Python: `{python}`). Needs: {needs}.
+Run {engine} with `{cli}` (Python: `{python}`). Needs: {needs}.{engine_own_skips(chosen, skipped)}
 kvquant measured this format ({chosen['settings']['quantizer']}, {chosen['bits_per_element']:.3f} bits per
 element as the engine stores it) on `{model}` against the fp16 baseline through the same cache, with attention
 reading the stored K/V, and the gate decided **{doc['decision'].upper()}**: {doc['reason']}

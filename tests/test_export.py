@@ -96,6 +96,21 @@ gate: {{bootstrap: 100, max_kl_divergence: 0.05}}
     assert "--kv-cache-dtype int8_per_token_head" in (out / "DEPLOY.md").read_text()
 
 
+def test_turboquant_names_the_boundary_layers_vllm_keeps_on_its_own_that_were_measured_quantized(tmp_path):
+    doc = copy.deepcopy(DOC)
+    chosen = doc["candidates"][0]
+    chosen["settings"].update(quantizer="vllm_turboquant_k8v4", layers={"1": {"quantizer": "fp16"},
+                                                                        "5": {"quantizer": "fp16"}})
+    chosen["memory"] = {"per_layer": [{"layer": i} for i in range(30)]}
+    assert main([str(write(tmp_path, doc))]) == 0
+    text = (tmp_path / "DEPLOY.md").read_text()
+    assert "--kv-cache-dtype turboquant_k8v4 --kv-cache-dtype-skip-layers 1 5" in text
+    assert "kvquant measured layers 0, 28, 29 in the format, which vLLM keeps at model precision on its own" in text
+    chosen["settings"]["layers"] = {"0-1": {"quantizer": "fp16"}, "28-29": {"quantizer": "fp16"}}
+    assert main([str(write(tmp_path, doc))]) == 0
+    assert "on its own:" not in (tmp_path / "DEPLOY.md").read_text()
+
+
 def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_skip_layers():
     """The settings a search map records (the cheapest rung for the cache, fp16 rungs as ``layers`` entries,
     normalized by the cache) are an engine format with skipped layers."""
