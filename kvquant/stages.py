@@ -80,8 +80,8 @@ def staged_decision(stages: list[Stage], passed: dict[str, bool]) -> tuple[str, 
     for stage in stages:
         if not passed[stage.label]:
             if chosen is None:
-                return "fail", None, stage.label, f"the first stage, {stage.label}, fails the gate"
-            return "pass", chosen, stage.label, (f"{chosen} is the last stage before the first failing one "
-                                                 f"({stage.label})")
+                return "fail", None, stage.label, f"the first stage, {stage.label}, does not pass the gate"
+            return "pass", chosen, stage.label, (f"{chosen} is the last stage before the first that does not "
+                                                 f"pass ({stage.label})")
         chosen = stage.label
     return "pass", chosen, None, f"every stage passes the gate; {chosen}, the last, is the answer"

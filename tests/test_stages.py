@@ -143,3 +143,12 @@ def test_a_simulated_scorer_refuses_an_evicting_cache():
     model = tiny_model()
     with pytest.raises(kvquant.KVQuantError, match="use streaming mode"):
         Scorer(model, lambda: kvquant.make_cache(model, "fp8_e4m3", eviction="window", window=8), "simulated")
+
+
+def test_a_first_stage_that_is_only_inconclusive_is_not_said_to_fail():
+    """The reason names a first stage that does not pass without calling it failed: the runner adds whether it
+    failed or is inconclusive (it read "fp8 fails the gate; fp8 is inconclusive, not shown to fail")."""
+    reason = staged_decision(STAGES, {s.label: False for s in STAGES})[3]
+    assert reason == f"the first stage, {STAGES[0].label}, does not pass the gate"
+    reason = staged_decision(STAGES, {s.label: i == 0 for i, s in enumerate(STAGES)})[3]
+    assert "fail" not in reason and reason.endswith(f"the first that does not pass ({STAGES[1].label})")
