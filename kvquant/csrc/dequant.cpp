@@ -15,6 +15,17 @@
 #include <type_traits>
 #include <vector>
 
+// Calls f(T{}) with T the C++ type of `dtype`: float, bfloat16 or float16; any other dtype is refused, naming `what`.
+template <typename F>
+static void with_float_type(torch::ScalarType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case torch::kFloat: return f(float{});
+    case torch::kBFloat16: return f(at::BFloat16{});
+    case torch::kHalf: return f(at::Half{});
+    default: TORCH_CHECK(false, "kvquant kernel: unsupported ", what, " dtype ", dtype);
+  }
+}
+
 static inline void store(const float* row, float* out, int64_t n) {
   for (int64_t c = 0; c < n; ++c) out[c] = row[c];
 }
@@ -35,12 +46,37 @@ static inline void store(const float* row, at::Half* out, int64_t n) {
   for (int64_t c = 0; c < n; ++c) out[c] = static_cast<at::Half>(std::min(std::max(row[c], -65504.0f), 65504.0f));
 }
 
+// One packed row of Dp bytes -> row[D = Dp * 8 / bits] floats, z + code * s. Block j of the bytes holds channels
+// [j * Dp, (j + 1) * Dp) at bit j * bits. Token axis: sr/zr hold one pair per group of channels, and each block is
+// walked in runs of channels that share one; channel axis: sr/zr hold a pair per channel.
+template <typename scale_t>
+static inline void decode_row(const uint8_t* pr, const scale_t* sr, const scale_t* zr, int64_t Dp, int64_t bits,
+                              int64_t group, bool token_axis, float* row) {
+  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+  for (int64_t j = 0; j < 8 / bits; ++j) {
+    const int shift = static_cast<int>(j * bits);
+    float* rb = row + j * Dp;
+    if (token_axis) {
+      int64_t i = 0;
+      while (i < Dp) {
+        const int64_t g = (j * Dp + i) / group;
+        const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
+        const float sc = static_cast<float>(sr[g]), ze = static_cast<float>(zr[g]);
+        for (; i < run_end; ++i) rb[i] = ze + static_cast<float>((pr[i] >> shift) & mask) * sc;
+      }
+    } else {
+      const scale_t* sc = sr + j * Dp;
+      const scale_t* ze = zr + j * Dp;
+      for (int64_t i = 0; i < Dp; ++i) rb[i] = ze[i] + static_cast<float>((pr[i] >> shift) & mask) * sc[i];
+    }
+  }
+}
+
 template <typename scalar_t>
 static void run(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero, int64_t bits,
                 int64_t group, bool token_axis, torch::Tensor& out) {
   const int64_t BH = payload.size(0), T = payload.size(1), Dp = payload.size(2);
-  const int64_t k = 8 / bits, D = Dp * k;
-  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+  const int64_t D = Dp * (8 / bits);
   const uint8_t* p = payload.data_ptr<uint8_t>();
   const float* s = scale.data_ptr<float>();
   const float* z = zero.data_ptr<float>();
@@ -57,24 +93,7 @@ static void run(const torch::Tensor& payload, const torch::Tensor& scale, const 
       const int64_t srow = token_axis ? t : t / group;
       const float* sr = s + bh * ss0 + srow * ss1;
       const float* zr = z + bh * zs0 + srow * zs1;
-      for (int64_t j = 0; j < k; ++j) {
-        const int shift = static_cast<int>(j * bits);
-        float* rb = row + j * Dp;
-        if (token_axis) {
-          // block j holds channels [j * Dp, (j + 1) * Dp); walk it in runs that share one group
-          int64_t i = 0;
-          while (i < Dp) {
-            const int64_t g = (j * Dp + i) / group;
-            const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
-            const float sc = sr[g], ze = zr[g];
-            for (; i < run_end; ++i) rb[i] = ze + static_cast<float>((pr[i] >> shift) & mask) * sc;
-          }
-        } else {
-          const float* sc = sr + j * Dp;
-          const float* ze = zr + j * Dp;
-          for (int64_t i = 0; i < Dp; ++i) rb[i] = ze[i] + static_cast<float>((pr[i] >> shift) & mask) * sc[i];
-        }
-      }
+      decode_row(pr, sr, zr, Dp, bits, group, token_axis, row);
       store(row, orow, D);
     }
   });
@@ -104,15 +123,9 @@ void dequantize_into(const torch::Tensor& payload, const torch::Tensor& scale, c
                 "kvquant kernel: channel-axis scales must be [", BH, ", ", T / group, ", ", D, "] with group dividing ",
                 T, ", got ", scale.sizes(), " for group ", group);
   }
-  if (out.scalar_type() == torch::kFloat) {
-    run<float>(payload, scale, zero, bits, group, token_axis, out);
-  } else if (out.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(payload, scale, zero, bits, group, token_axis, out);
-  } else if (out.scalar_type() == torch::kHalf) {
-    run<at::Half>(payload, scale, zero, bits, group, token_axis, out);
-  } else {
-    TORCH_CHECK(false, "kvquant kernel: unsupported output dtype ", out.scalar_type());
-  }
+  with_float_type(out.scalar_type(), "output", [&](auto t) {
+    run<decltype(t)>(payload, scale, zero, bits, group, token_axis, out);
+  });
 }
 
 // The same arithmetic through a table of pool slots (the batched cache's storage), with the scales in their stored
@@ -125,8 +138,7 @@ static void run_slots(const torch::Tensor& payload, const torch::Tensor& scale, 
                       const torch::Tensor& table, int64_t bits, int64_t group, bool token_axis, torch::Tensor& out) {
   const int64_t H = payload.size(1), R = payload.size(2), Dp = payload.size(3);
   const int64_t B = table.size(0), U = table.size(1), n = scale.size(2);
-  const int64_t k = 8 / bits, D = Dp * k;
-  const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+  const int64_t D = Dp * (8 / bits);
   const uint8_t* p = payload.data_ptr<uint8_t>();
   const scale_t* s = scale.data_ptr<scale_t>();
   const scale_t* z = zero.data_ptr<scale_t>();
@@ -142,19 +154,8 @@ static void run_slots(const torch::Tensor& payload, const torch::Tensor& scale, 
       const scale_t* sr = s + (slot * H + h) * n;
       const scale_t* zr = z + (slot * H + h) * n;
       scalar_t* orow = o + b * os0 + h * os1 + u * R * os2;
-      if (token_axis) {  // one token: walk each block in runs of channels that share a group, as run() does
-        const uint8_t* pr = p + (slot * H + h) * Dp;
-        for (int64_t j = 0; j < k; ++j) {
-          const int shift = static_cast<int>(j * bits);
-          float* rb = row + j * Dp;
-          int64_t i = 0;
-          while (i < Dp) {
-            const int64_t g = (j * Dp + i) / group;
-            const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
-            const float scv = static_cast<float>(sr[g]), zev = static_cast<float>(zr[g]);
-            for (; i < run_end; ++i) rb[i] = zev + static_cast<float>((pr[i] >> shift) & mask) * scv;
-          }
-        }
+      if (token_axis) {  // one token
+        decode_row(p + (slot * H + h) * Dp, sr, zr, Dp, bits, group, true, row);
         store(row, orow, D);
         continue;
       }
@@ -163,14 +164,7 @@ static void run_slots(const torch::Tensor& payload, const torch::Tensor& scale, 
         ze[c] = static_cast<float>(zr[c]);
       }
       for (int64_t r = 0; r < R; ++r) {
-        const uint8_t* pr = p + ((slot * H + h) * R + r) * Dp;
-        for (int64_t j = 0; j < k; ++j) {
-          const int shift = static_cast<int>(j * bits);
-          float* rb = row + j * Dp;
-          const float* scj = sc + j * Dp;
-          const float* zej = ze + j * Dp;
-          for (int64_t i = 0; i < Dp; ++i) rb[i] = zej[i] + static_cast<float>((pr[i] >> shift) & mask) * scj[i];
-        }
+        decode_row(p + ((slot * H + h) * R + r) * Dp, sc, ze, Dp, bits, group, false, row);
         store(row, orow + r * os2, D);
       }
     }
@@ -181,15 +175,9 @@ template <typename scalar_t>
 static void run_slots_scaled(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero,
                              const torch::Tensor& table, int64_t bits, int64_t group, bool token_axis,
                              torch::Tensor& out) {
-  if (scale.scalar_type() == torch::kFloat) {
-    run_slots<scalar_t, float>(payload, scale, zero, table, bits, group, token_axis, out);
-  } else if (scale.scalar_type() == torch::kHalf) {
-    run_slots<scalar_t, at::Half>(payload, scale, zero, table, bits, group, token_axis, out);
-  } else if (scale.scalar_type() == torch::kBFloat16) {
-    run_slots<scalar_t, at::BFloat16>(payload, scale, zero, table, bits, group, token_axis, out);
-  } else {
-    TORCH_CHECK(false, "kvquant kernel: unsupported scale dtype ", scale.scalar_type());
-  }
+  with_float_type(scale.scalar_type(), "scale", [&](auto t) {
+    run_slots<scalar_t, decltype(t)>(payload, scale, zero, table, bits, group, token_axis, out);
+  });
 }
 
 void dequantize_slots_into(const torch::Tensor& payload, const torch::Tensor& scale, const torch::Tensor& zero,
@@ -218,15 +206,9 @@ void dequantize_slots_into(const torch::Tensor& payload, const torch::Tensor& sc
   TORCH_CHECK(N > 0, "kvquant kernel: a table of ", table.numel(), " entries over an empty pool");
   const int64_t most = table.max().item<int64_t>();
   TORCH_CHECK(most < N, "kvquant kernel: table names slot ", most, " of a pool of ", N);
-  if (out.scalar_type() == torch::kFloat) {
-    run_slots_scaled<float>(payload, scale, zero, table, bits, group, token_axis, out);
-  } else if (out.scalar_type() == torch::kBFloat16) {
-    run_slots_scaled<at::BFloat16>(payload, scale, zero, table, bits, group, token_axis, out);
-  } else if (out.scalar_type() == torch::kHalf) {
-    run_slots_scaled<at::Half>(payload, scale, zero, table, bits, group, token_axis, out);
-  } else {
-    TORCH_CHECK(false, "kvquant kernel: unsupported output dtype ", out.scalar_type());
-  }
+  with_float_type(out.scalar_type(), "output", [&](auto t) {
+    run_slots_scaled<decltype(t)>(payload, scale, zero, table, bits, group, token_axis, out);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -255,16 +237,10 @@ static inline float to_model(float x) {  // round through the model's dtype, as 
 }
 
 static void scales_to_float(const torch::Tensor& t, int64_t offset, int64_t n, float* out) {
-  if (t.scalar_type() == torch::kFloat) {
-    const float* p = t.data_ptr<float>() + offset;
-    for (int64_t i = 0; i < n; ++i) out[i] = p[i];
-  } else if (t.scalar_type() == torch::kHalf) {
-    const at::Half* p = t.data_ptr<at::Half>() + offset;
+  with_float_type(t.scalar_type(), "scale", [&](auto tag) {
+    const auto* p = t.data_ptr<decltype(tag)>() + offset;
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
-  } else {
-    const at::BFloat16* p = t.data_ptr<at::BFloat16>() + offset;
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
-  }
+  });
 }
 
 // One stream (keys or values) of one layer: see streams.py.
@@ -299,32 +275,14 @@ struct StreamView {
       }
       return;
     }
-    const int64_t k = 8 / bits, n = token_axis ? D / group : D;
-    const uint8_t mask = static_cast<uint8_t>((1 << bits) - 1);
+    const int64_t n = token_axis ? D / group : D;
     scales_to_float(scale, (slot * H + h) * n, n, sc);
     scales_to_float(zero, (slot * H + h) * n, n, ze);
     const uint8_t* base = payload.data_ptr<uint8_t>() + (slot * H + h) * R * Dp;
     for (int64_t r = 0; r < R; ++r) {
-      const uint8_t* pr = base + r * Dp;
       float* row = rows + r * D;
-      for (int64_t j = 0; j < k; ++j) {
-        const int shift = static_cast<int>(j * bits);
-        float* rb = row + j * Dp;
-        if (token_axis) {  // runs of channels sharing a group, as run_slots() walks them
-          int64_t i = 0;
-          while (i < Dp) {
-            const int64_t g = (j * Dp + i) / group;
-            const int64_t run_end = std::min(Dp, (g + 1) * group - j * Dp);
-            const float scv = sc[g], zev = ze[g];
-            for (; i < run_end; ++i) rb[i] = to_model<scalar_t>(zev + static_cast<float>((pr[i] >> shift) & mask) * scv);
-          }
-        } else {
-          const float* scj = sc + j * Dp;
-          const float* zej = ze + j * Dp;
-          for (int64_t i = 0; i < Dp; ++i)
-            rb[i] = to_model<scalar_t>(zej[i] + static_cast<float>((pr[i] >> shift) & mask) * scj[i]);
-        }
-      }
+      decode_row(base + r * Dp, sc, ze, Dp, bits, group, token_axis, row);
+      for (int64_t c = 0; c < D; ++c) row[c] = to_model<scalar_t>(row[c]);
     }
   }
 
@@ -523,15 +481,9 @@ void attend_into(const torch::Tensor& query, const std::vector<torch::Tensor>& k
                   "kvquant kernel: row ", b, " query ", i, " reads [", lp[b * n + i], ", ", hp[b * n + i],
                   ") of ", k.count(b), " tokens");
   }
-  if (query.scalar_type() == torch::kFloat) {
-    run_attend<float>(query, k, v, lo, hi, scaling, out);
-  } else if (query.scalar_type() == torch::kBFloat16) {
-    run_attend<at::BFloat16>(query, k, v, lo, hi, scaling, out);
-  } else if (query.scalar_type() == torch::kHalf) {
-    run_attend<at::Half>(query, k, v, lo, hi, scaling, out);
-  } else {
-    TORCH_CHECK(false, "kvquant kernel: unsupported dtype ", query.scalar_type());
-  }
+  with_float_type(query.scalar_type(), "query", [&](auto t) {
+    run_attend<decltype(t)>(query, k, v, lo, hi, scaling, out);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
