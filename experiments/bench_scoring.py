@@ -116,6 +116,8 @@ def main() -> None:
         lines.append(f"| {r['quantizer']} | {r['requests']} | {r['tokens']} | {r['old_tokens_per_s']:.0f} | "
                      f"{r['new_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
                      f"{r['max_abs_loglikelihood_diff']:.2e} | {acc} |")
+    if (out_dir / "NOTES.md").exists():  # written by hand about one run; a rerun keeps them, pointing at them
+        lines += ["", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
     (out_dir / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

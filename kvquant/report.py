@@ -524,12 +524,12 @@ def _stages_section(doc: dict) -> list[str]:
              "per request from `memory_report()` at the end (a prefix stored once is divided among the requests); "
              f"max batch: requests whose KV fits {serving['memory_budget']} ({staged['budget_bytes']:,} bytes: the "
              "shared prefix once, then each request's own bytes); step latency on this machine. Worst relative: the "
-             "lowest gated relative score. " + (f"The first failing stage is **{first}**." if first else
-                                                "No stage fails."), "",
+             "lowest gated relative score. " + (f"The first stage that does not pass is **{first}**." if first else
+                                                "Every stage passes."), "",
              "| stage | prefix sharing | KV bytes/request | max batch | decode p50 ms | decode p99 ms | worst relative "
              "| passed |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in _stage_rows(doc):
-        mark = " (first failing)" if r["name"] == first else ""
+        mark = " (first not passing)" if r["name"] == first else ""
         lines.append(f"| {r['name']}{mark} | {'yes' if r['sharing'] else 'no'} | {r['bytes']:,.0f} | "
                      f"{r['max_batch']:,} | {r['p50']:.1f} | {r['p99']:.1f} | {r['worst']:.4f} | "
                      f"{'yes' if r['passed'] else 'no'} |")

@@ -291,7 +291,7 @@ class Plan:
                 *(["measure each stage's serving memory"] if self.staged else []),
                 f"measure the baseline and {', '.join(self.candidates)} on the evaluation split",
                 *([f"sequential looks while a verdict is inconclusive ({looks})"] if looks else []),
-                "gate" + (" (the last stage before the first failing one)" if self.staged else ""), "report"]
+                "gate" + (" (the last stage before the first that does not pass)" if self.staged else ""), "report"]
 
 
 @dataclass(frozen=True)

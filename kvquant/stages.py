@@ -75,7 +75,8 @@ def max_batch(serving_result: dict, budget: int) -> int:
 
 
 def staged_decision(stages: list[Stage], passed: dict[str, bool]) -> tuple[str, str | None, str | None, str]:
-    """``(decision, chosen, first failing stage, reason)``: the last stage before the first failing one."""
+    """``(decision, chosen, first stage that does not pass, reason)``: the last stage before the first that does
+    not pass."""
     chosen = None
     for stage in stages:
         if not passed[stage.label]:

@@ -325,7 +325,8 @@ def test_preflight_plans_the_steps_a_config_asks_for(path, want):
     plan = run.plan_steps(load_config(path))
     assert {key: getattr(plan, key) for key in want} == want
     steps = plan.steps()
-    assert steps[-2:] == [("gate (the last stage before the first failing one)" if plan.staged else "gate"), "report"]
+    gate = "gate (the last stage before the first that does not pass)" if plan.staged else "gate"
+    assert steps[-2:] == [gate, "report"]
     assert any(s.startswith("search a per-layer map") for s in steps) is (plan.search is not None)
     assert any(s.startswith("calibrate static scales") for s in steps) is bool(plan.calibrate)
 
