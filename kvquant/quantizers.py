@@ -36,6 +36,10 @@ class Codec:
     #: Largest |state| the stored form can hold; larger values raise instead of overflowing.
     max_abs: float = float("inf")
 
+    def check(self, x: torch.Tensor, name: str) -> None:
+        """Raise, before anything is stored, for states ``x`` within ``max_abs`` that still cannot be encoded
+        (``name``: keys or values). Most codecs: nothing more to check."""
+
     def encode(self, x: torch.Tensor) -> Encoded:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -182,12 +186,22 @@ class RotatedCodec(Codec):
         least |x| / sqrt(block)); states below it are checked after the rotation, in :meth:`encode`."""
         return self.inner.max_abs / float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
 
-    def encode(self, x):
-        y = ops.rotate(x, self.matrix)
+    def check(self, x, name):
+        """States within ``inner.max_abs / sqrt(block)`` fit once rotated (``|y| <= sqrt(block) max|x|``); the
+        others are rotated to see."""
+        if x.device.type != "meta" and x.numel() and \
+                float(x.abs().amax()) > self.inner.max_abs * float(self.matrix.abs().max()):
+            self._check_rotated(ops.rotate(x, self.matrix), name)
+
+    def _check_rotated(self, y, name):
         if y.device.type != "meta" and y.numel() and float(y.abs().amax()) > self.inner.max_abs:
-            raise KVQuantError(f"rotated states reach |y| = {float(y.abs().amax()):.4g}, beyond the "
+            raise KVQuantError(f"rotated {name} reach |y| = {float(y.abs().amax()):.4g}, beyond the "
                                f"±{self.inner.max_abs:.4g} their scales and zero points can hold "
                                "(scale_dtype='float32' holds more)")
+
+    def encode(self, x):
+        y = ops.rotate(x, self.matrix)
+        self._check_rotated(y, "states")
         return self.inner.encode(y)
 
     def decode_into(self, enc, out):

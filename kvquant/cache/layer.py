@@ -168,6 +168,7 @@ class KVQuantLayer(CacheLayerMixin):
                                                  ("keys", "values")):
             if not fits(raw, store.codec.max_abs):  # one reduction; then only the real tokens (padding may hold any)
                 check_states(states, store.codec.max_abs, name)
+            store.codec.check(states, name)  # e.g. a rotation's overflow: refused before anything is stored
         self.cumulative_length += n
         keep = self.held()  # per row, what the window still needs after this update
         visible = real.sum(1).tolist() if declared else [past + n - first] * batch
@@ -213,8 +214,7 @@ class KVQuantLayer(CacheLayerMixin):
         if excess <= 0:
             return
         scores = dict(zip(k.ords[row], k.scores[row].tolist())) if k.scores is not None else {}
-        chosen = self.eviction.choose(visible, k.hidden[row], k.n_sinks[row], block_tokens(k.codec, v.codec), excess,
-                                      scores)
+        chosen = self.eviction.choose(visible, k.n_sinks[row], block_tokens(k.codec, v.codec), excess, scores)
         if len(chosen) < excess:
             raise InternalError(f"row {row} has {len(chosen)} of {excess} tokens to evict; please report this")
         k.hide(row, chosen)

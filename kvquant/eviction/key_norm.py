@@ -27,19 +27,20 @@ class KeyNorm(Eviction):
         """``[B, H, n, D]`` keys -> ``[B, n]``, higher = more important."""
         return -keys.float().norm(dim=-1).mean(dim=1)
 
-    def choose(self, visible: list[int], hidden: set[int], sinks: int, block: int, excess: int,
-               scores: dict[int, float]) -> list[int]:
-        """Which ``excess`` of a row's ``visible`` tokens (ordinals, in order; ``hidden``: those stored but no longer
-        read) to stop reading: never a sink or one of the last ``window``, and block by block (a block: ``block``
-        tokens, whole units of both streams), finishing a block it began first, so at most one block is ever partly
-        read and the bytes stored do not depend on the scores. Lowest mean ``scores`` first."""
+    def choose(self, visible: list[int], sinks: int, block: int, excess: int, scores: dict[int, float]) -> list[int]:
+        """Which ``excess`` of a row's ``visible`` tokens (ordinals, in order) to stop reading: never a sink or one
+        of the last ``window``, and block by block (a block: ``block`` tokens, whole units of both streams),
+        finishing a block it began first, so at most one block is ever partly read and the bytes stored do not
+        depend on the scores. Lowest mean ``scores`` first."""
         middle = visible[sinks : len(visible) - self.window]
         blocks: dict[int, list[int]] = {}
         for o in middle:
             blocks.setdefault((o - sinks) // block, []).append(o)
-        # a block is evictable when none of its tokens is in the window (its others are already unread)
-        middle_or_hidden = set(middle) | hidden
-        whole = {b for b in blocks if all(sinks + b * block + i in middle_or_hidden for i in range(block))}
+        # a block is evictable when all its tokens are written and none is in the window: the ones not in the
+        # middle are no longer read (hidden, or freed by a stream whose units are smaller than a block)
+        window, last = set(visible[len(visible) - self.window:]), visible[-1]
+        whole = {b for b in blocks if all(o <= last and o not in window
+                                          for o in range(sinks + b * block, sinks + (b + 1) * block))}
         started = sorted(b for b in whole if len(blocks[b]) < block)
         rank = lambda b: (sum(scores.get(o, 0.0) for o in blocks[b]) / len(blocks[b]), b)  # noqa: E731
         chosen: list[int] = []
