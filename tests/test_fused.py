@@ -198,6 +198,25 @@ def test_enable_fused_decode_keeps_the_previous_attention_for_prefill():
     torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
 
 
+def test_a_step_that_records_attentions_reads_the_copy_and_returns_the_weights():
+    """With eager attention and ``output_attentions``, a decode step returns the weights the model computes over
+    the dequantized cache, as without fused decode (the kernel computes none)."""
+    ids = torch.randint(3, 97, (1, 21), generator=torch.Generator().manual_seed(3))
+    steps = []
+    for on in (False, True):
+        model = tiny_llama()
+        model.set_attn_implementation("eager")
+        if on:
+            kvquant.enable_fused_decode(model)
+        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        with torch.no_grad():
+            model(ids[:, :20], cache=cache)
+            steps.append(model(ids[:, 20:], cache=cache, output_attentions=True).attentions)
+    assert len(steps[1]) == 2 and all(a is not None for a in steps[1])
+    for got, want in zip(steps[1], steps[0]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
 STORIES = "/work/shared/data/models/stories260K/hf"
 
 

@@ -8,8 +8,8 @@ with placeholders (a NaN broadcast to ``[B, H, kv_len, D]``, holding no memory, 
 :class:`Pending` read) instead of dequantized keys and values, and :func:`attention` runs a kernel over the
 stores: the C++ one (``kvquant/csrc/dequant.cpp`` ``attend_into``) on the CPU, the Triton one
 (:mod:`.triton_attend`) on a GPU. Every other call (prefill, other caches, a layout or attention option no kernel
-reads: soft-capping, attention sinks, dropout, autograd) goes to the attention the model had before, with the
-dequantized copy, as without fused decode.
+reads: soft-capping, attention sinks, dropout, autograd, ``output_attentions``) goes to the attention the model
+had before, with the dequantized copy, as without fused decode.
 
 What a query attends to comes from the model's own mask, translated to the row's read order (padding declared
 with ``set_padding`` is not stored, so read positions skip it): each query reads a contiguous range ``[lo, hi)``
@@ -145,6 +145,15 @@ def _fallback(module):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
+def _recording_attentions() -> bool:
+    """Whether transformers collects attention weights in this forward (``output_attentions``)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without it: fused steps return no weights
+        return False
+    return "attentions" in (_active_collector.get() or {})
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function contract (``AttentionInterface``): ``query`` ``[B, Hq, n, D]``, ``key`` /
     ``value`` ``[B, H, kv_len, D]`` (or a kvquant placeholder); returns ``([B, n, Hq, D], None)``."""
@@ -157,8 +166,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                            "fused decode cannot serve it (make the cache without kvquant.enable_fused_decode)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = None
-    # the kernels compute no gradients, soft-capping, sinks or dropout: those calls read the copy
-    if not dropout and not query.requires_grad and not any(kwargs.get(n) is not None for n in UNSUPPORTED):
+    # the kernels compute no gradients, soft-capping, sinks, dropout or attention weights: those calls read the copy
+    if not dropout and not query.requires_grad and not any(kwargs.get(n) is not None for n in UNSUPPORTED) \
+            and not _recording_attentions():
         ranges = pending.ranges(attention_mask, query.shape[2])
         if ranges is not None:
             out = attend(query, stream(pending.keys, pending.counts), stream(pending.values, pending.counts),
