@@ -10,6 +10,7 @@ terminated (SIGTERM: handled like Ctrl-C, so locks are released and finished res
 from __future__ import annotations
 
 import argparse
+import numbers
 import re
 import signal
 import sys
@@ -26,6 +27,21 @@ ERROR_LOG = "error.log"
 
 class KVQuantError(ValueError):
     """A setting or an input kvquant cannot honour; the message says what to change."""
+
+
+def is_int(value) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` when it is an integer (never a bool or a float) within ``[minimum, maximum]``; else one
+    :class:`KVQuantError` line naming ``name``, the range and the value."""
+    if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return int(value)
+    bound = (f" in {minimum}..{maximum}" if minimum is not None and maximum is not None else
+             f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else "")
+    raise KVQuantError(f"{name} must be an integer{bound}, got {type(value).__name__} {value!r}")
 
 
 class InternalError(RuntimeError):

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from .cache import KVQuantCache, stack_rows
 from .data import Window
-from .errors import InternalError, KVQuantError
+from .errors import InternalError, KVQuantError, check_int
 from .parallel import ONE, Processes
 from .reads import Reads
 
@@ -46,8 +46,7 @@ def check_mode(mode, chunk_size) -> None:
     """One-line errors for an evaluation mode or chunk size that cannot be honoured."""
     if mode not in MODES:
         raise KVQuantError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise KVQuantError(f"chunk_size must be an integer >= 1, got {type(chunk_size).__name__} {chunk_size!r}")
+    check_int("chunk_size", chunk_size, minimum=1)
 
 
 @dataclass
@@ -172,8 +171,7 @@ class Scorer:
     def __init__(self, model, make_cache: Callable[[], KVQuantCache], mode: str = "simulated", chunk_size: int = 64,
                  batch_size: int = 1, share_prefix: bool = True, processes: Processes = ONE):
         check_mode(mode, chunk_size)
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise KVQuantError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size, minimum=1)
         self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
         self.batch_size, self.share_prefix, self.processes = batch_size, share_prefix, processes
         self.reads, self.lengths, self.distributions = Reads(), [], False

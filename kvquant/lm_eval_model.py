@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .cache import make_cache
 from .config import ConfigError, ModelConfig, load_yaml
-from .errors import KVQuantError
+from .errors import KVQuantError, check_int
 from .evaluate import Scorer, check_mode
 from .models import load_model, max_length as model_max_length
 from . import parallel
@@ -107,9 +107,8 @@ class KVQuantLM(TemplateLM):
         check_mode(mode, chunk_size)
         if not isinstance(share_prefix, bool):
             raise KVQuantError(f"share_prefix must be true or false, got {share_prefix!r}")
-        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
-                                       or max_length < 2):
-            raise KVQuantError(f"max_length must be an integer >= 2, got {max_length!r}")
+        if max_length is not None:
+            check_int("max_length", max_length, minimum=2)
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
             device = "cpu"

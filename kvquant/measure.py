@@ -8,13 +8,13 @@ runner, config, gate and report code only orchestrate and render, so they are no
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import math
 import dataclasses
 import os
-import unittest.mock
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,12 +25,9 @@ from .config import Candidate, ExperimentConfig
 from .errors import KVQuantError
 from .evaluate import Scorer, divergence_samples, memory_probe, perplexity_samples
 from .models import max_length
-from .results import Measured, Memory, Outcomes, divergence_outcomes, perplexity_outcomes, task_outcomes
+from .results import LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, perplexity_outcomes, task_outcomes
 from .tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task,
                     task_data_digest, task_manager)
-
-#: Tokens per sequence at which every cache's memory is also stated (the planner's arithmetic).
-LONG_CONTEXT = 8192
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 
@@ -57,6 +54,21 @@ def check_baseline_finite(scores: list[float], cfg: ExperimentConfig, what: str)
                            f"baseline; {bad} of {len(scores)} scores), so the model itself is broken, not a quantizer")
 
 
+@contextlib.contextmanager
+def _environ(**values: str):
+    """``os.environ`` with ``values`` set inside the block, as it was after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
              folder: str, documents: list[int] | None = None) -> dict:
     """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
@@ -72,7 +84,7 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
     name = resolve_task(task)
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
-    with unittest.mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}):  # lm-eval returns results only where it is 0;
+    with _environ(LOCAL_RANK="0"):  # lm-eval returns results only where it is 0;
         # under several processes here, every one builds every request and holds every score (share_out)
         out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
                                       limit=None if documents else limit,

@@ -15,7 +15,7 @@ import torch
 
 from .cache import attention_layout, simulate_memory
 from .config import load_yaml
-from .errors import KVQuantError, one_line
+from .errors import KVQuantError, check_int, one_line
 from .quantizers import available_quantizers
 
 FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -79,8 +79,8 @@ def shape_from_config(cfg, name: str) -> ModelShape:
         raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
     for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim"):
         value = getattr(text, k, None)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise KVQuantError(f"{name}: {k} must be a positive integer, got {value!r}")
+        if value is not None:
+            check_int(f"{name}: {k}", value, minimum=1)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -184,8 +184,7 @@ def tensor_parallel(shape: ModelShape, ranks: int) -> ModelShape:
     """The shape one of ``ranks`` tensor-parallel GPUs holds, as vLLM splits attention: each rank keeps
     ``kv_heads / ranks`` KV heads, or one head replicated ``ranks / kv_heads`` times when there are fewer KV heads
     than ranks (vLLM needs one count to divide the other)."""
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
-        raise KVQuantError(f"--tensor-parallel must be an integer >= 1, got {ranks!r}")
+    check_int("--tensor-parallel", ranks, minimum=1)
     if shape.kv_heads % ranks and ranks % shape.kv_heads:
         raise KVQuantError(f"--tensor-parallel {ranks} does not split {shape.kv_heads} KV heads: one must divide the "
                            f"other (vLLM's rule), e.g. {', '.join(map(str, _splits(shape.kv_heads)))}")

@@ -19,7 +19,7 @@ from typing import ClassVar, Literal
 import torch
 
 from . import kernels, ops
-from .errors import KVQuantError
+from .errors import KVQuantError, check_int
 from .registry import Registry
 
 Encoded = dict[str, torch.Tensor]
@@ -299,15 +299,10 @@ def largest_divisor(n: int, at_most: int) -> int:
 def _check_int(owner: str, field: str, value, allowed=None, minimum: int | None = None,
                maximum: int | None = None) -> None:
     """One-line errors for an option that must be an integer (never a bool or a float)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise KVQuantError(f"{owner}: {field} must be an integer, got {type(value).__name__} {value!r}")
+    check_int(f"{owner}: {field}", value, minimum, maximum)
     if allowed is not None and value not in allowed:
         choices = f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}"
         raise KVQuantError(f"{owner}: {field} must be {choices}, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise KVQuantError(f"{owner}: {field} must be an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise KVQuantError(f"{owner}: {field} must be an integer <= {maximum}, got {value!r}")
 
 
 def _check_choice(owner: str, field: str, value, choices) -> None:

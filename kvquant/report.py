@@ -28,12 +28,10 @@ import pandas as pd
 from .config import ExperimentConfig
 from .errors import ERROR_LOG
 from .fs import write_together
-from .measure import LONG_CONTEXT
 from .gate import looks, quantile_interval
-from .results import AGREEMENT, DIVERGENCE, PERPLEXITY, Memory, MetricRow, RunResult, Verdict
+from .results import (AGREEMENT, DIVERGENCE, LONG_CONTEXT, PERPLEXITY, Memory, MetricRow, RunResult, Serving, Verdict)
 from .tasks import probe_distance
 from .paths import PROJECT_ROOT
-from .stages import max_batch
 
 
 def _version(package: str) -> str:
@@ -148,7 +146,7 @@ def document(run: RunResult, run_id: str) -> dict:
         **({"plan": {**dataclasses.asdict(run.plan), "steps": run.plan.steps()}} if run.plan else {}),
         **({"calibration": run.calibration} if run.calibration else {}),
         **({"search": run.search} if run.search else {}),
-        **({"staged": run.staged} if run.staged else {}),
+        **({"staged": run.staged.to_dict()} if run.staged else {}),
     }
 
 
@@ -506,7 +504,7 @@ def _stage_rows(doc: dict) -> list[dict]:
         c = by_name.get(name)
         gated = [e["relative"] for e in c["metrics"].values() if e["gated"]] if c else [1.0]
         out.append({"name": name, "bytes": serving["kv_bytes_per_request"],
-                    "max_batch": max_batch(serving, staged["budget_bytes"]),
+                    "max_batch": Serving.from_dict(serving).max_batch(staged["budget_bytes"]),
                     "p50": serving["p50_ms"], "p99": serving["p99_ms"], "worst": min(gated),
                     "passed": c["passed"] if c else True,
                     "sharing": staged["prefix_sharing"].get(name, False)})

@@ -154,6 +154,10 @@ def task_outcomes(task: str, raw: dict, standard: str, bits: float = math.nan) -
             for m in ("acc", "acc_norm") if m in raw]
 
 
+#: Tokens per sequence at which every cache's memory is also stated (the planner's arithmetic).
+LONG_CONTEXT = 8192
+
+
 @dataclass(frozen=True)
 class Memory:
     """A cache's settings (options and what it derived, e.g. the groups used), ``memory_report()`` after the
@@ -295,6 +299,56 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Serving:
+    """One stage on a staged run's serving shape (:func:`kvquant.stages.serve`): KV bytes at the end (all
+    requests, per request, what several requests still share, what each further request adds), the bytes prefix
+    sharing saved, fp16's bytes for the same tokens, and each decode step's latency (ms, this machine)."""
+
+    requests: int
+    tokens_per_request: int
+    kv_bytes: int
+    kv_bytes_per_request: float
+    shared_bytes: int
+    own_bytes_per_request: float
+    shared_saved_bytes: int
+    fp16_bytes: int
+    step_ms: tuple[float, ...]
+    p50_ms: float
+    p99_ms: float
+
+    def max_batch(self, budget: int) -> int:
+        """Requests whose KV fits ``budget`` bytes: the shared bytes once, then each request's own."""
+        left = budget - self.shared_bytes
+        return max(int(left // self.own_bytes_per_request), 0) if self.own_bytes_per_request > 0 else 0
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "step_ms": list(self.step_ms)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Serving:
+        return cls(**{**d, "step_ms": tuple(d["step_ms"])})
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A staged run's serving step: each stage's (and the baseline's) :class:`Serving`, the stages in order, the
+    memory budget in bytes, the serving shape as configured, which stages share the prefix, and, once the gate
+    has judged them, the first stage that does not pass (None: every stage passes)."""
+
+    serving: dict[str, Serving]
+    stages: tuple[str, ...]
+    budget_bytes: int
+    shape: dict
+    prefix_sharing: dict[str, bool]
+    first_failing: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"serving": {label: s.to_dict() for label, s in self.serving.items()}, "stages": list(self.stages),
+                "budget_bytes": self.budget_bytes, "shape": self.shape, "prefix_sharing": self.prefix_sharing,
+                "first_failing": self.first_failing}
+
+
+@dataclass(frozen=True)
 class RunResult:
     """Everything a report renders: the config as given (never rewritten), the candidates evaluated (the config's
     candidates, or its stages, and a search's map), what each measured, the gate's rows and decision, and what a
@@ -309,6 +363,6 @@ class RunResult:
     command: str
     provenance: Provenance
     search: dict | None = None
-    staged: dict | None = None
+    staged: Staged | None = None
     calibration: dict = dataclasses.field(default_factory=dict)
     plan: Plan | None = None

@@ -48,7 +48,7 @@ from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, loo
 from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
 from .planner import check_candidate, parse_bytes, shape_from_config
-from .results import Decision, Plan, Provenance, RunResult
+from .results import Decision, Plan, Provenance, RunResult, Serving, Staged
 from .quantizers import QUANTIZERS, available_quantizers
 from .search import calibration_windows, check_search, search
 from .stages import serve, serving_tokens, staged_decision
@@ -278,8 +278,8 @@ def preflight(cfg: ExperimentConfig) -> tuple[Plan, dict[str, list[str]], list[s
         check_candidate(placeholder_scales(stage, shape, where), shape, where)
         if stage.offload:
             raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
-                               f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see the README's "
-                               "'Staged memory loop'")
+                               f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see docs/staged.md, "
+                               "'Offloading'")
     evicting = [c for c in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]
                 if c.options.get("eviction")]
     if evicting and cfg.eval.mode != "streaming":
@@ -394,7 +394,7 @@ def serving_text(cfg: ExperimentConfig, tokenizer, rows: dict):
     return (pset, *serving_tokens(cfg.serving, tokenizer(pset.separator.join(rows[pset.name])).input_ids))
 
 
-def serve_stages(session: Session, rows: dict) -> dict:
+def serve_stages(session: Session, rows: dict) -> Staged:
     """A staged run's serving step: each stage (and the baseline, no prefix sharing) on the serving shape, through
     the result store, and what the report needs to order and judge them."""
     cfg, store = session.cfg, session.store
@@ -403,11 +403,11 @@ def serve_stages(session: Session, rows: dict) -> dict:
     for stage in [Stage(BASELINE.quantizer, {}, BASELINE.label), *cfg.stages]:
         key = {"model": dataclasses.asdict(cfg.model), "serving": dataclasses.asdict(cfg.serving),
                "stage": dataclasses.asdict(stage), "text": pset.name}
-        serving[stage.label] = store.get_or_compute(
-            stage.label, "serving", key, lambda s=stage: serve(session.model, s, cfg.serving, prefix, suffixes))
-    return {"serving": serving, "stages": [s.label for s in cfg.stages],
-            "budget_bytes": parse_bytes(cfg.serving.memory_budget), "shape": dataclasses.asdict(cfg.serving),
-            "prefix_sharing": {s.label: s.prefix_sharing for s in cfg.stages}}
+        serving[stage.label] = Serving.from_dict(store.get_or_compute(
+            stage.label, "serving", key,
+            lambda s=stage: serve(session.model, s, cfg.serving, prefix, suffixes).to_dict()))
+    return Staged(serving, tuple(s.label for s in cfg.stages), parse_bytes(cfg.serving.memory_budget),
+                  dataclasses.asdict(cfg.serving), {s.label: s.prefix_sharing for s in cfg.stages})
 
 
 def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
@@ -465,10 +465,10 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
                 results[c.label] = session.measure(c, extended, probe=probe)
 
 
-def judge_run(cfg: ExperimentConfig, plan: Plan, candidates: list, results: dict, staged: dict | None,
-              warnings: list[str]) -> tuple[list, Decision]:
+def judge_run(cfg: ExperimentConfig, plan: Plan, candidates: list, results: dict,
+              warnings: list[str]) -> tuple[list, Decision, str | None]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
-    failing one)."""
+    that does not pass, which is returned too; None: every stage passes, or no stages)."""
     table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
     for row in table:
         if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
@@ -480,15 +480,14 @@ def judge_run(cfg: ExperimentConfig, plan: Plan, candidates: list, results: dict
             warn(warnings, f"{label} holds {b:.2f} bits/element, no fewer than the baseline, after "
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
-    decision = decide(table, bits, cfg.gate)
-    if staged:
-        verdict, chosen, staged["first_failing"], reason = staged_decision(candidates, decision.passed)
-        first = staged["first_failing"]
+    decision, first = decide(table, bits, cfg.gate), None
+    if plan.staged:
+        verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet
             reason += f"; {first} is {decision.statuses[first]}, not shown to fail"
             verdict = verdict if chosen is not None else INCONCLUSIVE
         decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)
-    return table, decision
+    return table, decision, first
 
 
 def execute(cfg: ExperimentConfig, plan: Plan, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
@@ -519,7 +518,8 @@ def execute(cfg: ExperimentConfig, plan: Plan, out_dir: Path, command: str, rows
     if plan.looks:
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
         results = add_documents(session, candidates, rows, results, bits, plan.looks)
-    table, decision = judge_run(cfg, plan, candidates, results, staged, warnings)
+    table, decision, first = judge_run(cfg, plan, candidates, results, warnings)
+    staged = staged and dataclasses.replace(staged, first_failing=first)
     # under a launcher a process's code other than 0 reads as a crash (torchrun stops the run and prints a failure
     # report), so each process of several ends 0 once the run is done, whatever the decision; process 0 prints the
     # decision and results.json holds it

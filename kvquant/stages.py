@@ -6,7 +6,7 @@ cache) and, here, on a serving shape: ``requests`` requests sharing a ``prefix``
 per request (``memory_report()``; with prefix sharing the prefix's stored units are counted once), the largest
 batch that fits ``memory_budget`` (the shared bytes once plus each request's own bytes, as the planner counts),
 and the decode step latency (p50/p99 over the steps, on this machine). The decision: stages are judged in order;
-the first one that fails the gate ends the loop, and the last stage before it is the answer.
+the first one that does not pass the gate ends the loop, and the last stage before it is the answer.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from .cache import make_cache, stack_rows
 from .config import ServingConfig, Stage
 from .errors import KVQuantError
+from .results import Serving
 
 
 def serving_tokens(serving: ServingConfig, ids: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -32,7 +33,7 @@ def serving_tokens(serving: ServingConfig, ids: list[int]) -> tuple[list[int], l
 
 
 @torch.inference_mode()
-def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffixes: list[list[int]]) -> dict:
+def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffixes: list[list[int]]) -> Serving:
     """Bytes and decode latency of one stage on the serving shape."""
     device = model.get_input_embeddings().weight.device
     n = len(suffixes)
@@ -58,20 +59,11 @@ def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffix
     total = report["total_bytes"]
     shared_once = report["shared_bytes"]  # still held by several requests at the end (eviction may free some)
     own = (total - shared_once) / n  # what each further request adds
-    return {
-        "requests": n, "tokens_per_request": len(prefix) + len(suffixes[0]) + serving.decode_steps,
-        "kv_bytes": total, "kv_bytes_per_request": total / n, "shared_bytes": shared_once,
-        "own_bytes_per_request": own, "shared_saved_bytes": report["shared_saved_bytes"],
-        "fp16_bytes": report["fp16_bytes"], "step_ms": steps,
-        "p50_ms": float(np.percentile(steps, 50)), "p99_ms": float(np.percentile(steps, 99)),
-    }
-
-
-def max_batch(serving_result: dict, budget: int) -> int:
-    """Requests whose KV fits ``budget`` bytes: the shared bytes once, then each request's own."""
-    left = budget - serving_result["shared_bytes"]
-    own = serving_result["own_bytes_per_request"]
-    return max(int(left // own), 0) if own > 0 else 0
+    return Serving(requests=n, tokens_per_request=len(prefix) + len(suffixes[0]) + serving.decode_steps,
+                   kv_bytes=total, kv_bytes_per_request=total / n, shared_bytes=shared_once,
+                   own_bytes_per_request=own, shared_saved_bytes=report["shared_saved_bytes"],
+                   fp16_bytes=report["fp16_bytes"], step_ms=tuple(steps),
+                   p50_ms=float(np.percentile(steps, 50)), p99_ms=float(np.percentile(steps, 99)))
 
 
 def staged_decision(stages: list[Stage], passed: dict[str, bool]) -> tuple[str, str | None, str | None, str]:

@@ -133,7 +133,7 @@ def test_equivalent_maps_stack_and_write_alike():
     ({0: {"quantizer": "int9"}}, "unknown quantizer 'int9'"),
     ({0: {"group_sise": 8}}, "has no option 'group_sise'"),
     ({0: {"quantizer": "int8", "bits": 3}}, "has no option 'bits'"),
-    ({0: {"residual_length": -1}}, "residual_length must be a non-negative integer"),
+    ({0: {"residual_length": -1}}, "residual_length must be an integer >= 0, got int -1"),
     ({0: "int8"}, "must be a mapping of options"),
     (["int8"], "layers must map layers or ranges"),
     ({0: {"key_bits": 3}}, "key_bits must be"),

@@ -119,8 +119,8 @@ def test_fp32_scales_are_more_precise_and_twice_the_bytes(real_kv):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"group_size": True}, "group_size must be an integer, got bool"),
-    ({"group_size": 32.0}, "group_size must be an integer, got float"),
+    ({"group_size": True}, "group_size must be an integer >= 1, got bool"),
+    ({"group_size": 32.0}, "group_size must be an integer >= 1, got float"),
     ({"key_bits": 4.0}, "key_bits must be an integer, got float"),
     ({"value_bits": "4"}, "value_bits must be an integer, got str"),
     ({"key_axis": "row"}, "key_axis must be one of 'token', 'channel'"),

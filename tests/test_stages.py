@@ -10,7 +10,7 @@ import transformers
 import kvquant
 from kvquant.config import ConfigError, ServingConfig, Stage, load_config
 from kvquant.run import main
-from kvquant.stages import max_batch, serve, serving_tokens, staged_decision
+from kvquant.stages import serve, serving_tokens, staged_decision
 
 STAGES = [Stage("fp8_e4m3", {}, "a"), Stage("fp8_e4m3", {}, "b", True), Stage("int2", {}, "c", True)]
 
@@ -47,16 +47,16 @@ def test_serving_bytes_with_sharing_and_eviction():
     with torch.no_grad():
         model(torch.tensor([prefix]), cache=cache)
     once = cache.memory_report()["shareable_bytes"]
-    assert shared["shared_bytes"] == once and shared["shared_saved_bytes"] == 3 * once
-    assert shared["kv_bytes"] == alone["kv_bytes"] - 3 * once
-    assert alone["shared_bytes"] == 0 and alone["kv_bytes_per_request"] == alone["kv_bytes"] / 4
+    assert shared.shared_bytes == once and shared.shared_saved_bytes == 3 * once
+    assert shared.kv_bytes == alone.kv_bytes - 3 * once
+    assert alone.shared_bytes == 0 and alone.kv_bytes_per_request == alone.kv_bytes / 4
     # the window keeps 16 tokens (+ up to a group of 8 more keys) of each request's 51: far fewer bytes
-    assert evict["kv_bytes"] < alone["kv_bytes"] / 2
-    assert len(alone["step_ms"]) == 3 and alone["p50_ms"] <= alone["p99_ms"]
+    assert evict.kv_bytes < alone.kv_bytes / 2
+    assert len(alone.step_ms) == 3 and alone.p50_ms <= alone.p99_ms
     # max batch: the shared bytes once, then each request's own bytes
     budget = 10**6
-    assert max_batch(shared, budget) == int((budget - once) // shared["own_bytes_per_request"])
-    assert max_batch(alone, budget) == int(budget // (alone["kv_bytes"] / 4))
+    assert shared.max_batch(budget) == int((budget - once) // shared.own_bytes_per_request)
+    assert alone.max_batch(budget) == int(budget // (alone.kv_bytes / 4))
     with pytest.raises(kvquant.KVQuantError, match="tokens are needed"):
         serving_tokens(serving, list(range(50)))
 

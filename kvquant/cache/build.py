@@ -9,7 +9,7 @@ import re
 import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
 
-from ..errors import KVQuantError
+from ..errors import KVQuantError, check_int
 from ..eviction import get_eviction
 from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, get_quantizer
 from .cache import KVQuantCache
@@ -75,11 +75,6 @@ def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
     return dataclasses.replace(quantizer, **options) if options else quantizer
 
 
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise KVQuantError(f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}")
-
-
 def layer_range(selector, count: int) -> range:
     """Layers named by a ``layers=`` key: ``5``, ``"5"`` or the inclusive range ``"0-3"``, within ``count``."""
     match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", selector) if isinstance(selector, str) else None
@@ -124,8 +119,8 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
         options = dict(options)
         name = options.pop("quantizer", None)
         residual, sinks = options.pop("residual_length", residual_length), options.pop("sink_tokens", sink_tokens)
-        _check_count(f"layers[{selector!r}].residual_length", residual)
-        _check_count(f"layers[{selector!r}].sink_tokens", sinks)
+        check_int(f"layers[{selector!r}].residual_length", residual, minimum=0)
+        check_int(f"layers[{selector!r}].sink_tokens", sinks, minimum=0)
         if all(layout[i] == "shared" for i in span):
             raise KVQuantError(f"layers[{selector!r}]: names only layers that reuse another layer's KV (they store "
                                "nothing)")
@@ -164,8 +159,8 @@ def build_cache(
         raise KVQuantError(f"options {sorted(options)} given with a Quantizer instance; set them on the instance")
     if residual_length is None:
         residual_length = quantizer.default_residual_length
-    _check_count("residual_length", residual_length)
-    _check_count("sink_tokens", sink_tokens)
+    check_int("residual_length", residual_length, minimum=0)
+    check_int("sink_tokens", sink_tokens, minimum=0)
     policy = None
     if eviction is not None:
         policy = get_eviction(eviction, sink_tokens, window=window, **({} if budget is None else {"budget": budget}))

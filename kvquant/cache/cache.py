@@ -13,7 +13,8 @@ from ..errors import KVQuantError, one_line
 from ..eviction import Eviction
 from ..quantizers import Quantizer
 from ..reads import Reads
-from .checks import check_layer_index, is_int, row_list, shown
+from ..errors import is_int
+from .checks import check_layer_index, row_list, shown
 from .layer import KVQuantLayer
 from .memory import summarize
 from .padding import Padding

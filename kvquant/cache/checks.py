@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 import re
 
 import torch
 
-from ..errors import KVQuantError, NonFiniteKVError
+from ..errors import KVQuantError, NonFiniteKVError, is_int
 
 STATES = "[batch, heads, tokens, head_dim]"
 
@@ -21,11 +20,6 @@ def shown(value) -> str:
         return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
     text = re.sub(r"\s+", " ", repr(value))
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def is_int(value) -> bool:
-    """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_layer_index(where: str, layer_idx, count: int) -> None:

@@ -279,7 +279,7 @@ class KVQuantLayer(CacheLayerMixin):
         raise KVQuantError("a quantized cache cannot be cropped (quantized groups cannot be split); use a fresh cache")
 
     def offload(self):
-        raise KVQuantError("kvquant caches do not support offloading yet (see the README's 'Staged memory loop')")
+        raise KVQuantError("kvquant caches do not support offloading yet (see docs/staged.md, 'Offloading')")
 
     prefetch = offload
 

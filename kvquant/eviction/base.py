@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import KVQuantError
+from ..errors import check_int
 from ..registry import Registry
 
 EVICTIONS = Registry("eviction policy")
@@ -36,9 +36,7 @@ class Eviction:
 
     def __post_init__(self):
         for key in [f.name for f in dataclasses.fields(self)]:
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise KVQuantError(f"eviction {self.name!r}: {key} must be an integer >= 1, got {value!r}")
+            check_int(f"eviction {self.name!r}: {key}", getattr(self, key), minimum=1)
 
     def check(self, sink_tokens: int) -> None:
         """Reject a cache setting the policy does not fit."""
