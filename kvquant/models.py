@@ -224,6 +224,8 @@ def load_model(spec: ModelConfig):
     tokenizer = _load_tokenizer(spec, path, converted)
     try:
         model = AutoModelForCausalLM.from_pretrained(converted or path, **kwargs).eval()
+    except (MemoryError, torch.cuda.OutOfMemoryError):  # a machine too small, not a bad model: exit 3, traceback
+        raise
     except Exception as err:  # transformers raises many types for weights it cannot read
         raise KVQuantError(f"cannot load model {spec.path!r} ({converted or path}): {type(err).__name__}: "
                            f"{one_line(err)[:300]}") from None

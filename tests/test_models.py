@@ -74,3 +74,18 @@ def test_a_gguf_tokenizer_that_does_not_load_is_one_clear_error(cache):
 def test_check_model_names_what_is_missing(spec, message):
     with pytest.raises(KVQuantError, match=message):
         check_model(spec)
+
+
+@pytest.mark.parametrize("error", [MemoryError, torch.cuda.OutOfMemoryError])
+def test_running_out_of_memory_while_loading_is_not_called_bad_input(monkeypatch, error):
+    """A model the machine cannot hold is no bad config: the error goes up as it is (exit 3, with a traceback),
+    where a model transformers cannot read is one line (exit 2)."""
+    def fail(*args, **kwargs):
+        raise error("out of memory")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fail)
+    with pytest.raises(error):
+        load_model(ModelConfig(path="local:models/stories260K/hf"))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("no")))
+    with pytest.raises(KVQuantError, match="cannot load model"):
+        load_model(ModelConfig(path="local:models/stories260K/hf"))
