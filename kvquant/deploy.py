@@ -19,21 +19,11 @@ import torch
 
 from .errors import KVQuantError
 from .fs import read_file, write_together
+from .quantizers import QUANTIZERS
 
-#: kvquant's name of each engine format -> (engine, the engine's --kv-cache-dtype value, what else it needs)
-ENGINE_FLAGS = {
-    "vllm_fp8": ("vLLM", "fp8", "static scales from the checkpoint (compressed-tensors k_scale/v_scale; per-head "
-                 "scales need FlashAttention 3); none: 1.0"),
-    "vllm_fp8_per_token_head": ("vLLM", "fp8_per_token_head", "vLLM's Triton attention backend"),
-    "vllm_int8_per_token_head": ("vLLM", "int8_per_token_head", "vLLM's Triton attention backend"),
-    "vllm_int4_per_token_head": ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend"),
-    "vllm_nvfp4": ("vLLM", "nvfp4", "a Blackwell GPU (FlashInfer); the global scale from the checkpoint, else 1.0"),
-    "vllm_turboquant_k8v4": ("vLLM", "turboquant_k8v4", "vLLM keeps the first and last 2 layers of a dense model "
-                             "at full precision on its own"),
-    "vllm_turboquant_4bit_nc": ("vLLM", "turboquant_4bit_nc", "vLLM keeps the first and last 2 layers of a dense "
-                                "model at full precision on its own"),
-    "sglang_mxfp8": ("SGLang", "mxfp8", "SGLang's FA4 attention backend"),
-}
+#: kvquant's name of each engine format -> (engine, the engine's --kv-cache-dtype value, what else it needs), from
+#: the formats' own classes (``Quantizer.serving``)
+ENGINE_FLAGS = {name: cls.serving for name, cls in QUANTIZERS.classes.items() if cls.serving}
 #: kvquant cache options that no engine has: a setting using any of them is a research setting
 RESEARCH_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction", "rotation")
 

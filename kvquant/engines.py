@@ -342,12 +342,20 @@ def _positive_scales(name: str, field: str, value) -> torch.Tensor:
     return scale if isinstance(value, (list, tuple)) else scale[0]
 
 
+#: What vLLM's turboquant formats need: it keeps boundary layers at model precision itself.
+TURBOQUANT_BOUNDARY = "vLLM keeps the first and last 2 layers of a dense model at full precision on its own"
+
+
 @register_quantizer("vllm_fp8")
 @dataclass(frozen=True)
 class VllmFp8(Quantizer):
     """vLLM ``--kv-cache-dtype fp8`` with the checkpoint's static ``k_scale``/``v_scale``: one per layer, or one per
     KV head (compressed-tensors ``strategy: attn_head``, FlashAttention 3). A checkpoint without scales runs at 1.0
     (``kv_cache.py:117-169``), the default here; calibrated scales are ``amax / 448``."""
+
+    serving: ClassVar[tuple[str, str, str]] = (
+        "vLLM", "fp8", "static scales from the checkpoint (compressed-tensors k_scale/v_scale; per-head scales need "
+        "FlashAttention 3); none: 1.0")
 
     #: calibrated scales are amax / 448 (``kvquant.calibrate``)
     calibration_divisor: ClassVar[float] = E4M3_MAX
@@ -371,6 +379,8 @@ class VllmFp8(Quantizer):
 class VllmFp8PerTokenHead(Quantizer):
     """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
 
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "fp8_per_token_head", "vLLM's Triton attention backend")
+
     def _codecs(self, head_dim):
         return PerTokenHeadCodec(fp8=True), PerTokenHeadCodec(fp8=True)
 
@@ -380,6 +390,8 @@ class VllmFp8PerTokenHead(Quantizer):
 class VllmInt8PerTokenHead(Quantizer):
     """vLLM ``--kv-cache-dtype int8_per_token_head``: symmetric int8 with a dynamic fp32 scale per token and head."""
 
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "int8_per_token_head", "vLLM's Triton attention backend")
+
     def _codecs(self, head_dim):
         return PerTokenHeadCodec(fp8=False), PerTokenHeadCodec(fp8=False)
 
@@ -388,6 +400,8 @@ class VllmInt8PerTokenHead(Quantizer):
 @dataclass(frozen=True)
 class VllmInt4PerTokenHead(Quantizer):
     """vLLM ``--kv-cache-dtype int4_per_token_head``: rotated, asymmetric uint4 per token and head."""
+
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend")
 
     def _codecs(self, head_dim):
         _head_dim_check(self.name, head_dim, 2, "two codes per byte")
@@ -399,6 +413,9 @@ class VllmInt4PerTokenHead(Quantizer):
 class VllmNvfp4(Quantizer):
     """vLLM ``--kv-cache-dtype nvfp4``: e2m1 in blocks of 16 with e4m3 block scales under a static global scale
     per layer (``k_scale``/``v_scale``: 1.0 without checkpoint scales; ModelOpt's are ``amax / (6 * 448)``)."""
+
+    serving: ClassVar[tuple[str, str, str]] = (
+        "vLLM", "nvfp4", "a Blackwell GPU (FlashInfer); the global scale from the checkpoint, else 1.0")
 
     #: calibrated global scales are amax / (6 x 448), as ModelOpt's (``kvquant.calibrate``)
     calibration_divisor: ClassVar[float] = 6 * E4M3_MAX
@@ -424,6 +441,8 @@ class VllmTurboquantK8V4(Quantizer):
     head. vLLM keeps the first and last 2 layers of a dense model at full precision (``turboquant/config.py:177-213``):
     give those layers ``fp16`` through ``layers`` to match it."""
 
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_k8v4", TURBOQUANT_BOUNDARY)
+
     def _codecs(self, head_dim):
         _head_dim_check(self.name, head_dim, 2, "two value codes per byte")
         return UnscaledFp8Codec(), MinMaxUint4Codec()
@@ -435,6 +454,8 @@ class VllmTurboquant4BitNc(Quantizer):
     """vLLM ``--kv-cache-dtype turboquant_4bit_nc``: keys Hadamard-rotated onto 4-bit Lloyd-Max centroids with an
     fp16 norm and norm correction, values uint4 min/max per token and head."""
 
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_4bit_nc", TURBOQUANT_BOUNDARY)
+
     def _codecs(self, head_dim):
         if head_dim & (head_dim - 1):
             raise KVQuantError(f"{self.name}: head_dim {head_dim} is not a power of two (the Hadamard rotation)")
@@ -445,6 +466,8 @@ class VllmTurboquant4BitNc(Quantizer):
 @dataclass(frozen=True)
 class SglangMxfp8(Quantizer):
     """SGLang ``--kv-cache-dtype mxfp8``: e4m3 in blocks of 32 channels with an e8m0 (power-of-two) scale."""
+
+    serving: ClassVar[tuple[str, str, str]] = ("SGLang", "mxfp8", "SGLang's FA4 attention backend")
 
     def _codecs(self, head_dim):
         _head_dim_check(self.name, head_dim, 32, "blocks of 32 channels")

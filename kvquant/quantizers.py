@@ -242,6 +242,9 @@ class Quantizer:
     name: ClassVar[str]
     #: Most recent tokens kept in full precision unless ``make_cache(residual_length=...)`` says otherwise.
     default_residual_length: ClassVar[int] = 0
+    #: The serving engine that runs this exact format: (engine, its ``--kv-cache-dtype`` value, what else it
+    #: needs); None: a research format no engine runs (:mod:`kvquant.deploy`).
+    serving: ClassVar[tuple[str, str, str] | None] = None
     #: ``"hadamard"``: quantize K and V rotated along head_dim by a seeded random-sign (block) Hadamard matrix
     #: and rotate back on read (QuaRot-style; spreads outlier channels over the block). None: no rotation.
     rotation: str | None = dataclasses.field(default=None, kw_only=True)

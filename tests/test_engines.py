@@ -370,3 +370,14 @@ def test_a_gqa_sliding_window_model_reads_what_the_reference_stores(name, prompt
     plain = logits(kvquant.make_cache(model, "fp16"))
     assert torch.allclose(ours, reference, atol=1e-5, rtol=1e-5)  # two fp32 attention passes: rounding apart
     assert (ours - plain).abs().max() > 1e-4  # attention read the quantized states
+
+
+def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do_not():
+    """``export`` writes a format's flags from its class: every vLLM/SGLang format names its engine and its
+    ``--kv-cache-dtype`` value; kvquant's own formats name none."""
+    from kvquant.deploy import ENGINE_FLAGS
+
+    engine_formats = {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
+    assert set(ENGINE_FLAGS) == engine_formats and len(engine_formats) == 8
+    for name, (engine, flag, needs) in ENGINE_FLAGS.items():
+        assert engine == ("vLLM" if name.startswith("vllm_") else "SGLang") and name.endswith(flag) and needs
