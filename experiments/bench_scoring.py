@@ -24,9 +24,8 @@ import lm_eval
 import numpy as np
 import torch
 
-import kvquant  # noqa: F401  (registers the lm-eval model)
 from kvquant.config import ModelConfig
-from kvquant.lm_eval_model import KVQuantLM
+from kvquant.lm_eval_model import KVQuantLM  # registers the lm-eval model
 from kvquant.models import load_model
 from kvquant.tasks import resolve_task, task_manager
 

@@ -2,9 +2,10 @@
 report them.
 
 Exit codes of ``python -m kvquant.run``, ``kvquant.plan`` and ``kvquant.lm_eval``: 0 pass (or done), 1 the
-gate failed, 2 bad input (config, data, model, device, options: one line naming the key, file or value),
-3 an internal error (one line on the screen, the traceback in a log file), 130 interrupted (Ctrl-C), 143
-terminated (SIGTERM: handled like Ctrl-C, so locks are released and finished results kept).
+gate failed, 4 inconclusive (no candidate shown to pass, not all shown to fail), 2 bad input (config, data,
+model, device, options: one line naming the key, file or value), 3 an internal error (one line on the screen,
+the traceback in a log file), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM: handled like Ctrl-C, so locks
+are released and finished results kept).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from .models import DTYPES
 from .planner import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes, parse_setting,
                       resolve_model, tensor_parallel)
 
@@ -136,12 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                         "int4:group_size=32,residual_length=128, or a YAML mapping with per-layer settings, e.g. "
                         "'{quantizer: int4, layers: {0-3: {quantizer: int8}}}' (repeatable; default: fp16 fp8_e4m3 "
                         "int8 int4 int2)")
-    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+    parser.add_argument("--dtype", default="float16", choices=list(DTYPES),
                         help="dtype of the full-precision windows of quantized caches (the model's dtype)")
     parser.add_argument("--gpu-memory", help="memory budget, e.g. 80GB or 80GiB")
     parser.add_argument("--weights", help="weights size (default: parameter count x --weights-dtype)")
-    parser.add_argument("--weights-dtype", default="float16", choices=["float16", "bfloat16", "float32", "int8",
-                        "float8_e4m3fn"])
+    parser.add_argument("--weights-dtype", default="float16", choices=[*DTYPES, "int8", "float8_e4m3fn"])
     parser.add_argument("--reserve", default="10%", help="held back for activations and the runtime: a share of "
                         "--gpu-memory (10%%) or a size (4GiB)")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",

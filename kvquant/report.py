@@ -145,7 +145,7 @@ def document(run: RunResult, run_id: str) -> dict:
         "candidates": [_candidate_entry(c, run) for c in run.candidates],
         **({"plan": {**dataclasses.asdict(run.plan), "steps": run.plan.steps()}} if run.plan else {}),
         **({"calibration": run.calibration} if run.calibration else {}),
-        **({"search": run.search} if run.search else {}),
+        **({"search": run.search.to_dict()} if run.search else {}),
         **({"staged": run.staged.to_dict()} if run.staged else {}),
     }
 
@@ -167,7 +167,7 @@ def write(out_dir: Path, run: RunResult) -> dict[str, Path]:
              "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
              "report.md": _markdown(doc, frame, cfg, curve)}
     if run.search:  # the map found, as a config that evaluates it alone (no search) on the same data
-        found = next(c for c in run.candidates if c.label == run.search["name"])
+        found = next(c for c in run.candidates if c.label == run.search.name)
         rerun = {**cfg.to_dict(), "name": f"{cfg.name}-{found.label}", "candidates": [dataclasses.asdict(found)],
                  "search": None}
         files["searched.yaml"] = (f"# the per-layer map searched by run {run_id}; rerun with\n# python -m kvquant.run "

@@ -34,7 +34,8 @@ WINDOWED = (PERPLEXITY, DIVERGENCE, AGREEMENT)
 
 @dataclass(frozen=True)
 class MetricId:
-    """``measure`` (``ppl``, ``acc`` or ``acc_norm``) of ``source`` (a perplexity set or a task name)."""
+    """``measure`` (``ppl``, ``kl``, ``top1``, ``acc`` or ``acc_norm``: :data:`KINDS`) of ``source`` (a perplexity
+    set or a task name)."""
 
     measure: str
     source: str
@@ -349,6 +350,30 @@ class Staged:
 
 
 @dataclass(frozen=True)
+class SearchSummary:
+    """What a per-layer search found (:mod:`kvquant.search`): the map's ``name``, the bit budget (None: a target),
+    whether a map passed the gate on the calibration split (``found``), the step chosen of ``steps``, the ladder
+    (each rung's name, quantizer, options and bits/element), the map (layer -> rung name), each layer's sensitivity
+    per rung and the full-precision loss it is relative to, every map checked, and the calibration split and gate."""
+
+    name: str
+    max_bits: float | None
+    found: bool
+    step: int
+    steps: int
+    ladder: tuple[dict, ...]
+    map: dict[str, str]
+    sensitivity: dict[str, list[float]]
+    reference_loss: float
+    checked: tuple[dict, ...]
+    calibration: dict
+
+    def to_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "ladder": list(self.ladder), "checked": list(self.checked)}
+
+
+@dataclass(frozen=True)
 class RunResult:
     """Everything a report renders: the config as given (never rewritten), the candidates evaluated (the config's
     candidates, or its stages, and a search's map), what each measured, the gate's rows and decision, and what a
@@ -362,7 +387,7 @@ class RunResult:
     decision: Decision
     command: str
     provenance: Provenance
-    search: dict | None = None
+    search: SearchSummary | None = None
     staged: Staged | None = None
     calibration: dict = dataclasses.field(default_factory=dict)
     plan: Plan | None = None

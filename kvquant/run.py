@@ -227,6 +227,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def context_length(cfg: ExperimentConfig, model_config) -> int:
+    """Longest sequence the run feeds, before the model loads (as :func:`kvquant.models.max_length` once it has)."""
+    return cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
+
+
 def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
     """Sequences past the model's trained context, and perplexity windows cut shorter than configured."""
     trained = trained_context(model_config)
@@ -234,7 +239,7 @@ def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
     if trained and cfg.model.max_length and cfg.model.max_length > trained:
         out.append(f"model.max_length {cfg.model.max_length} is past the model's trained context ({trained} "
                    "positions): scores on longer sequences measure extrapolation, not the model")
-    limit = cfg.model.max_length or trained or DEFAULT_MAX_LENGTH
+    limit = context_length(cfg, model_config)
     out += [f"perplexity set {p.name!r}: max_length {p.max_length} is cut to the model's {limit} tokens"
             for p in cfg.eval.perplexity if p.max_length > limit]
     return out
@@ -286,15 +291,14 @@ def preflight(cfg: ExperimentConfig) -> tuple[Plan, dict[str, list[str]], list[s
         raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
                            "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
                            "chunk_size below the window)")
+    context = context_length(cfg, model_config)
     if cfg.serving:
         parse_bytes(cfg.serving.memory_budget, "serving.memory_budget")
-        context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
         need = cfg.serving.prefix + cfg.serving.suffix + cfg.serving.decode_steps
         if need > context:
             raise KVQuantError(f"serving: prefix + suffix + decode_steps = {need} tokens, beyond the model's "
                                f"{context} positions")
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
-    context = cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
     check_task_data(cfg.eval.tasks.names, "eval.tasks.names")
     if cfg.eval.tasks.names:
@@ -423,23 +427,23 @@ def task_size(session: Session, task: str) -> int:
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
-                  plan: dict[str, int]) -> dict:
+                  looks: dict[str, int]) -> dict:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
     has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
     (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
-    already scored; then judge again. ``plan``: per gated task, the looks planned. Returns the results with every
+    already scored; then judge again. ``looks``: per gated task, the looks planned. Returns the results with every
     look."""
     cfg, sizes = session.cfg, {}
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
     while True:
-        table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan)
+        table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=looks)
         decision = decide(table, bits, cfg.gate)
         wanted: dict[str, set[str]] = {}
         hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
         for v in decision.verdicts:
-            if v.verdict == INCONCLUSIVE and v.row.kind == ACCURACY and v.row.metric.source in plan and \
+            if v.verdict == INCONCLUSIVE and v.row.kind == ACCURACY and v.row.metric.source in looks and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
         grown = {}

@@ -34,7 +34,7 @@ from .config import SEARCH_PREFIX, Candidate, ExperimentConfig
 from .errors import KVQuantError
 from .gate import decide, metric_rows
 from .measure import BASELINE, Session, Split
-from .results import Measured
+from .results import Measured, SearchSummary
 from .tasks import probe_distance, resolve_task, task_manager
 
 CALIBRATION_BASELINE = SEARCH_PREFIX + "baseline"
@@ -261,28 +261,26 @@ class _Search:
                                f"(the cheapest takes {min(every):.3f} bits per element)")
         return chosen, (chosen if self.passes(chosen) else None)
 
-    def summary(self, chosen: int, found: int | None) -> dict:
+    def summary(self, chosen: int, found: int | None) -> SearchSummary:
         """What the report shows of the search."""
-        return {
-            "name": self.spec.name, "max_bits": self.spec.max_bits, "found": found is not None, "step": chosen,
-            "steps": len(self.maps) - 1,
-            "ladder": [{"name": r.label, "quantizer": r.quantizer, "options": r.options, "bits_per_element": b}
-                       for r, b in zip(self.ladder, self.bits)],
-            "map": {str(layer): self.ladder[rung].label for layer, rung in sorted(self.maps[chosen].items())},
-            "sensitivity": {str(layer): s for layer, s in self.sensitivity.items()},
-            "reference_loss": self.reference,
-            "checked": [self.checked[m] for m in sorted(self.checked)],
-            "calibration": {"windows": {name: [start, start + len(ws)]
-                                        for name, (start, ws) in self.calibration.items()},
-                            "documents": {t: [d.start, d.stop] for t, d in self.documents.items()},
-                            "max_perplexity_ratio": self.gate.max_perplexity_ratio,
-                            "tasks_gated": bool(self.documents),
-                            **{key: getattr(self.gate, key) for key in ("max_kl_divergence", "min_top1_agreement")
-                               if getattr(self.gate, key) is not None}},
-        }
+        return SearchSummary(
+            name=self.spec.name, max_bits=self.spec.max_bits, found=found is not None, step=chosen,
+            steps=len(self.maps) - 1,
+            ladder=tuple({"name": r.label, "quantizer": r.quantizer, "options": r.options, "bits_per_element": b}
+                         for r, b in zip(self.ladder, self.bits)),
+            map={str(layer): self.ladder[rung].label for layer, rung in sorted(self.maps[chosen].items())},
+            sensitivity={str(layer): s for layer, s in self.sensitivity.items()},
+            reference_loss=self.reference,
+            checked=tuple(self.checked[m] for m in sorted(self.checked)),
+            calibration={"windows": {name: [start, start + len(ws)] for name, (start, ws) in self.calibration.items()},
+                         "documents": {t: [d.start, d.stop] for t, d in self.documents.items()},
+                         "max_perplexity_ratio": self.gate.max_perplexity_ratio,
+                         "tasks_gated": bool(self.documents),
+                         **{key: getattr(self.gate, key) for key in ("max_kl_divergence", "min_top1_agreement")
+                            if getattr(self.gate, key) is not None}})
 
 
-def search(session: Session, rows: dict) -> tuple[Candidate, dict]:
+def search(session: Session, rows: dict) -> tuple[Candidate, SearchSummary]:
     """Run the search through ``session`` (the run's model, config and result store, the same measuring code as
     every candidate's); returns the map found (named ``search.name``) and what the report shows of it."""
     state = _Search(session, rows)
