@@ -36,12 +36,16 @@ def is_int(value) -> bool:
 
 
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` when it is an integer (never a bool or a float) within ``[minimum, maximum]``; else one
-    :class:`KVQuantError` line naming ``name``, the range and the value."""
-    if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
-        return int(value)
-    bound = (f" in {minimum}..{maximum}" if minimum is not None and maximum is not None else
-             f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else "")
+    """``value`` when it is a Python integer (never a bool, a float or a numpy integer, which would travel on into
+    settings and JSON) within ``[minimum, maximum]``; else one :class:`KVQuantError` line naming ``name``, the
+    bound broken and the value."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if whole and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value
+    if maximum is not None and (minimum is None or whole and value > maximum):
+        bound = f" <= {maximum}"
+    else:
+        bound = f" >= {minimum}" if minimum is not None else ""
     raise KVQuantError(f"{name} must be an integer{bound}, got {type(value).__name__} {value!r}")
 
 

@@ -187,17 +187,24 @@ class RotatedCodec(Codec):
         return self.inner.max_abs / float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
 
     def check(self, x, name):
-        """States within ``inner.max_abs / sqrt(block)`` fit once rotated (``|y| <= sqrt(block) max|x|``); the
-        others are rotated to see."""
+        """States within ``limit / sqrt(block)`` fit once rotated (``|y| <= sqrt(block) max|x|``); the others are
+        rotated to see. The limit: what the scales hold, or the states' own dtype's range (the rotation is computed
+        in it), the smaller."""
         if x.device.type != "meta" and x.numel() and \
-                float(x.abs().amax()) > self.inner.max_abs * float(self.matrix.abs().max()):
+                float(x.abs().amax()) > self._limit(x.dtype) * float(self.matrix.abs().max()):
             self._check_rotated(ops.rotate(x, self.matrix), name)
 
+    def _limit(self, dtype: torch.dtype) -> float:
+        return min(self.inner.max_abs, torch.finfo(dtype).max)
+
     def _check_rotated(self, y, name):
-        if y.device.type != "meta" and y.numel() and float(y.abs().amax()) > self.inner.max_abs:
-            raise KVQuantError(f"rotated {name} reach |y| = {float(y.abs().amax()):.4g}, beyond the "
-                               f"±{self.inner.max_abs:.4g} their scales and zero points can hold "
-                               "(scale_dtype='float32' holds more)")
+        if y.device.type == "meta" or not y.numel():
+            return
+        amax, limit = float(y.abs().amax()), self._limit(y.dtype)
+        if not amax <= limit:  # inf too: the rotation overflowed the states' dtype
+            held = (f"±{limit:.4g} their scales and zero points can hold (scale_dtype='float32' holds more)"
+                    if limit == self.inner.max_abs else f"±{limit:.4g} of the states' dtype {y.dtype}")
+            raise KVQuantError(f"rotated {name} reach |y| = {amax:.4g}, beyond the {held}")
 
     def encode(self, x):
         y = ops.rotate(x, self.matrix)

@@ -226,13 +226,16 @@ def test_key_norm_keeps_exactly_the_tokens_its_scores_select():
         assert layer.get_mask_sizes(1)[0] == min(layer.cumulative_length, 2 + 4 + 3) + 1
 
 
-@pytest.mark.parametrize("axes", [{}, {"key_axis": "token", "value_axis": "channel"}], ids=["kivi", "swapped"])
+@pytest.mark.parametrize("axes", [{}, {"key_axis": "token", "value_axis": "channel"},
+                                  {"value_axis": "channel", "value_group_size": 2}],
+                         ids=["kivi", "swapped", "channel-groups-differ"])
 @pytest.mark.parametrize("group", [4, 8])
 def test_key_norm_frees_whole_units_and_its_bytes_do_not_depend_on_the_data(group, axes):
     """int4 keys (or, axes swapped, values) are stored in groups of tokens: tokens are dropped block by block (at
     most one block partly read), so each stream stores at most a block - 1 tokens more than it reads, and the bytes
     are the same for any data, the planner's shape-only run included. Swapped, the per-token keys free each
-    dropped token at once while the values still hold its group: a block is whole all the same."""
+    dropped token at once while the values still hold its group: a block is whole all the same. Both streams on
+    the channel axis with other groups: a block holds several units of one stream, freed in order."""
     opts = dict(eviction="key_norm", sink_tokens=2, window=group + 2, budget=2 * group, group_size=group,
                 residual_length=2, **axes)
     sizes = [9, 1, 1, 4, 1, 1, 1, 6, 1, 1, 1, 1, 1, 13, 1, 1, 1, 2, 1, 1] * 2

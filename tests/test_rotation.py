@@ -148,19 +148,23 @@ def test_a_single_outlier_channel_fits_once_rotated():
         key_codec.encode(torch.full((1, 1, 128, 64), 60000.0))
 
 
+@pytest.mark.parametrize("dtype,scale_dtype,beyond", [(torch.float32, "float16", "scales and zero points"),
+                                                       (torch.float16, "float32", "states' dtype torch.float16")])
 @pytest.mark.parametrize("residual_length", [0, 4])
-def test_states_that_overflow_once_rotated_are_refused_before_anything_is_stored(residual_length):
-    """60000 in every channel fits the cache's plain check but rotates to 60000 * 8 in one channel: refused on
-    arrival (residual 4: before it sits in the full-precision tail, whose flush would raise later), and the
-    cache goes on as if the refused update had never been made."""
-    opts = dict(rotation="hadamard", group_size=4, residual_length=residual_length)
+def test_states_that_overflow_once_rotated_are_refused_before_anything_is_stored(residual_length, dtype,
+                                                                                  scale_dtype, beyond):
+    """60000 in every channel fits the cache's plain check but rotates to 60000 * 8 in one channel, beyond fp16
+    scales (float32 states) or fp16 itself (float16 states, float32 scales): refused on arrival (residual 4:
+    before it sits in the full-precision tail, whose flush would raise later), and the cache goes on as if the
+    refused update had never been made."""
+    opts = dict(rotation="hadamard", group_size=4, residual_length=residual_length, scale_dtype=scale_dtype)
     cache, fresh = (kvquant.cache.build_cache([None], "int8", head_dim=64, **opts).layers[0] for _ in range(2))
     gen = torch.Generator().manual_seed(0)
-    first, second = (torch.randn(1, 2, n, 64, generator=gen) for n in (8, 4))
+    first, second = (torch.randn(1, 2, n, 64, generator=gen).to(dtype) for n in (8, 4))
     for layer in (cache, fresh):
         layer.update(first, first)
-    with pytest.raises(KVQuantError, match="rotated keys reach"):
-        cache.update(torch.full((1, 2, 4, 64), 60000.0), second)
+    with pytest.raises(KVQuantError, match=f"rotated keys reach .* beyond the .*{beyond}"):
+        cache.update(torch.full((1, 2, 4, 64), 60000.0, dtype=dtype), second)
     assert cache.cumulative_length == 8
     got, want = cache.update(second, second), fresh.update(second, second)
     assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -13,7 +13,8 @@ from .base import Eviction, register_eviction
 class KeyNorm(Eviction):
     """Importance by key norm (KnormPress, Devoto et al. 2024: keys of small L2 norm draw the most attention):
     keeps the sinks, the last ``window`` tokens and, of the tokens before them, the ``budget`` whose keys have the
-    smallest norm (averaged over KV heads), dropping the others block by block (see :meth:`choose`)."""
+    smallest norm (averaged over KV heads), dropping the others block by block (see :meth:`choose`: with blocks of
+    one token, as for fp16 or per-token quantizers, exactly those)."""
 
     importance: ClassVar[bool] = True
     #: Tokens kept from before the window, chosen by score.
@@ -29,9 +30,10 @@ class KeyNorm(Eviction):
 
     def choose(self, visible: list[int], sinks: int, block: int, excess: int, scores: dict[int, float]) -> list[int]:
         """Which ``excess`` of a row's ``visible`` tokens (ordinals, in order) to stop reading: never a sink or one
-        of the last ``window``, and block by block (a block: ``block`` tokens, whole units of both streams),
-        finishing a block it began first, so at most one block is ever partly read and the bytes stored do not
-        depend on the scores. Lowest mean ``scores`` first."""
+        of the last ``window``, and block by block (a block: ``block`` tokens, whole units of both streams), the
+        block of lowest mean ``scores`` first, finishing a block it began first; within a block, oldest first. So
+        at most one block is ever partly read, and the units freed, hence the bytes stored, do not depend on the
+        scores (a block may hold several units of a stream)."""
         middle = visible[sinks : len(visible) - self.window]
         blocks: dict[int, list[int]] = {}
         for o in middle:
@@ -45,7 +47,7 @@ class KeyNorm(Eviction):
         rank = lambda b: (sum(scores.get(o, 0.0) for o in blocks[b]) / len(blocks[b]), b)  # noqa: E731
         chosen: list[int] = []
         for b in started + sorted((b for b in whole if b not in started), key=rank):
-            chosen += sorted(blocks[b], key=lambda o: (scores.get(o, 0.0), o))[: excess - len(chosen)]
+            chosen += blocks[b][: excess - len(chosen)]
             if len(chosen) == excess:
                 break
         return chosen
