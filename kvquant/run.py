@@ -427,23 +427,23 @@ def task_size(session: Session, task: str) -> int:
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
-                  looks: dict[str, int]) -> dict:
+                  planned: dict[str, int]) -> dict:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
     has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
     (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
-    already scored; then judge again. ``looks``: per gated task, the looks planned. Returns the results with every
+    already scored; then judge again. ``planned``: per gated task, the looks planned. Returns the results with every
     look."""
     cfg, sizes = session.cfg, {}
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
     while True:
-        table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=looks)
+        table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned)
         decision = decide(table, bits, cfg.gate)
         wanted: dict[str, set[str]] = {}
         hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
         for v in decision.verdicts:
-            if v.verdict == INCONCLUSIVE and v.row.kind == ACCURACY and v.row.metric.source in looks and \
+            if v.verdict == INCONCLUSIVE and v.row.kind == ACCURACY and v.row.metric.source in planned and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
         grown = {}
