@@ -21,9 +21,11 @@ from .errors import KVQuantError
 from .fs import read_file, write_together
 from .quantizers import QUANTIZERS
 
-#: kvquant's name of each engine format -> (engine, the engine's --kv-cache-dtype value, what else it needs), from
-#: the formats' own classes (``Quantizer.serving``)
-ENGINE_FLAGS = {name: cls.serving for name, cls in QUANTIZERS.classes.items() if cls.serving}
+def engine_flags(quantizer) -> tuple[str, str, str] | None:
+    """(engine, the engine's --kv-cache-dtype value, what else it needs) of an engine format, as its own class says
+    (``Quantizer.serving``; a subclass that does not say it again is a research format); None for any other name."""
+    cls = QUANTIZERS.classes.get(quantizer) if isinstance(quantizer, str) else None
+    return cls.__dict__.get("serving") if cls is not None else None
 #: kvquant cache options that no engine has: a setting using any of them is a research setting
 RESEARCH_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction", "rotation")
 
@@ -68,12 +70,13 @@ def skipped_layers(settings: dict) -> list[int] | None:
 
 def native(settings: dict) -> tuple[str, str, str, list[int]] | None:
     """(engine, flag value, needs, skipped layers) when a cache setting is an engine's own format, else None."""
-    if settings.get("quantizer") not in ENGINE_FLAGS:
+    flags = engine_flags(settings.get("quantizer"))
+    if flags is None:
         return None
     if any(settings.get(k) for k in RESEARCH_OPTIONS):
         return None
     skipped = skipped_layers(settings)
-    return None if skipped is None else (*ENGINE_FLAGS[settings["quantizer"]], skipped)
+    return None if skipped is None else (*flags, skipped)
 
 
 def nearest_engine_format(doc: dict, chosen: dict) -> str:

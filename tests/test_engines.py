@@ -6,6 +6,7 @@ two places are compared to 1e-6 and say why. Shapes: head_dim 64, 80, 128 and 25
 GQA model (4 query heads, 2 KV heads) with sliding windows, prompts shorter and longer than the window.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -374,10 +375,22 @@ def test_a_gqa_sliding_window_model_reads_what_the_reference_stores(name, prompt
 
 def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do_not():
     """``export`` writes a format's flags from its class: every vLLM/SGLang format names its engine and its
-    ``--kv-cache-dtype`` value; kvquant's own formats name none."""
-    from kvquant.deploy import ENGINE_FLAGS
+    ``--kv-cache-dtype`` value; kvquant's own formats name none, nor does a subclass of an engine format that
+    does not name them itself (it may store something else)."""
+    from kvquant.deploy import engine_flags
 
-    engine_formats = {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
-    assert set(ENGINE_FLAGS) == engine_formats and len(engine_formats) == 8
-    for name, (engine, flag, needs) in ENGINE_FLAGS.items():
+    flags = {n: engine_flags(n) for n in kvquant.available_quantizers() if engine_flags(n)}
+    assert set(flags) == {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
+    assert len(flags) == 8 and engine_flags("int4") is None and engine_flags(None) is None
+    for name, (engine, flag, needs) in flags.items():
         assert engine == ("vLLM" if name.startswith("vllm_") else "SGLang") and name.endswith(flag) and needs
+
+    @kvquant.register_quantizer("my_fp8_variant")
+    @dataclasses.dataclass(frozen=True)
+    class MyVariant(engines.VllmFp8PerTokenHead):
+        """A research variant of an engine format."""
+
+    try:
+        assert engine_flags("my_fp8_variant") is None
+    finally:
+        del kvquant.quantizers.QUANTIZERS.classes["my_fp8_variant"]
