@@ -273,7 +273,7 @@ class Provenance:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunPlan:
     """A run's steps, decided by preflight before the model loads (:func:`kvquant.run.plan_steps`); the runner
     takes them in this order and the report lists them. ``candidates`` are the labels measured against the baseline
     on the evaluation split, in the report's order (the config's candidates or stages, then a searched map)."""
@@ -390,4 +390,4 @@ class RunResult:
     search: SearchSummary | None = None
     staged: Staged | None = None
     calibration: dict = dataclasses.field(default_factory=dict)
-    plan: Plan | None = None
+    plan: RunPlan | None = None

@@ -48,7 +48,7 @@ from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, loo
 from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
 from .planner import check_candidate, parse_bytes, shape_from_config
-from .results import Decision, Plan, Provenance, RunResult, Serving, Staged
+from .results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from .quantizers import QUANTIZERS, available_quantizers
 from .search import calibration_windows, check_search, search
 from .stages import serve, serving_tokens, staged_decision
@@ -259,15 +259,15 @@ def check_report_dir(out_dir: Path) -> None:
         raise KVQuantError(f"output_dir/name: cannot write into {existing}")
 
 
-def plan_steps(cfg: ExperimentConfig) -> Plan:
+def plan_steps(cfg: ExperimentConfig) -> RunPlan:
     """The steps a valid config asks for, in the order the runner takes them."""
     given = [c.label for c in cfg.stages or cfg.candidates]
-    return Plan(candidates=(*given, *([cfg.search.name] if cfg.search else [])),
+    return RunPlan(candidates=(*given, *([cfg.search.name] if cfg.search else [])),
                 calibrate=tuple(c.label for c in cfg.stages or cfg.candidates if c.calibrate),
                 search=cfg.search.name if cfg.search else None, staged=bool(cfg.stages), looks=planned_looks(cfg))
 
 
-def preflight(cfg: ExperimentConfig) -> tuple[Plan, dict[str, list[str]], list[str]]:
+def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], list[str]]:
     """Check everything a run needs before loading anything heavy: the report directory, the model (path, GGUF
     file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
     perplexity set's text and every task name. Returns the run's plan, the perplexity rows and warnings."""
@@ -469,7 +469,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
                 results[c.label] = session.measure(c, extended, probe=probe)
 
 
-def judge_run(cfg: ExperimentConfig, plan: Plan, candidates: list, results: dict,
+def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: dict,
               warnings: list[str]) -> tuple[list, Decision, str | None]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
     that does not pass, which is returned too; None: every stage passes, or no stages)."""
@@ -494,7 +494,7 @@ def judge_run(cfg: ExperimentConfig, plan: Plan, candidates: list, results: dict
     return table, decision, first
 
 
-def execute(cfg: ExperimentConfig, plan: Plan, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
+def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
     """Take ``plan``'s steps for a validated config into ``out_dir`` (held under its lock): calibration, the
     search (its map joins the candidates), the serving shape of a staged run, the candidates (or stages) measured,
     sequential looks, the gate, the report. The config is never rewritten: each step reads it as given. Every
