@@ -21,11 +21,14 @@ from .errors import KVQuantError
 from .fs import read_file, write_together
 from .quantizers import QUANTIZERS
 
+
 def engine_flags(quantizer) -> tuple[str, str, str] | None:
     """(engine, the engine's --kv-cache-dtype value, what else it needs) of an engine format, as its own class says
     (``Quantizer.serving``; a subclass that does not say it again is a research format); None for any other name."""
     cls = QUANTIZERS.classes.get(quantizer) if isinstance(quantizer, str) else None
     return cls.__dict__.get("serving") if cls is not None else None
+
+
 #: kvquant cache options that no engine has: a setting using any of them is a research setting
 RESEARCH_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction", "rotation")
 
