@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvquant.paths import resolve
 
@@ -67,26 +68,23 @@ def test_device_map_with_several_processes_is_refused(monkeypatch, model, tokeni
 # The runner under several processes: each scores its share of every measurement and all gather the scores; process
 # 0 writes. Few-shot tasks (arc_easy) check that every process builds the requests one process builds; the gated
 # task's sequential looks (8 documents, then 16 while inconclusive) that all processes take the same steps.
-RUN_CONFIG = """
-name: dp
-output_dir: {out}
-candidates:
-  - {{quantizer: int4, name: int4, options: {{group_size: 32, residual_length: 0}}}}
-eval:
-  mode: streaming
-  chunk_size: 64
-  batch_size: 1
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
-  tasks: {{names: [tinystories_lastword, arc_easy], limit: 8, num_fewshot: {{arc_easy: 1}}}}
-gate: {{bootstrap: 50, tasks: [tinystories_lastword], perplexity: [], max_documents: 16}}
-"""
+RUN_CONFIG = {
+    "name": "dp",
+    "candidates": [{"quantizer": "int4", "name": "int4", "options": {"group_size": 32, "residual_length": 0}}],
+    "eval": {
+        "mode": "streaming", "chunk_size": 64, "batch_size": 1,
+        "perplexity": [{"name": "tinystories", "source": "local:text/tinystories/validation-first1000.jsonl",
+                        "limit": 6, "max_length": 128}],
+        "tasks": {"names": ["tinystories_lastword", "arc_easy"], "limit": 8, "num_fewshot": {"arc_easy": 1}},
+    },
+    "gate": {"bootstrap": 50, "tasks": ["tinystories_lastword"], "perplexity": [], "max_documents": 16},
+}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 
 
 def run_config(tmp_path, name: str) -> Path:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(RUN_CONFIG.format(out=tmp_path / name))
+    path.write_text(yaml.safe_dump({**RUN_CONFIG, "output_dir": str(tmp_path / name)}))
     return path
 
 
@@ -169,18 +167,16 @@ def test_two_processes_run_what_one_runs_survive_an_interrupted_rank_and_resume_
 
 @pytest.mark.parametrize("world, change, message", [
     (9, None, "9 processes, and no measurement has more than 8 windows or documents"),
-    (2, "  device_map: auto\n", "model.device_map shards one model over devices, and 2 data-parallel processes"),
-    (1, "  device_map: cuda:3\n", "model.device_map is 'cuda:3', but torch sees no GPU"),
+    (2, {"device_map": "auto"}, "model.device_map shards one model over devices, and 2 data-parallel processes"),
+    (1, {"device_map": "cuda:3"}, "model.device_map is 'cuda:3', but torch sees no GPU"),
 ])
 def test_bad_process_counts_and_device_maps_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, world,
                                                                                 change, message):
     from kvquant import parallel, run
     from kvquant.parallel import Processes
 
-    text = RUN_CONFIG.format(out=tmp_path)
-    if change:
-        text = text.replace("candidates:", f"model:\n{change}candidates:")
-    (tmp_path / "bad.yaml").write_text(text)
+    config = {**RUN_CONFIG, "output_dir": str(tmp_path), **({"model": change} if change else {})}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setattr(parallel, "current", lambda: Processes(rank=0, world=world))
     monkeypatch.setattr(run, "load_model", lambda spec: pytest.fail("the model was loaded"))
     assert run.main([str(tmp_path / "bad.yaml")]) == 2

@@ -95,6 +95,11 @@ def S(*overrides: str) -> list[str]:
     return ["{cfg}", *(a for o in overrides for a in ("--set", o))]
 
 
+def only_task(name: str, *overrides: str) -> list[str]:
+    """The base config evaluating (and gating) ``name`` alone, with its own limits."""
+    return S(f"eval.tasks.names=[{name}]", "gate.tasks=null", "eval.tasks.limits={}", *overrides)
+
+
 def src(path: str) -> list[str]:
     """The base config with its perplexity source replaced (and no hub to fall back on)."""
     return S(f"eval.perplexity.0.source={path}")
@@ -142,8 +147,8 @@ RUN_CASES = [
     ("tasks-fewshot-huge", S("eval.tasks.num_fewshot=5000"), "eval.tasks.num_fewshot must be an integer in 0..100"),
     ("tasks-fewshot-typo", S("eval.tasks.num_fewshot={tinystories_lastwrod: 3}"),
      "'tinystories_lastwrod' is not among"),
-    ("tasks-fewshot-beyond-documents", S("eval.tasks.names=[passkey_64]", "gate.tasks=null", "eval.tasks.limits={}",
-                                         "eval.tasks.num_fewshot=60"), "'passkey_64' asks for 60 examples"),
+    ("tasks-fewshot-beyond-documents", only_task("passkey_64", "eval.tasks.num_fewshot=60"),
+     "'passkey_64' asks for 60 examples"),
     ("tasks-fewshot-bool", S("eval.tasks.num_fewshot={tinystories_lastword: true}"),
      "num_fewshot.tinystories_lastword"),
     # sequential documents, the exercised rule, divergence thresholds
@@ -159,15 +164,14 @@ RUN_CASES = [
     ("gate-kl-without-perplexity", S("gate.max_kl_divergence=0.01", "gate.perplexity=[]"),
      "divergence from the baseline is measured on perplexity sets, and none is gated"),
     ("tasks-duplicate", S("eval.tasks.names=[tinystories_lastword, tinystories_lastword]"), "must be unique"),
-    ("tasks-unknown", S("eval.tasks.names=[tinystories_lastwrod]", "gate.tasks=null", "eval.tasks.limits={}"),
+    ("tasks-unknown", only_task("tinystories_lastwrod"),
      "unknown task 'tinystories_lastwrod'; did you mean tinystories_lastword"),
-    ("tasks-group", S("eval.tasks.names=[mmlu]", "gate.tasks=null"), "'mmlu' is a group"),
-    ("probe-too-short", S("eval.tasks.names=[passkey_8]", "gate.tasks=null", "eval.tasks.limits={}"),
+    ("tasks-group", only_task("mmlu"), "'mmlu' is a group"),
+    ("probe-too-short", only_task("passkey_8"),
      "eval.tasks.names: probe distance 8 is shorter than the probe's own text from the key on (46 tokens"),
-    ("probe-too-long", S("eval.tasks.names=[passkey_4096]", "gate.tasks=null", "eval.tasks.limits={}"),
+    ("probe-too-long", only_task("passkey_4096"),
      "eval.tasks.names: 'passkey_4096': the model reads 512 tokens, fewer than the distance"),
-    ("probe-just-too-long", S("eval.tasks.names=[passkey_470]", "gate.tasks=null", "eval.tasks.limits={}"),
-     "eval.tasks.names: 'passkey_470': its documents take up to"),
+    ("probe-just-too-long", only_task("passkey_470"), "eval.tasks.names: 'passkey_470': its documents take up to"),
     ("eval-chunk-0", S("eval.chunk_size=0"), "eval.chunk_size must be >= 1"),
     ("eval-chunk-bool", S("eval.chunk_size=true"), "eval.chunk_size must be int, got bool"),
     ("eval-chunk-float", S("eval.chunk_size=2.5"), "eval.chunk_size must be int, got float"),
@@ -191,16 +195,12 @@ RUN_CASES = [
     ("option-quantizer-key", S("candidates.0.options.quantizer=int8"), "'quantizer' is not an option"),
     ("options-scalar", S("candidates.0.options=3"), "candidates[0].options must be a mapping"),
     # the model and the device
-    ("device-cuda-absent", S("model.device=cuda"), "torch sees no GPU") if NO_GPU else
-    ("device-cuda-index", S("model.device=cuda:99"), "cuda:99"),
     ("device-banana", S("model.device=banana"), "model.device 'banana' is not a device"),
     ("device-meta", S("model.device=meta"), "model.device 'meta'"),
     ("device-map-typo", S("model.device_map=autoo"), "device_map"),
     ("device-map-entry", S("model.device_map={model.layers.0: banana}"), "model.device_map.model.layers.0 'banana'"),
     ("device-map-index", S("model.device_map={model.layers.0: -1}"), "a GPU index must be >= 0, got -1"),
     ("device-map-empty", S("model.device_map={}"), "an explicit map names at least one module"),
-    ("device-map-absent", S("model.device_map={model.layers.0: 0, lm_head: cpu}"), "torch sees no GPU") if NO_GPU else
-    ("device-map-absent", S("model.device_map={model.layers.0: 99}"), "cuda:99"),
     ("dtype-typo", S("model.dtype=float64"), "model.dtype must be one of"),
     ("model-missing-path", S("model.path=/nonexistent/model"), "'/nonexistent/model' does not exist"),
     ("model-missing-local", S("model.path=local:models/nope"), "local:models/nope"),
@@ -241,6 +241,14 @@ RUN_CASES = [
     ("data-missing-local", src("local:text/nope.jsonl"), "local:text/nope.jsonl"),
     # where the report goes
     ("output-dir-is-file", S("output_dir={files}/a_file"), "a_file exists and is not a directory"),
+]
+# where torch sees no GPU, a GPU is refused; where it sees one, an index it does not have
+RUN_CASES += [
+    ("device-cuda-absent", S("model.device=cuda"), "torch sees no GPU"),
+    ("device-map-absent", S("model.device_map={model.layers.0: 0, lm_head: cpu}"), "torch sees no GPU"),
+] if NO_GPU else [
+    ("device-cuda-index", S("model.device=cuda:99"), "cuda:99"),
+    ("device-map-absent", S("model.device_map={model.layers.0: 99}"), "cuda:99"),
 ]
 
 LLAMA = ["--model", "llama-3.1-8b", "--context", "1024"]
@@ -426,7 +434,7 @@ def test_prerun_checks_catch_missing_and_malformed_data_and_unknown_tasks(env, c
     """Each of these crashed with a traceback and exit 1 after the model had loaded."""
     for argv, needle in [(src("{files}/nothere.jsonl"), "does not exist"), (src("{files}/bad.jsonl"), "not valid JSON"),
                          (src("{files}/binary.txt"), "binary file"),
-                         (S("eval.tasks.names=[tinystories_lastwrod]", "gate.tasks=null", "eval.tasks.limits={}"),
+                         (only_task("tinystories_lastwrod"),
                           "unknown task")]:
         assert kvquant.run.main(fill(argv, env)) == 2  # load_model would raise: it is never reached
         assert needle in capsys.readouterr().err
