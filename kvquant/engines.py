@@ -148,11 +148,6 @@ def lloyd_max_centroids(d: int, bits: int) -> torch.Tensor:
     return torch.tensor(centroids, dtype=torch.float32)
 
 
-def _head_dim_check(name: str, head_dim: int, multiple: int, why: str) -> None:
-    if head_dim % multiple:
-        raise KVQuantError(f"{name}: head_dim {head_dim} is not a multiple of {multiple} ({why})")
-
-
 # --------------------------------------------------------------------------------------------------
 # Codecs: states [B, H, T, D]; one unit = one token
 
@@ -210,6 +205,8 @@ class Int4PerTokenHeadCodec(Codec):
     stored fp32 scale (``:158-170``), and reads use that scale with those bits cleared: ``(q - zp) * scale'``
     (``:547-560``), rotated back (``/ b``, ``:919-920``)."""
 
+    channel_multiple = (2, "two codes per byte")
+
     def encode(self, x):
         rotated = rht(x.float()).to(x.dtype).float()
         low, high = rotated.amin(-1, keepdim=True), rotated.amax(-1, keepdim=True)
@@ -233,6 +230,8 @@ class Nvfp4Codec(Codec):
     k_scale)`` (0 when sf is 0), ``code = e2m1(x * out_scale)``; read as ``e2m1 * sf * k_scale``. ``k_scale`` is
     the layer's static global scale (1.0 when the checkpoint has none)."""
 
+    channel_multiple = (16, "blocks of 16 channels")
+
     global_scale: float
 
     def encode(self, x):
@@ -254,6 +253,8 @@ class MinMaxUint4Codec(Codec):
     """TurboQuant's values (``triton_turboquant_store.py:97-136``): per token and head, ``scale = (max - min) / 15``
     (at least 1e-8), ``q = clamp(trunc((x - min) / scale + 0.5), 0, 15)``, packed low nibble first; scale and
     minimum stored as fp16 and read as ``q * fp16(scale) + fp16(min)`` (``triton_turboquant_decode.py:410-425``)."""
+
+    channel_multiple = (2, "two codes per byte")
 
     def encode(self, x):
         x = x.float()
@@ -313,6 +314,8 @@ class Mxfp8Codec(Codec):
     """SGLang ``mxfp8`` (``sglang/kernels/ops/quantization/mxfp8_quant.py:19-60``): per block of 32 channels,
     ``e = clamp(ceil(log2(max(amax, 1e-30) / 448)) + 127, 0, 254)`` (stored as one byte, e8m0), codes
     ``e4m3(clamp(x / 2**(e - 127), ±448))``; read as ``code * 2**(e - 127)``."""
+
+    channel_multiple = (32, "blocks of 32 channels")
 
     def encode(self, x):
         blocks = x.float().unflatten(-1, (-1, 32))
@@ -374,26 +377,35 @@ class VllmFp8(Quantizer):
                 StaticFp8Codec(_positive_scales(self.name, "v_scale", self.v_scale)))
 
 
-@register_quantizer("vllm_fp8_per_token_head")
-@dataclass(frozen=True)
-class VllmFp8PerTokenHead(Quantizer):
-    """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
+#: What vLLM's per-token-head formats need.
+TRITON_BACKEND = "vLLM's Triton attention backend"
 
-    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "fp8_per_token_head", "vLLM's Triton attention backend")
+
+@dataclass(frozen=True)
+class _PerTokenHead(Quantizer):
+    """Keys and values alike, in e4m3 (``fp8``) or symmetric int8 codes with a dynamic fp32 scale per token and head
+    (:class:`PerTokenHeadCodec`)."""
+
+    fp8: ClassVar[bool]
 
     def _codecs(self, head_dim):
-        return PerTokenHeadCodec(fp8=True), PerTokenHeadCodec(fp8=True)
+        return PerTokenHeadCodec(fp8=self.fp8), PerTokenHeadCodec(fp8=self.fp8)
+
+
+@register_quantizer("vllm_fp8_per_token_head")
+class VllmFp8PerTokenHead(_PerTokenHead):
+    """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
+
+    serving = ("vLLM", "fp8_per_token_head", TRITON_BACKEND)
+    fp8 = True
 
 
 @register_quantizer("vllm_int8_per_token_head")
-@dataclass(frozen=True)
-class VllmInt8PerTokenHead(Quantizer):
+class VllmInt8PerTokenHead(_PerTokenHead):
     """vLLM ``--kv-cache-dtype int8_per_token_head``: symmetric int8 with a dynamic fp32 scale per token and head."""
 
-    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "int8_per_token_head", "vLLM's Triton attention backend")
-
-    def _codecs(self, head_dim):
-        return PerTokenHeadCodec(fp8=False), PerTokenHeadCodec(fp8=False)
+    serving = ("vLLM", "int8_per_token_head", TRITON_BACKEND)
+    fp8 = False
 
 
 @register_quantizer("vllm_int4_per_token_head")
@@ -401,10 +413,9 @@ class VllmInt8PerTokenHead(Quantizer):
 class VllmInt4PerTokenHead(Quantizer):
     """vLLM ``--kv-cache-dtype int4_per_token_head``: rotated, asymmetric uint4 per token and head."""
 
-    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend")
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "int4_per_token_head", TRITON_BACKEND)
 
     def _codecs(self, head_dim):
-        _head_dim_check(self.name, head_dim, 2, "two codes per byte")
         return Int4PerTokenHeadCodec(), Int4PerTokenHeadCodec()
 
 
@@ -430,7 +441,6 @@ class VllmNvfp4(Quantizer):
             _positive_scales(self.name, field, getattr(self, field))
 
     def _codecs(self, head_dim):
-        _head_dim_check(self.name, head_dim, 16, "blocks of 16 channels")
         return Nvfp4Codec(float(self.k_scale)), Nvfp4Codec(float(self.v_scale))
 
 
@@ -444,7 +454,6 @@ class VllmTurboquantK8V4(Quantizer):
     serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_k8v4", TURBOQUANT_BOUNDARY)
 
     def _codecs(self, head_dim):
-        _head_dim_check(self.name, head_dim, 2, "two value codes per byte")
         return UnscaledFp8Codec(), MinMaxUint4Codec()
 
 
@@ -470,6 +479,5 @@ class SglangMxfp8(Quantizer):
     serving: ClassVar[tuple[str, str, str]] = ("SGLang", "mxfp8", "SGLang's FA4 attention backend")
 
     def _codecs(self, head_dim):
-        _head_dim_check(self.name, head_dim, 32, "blocks of 32 channels")
         return Mxfp8Codec(), Mxfp8Codec()
 

@@ -35,6 +35,8 @@ class Codec:
     tokens_per_unit: int = 1
     #: Largest |state| the stored form can hold; larger values raise instead of overflowing.
     max_abs: float = float("inf")
+    #: head_dim must be a multiple of this, and why (codes packed several per byte, channels in blocks).
+    channel_multiple: tuple[int, str] = (1, "")
 
     def check(self, x: torch.Tensor, name: str) -> None:
         """Raise, before anything is stored, for states ``x`` within ``max_abs`` that still cannot be encoded
@@ -275,6 +277,10 @@ class Quantizer:
         """The key and value codecs at ``head_dim``, rotated where ``rotation`` asks for it."""
         self._check_rotation()  # also where a subclass's __post_init__ forgot to
         key, value = self._codecs(head_dim)
+        for codec in (key, value):
+            multiple, why = codec.channel_multiple
+            if head_dim % multiple:
+                raise KVQuantError(f"{self.name}: head_dim {head_dim} is not a multiple of {multiple} ({why})")
         if self.rotation is None:
             return key, value
         matrix = ops.hadamard_rotation(head_dim, self.rotation_seed)

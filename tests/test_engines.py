@@ -307,6 +307,8 @@ def test_bits_per_element_in_memory_report_and_planner_equal_the_closed_form(nam
     ("sglang_mxfp8", 80, "head_dim 80 is not a multiple of 32"),
     ("vllm_turboquant_4bit_nc", 80, "head_dim 80 is not a power of two"),
     ("vllm_nvfp4", 72, "head_dim 72 is not a multiple of 16"),
+    ("vllm_int4_per_token_head", 63, r"head_dim 63 is not a multiple of 2 \(two codes per byte\)"),
+    ("vllm_turboquant_k8v4", 63, "head_dim 63 is not a multiple of 2"),
 ])
 def test_head_dims_a_format_cannot_store_are_refused(name, d, message):
     with pytest.raises(KVQuantError, match=message):
