@@ -1,5 +1,5 @@
 """What a run measures: the baseline and every candidate of a config, each (candidate, metric) result through
-the run's :class:`kvquant.run.ResultStore` so finished results are kept and reused.
+the run's :class:`kvquant.store.ResultStore` so finished results are kept and reused.
 
 Everything that decides a measured value lives here or below (cache, quantizers, scoring, data, tasks); the
 runner, config, gate and report code only orchestrate and render, so they are not part of a result's code version

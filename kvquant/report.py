@@ -49,8 +49,8 @@ REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png"
 
 #: Modules that only orchestrate, check or render (runner, gate, planner, report, CLI): they run afresh
 #: every time and decide no measured value, so a change to them keeps finished results reusable.
-NOT_MEASURING = frozenset({"run.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py", "lm_eval.py",
-                           "config.py", "results.py", "search.py", "deploy.py", "export.py"})
+NOT_MEASURING = frozenset({"run.py", "store.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py",
+                           "lm_eval.py", "config.py", "results.py", "search.py", "deploy.py", "export.py"})
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,7 +19,7 @@ import kvquant.run
 from kvquant.errors import KVQuantError, write_error_log
 from kvquant.fs import private_dir, set_aside, write_together
 from kvquant.paths import data_dir
-from kvquant.run import LOCK, ResultStore, RunLock
+from kvquant.store import LOCK, ResultStore, RunLock
 
 ROOT = Path(__file__).parents[1]
 STORIES = "local:text/tinystories/validation-first1000.jsonl"

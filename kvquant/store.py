@@ -1,0 +1,185 @@
+"""What a run keeps on disk between restarts: its partial results (:class:`ResultStore`, one signed JSON file per
+(candidate, metric)) and its lock (:class:`RunLock`); and its warnings (:func:`warn`), printed once and kept for
+the report."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+from . import parallel
+from .errors import KVQuantError, one_line
+from .fs import cache_dir, read_file, real_dir, set_aside, write_file
+
+LOCK = ".lock"
+
+
+def warn(warnings: list[str], message: str) -> None:
+    """Print a warning now (process 0 of several) and keep it for the report."""
+    if parallel.current().main:
+        print(f"kvquant: warning: {message}", file=sys.stderr)
+    warnings.append(message)
+
+
+class ResultStore:
+    """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code
+    version (:func:`kvquant.report.code_version`) are unchanged and its signature verifies: an HMAC of the key
+    and the result under this user's private key (:func:`result_key`), so a result edited by hand or written
+    by another user or machine is recomputed, never trusted. An unreadable or unverified file is named in a
+    warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. Counts what it
+    reused and computed. Under several processes, process 0 alone reads and writes the files: it hands every
+    process the saved result, or all of them compute it together (``compute`` shares its scoring out)."""
+
+    def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE):
+        self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
+        self.reused, self.computed, self.set_aside = 0, 0, []
+        self.secret = result_key() if processes.main else b""
+
+    def _path(self, candidate: str, metric: str) -> Path:
+        return self.directory / candidate / (metric.replace("/", "__") + ".json")
+
+    def _sign(self, digest: str, result) -> str:
+        text = digest + json.dumps(result, sort_keys=True, default=str)
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
+        path = self._path(candidate, metric)
+        inputs = {**key, "code": self.code}
+        digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+        saved = self.processes.broadcast(self._read(path, digest) if self.processes.main else None)
+        if saved is not None:
+            self.reused += 1
+            return saved["result"]
+        result = compute()
+        self.computed += 1
+        if not self.processes.main:
+            return result
+        real_dir(self.directory, "partial results")
+        real_dir(path.parent, "partial results")
+        stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
+        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
+                                     "signature": self._sign(digest, stored)}, default=str))
+        return result
+
+    def _read(self, path: Path, digest: str) -> dict | None:
+        """The saved result of ``digest`` at ``path``, else None (absent, of other inputs, or set aside)."""
+        if not os.path.lexists(path):
+            return None
+        try:
+            saved = json.loads(read_file(path).decode("utf-8"))
+            if not isinstance(saved, dict) or "result" not in saved:
+                raise ValueError("holds no result")
+            if saved.get("key") != digest:
+                return None  # measured with other inputs or code: recomputed and replaced
+            if not hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"])):
+                raise ValueError("its signature does not verify: edited, or written by another user or machine")
+            return saved
+        except (OSError, ValueError, RecursionError) as err:
+            aside = set_aside(path)
+            self.set_aside.append(str(path.relative_to(self.directory)))
+            warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
+                 f"{aside.name} and recomputed")
+            return None
+
+
+def result_key() -> bytes:
+    """This user's secret for signing partial results (``partial-results.key`` in kvquant's private cache, made
+    once: written to a temporary file and linked into place, so racing runs agree on one)."""
+    path = cache_dir("keys") / "partial-results.key"
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        key = read_file(path)
+    except OSError as err:
+        raise KVQuantError(f"cannot read {path} ({err.strerror or err}); remove it to make a new one") from None
+    if len(key) != 64:
+        raise KVQuantError(f"{path} is not a key kvquant wrote; remove it to make a new one")
+    return key
+
+
+class RunLock:
+    """``<report dir>/.lock``, held with ``fcntl.flock`` while the run lives: a second run into the same directory
+    is refused. The kernel releases the lock when its process ends, however it ends, so a lock left by a dead
+    process is taken over in the same single step that takes a free one (no read-unlink-link race). The file
+    names its holder's process id, for the message. A report directory this run created and left empty is
+    removed again (except after an internal error: it receives the error log)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.path = directory, directory / LOCK
+        self.created, self.fd = False, None
+
+    def __enter__(self) -> RunLock:
+        self.created = not os.path.lexists(self.directory)
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise KVQuantError(f"output_dir: cannot create {self.directory.parent} ({err.strerror or err})") from None
+        real_dir(self.directory, "output_dir/name")
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as err:
+                self._cleanup()
+                raise KVQuantError(f"cannot open the lock {self.path} ({err.strerror}); a symlink there is refused"
+                                   ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _lock_owner(fd)
+                os.close(fd)
+                self._cleanup()
+                raise KVQuantError(
+                    f"{self.directory} is in use by another run (process {owner or 'starting'}, lock {self.path}); "
+                    "wait for it to finish or write elsewhere (--set name=... or --set output_dir=...)") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it between our open and our lock: take the new one
+        owner = _lock_owner(fd)
+        if owner and owner != os.getpid():
+            print(f"kvquant: note: taking over {self.path} from process {owner}, which is no longer running",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still holding it: a waiting run retries on the new file
+            os.close(self.fd)
+            self.fd = None
+        if exc_type is None or issubclass(exc_type, (KVQuantError, KeyboardInterrupt)):
+            self._cleanup()  # after an internal error the directory stays, for its error.log
+
+    def _cleanup(self) -> None:
+        if self.created and self.directory.is_dir() and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
+
+def _lock_owner(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
