@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .cache import make_cache
 from .config import ConfigError, ModelConfig, load_yaml
-from .errors import KVQuantError, check_int
+from .errors import KVQuantError, check_int, is_int
 from .evaluate import Scorer, check_mode
 from .models import load_model, max_length as model_max_length
 from . import parallel
@@ -57,7 +57,7 @@ def parse_value(value):
 def whole_number(value, name: str, minimum: int = 1, what: str | None = None) -> int:
     """``value`` (an int, or its text) as an integer >= ``minimum``; else one line naming ``name``."""
     text = value.strip() if isinstance(value, str) else None
-    ok = (isinstance(value, int) and not isinstance(value, bool)) or (text is not None and text.lstrip("-").isdigit())
+    ok = is_int(value) or (text is not None and text.lstrip("-").isdigit())
     if not ok or int(value) < minimum:
         shown = value if isinstance(value, str) else repr(value)
         raise KVQuantError(f"{name} must be {what or f'an integer >= {minimum}'}, got {shown!r}")
