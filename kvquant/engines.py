@@ -19,6 +19,7 @@ or per-head scales, 8), ``vllm_fp8_per_token_head`` (8 + 32/D), ``vllm_int8_per_
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -382,41 +383,37 @@ TRITON_BACKEND = "vLLM's Triton attention backend"
 
 
 @dataclass(frozen=True)
-class _PerTokenHead(Quantizer):
-    """Keys and values alike, in e4m3 (``fp8``) or symmetric int8 codes with a dynamic fp32 scale per token and head
-    (:class:`PerTokenHeadCodec`)."""
+class _Alike(Quantizer):
+    """A format of no options that stores keys and values alike, each with ``codec()``."""
 
-    fp8: ClassVar[bool]
+    codec: ClassVar[Callable[[], Codec]]
 
     def _codecs(self, head_dim):
-        return PerTokenHeadCodec(fp8=self.fp8), PerTokenHeadCodec(fp8=self.fp8)
+        return self.codec(), self.codec()
 
 
 @register_quantizer("vllm_fp8_per_token_head")
-class VllmFp8PerTokenHead(_PerTokenHead):
+class VllmFp8PerTokenHead(_Alike):
     """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
 
     serving = ("vLLM", "fp8_per_token_head", TRITON_BACKEND)
-    fp8 = True
+    codec = functools.partial(PerTokenHeadCodec, fp8=True)
 
 
 @register_quantizer("vllm_int8_per_token_head")
-class VllmInt8PerTokenHead(_PerTokenHead):
+class VllmInt8PerTokenHead(_Alike):
     """vLLM ``--kv-cache-dtype int8_per_token_head``: symmetric int8 with a dynamic fp32 scale per token and head."""
 
     serving = ("vLLM", "int8_per_token_head", TRITON_BACKEND)
-    fp8 = False
+    codec = functools.partial(PerTokenHeadCodec, fp8=False)
 
 
 @register_quantizer("vllm_int4_per_token_head")
-@dataclass(frozen=True)
-class VllmInt4PerTokenHead(Quantizer):
+class VllmInt4PerTokenHead(_Alike):
     """vLLM ``--kv-cache-dtype int4_per_token_head``: rotated, asymmetric uint4 per token and head."""
 
-    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "int4_per_token_head", TRITON_BACKEND)
-
-    def _codecs(self, head_dim):
-        return Int4PerTokenHeadCodec(), Int4PerTokenHeadCodec()
+    serving = ("vLLM", "int4_per_token_head", TRITON_BACKEND)
+    codec = Int4PerTokenHeadCodec
 
 
 @register_quantizer("vllm_nvfp4")
@@ -472,12 +469,8 @@ class VllmTurboquant4BitNc(Quantizer):
 
 
 @register_quantizer("sglang_mxfp8")
-@dataclass(frozen=True)
-class SglangMxfp8(Quantizer):
+class SglangMxfp8(_Alike):
     """SGLang ``--kv-cache-dtype mxfp8``: e4m3 in blocks of 32 channels with an e8m0 (power-of-two) scale."""
 
-    serving: ClassVar[tuple[str, str, str]] = ("SGLang", "mxfp8", "SGLang's FA4 attention backend")
-
-    def _codecs(self, head_dim):
-        return Mxfp8Codec(), Mxfp8Codec()
-
+    serving = ("SGLang", "mxfp8", "SGLang's FA4 attention backend")
+    codec = Mxfp8Codec
