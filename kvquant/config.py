@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 import yaml
 
-from .errors import KVQuantError, is_int
+from .errors import KVQuantError, is_python_int
 
 #: Names that become file or directory names (report name, candidate and perplexity set names).
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
@@ -83,7 +83,7 @@ def check_device(key: str, device: str) -> None:
 
 def map_device(device: str | int) -> str:
     """A device map's entry as a device name (a GPU index ``N`` is ``cuda:N``)."""
-    if is_int(device):
+    if is_python_int(device):
         _require(device >= 0, f"a GPU index must be >= 0, got {device}")
         return f"cuda:{device}"
     return device
@@ -231,17 +231,17 @@ class TaskSet:
             for task, shots in self.num_fewshot.items():
                 _require(task in self.names, f"num_fewshot: {task!r} is not among names "
                          f"({', '.join(self.names) or 'none'})")
-                _require(is_int(shots) and 0 <= shots <= MAX_FEWSHOT,
+                _require(is_python_int(shots) and 0 <= shots <= MAX_FEWSHOT,
                          f"num_fewshot.{task} must be an integer in 0..{MAX_FEWSHOT}, got {shots!r}")
         else:
-            _require(is_int(self.num_fewshot) and 0 <= self.num_fewshot <= MAX_FEWSHOT,
+            _require(is_python_int(self.num_fewshot) and 0 <= self.num_fewshot <= MAX_FEWSHOT,
                      f"num_fewshot must be an integer in 0..{MAX_FEWSHOT} or a mapping of task names to such integers, "
                      f"got {self.num_fewshot!r}")
         _require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
         _at_least("limit", self.limit, 1, nullable=True)
         for task, limit in self.limits.items():
             _require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")
-            _require(limit is None or (is_int(limit) and limit >= 1),
+            _require(limit is None or (is_python_int(limit) and limit >= 1),
                      f"limits.{task} must be an integer >= 1 or null, got {limit!r}")
 
     def limit_for(self, task: str) -> int | None:
@@ -541,7 +541,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return dict(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
-    if tp is float and is_int(value):
+    if tp is float and is_python_int(value):
         value = float(value)
     if not isinstance(value, tp) or (tp in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{where} must be {tp.__name__}, got {type(value).__name__} {value!r}")

@@ -255,7 +255,7 @@ class MinMaxUint4Codec(Codec):
     (at least 1e-8), ``q = clamp(trunc((x - min) / scale + 0.5), 0, 15)``, packed low nibble first; scale and
     minimum stored as fp16 and read as ``q * fp16(scale) + fp16(min)`` (``triton_turboquant_decode.py:410-425``)."""
 
-    channel_multiple = (2, "two codes per byte")
+    channel_multiple = (2, "two value codes per byte")
 
     def encode(self, x):
         x = x.float()
@@ -389,10 +389,12 @@ class _Alike(Quantizer):
     codec: ClassVar[Callable[[], Codec]]
 
     def _codecs(self, head_dim):
-        return self.codec(), self.codec()
+        codec = type(self).codec  # from the class: on an instance a functools.partial binds it (Python >= 3.14)
+        return codec(), codec()
 
 
 @register_quantizer("vllm_fp8_per_token_head")
+@dataclass(frozen=True)
 class VllmFp8PerTokenHead(_Alike):
     """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
 
@@ -401,6 +403,7 @@ class VllmFp8PerTokenHead(_Alike):
 
 
 @register_quantizer("vllm_int8_per_token_head")
+@dataclass(frozen=True)
 class VllmInt8PerTokenHead(_Alike):
     """vLLM ``--kv-cache-dtype int8_per_token_head``: symmetric int8 with a dynamic fp32 scale per token and head."""
 
@@ -409,6 +412,7 @@ class VllmInt8PerTokenHead(_Alike):
 
 
 @register_quantizer("vllm_int4_per_token_head")
+@dataclass(frozen=True)
 class VllmInt4PerTokenHead(_Alike):
     """vLLM ``--kv-cache-dtype int4_per_token_head``: rotated, asymmetric uint4 per token and head."""
 
@@ -469,6 +473,7 @@ class VllmTurboquant4BitNc(Quantizer):
 
 
 @register_quantizer("sglang_mxfp8")
+@dataclass(frozen=True)
 class SglangMxfp8(_Alike):
     """SGLang ``--kv-cache-dtype mxfp8``: e4m3 in blocks of 32 channels with an e8m0 (power-of-two) scale."""
 

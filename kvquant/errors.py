@@ -35,11 +35,15 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_python_int(value) -> bool:
+    """A Python integer: not a bool, nor a numpy integer (which would travel on into settings, JSON and YAML)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` when it is a Python integer (never a bool, a float or a numpy integer, which would travel on into
-    settings and JSON) within ``[minimum, maximum]``; else one :class:`KVQuantError` line naming ``name``, the
-    bound broken and the value."""
-    whole = isinstance(value, int) and not isinstance(value, bool)
+    """``value`` when it is a Python integer (:func:`is_python_int`) within ``[minimum, maximum]``; else one
+    :class:`KVQuantError` line naming ``name``, the bound broken and the value."""
+    whole = is_python_int(value)
     if whole and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return value
     if maximum is not None and (minimum is None or whole and value > maximum):

@@ -2,9 +2,10 @@
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kvquant.config import ConfigError, load_config
+from kvquant.config import ConfigError, TaskSet, build, load_config
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
@@ -125,3 +126,15 @@ def test_unreadable_config_files(tmp_path, content, message):
         load_config(path)
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"limits": {"arc_easy": np.int64(20)}}, "limits.arc_easy must be an integer >= 1"),
+    ({"num_fewshot": {"arc_easy": np.int64(2)}}, "num_fewshot.arc_easy must be an integer in 0..100"),
+    ({"num_fewshot": np.int64(2)}, "num_fewshot must be an integer in 0..100"),
+])
+def test_numpy_integers_are_refused_where_python_builds_a_config(options, message):
+    """A config built from Python, not YAML, can hold numpy integers: they would reach the result keys as strings and
+    break config.resolved.yaml at the end of the run, so they are refused before anything runs."""
+    with pytest.raises(ConfigError, match=message):
+        build(TaskSet, {"names": ["arc_easy"], **options})

@@ -308,11 +308,25 @@ def test_bits_per_element_in_memory_report_and_planner_equal_the_closed_form(nam
     ("vllm_turboquant_4bit_nc", 80, "head_dim 80 is not a power of two"),
     ("vllm_nvfp4", 72, "head_dim 72 is not a multiple of 16"),
     ("vllm_int4_per_token_head", 63, r"head_dim 63 is not a multiple of 2 \(two codes per byte\)"),
-    ("vllm_turboquant_k8v4", 63, "head_dim 63 is not a multiple of 2"),
+    ("vllm_turboquant_k8v4", 63, r"head_dim 63 is not a multiple of 2 \(two value codes per byte\)"),
 ])
 def test_head_dims_a_format_cannot_store_are_refused(name, d, message):
     with pytest.raises(KVQuantError, match=message):
         codec_pair(name, d)
+
+
+def test_a_format_codec_that_binds_like_a_method_is_still_called_bare():
+    """From Python 3.14 a ``functools.partial`` class attribute binds to the instance as a method does (as a plain
+    function always has): ``_Alike`` must call its ``codec`` without the quantizer as a first argument."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare(engines._Alike):
+        name = "bare"
+
+        def codec():  # a method descriptor taking no argument: called with self, it raises TypeError
+            return engines.Mxfp8Codec()
+
+    assert Bare().codecs(64) == (engines.Mxfp8Codec(), engines.Mxfp8Codec())
 
 
 @pytest.mark.parametrize("options, message", [
@@ -396,3 +410,15 @@ def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do
         assert engine_flags("my_fp8_variant") is None
     finally:
         del kvquant.quantizers.QUANTIZERS.classes["my_fp8_variant"]
+
+
+def test_every_registered_quantizer_is_itself_a_frozen_dataclass():
+    """Not only through its base: a subclass that is not a dataclass itself lets an instance's class attributes
+    (``serving``, ``codec``) be shadowed by assignment."""
+    from kvquant.quantizers import QUANTIZERS
+
+    for name, cls in QUANTIZERS.classes.items():
+        params = cls.__dict__.get("__dataclass_params__")
+        assert params is not None and params.frozen, name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kvquant.get_quantizer("vllm_fp8_per_token_head").serving = None

@@ -9,7 +9,7 @@ import re
 import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
 
-from ..errors import KVQuantError, check_int, is_int
+from ..errors import KVQuantError, check_int, is_python_int
 from ..eviction import get_eviction
 from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, get_quantizer
 from .cache import KVQuantCache
@@ -78,7 +78,7 @@ def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
 def layer_range(selector, count: int) -> range:
     """Layers named by a ``layers=`` key: ``5``, ``"5"`` or the inclusive range ``"0-3"``, within ``count``."""
     match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", selector) if isinstance(selector, str) else None
-    if is_int(selector):
+    if is_python_int(selector):
         low = high = selector
     elif match:
         low, high = int(match.group(1)), int(match.group(2) or match.group(1))
