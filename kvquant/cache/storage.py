@@ -190,8 +190,8 @@ class Store:
         if need > self.table.shape[1]:  # grown like the pool, so a decode step does not copy the table
             more = max(need, int(self.table.shape[1] * self.GROWTH) + 1) - self.table.shape[1]
             self.table = torch.cat([self.table, torch.full((self.rows, more), -1, dtype=torch.long)], dim=1)
-        rows = torch.tensor([r for r, n in enumerate(new_units) for _ in range(n)], dtype=torch.long)
-        cols = torch.tensor([self.units[r] + j for r, n in enumerate(new_units) for j in range(n)], dtype=torch.long)
+        rows = picks // chosen.shape[1]  # picks run row by row, unit j of row r at r * width / unit + j
+        cols = torch.tensor(self.units, dtype=torch.long)[rows] + picks % chosen.shape[1]
         self.table[rows, cols] = slots
         self.units = [u + n for u, n in zip(self.units, new_units)]
 
