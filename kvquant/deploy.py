@@ -5,21 +5,61 @@ every token stored quantized, no rotation, sinks, window or eviction of kvquant'
 ``REPORT_DIR/DEPLOY.md``: the engine's command-line flags and Python keyword arguments, what was measured (the
 verdicts) and what was not. The runner writes it beside every report whose decision is engine-native.
 
-A decision no serving engine runs (KIVI int4 g32, int2, eviction, ...) is one line and exit 2: "research
-setting", with the nearest engine format measured in the same report and its verdict. So is a report directory
-that holds no report, and a report without a passing decision.
+A setting that quantizes nothing (fp16, or a per-layer map keeping every layer at fp16) is deployed as the
+model-precision cache: no format flag, no scales. A decision no serving engine runs (KIVI int4 g32, int2,
+eviction, ...) is one line and exit 2: "research setting", with the nearest engine format measured in the same
+report and its verdict. So is a report directory that holds no report, and a report without a passing decision.
+What is read, and from whom, is :mod:`kvquant.deploy_read`'s; every text taken from the report (names, the
+command, the reason, the model path) is rendered inert in ``DEPLOY.md`` (:func:`code`, :func:`prose`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
+import unicodedata
 from pathlib import Path
 
 import torch
 
-from .errors import KVQuantError
-from .fs import read_file, write_together
+from .deploy_read import chosen_candidate, layer_map, load_report, model_layers
+from .errors import KVQuantError, one_line
+from .fs import write_together
 from .quantizers import QUANTIZERS
+
+#: the files an export writes together, DEPLOY.md (which names the others) last
+DEPLOY_FILES = ("kv_scales.safetensors", "kv_cache_scheme.json", "DEPLOY.md")
+#: Unicode categories shown as ``\uXXXX`` in DEPLOY.md: controls (line breaks, escapes), format characters
+#: (bidirectional overrides, zero widths), private, surrogate and unassigned code points
+INVISIBLE = frozenset({"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"})
+
+
+def visible(text, limit: int = 300) -> str:
+    """``text`` on one line, every invisible character (:data:`INVISIBLE`) as ``\\uXXXX``, cut at ``limit``."""
+    text = str(text)
+    shown = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in INVISIBLE else c for c in text[:limit])
+    return shown + (f"... ({len(text) - limit:,} more characters in results.json)" if len(text) > limit else "")
+
+
+def code(text, limit: int = 300) -> str:
+    """``text`` as a Markdown code span (literal: no heading, link or HTML), fenced by more backticks than any
+    run inside it."""
+    shown = visible(text, limit)
+    fence = "`" * (max(map(len, re.findall("`+", shown)), default=0) + 1)
+    return f"{fence} {shown} {fence}"
+
+
+#: the characters that make Markdown mid-line: emphasis, code, links and images (a "(" or "!" needs a "["), HTML,
+#: entities, table cells, attributes, math
+MARKUP = re.compile(r"[\\`*_{}\[\]<>#|~&^$]")
+
+
+def prose(text, limit: int = 2000) -> str:
+    """``text`` as literal Markdown text on one line: every character of :data:`MARKUP` backslash-escaped (no
+    emphasis, link, HTML, entity or table cell break)."""
+    return MARKUP.sub(lambda m: "\\" + m.group(), visible(text, limit))
 
 
 def engine_flags(quantizer) -> tuple[str, str, str] | None:
@@ -31,21 +71,6 @@ def engine_flags(quantizer) -> tuple[str, str, str] | None:
 
 #: kvquant cache options that no engine has: a setting using any of them is a research setting
 RESEARCH_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction", "rotation")
-
-
-def load_report(report_dir: Path) -> dict:
-    """``results.json`` of a report directory, or one line naming what is wrong."""
-    path = report_dir / "results.json"
-    try:
-        doc = json.loads(read_file(path).decode("utf-8"))
-    except OSError as err:
-        raise KVQuantError(f"{report_dir} is not a kvquant report directory: cannot read {path.name} "
-                           f"({err.strerror or err})") from None
-    except (UnicodeError, ValueError):
-        raise KVQuantError(f"{path} is not a kvquant results.json (not JSON)") from None
-    if not isinstance(doc, dict) or not {"decision", "chosen", "candidates"} <= set(doc):
-        raise KVQuantError(f"{path} is not a kvquant results.json (no decision, chosen or candidates)")
-    return doc
 
 
 def layer_indices(selector) -> range:
@@ -88,7 +113,7 @@ def nearest_engine_format(doc: dict, chosen: dict) -> str:
     if not measured:
         return "no engine format was measured in this report (configs/smollm2-engines.yaml measures them)"
     near = min(measured, key=lambda c: abs(c["bits_per_element"] - chosen["bits_per_element"]))
-    return (f"the nearest engine format measured here is {near['settings']['quantizer']} ({near['name']}, "
+    return (f"the nearest engine format measured here is {near['settings']['quantizer']} ({visible(near['name'])}, "
             f"{near['bits_per_element']:.2f} bits/element): {near['verdict'].upper()}")
 
 
@@ -111,6 +136,10 @@ def checkpoint_scales(settings: dict) -> tuple[dict, dict[str, torch.Tensor]] | 
                 scale = torch.tensor(value, dtype=torch.float32)
                 tensors[f"model.layers.{layer}.self_attn.{role}"] = scale.reshape(-1, 1, 1) if scale.dim() else \
                     scale.reshape(1)
+    if len({t.shape for t in tensors.values()}) > 1:
+        raise KVQuantError(f"the static scales mix shapes {sorted({tuple(t.shape) for t in tensors.values()})} "
+                           "(one per tensor and one per KV head, or per-head lists of other lengths): one checkpoint "
+                           "declares one strategy; rerun python -m kvquant.run")
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
               "strategy": "attn_head" if per_head else "tensor"}
     return {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
@@ -133,10 +162,9 @@ def unshippable_scales(settings: dict) -> str | None:
     return None
 
 
-def engine_own_skips(chosen: dict, skipped: list[int]) -> str:
+def engine_own_skips(chosen: dict, skipped: list[int], layers: int) -> str:
     """For TurboQuant: the boundary layers vLLM keeps at model precision on its own that the measured setting
-    stored in the format (what vLLM runs then stores more there than was measured)."""
-    layers = len(chosen.get("memory", {}).get("per_layer") or [])
+    stored in the format (what vLLM runs then stores more there than was measured); ``layers``: the model's."""
     if not chosen["settings"]["quantizer"].startswith("vllm_turboquant") or layers < 4:
         return ""
     own = sorted({0, 1, layers - 2, layers - 1} - set(skipped))
@@ -145,32 +173,71 @@ def engine_own_skips(chosen: dict, skipped: list[int]) -> str:
             if own else "")
 
 
-def deploy_text(doc: dict, chosen: dict, engine: str, flag: str, needs: str, skipped: list[int]) -> str:
+def verdict_table(chosen: dict) -> str:
+    """The chosen setting's gated metrics as a Markdown table (names rendered inert)."""
+    rows = "\n".join(f"| {prose(name, 200)} | {m['value']:.4g} (baseline {m['baseline']:.4g}) | "
+                     f"{prose(m['verdict'], 40)} |" for name, m in chosen["metrics"].items() if m.get("gated"))
+    return f"| metric | value | verdict |\n|---|---:|---|\n{rows}"
+
+
+def provenance(doc: dict) -> str:
+    """Which run decided (its id and command, as code spans)."""
+    return f"Report: {code(doc.get('run_id'), 40)}, command {code(doc.get('command'), 2000)}."
+
+
+def measured_on(doc: dict) -> str:
+    """The model the report measured, as a code span."""
+    return code(doc.get("config", {}).get("model", {}).get("path", "?"), 500)
+
+
+def deploy_text(doc: dict, chosen: dict, found: tuple[str, str, str, list[int]], layers: int) -> str:
     """``DEPLOY.md``: what to run, what was measured, the verdicts, what was not measured."""
+    engine, flag, needs, skipped = found
     cli = f"--kv-cache-dtype {flag}" + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}"
                                          if skipped else "")
     python = (f"LLM(model=..., kv_cache_dtype={flag!r}"
               + (f", kv_cache_dtype_skip_layers={[str(i) for i in skipped]!r}" if skipped else "") + ")")
     if engine == "SGLang":
         python = f"sglang.Engine(model_path=..., kv_cache_dtype={flag!r})"
-    verdicts = "\n".join(f"| {name} | {m['value']:.4g} (baseline {m['baseline']:.4g}) | {m['verdict']} |"
-                         for name, m in chosen["metrics"].items() if m.get("gated"))
-    model = doc.get("config", {}).get("model", {}).get("path", "?")
-    return f"""# Deploying {chosen['name']} ({engine} `--kv-cache-dtype {flag}`)
+    return f"""# Deploying {code(chosen['name'], 200)} ({engine} `--kv-cache-dtype {flag}`)
 
-Run {engine} with `{cli}` (Python: `{python}`). Needs: {needs}.{engine_own_skips(chosen, skipped)}
-kvquant measured this format ({chosen['settings']['quantizer']}, {chosen['bits_per_element']:.3f} bits per
-element as the engine stores it) on `{model}` against the fp16 baseline through the same cache, with attention
-reading the stored K/V, and the gate decided **{doc['decision'].upper()}**: {doc['reason']}
+Run {engine} with {code(cli, 100_000)} (Python: {code(python, 100_000)}). Needs: {needs}.\
+{engine_own_skips(chosen, skipped, layers)}
+kvquant measured this format ({code(chosen['settings']['quantizer'], 100)}, {chosen['bits_per_element']:.3f} bits per
+element as the engine stores it) on {measured_on(doc)} against the fp16 baseline through the same cache, with
+attention reading the stored K/V, and the gate decided **PASS**: {prose(doc.get('reason'))}
 
-| metric | value | verdict |
-|---|---:|---|
-{verdicts}
+{verdict_table(chosen)}
 
 Not measured: the engine itself (kvquant emulates its numerics; see docs/quantizers.md for where an engine's GPU
 arithmetic may differ by an ulp), speed, other models, tasks or lengths than the report's, and the engine's
-prefill, which may attend to unquantized states where kvquant quantizes on write. Report: `{doc.get('run_id')}`,
-command `{doc.get('command')}`.
+prefill, which may attend to unquantized states where kvquant quantizes on write. {provenance(doc)}
+"""
+
+
+def keeps_model_precision(settings: dict, layer_settings: dict[int, dict], layers: int) -> bool:
+    """Whether a setting quantizes nothing: fp16 for every one of the model's ``layers`` (its own, or each layer's
+    in ``layer_settings``), with none of kvquant's own cache options (:data:`RESEARCH_OPTIONS`)."""
+    if any(settings.get(k) for k in RESEARCH_OPTIONS):
+        return False
+    return all(own.get("quantizer", settings["quantizer"]) == "fp16" and not any(own.get(k) for k in RESEARCH_OPTIONS)
+               for own in (layer_settings.get(i, settings) for i in range(layers)))
+
+
+def keep_text(doc: dict, chosen: dict, layers: int) -> str:
+    """``DEPLOY.md`` for a setting that quantizes nothing: keep the engine's default, model-precision cache."""
+    kept = (f"a per-layer setting that keeps all {layers} layers at fp16" if chosen["settings"].get("layers")
+            else "fp16")
+    return f"""# Deploying {code(chosen['name'], 200)}: keep the model-precision KV cache
+
+The gate decided **PASS** for a setting that quantizes nothing ({kept}): every layer's keys and values stay at the
+model's precision, so there is no KV-cache format to turn on and no scales to ship. Start the engine with its
+default cache: vLLM and SGLang without `--kv-cache-dtype` (or with `--kv-cache-dtype auto`), which stores the cache
+in the model's dtype (fp16 or bf16). Measured on {measured_on(doc)}: {prose(doc.get('reason'))}
+
+{verdict_table(chosen)}
+
+Not measured: the engine itself, speed, other models, tasks or lengths than the report's. {provenance(doc)}
 """
 
 
@@ -199,43 +266,80 @@ def sglang_text(config: dict) -> str:
             "(flashattention_backend.py:1434), which a float does not have. Use the checkpoint scales above.\n")
 
 
-def export(report_dir: Path) -> Path:
-    """Write ``DEPLOY.md`` for the report's chosen setting; :class:`KVQuantError` when there is none to deploy."""
-    doc = load_report(report_dir)
-    if doc["chosen"] is None:
-        raise KVQuantError(f"{report_dir}: the decision is {str(doc['decision']).upper()}, with no setting chosen; "
-                           "nothing to deploy")
-    chosen = next((c for c in doc["candidates"] if c.get("name") == doc["chosen"]), None)
+def deploy_files(report_dir: Path, doc: dict) -> dict[str, str | bytes]:
+    """The files that deploy a checked report's decision (:func:`kvquant.deploy_read.load_report`), or one line
+    saying why there are none."""
+    chosen, path = chosen_candidate(doc), report_dir / "results.json"
     if chosen is None:
-        raise KVQuantError(f"{report_dir / 'results.json'}: the chosen setting {doc['chosen']!r} is not among its "
-                           "candidates")
-    found = native(chosen["settings"])
+        raise KVQuantError(f"{report_dir}: the decision is {doc['decision'].upper()}, with no setting chosen; "
+                           "nothing to deploy")
+    settings, name, layers = chosen["settings"], visible(doc["chosen"]), model_layers(doc, chosen, path)
+    if keeps_model_precision(settings, layer_map(settings, layers, path, name), layers):
+        return {"DEPLOY.md": keep_text(doc, chosen, layers)}
+    found = native(settings)
     if found is None:
-        raise KVQuantError(f"research setting: no serving engine runs {doc['chosen']} "
-                           f"({chosen['settings'].get('quantizer')}); {nearest_engine_format(doc, chosen)}")
-    unshipped = unshippable_scales(chosen["settings"])
+        raise KVQuantError(f"research setting: no serving engine runs {name} ({visible(settings['quantizer'])}); "
+                           f"{nearest_engine_format(doc, chosen)}")
+    unshipped = unshippable_scales(settings)
     if unshipped:
-        raise KVQuantError(f"{doc['chosen']}: {unshipped}; the engine would run at 1.0, not at the scales the gate "
+        raise KVQuantError(f"{name}: {unshipped}; the engine would run at 1.0, not at the scales the gate "
                            "measured, so there is nothing honest to deploy")
-    files = {"DEPLOY.md": deploy_text(doc, chosen, *found)}
-    shipped = checkpoint_scales(chosen["settings"])
-    if shipped is not None:
+    text, files = deploy_text(doc, chosen, found, layers), {}
+    shipped = checkpoint_scales(settings)
+    if shipped is not None and shipped[1]:
         from safetensors.torch import save
 
         config, tensors = shipped
-        files["kv_cache_scheme.json"] = json.dumps({"quantization_config": config}, indent=2)
         files["kv_scales.safetensors"] = save(tensors)
-        files["DEPLOY.md"] += (
+        files["kv_cache_scheme.json"] = json.dumps({"quantization_config": config}, indent=2)
+        text += (
             "\nThe calibrated scales the gate measured are in `kv_scales.safetensors` (compressed-tensors names, "
             "float32) and `kv_cache_scheme.json` declares them: merge both into the checkpoint (config.json's "
             "`quantization_config`, a weights file) and vLLM loads them. The names assume the model's attention "
             "modules are `model.layers.N.self_attn` (Llama, Mistral, Qwen, Gemma).\n\n" + sglang_text(config))
-    write_together(report_dir, files)
+    return {**files, "DEPLOY.md": text}
+
+
+def write_set(report_dir: Path, files: dict[str, str | bytes]) -> None:
+    """Put ``files`` (of :data:`DEPLOY_FILES`) in ``report_dir`` together and remove an earlier export's others:
+    every target is checked first (a file or a symlink, which is replaced, never followed; a directory or anything
+    else there is refused before anything is written), then all are staged under temporary names and renamed."""
+    for name in DEPLOY_FILES:
+        target = report_dir / name
+        try:
+            mode = os.lstat(target).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise KVQuantError(f"cannot check {target} ({err.strerror})") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise KVQuantError(f"{target} is {kind}; move it away: export writes {', '.join(DEPLOY_FILES)} there "
+                               "together, and nothing was written")
+    try:
+        write_together(report_dir, files)
+        for name in set(DEPLOY_FILES) - set(files):  # an earlier export's, which this one does not describe
+            (report_dir / name).unlink(missing_ok=True)
+    except OSError as err:
+        raise KVQuantError(f"cannot write DEPLOY.md in {report_dir} ({err.strerror or err})") from None
+
+
+def export(report_dir: Path, trust_unsigned: bool = False) -> Path:
+    """Write ``DEPLOY.md`` (and the checkpoint scales it names) for the report's chosen setting; one
+    :class:`KVQuantError` line, with nothing written, when there is nothing to deploy or the report is not this
+    user's signed, well-formed report (``trust_unsigned``: a signature is not required)."""
+    write_set(report_dir, deploy_files(report_dir, load_report(report_dir, trust_unsigned)))
     return report_dir / "DEPLOY.md"
 
 
-def deploy_beside(report_dir: Path) -> Path | None:
-    """The runner's step after a report: ``DEPLOY.md`` when the decision chose an engine's own format, else None."""
-    doc = load_report(report_dir)
-    chosen = next((c for c in doc["candidates"] if c.get("name") == doc["chosen"]), None)
-    return export(report_dir) if chosen is not None and native(chosen["settings"]) else None
+def deploy_beside(report_dir: Path) -> tuple[Path | None, str | None]:
+    """The runner's step after writing a report: (``DEPLOY.md``, None) when its decision chose a setting that
+    deploys, (None, why not: one line) when it chose one that does not, (None, None) when it chose none."""
+    try:
+        doc = load_report(report_dir)
+        if doc["chosen"] is None:
+            return None, None
+        write_set(report_dir, deploy_files(report_dir, doc))
+    except KVQuantError as err:
+        return None, one_line(err)
+    return report_dir / "DEPLOY.md", None

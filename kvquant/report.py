@@ -12,7 +12,6 @@ import datetime
 import functools
 import hashlib
 import io
-import json
 import os
 import platform
 import subprocess
@@ -30,6 +29,7 @@ from .errors import ERROR_LOG
 from .fs import write_together
 from .gate import looks, quantile_interval
 from .results import (AGREEMENT, DIVERGENCE, LONG_CONTEXT, PERPLEXITY, Memory, MetricRow, RunResult, Serving, Verdict)
+from .signing import signed_json
 from .tasks import probe_distance
 from .paths import PROJECT_ROOT
 
@@ -50,7 +50,8 @@ REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png"
 #: Modules that only orchestrate, check or render (runner, gate, planner, report, CLI): they run afresh
 #: every time and decide no measured value, so a change to them keeps finished results reusable.
 NOT_MEASURING = frozenset({"run.py", "store.py", "report.py", "gate.py", "plan.py", "planner.py", "errors.py",
-                           "lm_eval.py", "config.py", "results.py", "search.py", "deploy.py", "export.py"})
+                           "lm_eval.py", "config.py", "results.py", "search.py", "deploy.py", "export.py",
+                           "deploy_read.py", "signing.py"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,7 +164,7 @@ def write(out_dir: Path, run: RunResult) -> dict[str, Path]:
     resolved = (f"# run {run_id}: the config of the run that results.json and report.md describe\n"
                 + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     curve = _probe_curve(run.rows)
-    files = {"results.json": json.dumps(doc, indent=2, default=float), "results.csv": frame.to_csv(index=False),
+    files = {"results.json": signed_json(doc), "results.csv": frame.to_csv(index=False),
              "plot.png": _plot(candidates, cfg), "config.resolved.yaml": resolved,
              "report.md": _markdown(doc, frame, cfg, curve)}
     if run.search:  # the map found, as a config that evaluates it alone (no search) on the same data

@@ -363,12 +363,14 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
                     calibration, plan)
     paths = report.write(out_dir, run)
-    deployed = deploy_beside(out_dir)
+    deployed, undeployed = deploy_beside(out_dir)  # nothing to deploy is no bad input: the exit is the gate's
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}"
           + (f", by {processes.world} processes" if processes.world > 1 else ""))
     print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name}"
           + (f", {deployed.name}: the serving engine's flags)" if deployed else ")"))
+    if undeployed:
+        print(f"kvquant: no DEPLOY.md written: {undeployed}")
     return code
 
 

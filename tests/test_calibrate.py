@@ -96,10 +96,17 @@ def test_the_runner_measures_with_scales_calibrated_on_the_held_out_windows(tmp_
     from safetensors.torch import load_file
 
     from kvquant.export import main as export_main
+    from kvquant.signing import SIGNATURE, signed_json
 
+    doc.pop(SIGNATURE)
     for label, per_head in (("fp8-tensor", False), ("fp8-head", True)):
+        # as if the gate had chosen it (export deploys a chosen setting that passed, signed by this user's run)
         doc["chosen"], doc["decision"] = label, "pass"
-        (tmp_path / "cal" / "results.json").write_text(json.dumps(doc))
+        entry = next(c for c in doc["candidates"] if c["name"] == label)
+        entry["verdict"], entry["passed"] = "pass", True
+        for metric in entry["metrics"].values():
+            metric["verdict"] = "pass" if metric["gated"] else metric["verdict"]
+        (tmp_path / "cal" / "results.json").write_text(signed_json(doc))
         assert export_main([str(tmp_path / "cal")]) == 0
         scheme = json.loads((tmp_path / "cal" / "kv_cache_scheme.json").read_text())["quantization_config"]
         parsed = QuantizationConfig.model_validate(scheme).kv_cache_scheme

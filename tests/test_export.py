@@ -8,12 +8,14 @@ import pytest
 
 from kvquant.export import main
 from kvquant.run import main as run_main
+from kvquant.signing import signed_json
 
 
 def candidate(name, quantizer, verdict, bits, **settings):
     metric = {"value": 1.01, "baseline": 1.0, "verdict": verdict, "gated": True}
     return {"name": name, "settings": {"quantizer": quantizer, "residual_length": 0, "sink_tokens": 0, **settings},
-            "verdict": verdict, "bits_per_element": bits, "metrics": {"ppl/wikitext2": metric}}
+            "verdict": verdict, "bits_per_element": bits, "metrics": {"ppl/wikitext2": metric},
+            "memory": {"per_layer": [{"layer": i} for i in range(30)]}}
 
 
 DOC = {"run_id": "abc", "decision": "pass", "chosen": "int8-pth", "reason": "int8-pth is the cheapest passing",
@@ -24,7 +26,8 @@ DOC = {"run_id": "abc", "decision": "pass", "chosen": "int8-pth", "reason": "int
 
 
 def write(tmp_path, doc):
-    (tmp_path / "results.json").write_text(json.dumps(doc))
+    """``doc`` as the runner writes it: signed with this user's key (an edited document is signed again here)."""
+    (tmp_path / "results.json").write_text(signed_json(doc))
     return tmp_path
 
 

@@ -1,0 +1,46 @@
+"""Signed reports: ``results.json`` carries an HMAC-SHA256 of its content under this user's private key (the key
+that signs partial results, :func:`kvquant.store.result_key`), so ``python -m kvquant.export`` deploys only what
+this user's own run decided, never a file edited by hand or written by another user or on another machine.
+
+The signature covers the document as JSON reads it back (keys sorted, no spaces), not the file's bytes, so it
+does not depend on how the file was indented; it is the document's last key, ``"signature"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+
+from .store import result_key
+
+SIGNATURE = "signature"
+#: what a results.json signature signs besides the document, so that no other signature under the same key (a
+#: partial result's) is ever a valid one for a report
+DOMAIN = b"kvquant results.json v1\0"
+
+
+def _signature(doc: dict, key: bytes) -> str:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hmac.new(key, DOMAIN + text.encode("ascii"), hashlib.sha256).hexdigest()
+
+
+def signed_json(doc: dict) -> str:
+    """``results.json``'s text: ``doc`` as JSON (indented, values JSON cannot hold written as floats) with its
+    signature under this user's key as its last key."""
+    plain = json.loads(json.dumps(doc, default=float))  # as a reader parses it back
+    if SIGNATURE in plain:
+        raise ValueError(f"a report document has no key {SIGNATURE!r} of its own")
+    return json.dumps({**plain, SIGNATURE: _signature(plain, result_key())}, indent=2)
+
+
+def unverified(doc: dict) -> str | None:
+    """Why ``doc`` (a parsed ``results.json``) is not one this user's kvquant signed, else None."""
+    signature = doc.get(SIGNATURE)
+    if signature is None:
+        return "it carries no signature (written by hand, or by a kvquant older than signed reports)"
+    body = {k: v for k, v in doc.items() if k != SIGNATURE}
+    if not (isinstance(signature, str) and signature.isascii()) or not hmac.compare_digest(
+            signature, _signature(body, result_key())):
+        return "its signature does not verify (edited after the run, or written by another user or machine)"
+    return None
