@@ -37,7 +37,7 @@ MAX_HEADS = 4096
 DECISIONS = ("pass", "fail", "inconclusive")
 SELECTOR = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7}))?")
 SCALES = ("k_scale", "v_scale")
-WROTE = "not a results.json kvquant wrote (rerun python -m kvquant.run)"
+WROTE = "not a results.json this kvquant writes (rerun python -m kvquant.run)"
 
 
 def _own(info: os.stat_result, what: Path) -> None:
