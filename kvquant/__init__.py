@@ -15,6 +15,7 @@ from .cache.fused import enable_fused_decode
 from .errors import KVQuantError, NonFiniteKVError
 from .quantizers import Quantizer, available_quantizers, get_quantizer, quantizer_options, register_quantizer
 from . import engines  # noqa: F401  (registers the serving engines' formats)
+from . import llamacpp  # noqa: F401  (registers llama.cpp's cache types)
 
 
 

@@ -41,8 +41,9 @@ SETTINGS = {
 
 
 def test_every_registered_quantizer_is_in_the_matrix():
-    """Serving engines' formats are checked against their own references in test_engines.py."""
-    engines = {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
+    """Serving engines' formats are checked against their own references in test_engines.py, llama.cpp's in
+    test_llamacpp.py."""
+    engines = {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_", "llamacpp_"))}
     assert set(SETTINGS) == set(kvquant.available_quantizers()) - engines
 
 
