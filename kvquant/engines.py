@@ -28,10 +28,15 @@ import torch
 
 from . import ops
 from .errors import KVQuantError
-from .quantizers import Codec, Quantizer, register_quantizer
+from .quantizers import F32_MAX, Codec, Quantizer, register_quantizer, short_repr
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+#: The largest |state| of a format that computes in float32: a code rounded up (e4m3 by up to 1/16, an integer by
+#: half a step) must still dequantize to a finite float32.
+F32_HALF = F32_MAX / 2
+F32_HELD = "this format holds (it computes in float32, and a code rounded up must dequantize to a finite number)"
 #: e2m1 (fp4) magnitudes in code order: a code's low 3 bits index this table, bit 3 is the sign
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: where |x| rounds to the next e2m1 magnitude, and whether a tie there goes up (to the even mantissa)
@@ -160,6 +165,8 @@ class StaticFp8Codec(Codec):
     ``cache_kernels.cu`` reshape_and_cache_flash_kernel with ``kv_scale_stride``)."""
 
     scale: torch.Tensor
+    max_abs = F32_HALF
+    held = F32_HELD
 
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale.to(x.device)
@@ -181,6 +188,8 @@ class PerTokenHeadCodec(Codec):
     away from zero and clamps to [-128, 127] (so [-127, 127]), fp8 clamps to ±448 and casts (round half to even)."""
 
     fp8: bool
+    max_abs = F32_HALF
+    held = F32_HELD
 
     def encode(self, x):
         x = x.float()
@@ -207,6 +216,34 @@ class Int4PerTokenHeadCodec(Codec):
     (``:547-560``), rotated back (``/ b``, ``:919-920``)."""
 
     channel_multiple = (2, "two codes per byte")
+    max_abs = F32_HALF
+    held = F32_HELD
+
+    @staticmethod
+    def _rotated_limit(head_dim: int, dtype: torch.dtype) -> tuple[float, str]:
+        """The largest |y| the rotated states may reach, and what sets it: they are rounded to the states' dtype, and
+        the read sums ``b`` dequantized values of up to the group's range (``2 max|y|``) in float32."""
+        block = largest_power_of_two_divisor(head_dim)
+        back = F32_MAX / (2 * block)
+        if torch.finfo(dtype).max <= back:
+            return torch.finfo(dtype).max, f"of the states' dtype {dtype}"
+        return back, "whose range and rotation back stay within float32"
+
+    def checked_above(self, head_dim, dtype):
+        return self._rotated_limit(head_dim, dtype)[0] / largest_power_of_two_divisor(head_dim)  # |H(s x)| <= b max|x|
+
+    def check(self, x, name):
+        """States whose rotation (:func:`rht`, unnormalized: up to ``b`` times their largest |x|) overflows their dtype
+        or float32's room for the read are refused (vLLM would store inf or NaN)."""
+        if x.device.type == "meta" or not x.numel() or \
+                float(x.abs().amax()) <= self.checked_above(x.shape[-1], x.dtype):
+            return
+        limit, held = self._rotated_limit(x.shape[-1], x.dtype)
+        amax = float(rht(x.float()).to(x.dtype).abs().amax())
+        if not amax <= limit:
+            block = largest_power_of_two_divisor(x.shape[-1])
+            raise KVQuantError(f"{name} reach |y| = {amax:.4g} once rotated by vLLM's Hadamard transform "
+                               f"(unnormalized, blocks of {block}), beyond the ±{limit:.4g} {held}")
 
     def encode(self, x):
         rotated = rht(x.float()).to(x.dtype).float()
@@ -232,6 +269,8 @@ class Nvfp4Codec(Codec):
     the layer's static global scale (1.0 when the checkpoint has none)."""
 
     channel_multiple = (16, "blocks of 16 channels")
+    max_abs = F32_HALF
+    held = F32_HELD
 
     global_scale: float
 
@@ -256,6 +295,8 @@ class MinMaxUint4Codec(Codec):
     minimum stored as fp16 and read as ``q * fp16(scale) + fp16(min)`` (``triton_turboquant_decode.py:410-425``)."""
 
     channel_multiple = (2, "two value codes per byte")
+    max_abs = FP16_MAX
+    held = "TurboQuant's fp16 scale and minimum per token and head can hold"
 
     def encode(self, x):
         x = x.float()
@@ -290,6 +331,21 @@ class LloydMaxCodec(Codec):
     ``sqrt(sum c^2 + 1e-16)``, times fp16 norm, rotated back with ``H/sqrt(D)``."""
 
     centroids: torch.Tensor
+    max_abs = FP16_MAX  # a norm is at least every |x| of its vector
+    held = "TurboQuant's fp16 key norm can hold"
+
+    def checked_above(self, head_dim, dtype):
+        return FP16_MAX / math.sqrt(head_dim)  # ||k|| <= sqrt(D) max|k|
+
+    def check(self, x, name):
+        """A vector's norm beyond fp16 (stored as inf: its keys read back NaN) is refused."""
+        if x.device.type == "meta" or not x.numel() or \
+                float(x.abs().amax()) <= self.checked_above(x.shape[-1], x.dtype):
+            return
+        norm = float(x.float().norm(dim=-1).amax())
+        if not norm <= FP16_MAX:
+            raise KVQuantError(f"{name} reach a norm of {norm:.4g} per token and head, beyond the ±{FP16_MAX:.0f} "
+                               f"{self.held}")
 
     def _rotation(self, d: int, device) -> torch.Tensor:
         return hadamard_transform(torch.eye(d)).to(device) / math.sqrt(d)
@@ -317,6 +373,8 @@ class Mxfp8Codec(Codec):
     ``e4m3(clamp(x / 2**(e - 127), ±448))``; read as ``code * 2**(e - 127)``."""
 
     channel_multiple = (32, "blocks of 32 channels")
+    max_abs = F32_HALF
+    held = F32_HELD
 
     def encode(self, x):
         blocks = x.float().unflatten(-1, (-1, 32))
@@ -334,16 +392,33 @@ class Mxfp8Codec(Codec):
 # Quantizers (registered names say the engine and its flag)
 
 
-def _positive_scales(name: str, field: str, value) -> torch.Tensor:
-    """A static scale option: a positive finite number, or a list of them (one per KV head)."""
+def _positive_scales(name: str, field: str, value, reciprocal: bool = False) -> torch.Tensor:
+    """A static scale option: a positive number, or a list of them (one per KV head), finite and positive once in
+    float32, where the engine keeps and applies it (with ``reciprocal``, for a format that divides by it, its
+    reciprocal too)."""
     values = value if isinstance(value, (list, tuple)) else [value]
-    ok = values and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-                        for v in values)
+    ok = values and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v != math.inf
+                        for v in values)  # (an int is finite, however long; NaN fails v > 0)
     if not ok:
         raise KVQuantError(f"{name}: {field} must be a positive number or a list of them (one per KV head), "
-                           f"got {value!r}")
-    scale = torch.tensor([float(v) for v in values], dtype=torch.float32)
+                           f"got {short_repr(value)}")
+    scale = torch.tensor([_to_float(v) for v in values], dtype=torch.float32)
+    inverse = 1.0 / scale
+    for v, s, inv in zip(values, scale.tolist(), inverse.tolist()):
+        if s in (0.0, math.inf) or (reciprocal and inv == math.inf):
+            said = f"is {s:g} in float32" if s in (0.0, math.inf) else f"has 1 / {field} = inf in float32"
+            lowest = 1.0 / F32_MAX if reciprocal else float(torch.finfo(torch.float32).smallest_normal) * 2**-23
+            raise KVQuantError(f"{name}: {field} {short_repr(v)} {said}, the precision the engine applies it in; "
+                               f"give a scale in [{lowest:.4g}, {F32_MAX:.4g}]")
     return scale if isinstance(value, (list, tuple)) else scale[0]
+
+
+def _to_float(v: int | float) -> float:
+    """``float(v)``; an integer beyond any float: inf."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
 
 
 #: What vLLM's turboquant formats need: it keeps boundary layers at model precision itself.
@@ -439,7 +514,7 @@ class VllmNvfp4(Quantizer):
         for field in ("k_scale", "v_scale"):
             if isinstance(getattr(self, field), (list, tuple)):
                 raise KVQuantError(f"{self.name}: {field} is one global scale per layer, not a list")
-            _positive_scales(self.name, field, getattr(self, field))
+            _positive_scales(self.name, field, getattr(self, field), reciprocal=True)
 
     def _codecs(self, head_dim):
         return Nvfp4Codec(float(self.k_scale)), Nvfp4Codec(float(self.v_scale))

@@ -13,19 +13,50 @@ quantizer takes ``rotation="hadamard"`` (:class:`RotatedCodec` around its codecs
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
 from . import kernels, ops
-from .errors import KVQuantError, check_int
+from .errors import KVQuantError, check_int, is_python_int
 from .registry import Registry
 
 Encoded = dict[str, torch.Tensor]
 ROTATIONS = ("hadamard",)
 MAX_ROTATION_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes (an experiment seed is numpy's: config.MAX_SEED)
+#: The most tokens any size option of a cache may name (sinks, residual window, a group of tokens, an eviction window
+#: or budget): 2**24, beyond any model's context today. Sinks are also bounded by the model's context.
+MAX_TOKENS = 1 << 24
+#: Largest finite float32: engine formats and rotations compute in float32 at least.
+F32_MAX = torch.finfo(torch.float32).max
 Axis = Literal["token", "channel"]
+
+
+def check_tokens(name: str, value, minimum: int = 0) -> int:
+    """``value`` when it is a Python integer in ``[minimum, MAX_TOKENS]`` (a size option counted in tokens); else one
+    :class:`KVQuantError` line naming ``name``, the range and the value."""
+    if is_python_int(value):
+        if minimum <= value <= MAX_TOKENS:
+            return value
+        if value > MAX_TOKENS or value.bit_length() > 190:
+            raise KVQuantError(f"{name} must be an integer in {minimum}-{MAX_TOKENS} (tokens; kvquant's maximum for a "
+                               f"size option), got {type(value).__name__} {short_repr(value)}")
+    return check_int(name, value, minimum)  # not an integer, or below the minimum
+
+
+def short_repr(value) -> str:
+    """``repr(value)`` on one short line: a very long one cut, an integer too long to print (Python refuses more
+    than 4,300 digits) by its size."""
+    if isinstance(value, int) and value.bit_length() > 190:
+        return f"of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    try:
+        text = re.sub(r"\s+", " ", repr(value))
+    except ValueError:  # an integer too long to print inside a list
+        return f"{type(value).__name__} too long to print"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Codec:
@@ -35,12 +66,19 @@ class Codec:
     tokens_per_unit: int = 1
     #: Largest |state| the stored form can hold; larger values raise instead of overflowing.
     max_abs: float = float("inf")
+    #: What sets ``max_abs``, as a refusal says it ("keys reach |x| = 1e+06, beyond the ±65504 <held>").
+    held: str = "its scales and zero points can hold (scale_dtype='float32' holds more)"
     #: head_dim must be a multiple of this, and why (codes packed several per byte, channels in blocks).
     channel_multiple: tuple[int, str] = (1, "")
 
     def check(self, x: torch.Tensor, name: str) -> None:
         """Raise, before anything is stored, for states ``x`` within ``max_abs`` that still cannot be encoded
         (``name``: keys or values). Most codecs: nothing more to check."""
+
+    def checked_above(self, head_dim: int, dtype: torch.dtype) -> float:
+        """States ``[..., head_dim]`` of ``dtype`` within ``±`` this pass :meth:`check` without being looked at (a
+        rotation around this codec rotates only states beyond it to check them)."""
+        return float("inf")
 
     def encode(self, x: torch.Tensor) -> Encoded:  # pragma: no cover - interface
         raise NotImplementedError
@@ -95,6 +133,10 @@ class IntCodec(Codec):
     @property
     def tokens_per_unit(self) -> int:
         return self.group if self.axis == "channel" else 1
+
+    @property
+    def held(self) -> str:
+        return _held(self.scale_dtype)
 
     def encode(self, x):
         if self.axis == "token":
@@ -158,6 +200,10 @@ class Fp8Codec(Codec):
         """The largest |state| whose scale (amax / fp8 max) the scale dtype can hold."""
         return torch.finfo(self.dtype).max * ops.scale_limits(self.scale_dtype)[1]
 
+    @property
+    def held(self) -> str:
+        return _held(self.scale_dtype)
+
     def encode(self, x):
         dims = (-1,) if self.granularity == "token" else (1, 2, 3)
         payload, scale = ops.fp8_quantize(x, self.dtype, dims, self.scale_dtype)
@@ -167,6 +213,11 @@ class Fp8Codec(Codec):
 
     def decode_into(self, enc, out):
         ops.fp8_dequantize_into(out, enc["payload"], enc["scale"])
+
+
+def _held(scale_dtype: torch.dtype) -> str:
+    """What bounds the states of a codec with scales and zero points stored in ``scale_dtype``."""
+    return Codec.held if scale_dtype != torch.float32 else "its float32 scales and zero points can hold"
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,24 +240,31 @@ class RotatedCodec(Codec):
         return self.inner.max_abs / float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
 
     def check(self, x, name):
-        """States within ``limit / sqrt(block)`` fit once rotated (``|y| <= sqrt(block) max|x|``); the others are
-        rotated to see. The limit: what the scales hold, or the states' own dtype's range (the rotation is computed
-        in it), the smaller."""
-        if x.device.type != "meta" and x.numel() and \
-                float(x.abs().amax()) > self._limit(x.dtype) * float(self.matrix.abs().max()):
-            self._check_rotated(ops.rotate(x, self.matrix), name)
+        """States within ``limit / sqrt(block)`` fit once rotated (``|y| <= sqrt(block) max|x|``), and pass the inner
+        codec's own check unexamined within its bound over ``sqrt(block)``; the others are rotated to see. The limit:
+        what the inner codec holds, the states' own dtype's range (the rotation is computed in it), or what rotates
+        back within float32, the smallest."""
+        if x.device.type == "meta" or not x.numel():
+            return
+        amax, shrink = float(x.abs().amax()), float(self.matrix.abs().max())  # max entry = 1 / sqrt(block)
+        if amax > min(self._limit(x.dtype)[0], self.inner.checked_above(x.shape[-1], x.dtype)) * shrink:
+            y = ops.rotate(x, self.matrix)
+            self._check_rotated(y, name)
+            self.inner.check(y, name)
 
-    def _limit(self, dtype: torch.dtype) -> float:
-        return min(self.inner.max_abs, torch.finfo(dtype).max)
+    def _limit(self, dtype: torch.dtype) -> tuple[float, str]:
+        """The largest |y| rotated states may reach, and what sets it (as a refusal says it)."""
+        back = F32_MAX * float(self.matrix.abs().max()) / 2  # |y @ R.T| <= sqrt(block) max|y|, with room to round up
+        return min((self.inner.max_abs, self.inner.held.replace("its ", "their ", 1)),
+                   (torch.finfo(dtype).max, f"of the states' dtype {dtype}"),
+                   (back, "that rotate back within float32"), key=lambda pair: pair[0])
 
     def _check_rotated(self, y, name):
         if y.device.type == "meta" or not y.numel():
             return
-        amax, limit = float(y.abs().amax()), self._limit(y.dtype)
+        amax, (limit, held) = float(y.abs().amax()), self._limit(y.dtype)
         if not amax <= limit:  # inf too: the rotation overflowed the states' dtype
-            held = (f"±{limit:.4g} their scales and zero points can hold (scale_dtype='float32' holds more)"
-                    if limit == self.inner.max_abs else f"±{limit:.4g} of the states' dtype {y.dtype}")
-            raise KVQuantError(f"rotated {name} reach |y| = {amax:.4g}, beyond the {held}")
+            raise KVQuantError(f"rotated {name} reach |y| = {amax:.4g}, beyond the ±{limit:.4g} {held}")
 
     def encode(self, x):
         y = ops.rotate(x, self.matrix)
@@ -358,7 +416,7 @@ class IntQuantizer(Quantizer):
             _check_int(self.name, field, getattr(self, field), allowed=(2, 4, 8))
         for field in ("group_size", "key_group_size", "value_group_size"):
             if getattr(self, field) is not None:
-                _check_int(self.name, field, getattr(self, field), minimum=1)
+                check_tokens(f"{self.name}: {field}", getattr(self, field), minimum=1)
         for field in ("key_axis", "value_axis"):
             _check_choice(self.name, field, getattr(self, field), ("token", "channel"))
 

@@ -9,9 +9,9 @@ import re
 import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
 
-from ..errors import KVQuantError, check_int, is_python_int
+from ..errors import KVQuantError, is_python_int
 from ..eviction import get_eviction
-from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, get_quantizer
+from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer
 from .cache import KVQuantCache
 from .fused import is_fused
 from .checks import shown
@@ -69,6 +69,13 @@ def head_dim_of(model_or_config) -> int | None:
     return head_dim
 
 
+def context_of(model_or_config) -> int | None:
+    """The positions a model or config was trained for (``max_position_embeddings``), None where it gives none."""
+    config = getattr(model_or_config, "config", model_or_config)
+    positions = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return positions if is_python_int(positions) and positions > 0 else None
+
+
 def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
     """``quantizer`` with some of its options changed (validated as a new quantizer)."""
     QUANTIZERS.check_options(quantizer.name, options)
@@ -91,7 +98,7 @@ def layer_range(selector, count: int) -> range:
 
 
 def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
-                   layers: dict | None, head_dim: int | None = None
+                   layers: dict | None, head_dim: int | None = None, context: int | None = None
                    ) -> tuple[list[tuple[Quantizer, int, int] | None], dict[str, dict]]:
     """Per layer of ``layout``: ``(quantizer, residual_length, sink_tokens)`` (None for a shared layer), and the
     normalized ``layers`` mapping (keys ``"a-b"``, every option spelled out, so it rebuilds the same layers).
@@ -99,7 +106,7 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
     cache's quantizer's options for those layers; naming a quantizer (even the cache's), that quantizer with its
     own defaults and these options. ``residual_length`` and ``sink_tokens`` default to the cache's. A layer named
     twice, an entry naming only shared layers and sinks on a sliding-window layer (which keeps none) are
-    errors; with ``head_dim`` each entry's quantizer is checked against it."""
+    errors; with ``head_dim`` each entry's quantizer is checked against it, with ``context`` its sinks."""
     plan = [None if w == "shared" else (quantizer, residual_length, sink_tokens) for w in layout]
     if layers is None:
         return plan, {}
@@ -119,8 +126,9 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
         options = dict(options)
         name = options.pop("quantizer", None)
         residual, sinks = options.pop("residual_length", residual_length), options.pop("sink_tokens", sink_tokens)
-        check_int(f"layers[{selector!r}].residual_length", residual, minimum=0)
-        check_int(f"layers[{selector!r}].sink_tokens", sinks, minimum=0)
+        check_tokens(f"layers[{selector!r}].residual_length", residual)
+        check_tokens(f"layers[{selector!r}].sink_tokens", sinks)
+        check_sinks(f"layers[{selector!r}]: sink_tokens", sinks, context)
         if all(layout[i] == "shared" for i in span):
             raise KVQuantError(f"layers[{selector!r}]: names only layers that reuse another layer's KV (they store "
                                "nothing)")
@@ -142,13 +150,34 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
     return plan, dict(sorted(normalized.items(), key=lambda item: int(item[0].split("-")[0])))
 
 
+def check_sinks(name: str, sinks: int, context: int | None) -> None:
+    """Sinks are allocated up front for every row and head: no more than the model's ``context`` (None: unknown)."""
+    if context is not None and sinks > context:
+        raise KVQuantError(f"{name} {sinks} is beyond the model's {context} positions (sinks are a sequence's first "
+                           "tokens, kept at full precision in memory reserved up front; StreamingLLM keeps 4)")
+
+
+def check_layout(layout) -> None:
+    """Each entry of an :func:`attention_layout`: None, ``"shared"`` or a sliding window of at least one token."""
+    if not isinstance(layout, (list, tuple)) or not layout:
+        raise KVQuantError(f"layout must be a non-empty list (see attention_layout), got {shown(layout)}")
+    for i, entry in enumerate(layout):
+        if entry is not None and entry != "shared" and not (is_python_int(entry) and entry >= 1):
+            raise KVQuantError(f"layout: layer {i} has sliding window {shown(entry).split(' ', 1)[-1]}; a window is "
+                               "an integer >= 1 (None: full attention, 'shared': a layer that reuses another's KV)")
+
+
 def build_cache(
     layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
     sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, eviction: str | None = None,
-    window: int | None = None, budget: int | None = None, **options
+    window: int | None = None, budget: int | None = None, context: int | None = None, **options
 ) -> KVQuantCache:
     """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
-    ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward."""
+    ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward; with
+    ``context`` (the model's positions) the sinks too. Every size (sinks, residual window, groups of tokens,
+    eviction window and budget) is at most :data:`~kvquant.quantizers.MAX_TOKENS`, checked before anything is
+    allocated."""
+    check_layout(layout)
     if isinstance(quantizer, str):
         QUANTIZERS.check_options(quantizer, options, also=CACHE_OPTIONS)
         quantizer = get_quantizer(quantizer, **options)
@@ -159,14 +188,15 @@ def build_cache(
         raise KVQuantError(f"options {sorted(options)} given with a Quantizer instance; set them on the instance")
     if residual_length is None:
         residual_length = quantizer.default_residual_length
-    check_int("residual_length", residual_length, minimum=0)
-    check_int("sink_tokens", sink_tokens, minimum=0)
+    check_tokens("residual_length", residual_length)
+    check_tokens("sink_tokens", sink_tokens)
+    check_sinks("sink_tokens", sink_tokens, context)
     policy = None
     if eviction is not None:
         policy = get_eviction(eviction, sink_tokens, window=window, **({} if budget is None else {"budget": budget}))
     elif window is not None or budget is not None:
         raise KVQuantError("window and budget are options of an eviction policy; set eviction= (e.g. 'sink_window')")
-    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim)
+    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim, context)
     if policy:
         longest = max(spec[1] for spec in plan if spec is not None)
         if longest >= policy.window and not all(spec[0].name == "fp16" for spec in plan if spec is not None):
@@ -201,12 +231,12 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
-    for name in ("layout", "head_dim"):
+    for name in ("layout", "head_dim", "context"):
         if name in options:
             raise KVQuantError(f"make_cache: {name} is not an option, it is read from model_or_config; the options: "
                                f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
     cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
-                        **options)
+                        context=context_of(model_or_config), **options)
     if is_fused(getattr(model_or_config, "config", model_or_config)):
         for layer in cache.layers:
             if isinstance(layer, KVQuantLayer):

@@ -62,7 +62,9 @@ def fits(x: torch.Tensor, max_abs: float) -> bool:
     return math.isfinite(amax) and amax <= max_abs
 
 
-def check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
+def check_states(x: torch.Tensor, max_abs: float, name: str,
+                 held: str = "its scales and zero points can hold (scale_dtype='float32' holds more)") -> None:
+    """Refuse states ``x`` that hold NaN/Inf or reach beyond ``±max_abs`` (``held``: what sets that bound)."""
     if fits(x, max_abs):
         return
     amax = float(x.abs().amax())
@@ -71,5 +73,4 @@ def check_states(x: torch.Tensor, max_abs: float, name: str) -> None:
             f"{name} hold NaN or Inf; kvquant does not store non-finite states, since one of them would corrupt the "
             "scale of its whole group. Check the model's dtype (fp16 overflow) and inputs."
         )
-    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:.4g} its scales and zero points "
-                       "can hold (scale_dtype='float32' holds more)")
+    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:.4g} {held}")

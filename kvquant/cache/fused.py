@@ -15,10 +15,17 @@ What a query attends to comes from the model's own mask, translated to the row's
 with ``set_padding`` is not stored, so read positions skip it): each query reads a contiguous range ``[lo, hi)``
 of its row's read tokens (causal, sliding windows, padding). A mask with holes in it goes through the dequantized
 copy. Kernel and copy agree within float rounding (tests/test_fused.py).
+
+Placeholders go only to :func:`attention`: each attention module of a model given to :func:`enable_fused_decode`
+says, while it runs (forward hooks), whether it calls it (:func:`reads_codes`). A cache read by any other attention
+(another model, or the same one after fused decode was undone) returns the dequantized copy, as a cache made
+without fused decode does (before: a broadcast NaN, which a one-layer model turned into NaN logits).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import sys
 from dataclasses import dataclass
@@ -40,6 +47,50 @@ _KIND = {"int": 0, "full": 3}
 #: tests/test_architectures.py); :func:`enable_fused_decode` refuses others.
 VERIFIED = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gpt_neox", "cohere2",
                       "olmo2"})
+
+
+#: Whether the attention module now running hands the cache's keys and values to :func:`attention` (set by the hooks
+#: :func:`enable_fused_decode` adds to each attention module, and by :func:`reading_codes`).
+_READS_CODES = contextvars.ContextVar("kvquant_reads_codes", default=False)
+
+
+def reads_codes() -> bool:
+    """Whether the attention that reads what a cache returns now is :func:`attention` (so placeholders may go to it)."""
+    return _READS_CODES.get()
+
+
+@contextlib.contextmanager
+def reading_codes(on: bool = True):
+    """Within this block a fused layer's short steps return placeholders (``on``) or the dequantized copy: for code
+    that calls ``update`` itself and hands its output to :func:`attention` (tests, a custom attention module)."""
+    token = _READS_CODES.set(on)
+    try:
+        yield
+    finally:
+        _READS_CODES.reset(token)
+
+
+def _enter(module, args) -> None:
+    """Forward pre-hook of an attention module: it is about to update the cache, then call the attention its config
+    names (``module.config``, else the model's)."""
+    config = getattr(module, "config", None) or module._kvquant_config
+    module.__dict__.setdefault("_kvquant_tokens", []).append(_READS_CODES.set(is_fused(config)))
+
+
+def _leave(module, args, output) -> None:
+    """Forward hook (always called, errors too): back to what held before :func:`_enter`."""
+    tokens = module.__dict__.get("_kvquant_tokens")
+    if tokens:
+        _READS_CODES.reset(tokens.pop())
+
+
+def _hook(module, config) -> None:
+    """Let ``module`` (an attention module, once) say while it runs whether it reads the codes."""
+    if not getattr(module, "_kvquant_hooked", False):
+        module._kvquant_config = config
+        module.register_forward_pre_hook(_enter)
+        module.register_forward_hook(_leave, always_call=True)
+        module._kvquant_hooked = True
 
 
 @dataclass
@@ -182,8 +233,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 def placeholders(layer, keys: torch.Tensor, real, counts: list[int], kv_len: int):
     """What a fused layer's ``update`` returns for a short step: keys and values of the real ``[B, H, kv_len, D]``
-    shape that hold no memory (one NaN, expanded: any attention but :func:`attention` computes NaN, never a silent
-    wrong number), both carrying the :class:`Pending` read (snapshots of the stores, taken now, before eviction)."""
+    shape that hold no memory (one NaN, expanded: should any attention but :func:`attention` read them after all, it
+    computes NaN, never a silent wrong number), both carrying the :class:`Pending` read (snapshots of the stores,
+    taken now, before eviction). Only while :func:`reads_codes` (see the layer's ``_fuses``)."""
     pending = Pending(copy.copy(layer.k), copy.copy(layer.v), real, counts, kv_len)
     out = []
     for store in (layer.k, layer.v):
@@ -209,8 +261,9 @@ def register(previous: str) -> str:
 def enable_fused_decode(model) -> None:
     """Let kvquant caches made for ``model`` from now on answer decode steps from the stored codes (see the module
     docstring). The attention the model used before serves every other call. Undo with
-    ``model.set_attn_implementation(previous)``; a cache made while fused decode was on reads NaN without it (the
-    next layer's cache refuses the non-finite states it gets: a loud failure), so make a new cache then.
+    ``model.set_attn_implementation(previous)``; a cache made while fused decode was on then returns the dequantized
+    copy, as does one read by another model (each attention module says, while it runs, whether it calls
+    :func:`attention`: forward hooks added here).
 
     Only model families whose attention hands the cache's keys and values to the attention function unchanged
     (:data:`VERIFIED`, each tested in tests/test_architectures.py) are accepted: others (multi-head latent
@@ -227,6 +280,7 @@ def enable_fused_decode(model) -> None:
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             module._kvquant_fallback = previous
+            _hook(module, model.config)
     model.set_attn_implementation(register(previous))
     if not is_fused(model.config):
         raise KVQuantError(f"{type(model).__name__} did not accept kvquant's attention function (transformers kept "

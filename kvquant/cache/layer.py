@@ -167,7 +167,7 @@ class KVQuantLayer(CacheLayerMixin):
         for (states, _), raw, store, name in zip(new, (key_states, value_states), (self.k, self.v),
                                                  ("keys", "values")):
             if not fits(raw, store.codec.max_abs):  # one reduction; then only the real tokens (padding may hold any)
-                check_states(states, store.codec.max_abs, name)
+                check_states(states, store.codec.max_abs, name, store.codec.held)
             store.codec.check(states, name)  # e.g. a rotation's overflow: refused before anything is stored
         self.cumulative_length += n
         keep = self.held()  # per row, what the window still needs after this update
@@ -196,9 +196,10 @@ class KVQuantLayer(CacheLayerMixin):
 
     def _fuses(self, n: int) -> bool:
         """Whether this step's attention reads the stored codes (:mod:`kvquant.cache.fused`): fused decode is on, the
-        step is short, and a kernel reads both stores as they are (no importance eviction, whose hidden tokens
-        change between steps)."""
-        return self.fused and n <= fused.MAX_QUERY and not self.eviction_by_importance and \
+        attention module now running calls kvquant's attention (any other would read the placeholders as NaN), the
+        step is short, and a kernel reads both stores as they are (no importance eviction, whose hidden tokens change
+        between steps)."""
+        return self.fused and fused.reads_codes() and n <= fused.MAX_QUERY and not self.eviction_by_importance and \
             fusable(self.k.codec) and fusable(self.v.codec) and self.k.tail.device.type != "meta"
 
     @property

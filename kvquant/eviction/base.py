@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import check_int
+from ..quantizers import check_tokens
 from ..registry import Registry
 
 EVICTIONS = Registry("eviction policy")
@@ -35,8 +35,8 @@ class Eviction:
     window: int
 
     def __post_init__(self):
-        for key in [f.name for f in dataclasses.fields(self)]:
-            check_int(f"eviction {self.name!r}: {key}", getattr(self, key), minimum=1)
+        for key in [f.name for f in dataclasses.fields(self)]:  # sizes in tokens
+            check_tokens(f"eviction {self.name!r}: {key}", getattr(self, key), minimum=1)
 
     def check(self, sink_tokens: int) -> None:
         """Reject a cache setting the policy does not fit."""

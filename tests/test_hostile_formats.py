@@ -1,0 +1,316 @@
+"""Hostile inputs to the cache formats (issue 36): static scales that are not finite and positive in float32,
+states of large finite magnitude in every registered format, a cache made for fused decode read by a plain model,
+and size options of the cache (sinks, residual window, groups, eviction) far beyond any model.
+
+Every refusal is one :class:`KVQuantError` line, raised before anything is stored or allocated (through the runner:
+exit 2 before the model loads); every state a format accepts reads back finite.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import kvquant
+import kvquant.run
+from kvquant import KVQuantError
+from kvquant.cache import build_cache
+from kvquant.quantizers import MAX_TOKENS
+
+MODEL = "local:models/stories260K/hf"
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+F32_MAX = torch.finfo(torch.float32).max
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def one_line(err) -> str:
+    text = str(err.value)
+    assert "\n" not in text and text, text
+    return text
+
+
+# --- static scales -------------------------------------------------------------------------------------------
+
+BAD_SCALES = [
+    ("vllm_fp8", {"k_scale": 1e300}, "k_scale 1e+300 is inf in float32"),
+    ("vllm_fp8", {"v_scale": 1e-50}, "v_scale 1e-50 is 0 in float32"),
+    ("vllm_fp8", {"k_scale": [1.0, 1e39]}, "k_scale 1e+39 is inf in float32"),
+    ("vllm_fp8", {"k_scale": 10**400}, "k_scale of about 401 digits is inf"),  # no float holds it (was: OverflowError)
+    ("vllm_fp8", {"v_scale": [0.5, -(10**400)]}, "v_scale must be a positive number"),
+    ("vllm_nvfp4", {"k_scale": 1e300}, "k_scale 1e+300 is inf in float32"),
+    ("vllm_nvfp4", {"v_scale": 1e-300}, "v_scale 1e-300 is 0 in float32"),
+    ("vllm_nvfp4", {"k_scale": 1e-39}, "k_scale 1e-39 has 1 / k_scale = inf in float32"),  # it divides
+]
+
+
+@pytest.mark.parametrize("name, options, needle", BAD_SCALES, ids=[f"{c[0]}-{c[2][:16]}" for c in BAD_SCALES])
+def test_scales_not_finite_and_positive_in_float32_are_refused_when_built(model, name, options, needle):
+    """k_scale 1e300 passed (finite as a Python float) and was inf in the float32 the format computes in: wrong
+    logits on short steps (issue 36). Refused by the quantizer, by make_cache, and by the layers option."""
+    with pytest.raises(KVQuantError) as err:
+        kvquant.get_quantizer(name, **options)
+    assert needle in one_line(err) and name in one_line(err)
+    with pytest.raises(KVQuantError, match="float32|positive number"):
+        kvquant.make_cache(model, name, **options)
+    with pytest.raises(KVQuantError, match=r"layers\['0'\]"):
+        kvquant.make_cache(model, name, layers={"0": options})
+
+
+@pytest.mark.parametrize("name, options", [("vllm_fp8", {"k_scale": 3e38, "v_scale": [1e-40] * 4}),
+                                           ("vllm_nvfp4", {"k_scale": 3e38, "v_scale": 2.95e-39})])
+def test_extreme_scales_that_hold_in_float32_read_back_finite(name, options):
+    """The boundaries that are accepted (largest float32, a subnormal; nvfp4: its reciprocal within float32)."""
+    layer = build_cache([None], name, head_dim=64, **options).layers[0]
+    x = torch.randn(2, 4, 5, 64, generator=torch.Generator().manual_seed(0)) * 100
+    keys, values = layer.update(x, x)
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+
+
+@pytest.fixture
+def no_model_load(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def trap(*args, **kwargs):
+        raise AssertionError("a model was loaded for an input that should have been refused before")
+
+    monkeypatch.setattr(kvquant.run, "load_model", trap)
+
+
+def run_config(tmp_path, quantizer: str, options: dict) -> list:
+    doc = {"name": "hostile", "output_dir": str(tmp_path / "reports"), "model": {"path": MODEL},
+           "candidates": [{"quantizer": quantizer, "name": "c", "options": options}],
+           "eval": {"perplexity": [{"name": "s", "source": STORIES, "limit": 2, "max_length": 64}]},
+           "gate": {"bootstrap": 1000}}
+    path = tmp_path / "hostile.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return [str(path)]
+
+
+RUN_CASES = [
+    ("vllm_fp8", {"k_scale": 1e300}, "k_scale 1e+300 is inf in float32"),
+    ("vllm_nvfp4", {"v_scale": 1e-300}, "v_scale 1e-300 is 0 in float32"),
+    ("int4", {"sink_tokens": 10**12}, f"sink_tokens must be an integer in 0-{MAX_TOKENS}"),
+    ("int4", {"residual_length": 10**12}, "residual_length must be an integer in 0-"),
+    ("int4", {"group_size": 10**12}, "group_size must be an integer in 1-"),
+    ("int4", {"layers": {"0": {"sink_tokens": 10**12}}}, "sink_tokens must be an integer in 0-"),
+    ("int4", {"eviction": "sink_window", "sink_tokens": 4, "window": 10**12}, "window must be an integer in 1-"),
+    ("int4", {"eviction": "key_norm", "window": 256, "budget": 10**12}, "budget must be an integer in 1-"),
+]
+
+
+@pytest.mark.parametrize("quantizer, options, needle", RUN_CASES, ids=[c[2][:24] for c in RUN_CASES])
+def test_runner_refuses_before_the_model_loads(tmp_path, capsys, no_model_load, quantizer, options, needle):
+    """sink_tokens 10**12 passed the pre-load checks (shapes only, no allocation) and then asked for 128 TB: exit
+    3 after the model loaded. Now exit 2 with one line, before it loads, and nothing written."""
+    code = kvquant.run.main(run_config(tmp_path, quantizer, options))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvquant: error: "), err
+    assert needle in lines[0], lines[0]
+    assert not (tmp_path / "reports" / "hostile").exists() or not any((tmp_path / "reports" / "hostile").iterdir())
+
+
+# --- sizes -----------------------------------------------------------------------------------------------------
+
+SIZES = [
+    ({"sink_tokens": 10**12}, "sink_tokens must be an integer in 0-"),
+    ({"sink_tokens": MAX_TOKENS}, "sink_tokens 16777216 is beyond the model's 512 positions"),
+    ({"sink_tokens": 513}, "sink_tokens 513 is beyond the model's 512 positions"),
+    ({"layers": {"1-2": {"sink_tokens": 600}}}, r"layers\['1-2'\]: sink_tokens 600 is beyond the model's 512"),
+    ({"residual_length": MAX_TOKENS + 1}, "residual_length must be an integer in 0-16777216"),
+    ({"layers": {"3": {"residual_length": 10**12}}}, r"layers\['3'\].residual_length must be an integer in 0-"),
+    ({"group_size": MAX_TOKENS + 1}, "group_size must be an integer in 1-16777216"),
+    ({"key_group_size": 10**30}, "key_group_size must be an integer in 1-"),
+    ({"eviction": "window", "window": 10**12}, "window must be an integer in 1-16777216"),
+    ({"eviction": "key_norm", "window": 300, "budget": MAX_TOKENS + 1}, "budget must be an integer in 1-"),
+]
+
+
+@pytest.mark.parametrize("options, needle", SIZES, ids=[c[1][:30] for c in SIZES])
+def test_size_options_are_bounded_before_anything_is_allocated(model, monkeypatch, options, needle):
+    """make_cache(model, sink_tokens=10**12) was accepted and the first forward asked for 128 TB (a raw
+    RuntimeError). Every size option is bounded by MAX_TOKENS, and sinks (allocated up front) by the model's
+    context, when the cache is made."""
+    monkeypatch.setattr(torch.Tensor, "new_zeros", lambda *a, **k: pytest.fail("allocated before refusing"))
+    with pytest.raises(KVQuantError, match=needle) as err:
+        kvquant.make_cache(model, "int4", **options)
+    one_line(err)
+
+
+def test_size_options_at_their_bounds_still_work(model):
+    """The largest sinks the model's context holds, and the documented maximum of the other sizes, are kept."""
+    cache = kvquant.make_cache(model, "int4", sink_tokens=512, residual_length=MAX_TOKENS, group_size=MAX_TOKENS)
+    x = torch.randn(1, 4, 9, 8, generator=torch.Generator().manual_seed(0))
+    keys, _ = cache.update(x, x, 0)
+    assert torch.equal(keys, x)  # sinks and the residual window keep full precision
+    cache = kvquant.make_cache(model, "int4", eviction="key_norm", window=MAX_TOKENS, budget=MAX_TOKENS)
+    assert cache.layers[0].capacity == 2 * MAX_TOKENS
+
+
+def test_sliding_windows_of_a_layout_must_be_positive():
+    with pytest.raises(KVQuantError, match="layout: layer 1 has sliding window 0"):
+        build_cache([None, 0], "int4")
+    with pytest.raises(KVQuantError, match="layout: layer 0 has sliding window -4"):
+        build_cache([-4], "fp16")
+
+
+# --- every registered format, states of large finite magnitude --------------------------------------------------
+
+MAGNITUDES = (1e4, 6e4, 65504.0, 1e6, 1e19, 1e30, 1e37, 3e38, F32_MAX)
+
+
+def hostile_states(kind: str, magnitude: float, dtype: torch.dtype, head_dim: int, tokens: int = 6):
+    """``[1, 2, tokens, head_dim]`` states of ``dtype`` reaching ``magnitude`` (clamped to the dtype's range)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, tokens, head_dim, generator=gen, dtype=torch.float64)
+    if kind == "scaled":
+        x = x / x.abs().amax() * magnitude
+    elif kind == "spike":  # one channel of every token far out, the others O(1)
+        x[..., 3] = magnitude
+    elif kind == "constant":
+        x = torch.full_like(x, magnitude)
+    else:  # alternating signs: the widest range a group can have
+        x = torch.full_like(x, magnitude)
+        x[..., ::2] *= -1
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+def head_dims_for(name: str, options: dict) -> list[int]:
+    """Head dims the format can store of 64 and 128 (every format stores both today), else of some others."""
+    def stores(head_dim: int) -> bool:
+        try:
+            kvquant.get_quantizer(name, **options).codecs(head_dim)
+        except KVQuantError:
+            return False
+        return True
+
+    found = [d for d in (64, 128) if stores(d)] or [d for d in (80, 96, 256) if stores(d)][:1]
+    assert found, f"{name} stores none of the head dims tried"
+    return found
+
+
+def variants() -> list:
+    out = []
+    for name in kvquant.available_quantizers():
+        out += [(name, {}), (name, {"rotation": "hadamard"})]
+    return out + [("int4", {"scale_dtype": "float32"}), ("fp8_e4m3", {"scale_dtype": "float32"}),
+                  ("vllm_fp8", {"k_scale": 1e36, "v_scale": 1e-30}),
+                  ("vllm_nvfp4", {"k_scale": 1e36, "v_scale": 1e-30})]
+
+
+VARIANTS = variants()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in VARIANTS])
+def test_every_format_reads_large_states_back_finite_or_refuses_them_on_arrival(name, options, dtype):
+    """States of 1e6 (TurboQuant: fp16 scale, minimum and key norm overflowed) or 3e38 (int4 per token-head: the
+    range overflowed float32) came back from update() as NaN/Inf. Each format, rotated or not, in each dtype, at
+    each magnitude: the states read back finite, or the update is refused with one KVQuantError line and nothing is
+    stored (the layer then takes ordinary states as if the refused update had never been made)."""
+    for head_dim, magnitude, kind in itertools.product(head_dims_for(name, options), MAGNITUDES,
+                                                       ("scaled", "spike", "constant", "alternating")):
+        if magnitude <= torch.finfo(dtype).max:
+            layer = build_cache([None], name, residual_length=0, head_dim=head_dim, **options).layers[0]
+            x = hostile_states(kind, magnitude, dtype, head_dim)
+            where = f"{kind} states of {magnitude:g} in {dtype}, head_dim {head_dim}"
+            try:
+                keys, values = layer.update(x, x.clone())
+            except KVQuantError as err:
+                assert "\n" not in str(err), where
+                assert layer.cumulative_length == 0 and (layer.k is None or layer.k.stored(0) == 0), where
+                ordinary = hostile_states("scaled", 1.0, dtype, head_dim)
+                keys, values = layer.update(ordinary, ordinary)
+                assert layer.cumulative_length == ordinary.shape[2], where
+            assert torch.isfinite(keys).all() and torch.isfinite(values).all(), f"{name} {options}: {where}"
+
+
+def test_turboquant_and_int4_per_token_head_refuse_what_they_turned_into_nan():
+    """The cases of issue 36 by value: TurboQuant at 1e6 (fp16 minimum and key norm), int4 per token-head at 3e38
+    in float32 (its range) and at 1e4 in float16 (vLLM's unnormalized Hadamard transform overflows fp16)."""
+    cases = [("vllm_turboquant_k8v4", 1e6, torch.float32, "values reach"),
+             ("vllm_turboquant_4bit_nc", 6e4, torch.float32, "keys reach a norm of"),
+             ("vllm_int4_per_token_head", 3e38, torch.float32, "keys reach |x| = 3e+38"),
+             ("vllm_int4_per_token_head", 1e4, torch.float16, "Hadamard")]
+    for name, magnitude, dtype, needle in cases:
+        layer = build_cache([None], name, residual_length=0, head_dim=64).layers[0]
+        with pytest.raises(KVQuantError) as err:
+            layer.update(*(hostile_states("scaled", magnitude, dtype, 64) for _ in range(2)))
+        assert needle in one_line(err), (name, str(err.value))
+        assert layer.cumulative_length == 0
+
+
+def test_states_the_engine_formats_hold_are_not_refused():
+    """Large but representable states still go through: TurboQuant values up to fp16's maximum, keys whose norm is
+    within it, int4 per token-head in float16 while its rotation fits."""
+    for name, magnitude, dtype in [("vllm_turboquant_k8v4", 65504.0, torch.float32),
+                                   ("vllm_turboquant_4bit_nc", 8000.0, torch.float32),
+                                   ("vllm_int4_per_token_head", 1000.0, torch.float16),
+                                   ("vllm_int4_per_token_head", 1e34, torch.float32)]:
+        layer = build_cache([None], name, residual_length=0, head_dim=64).layers[0]
+        x = hostile_states("scaled", magnitude, dtype, 64)
+        keys, values = layer.update(x, x)
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all(), name
+        assert float(values.float().abs().amax()) > magnitude / 10, name  # (k8v4's keys saturate at 448)
+
+
+# --- fused decode read by a plain model --------------------------------------------------------------------------
+
+def tiny_llama(layers: int):
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("how", ["another model", "fused decode undone"])
+def test_a_cache_made_for_fused_decode_read_by_a_plain_model_equals_the_plain_cache(layers, how):
+    """A cache made for fused decode and read by a plain one-layer model gave NaN logits and token 0 with no error
+    (the placeholders' NaN reached the logits: no next layer refused them). Placeholders now go only to kvquant's
+    attention: any other reads the dequantized cache, so the logits equal those of a cache made for the plain
+    model."""
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(4))
+    fused_model, plain = tiny_llama(layers), tiny_llama(layers)
+    kvquant.enable_fused_decode(fused_model)
+    cache = kvquant.make_cache(fused_model, "int4", group_size=16, residual_length=0)
+    reference = kvquant.make_cache(plain, "int4", group_size=16, residual_length=0)
+    if how == "fused decode undone":
+        fused_model.set_attn_implementation("sdpa")
+        plain = fused_model
+    with torch.no_grad():
+        for model_cache in (cache, reference):
+            plain(ids[:, :20], cache=model_cache)
+        got = [plain(ids[:, i : i + 1], cache=cache).logits for i in range(20, 24)]
+        want = [plain(ids[:, i : i + 1], cache=reference).logits for i in range(20, 24)]
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_a_fused_model_still_reads_the_codes(monkeypatch):
+    """The fix does not switch fused decode off: a fused model's decode steps still run the kernel, and agree with
+    the plain cache within float rounding."""
+    from kvquant import kernels
+
+    if not kernels.available():
+        pytest.skip("needs the C++ kernel (a compiler)")
+    calls = []
+    kernel = kernels.attend_into
+    monkeypatch.setattr(kernels, "attend_into", lambda *a: calls.append(1) or kernel(*a))
+    ids = torch.randint(3, 97, (1, 21), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for on in (False, True):
+        model = tiny_llama(1)
+        if on:
+            kvquant.enable_fused_decode(model)
+        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        with torch.no_grad():
+            model(ids[:, :20], cache=cache)
+            logits.append(model(ids[:, 20:], cache=cache).logits)
+    assert calls and math.isfinite(float(logits[1].abs().max()))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
