@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import stat
 import re
+import stat
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import torch
 import yaml
 
 from .errors import KVQuantError, is_python_int
+from .paths import MAX_NAME_BYTES, folder_problem
 
 #: Names that become file or directory names (report name, candidate and perplexity set names).
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
@@ -31,6 +33,14 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 #: accelerate's device map strategies (``model.device_map``).
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 MAX_BOOTSTRAP = 100_000
+#: A run's bootstrap: at least this many resamples, and at least :data:`MIN_TAIL_RESAMPLES` beyond each end of an
+#: interval (a percentile interval's end is the resample at rank ``bootstrap * (1 - confidence) / 2``; with a
+#: handful beyond it, the end is noise, and one resample is a zero-width interval that passes anything). 1,000 at
+#: 95% (25 beyond each end) is the least Efron and Tibshirani advise for percentile intervals.
+MIN_BOOTSTRAP, MIN_TAIL_RESAMPLES = 1000, 25
+#: A gated metric needs at least this share of what attention read quantized to count toward a pass: below half,
+#: most of what attention read was stored at full precision, and the metric shows the unquantized cache.
+MIN_QUANTIZED_SHARE = 0.5
 MAX_SEED = 2**32 - 1
 MAX_FEWSHOT = 100
 MAX_DOCUMENTS = 1_000_000
@@ -62,10 +72,19 @@ def _at_least(key: str, value, low: int, nullable: bool = False) -> None:
 
 
 def check_plain_name(key: str, value: str) -> None:
-    """A name used as a file or directory name: letters, digits, ``_ . + = -``; no path separators, no ``..``."""
+    """A name used as a file or directory name: letters, digits, ``_ . + = -``; no path separators, no ``..``;
+    at most :data:`kvquant.paths.MAX_NAME_BYTES` characters."""
+    check_name_length(key, value)
     _require(bool(PLAIN_NAME.fullmatch(value)) and ".." not in value,
              f"{key} {value!r} must be a plain name (letters, digits, _ . + = -; no '/' or '..'), since it names "
              "a directory")
+
+
+def check_name_length(key: str, value: str) -> None:
+    """A name kvquant puts into file names fits one (:data:`kvquant.paths.MAX_NAME_BYTES`)."""
+    size = len(value.encode("utf-8", "surrogatepass"))
+    _require(size <= MAX_NAME_BYTES, f"{key} {value[:24]!r}... is {size} bytes long; it becomes part of a file or "
+             f"folder name, so at most {MAX_NAME_BYTES}")
 
 
 def check_device(key: str, device: str) -> None:
@@ -227,6 +246,8 @@ class TaskSet:
 
     def __post_init__(self):
         _require(all(self.names), "names must be task names, got an empty name")
+        for name in self.names:  # partial results are named after the task
+            check_name_length("names: task", name)
         if isinstance(self.num_fewshot, dict):
             for task, shots in self.num_fewshot.items():
                 _require(task in self.names, f"num_fewshot: {task!r} is not among names "
@@ -333,6 +354,22 @@ class GateConfig:
         _require(self.max_perplexity_ratio <= MAX_PERPLEXITY_RATIO,
                  f"gate.max_perplexity_ratio must be in [1, {MAX_PERPLEXITY_RATIO}], got "
                  f"{self.max_perplexity_ratio!r}; {off}")
+        _require(self.min_quantized_share >= MIN_QUANTIZED_SHARE,
+                 f"gate.min_quantized_share must be in [{MIN_QUANTIZED_SHARE}, 1], got {self.min_quantized_share!r}: "
+                 "below half, most of what attention read was not quantized, so a pass would show the full-precision "
+                 "cache, not the quantizer")
+        self._check_bootstrap()
+
+    def _check_bootstrap(self) -> None:
+        """Enough resamples for the interval's ends (:data:`MIN_BOOTSTRAP`, :data:`MIN_TAIL_RESAMPLES`)."""
+        tail = (1 - self.confidence) / 2
+        least = max(MIN_BOOTSTRAP, math.ceil(round(MIN_TAIL_RESAMPLES / tail, 6)))
+        _require(least <= MAX_BOOTSTRAP, f"gate.confidence {self.confidence!r} needs more than {MAX_BOOTSTRAP} "
+                 f"bootstrap resamples ({least}) for {MIN_TAIL_RESAMPLES} beyond each end of an interval; lower it")
+        _require(self.bootstrap >= least,
+                 f"gate.bootstrap must be at least {least} resamples for {self.confidence:.4g} intervals, got "
+                 f"{self.bootstrap!r}: each end is read from the {tail:.4g} of resamples beyond it, so fewer leave "
+                 f"noise there (1 gives a zero-width interval that passes anything)")
 
 
 @dataclass(frozen=True)
@@ -410,6 +447,8 @@ class ExperimentConfig:
     def __post_init__(self):
         check_plain_name("name", self.name)
         _require(bool(self.output_dir), "output_dir must name a directory, got ''")
+        problem = folder_problem(self.output_dir)
+        _require(problem is None, f"output_dir: {problem}")
         self.gate.check_is_a_gate()
         if self.stages:
             _require(not self.candidates and not self.search, "stages: a staged run measures its stages only; remove "
@@ -452,6 +491,8 @@ class ExperimentConfig:
                          "eval.tasks.limit (where each task starts) at or below it")
         if self.search:
             self._check_split()
+            check_name_length("name and search.name (searched.yaml reruns the map as <name>-<search.name>)",
+                              f"{self.name}-{self.search.name}")
         self._check_calibration()
 
     def _check_calibration(self) -> None:
@@ -547,7 +588,20 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where} must be {tp.__name__}, got {type(value).__name__} {value!r}")
     if tp is float and not math.isfinite(value):
         raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    if tp is str:
+        check_string(where, value)
     return value
+
+
+def check_string(where: str, value: str) -> None:
+    """A config's text: no NUL and no lone surrogate, which no name, path or text holds (and a path with either
+    cannot even be asked about)."""
+    _require("\0" not in value, f"{where} {value!r:.60} holds a NUL character, which no name, path or text may hold")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ConfigError(f"{where} {value!r:.60} holds a lone surrogate (character {err.start}), which is not "
+                          "text") from None
 
 
 def _build(cls, data: Any, where: str):
@@ -582,7 +636,10 @@ def apply_override(data: dict, assignment: str) -> None:
     key, raw = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"--set {key!r}: not a key (write e.g. eval.tasks.limit=50)")
+        raise ConfigError(f"--set {key[:60]!r}: not a key (write e.g. eval.tasks.limit=50)")
+    if len(parts) > MAX_YAML_DEPTH:
+        raise ConfigError(f"--set {key[:60]}...: {len(parts)} keys deep; a config is at most {MAX_YAML_DEPTH} levels "
+                          "deep")
     node: Any = data
     for i, part in enumerate(parts[:-1]):
         if isinstance(node, list):
@@ -596,6 +653,8 @@ def apply_override(data: dict, assignment: str) -> None:
                               f"key {part!r}")
     last = parts[-1]
     value = load_yaml(raw, f"--set {key}", f"{raw!r} is not a YAML value")
+    if len(parts) - 1 + _depth(value, {}) > MAX_YAML_DEPTH:
+        raise ConfigError(f"--set {key}: the value at this key is nested deeper than {MAX_YAML_DEPTH} levels")
     if not isinstance(node, (list, dict)):
         raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is {type(node).__name__} {node!r}, which has no "
                           f"key {last!r}")
@@ -629,6 +688,21 @@ class _StrictLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_object(self, node, deep=False):
+        """A scalar Python cannot hold (an integer past its digit limit, a date that does not exist) is an error
+        naming its line, not an internal error."""
+        try:
+            return super().construct_object(node, deep)
+        except ConfigError:
+            raise
+        except (ValueError, OverflowError) as err:
+            line, text = node.start_mark.line + 1, str(node.value)
+            if node.tag.endswith(":int"):
+                raise ConfigError(f"line {line}: an integer of {len(text):,} digits, beyond the "
+                                  f"{sys.get_int_max_str_digits():,} Python reads; no setting takes one") from None
+            raise ConfigError(f"line {line}: {text[:40]!r} cannot be read as {node.tag.rpartition(':')[2]} "
+                              f"({_first_line(err)[:80]})") from None
+
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
@@ -638,6 +712,16 @@ class _StrictLoader(yaml.SafeLoader):
                     raise ConfigError(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1})")
                 seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+def _depth(value, memo: dict) -> int:
+    """Levels of nesting of ``value`` (a scalar: 0), each shared (aliased) part counted once."""
+    if not isinstance(value, (dict, list)):
+        return 0
+    if id(value) not in memo:
+        children = value.values() if isinstance(value, dict) else value
+        memo[id(value)] = 1 + max((_depth(child, memo) for child in children), default=0)
+    return memo[id(value)]
 
 
 def _expanded_nodes(value, memo: dict) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,11 @@ def _json(text: str, where: str):
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise KVQuantError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise KVQuantError(f"{where}: JSON nested too deeply to read (thousands of levels); rows are flat") from None
+    except ValueError:  # an integer past Python's digit limit
+        raise KVQuantError(f"{where}: a number of more than {sys.get_int_max_str_digits():,} digits, which Python "
+                           "does not read; rows hold text") from None
 
 
 def _parquet(path: Path) -> list[dict]:

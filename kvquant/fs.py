@@ -186,6 +186,20 @@ def _umask() -> int:
     return mask
 
 
+def fresh_dir(parent: Path, name: str) -> Path:
+    """A folder this call creates under ``parent``: ``name``, or ``name.1``, ``name.2``, ... where that exists."""
+    for n in range(10_000):
+        path = parent / (name + (f".{n}" if n else ""))
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise KVQuantError(f"cannot create {path} ({err.strerror or err})") from None
+        return path
+    raise KVQuantError(f"{parent}: 10,000 folders named {name}.* already exist; clean them up")
+
+
 def read_file(path: Path) -> bytes:
     """The bytes of the regular file at ``path``, never through a symlink (``OSError`` ELOOP) or from a FIFO or
     device (``OSError`` EINVAL)."""
@@ -196,11 +210,13 @@ def read_file(path: Path) -> bytes:
         return f.read()
 
 
-def set_aside(path: Path, suffix: str = ".corrupt") -> Path:
-    """Move ``path`` (a file or a symlink, not followed) to ``<path><suffix>``, or ``<path><suffix>.1``, ``.2``,
-    ... where that is taken: an earlier set-aside file is never overwritten. Returns the new name."""
+def set_aside(path: Path, suffix: str = ".corrupt", folder: Path | None = None) -> Path:
+    """Move ``path`` (a file or a symlink, not followed) to ``<path><suffix>`` (in ``folder`` where given, else
+    beside it), or ``<path><suffix>.1``, ``.2``, ... where that is taken: an earlier set-aside file is never
+    overwritten. Returns the new name."""
+    folder = path.parent if folder is None else folder
     for n in range(10_000):
-        aside = path.with_name(path.name + suffix + (f".{n}" if n else ""))
+        aside = folder / (path.name + suffix + (f".{n}" if n else ""))
         try:
             os.link(path, aside, follow_symlinks=False)
         except FileExistsError:

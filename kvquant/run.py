@@ -44,7 +44,7 @@ from .planner import check_candidate, parse_bytes, shape_from_config
 from .results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from .quantizers import QUANTIZERS, available_quantizers
 from .search import calibration_windows, check_search, search
-from .store import ResultStore, RunLock, warn
+from .store import ResultStore, RunLock, check_partial, warn
 from .stages import serve, serving_tokens, staged_decision
 from .tasks import check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir, task_manager
 
@@ -74,7 +74,8 @@ def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
 
 def check_report_dir(out_dir: Path) -> None:
     """The report directory can be created and written (checked without creating anything); kvquant does not
-    write through a symlink at the report directory or its ``partial/``."""
+    write through a symlink at the report directory or its ``partial/``, and what it would read or replace in
+    ``partial/`` is its own (:func:`kvquant.store.check_partial`)."""
     for path in (out_dir, out_dir / "partial"):
         if path.is_symlink():
             raise KVQuantError(f"output_dir/name: {path} is a symlink; kvquant writes only into directories it can "
@@ -84,6 +85,7 @@ def check_report_dir(out_dir: Path) -> None:
         raise KVQuantError(f"output_dir/name: {existing} exists and is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise KVQuantError(f"output_dir/name: cannot write into {existing}")
+    check_partial(out_dir / "partial")
 
 
 def plan_steps(cfg: ExperimentConfig) -> RunPlan:
@@ -332,6 +334,15 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
     store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes)
     session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
+    try:
+        return take_steps(session, plan, out_dir, command, rows, start)
+    finally:
+        store.note_retired()  # where the results it replaced went, also when the run stops early
+
+
+def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, rows: dict, start: float) -> int:
+    """:func:`execute`'s steps, with the model loaded (``session``); ``start``: when the run began."""
+    cfg, store, processes, warnings = session.cfg, session.store, session.processes, session.store.warnings
     chosen, calibration = {c.label: c for c in cfg.stages or cfg.candidates}, {}
     for label in plan.calibrate:
         chosen[label], calibration[label] = calibrated(session, chosen[label], rows)
@@ -358,6 +369,7 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     code = code if processes.world == 1 else EXIT_PASS
     if not processes.main:
         return code
+    store.note_retired()  # before the report, which keeps the warnings
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
                             round(time.monotonic() - start, 1))
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,

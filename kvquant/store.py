@@ -1,6 +1,6 @@
 """What a run keeps on disk between restarts: its partial results (:class:`ResultStore`, one signed JSON file per
-(candidate, metric)) and its lock (:class:`RunLock`); and its warnings (:func:`warn`), printed once and kept for
-the report."""
+(candidate, metric), checked before a model loads by :func:`check_partial`) and its lock (:class:`RunLock`); and its
+warnings (:func:`warn`), printed once and kept for the report."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import hmac
 import json
 import os
 import secrets
+import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from . import parallel
 from .errors import KVQuantError, one_line
-from .fs import cache_dir, read_file, real_dir, set_aside, write_file
+from .fs import cache_dir, fresh_dir, read_file, real_dir, set_aside, write_file
 
 LOCK = ".lock"
 
@@ -32,14 +34,18 @@ class ResultStore:
     """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code
     version (:func:`kvquant.report.code_version`) are unchanged and its signature verifies: an HMAC of the key
     and the result under this user's private key (:func:`result_key`), so a result edited by hand or written
-    by another user or machine is recomputed, never trusted. An unreadable or unverified file is named in a
-    warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. Counts what it
-    reused and computed. Under several processes, process 0 alone reads and writes the files: it hands every
-    process the saved result, or all of them compute it together (``compute`` shares its scoring out)."""
+    by another user or machine is recomputed, never trusted. The key names the result's own candidate and metric,
+    so a file copied from another (``ppl/x`` to ``kl/x``) is never reused. An unreadable, unverified or copied
+    file is named in a warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. A
+    finished result of other inputs or code is not deleted when this run replaces it: it is moved to
+    ``<directory>.old-<time>/`` (:meth:`note_retired` warns once how many, and where). Counts what it reused and
+    computed. Under several processes, process 0 alone reads and writes the files: it hands every process the
+    saved result, or all of them compute it together (``compute`` shares its scoring out)."""
 
     def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE):
         self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
         self.reused, self.computed, self.set_aside = 0, 0, []
+        self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         self.secret = result_key() if processes.main else b""
 
     def _path(self, candidate: str, metric: str) -> Path:
@@ -51,9 +57,10 @@ class ResultStore:
 
     def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
         path = self._path(candidate, metric)
-        inputs = {**key, "code": self.code}
+        inputs = {**key, "code": self.code, "result_of": [candidate, metric]}
         digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
-        saved = self.processes.broadcast(self._read(path, digest) if self.processes.main else None)
+        saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
+                                         else None)
         if saved is not None:
             self.reused += 1
             return saved["result"]
@@ -64,20 +71,46 @@ class ResultStore:
         real_dir(self.directory, "partial results")
         real_dir(path.parent, "partial results")
         stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
+        if os.path.lexists(path) and path not in self.written:  # of other inputs or code: kept, not replaced
+            self._retire(path)
         write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
                                      "signature": self._sign(digest, stored)}, default=str))
+        self.written.add(path)
         return result
 
-    def _read(self, path: Path, digest: str) -> dict | None:
-        """The saved result of ``digest`` at ``path``, else None (absent, of other inputs, or set aside)."""
+    def _retire(self, path: Path) -> None:
+        """Move a finished result of other inputs or code into this run's ``<directory>.old-<time>/``."""
+        if self.retired_dir is None:
+            self.retired_dir = fresh_dir(self.directory.parent,
+                                         f"{self.directory.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        set_aside(path, "", real_dir(self.retired_dir / path.parent.name, "partial results"))
+        self.retired += 1
+
+    def note_retired(self) -> None:
+        """Warn (once) how many finished results of other inputs or code this run replaced, and where they are."""
+        if self.retired and not self.noted:
+            self.noted = True
+            many = f"{self.retired} finished partial results" if self.retired > 1 else "1 finished partial result"
+            warn(self.warnings, f"{many} of other inputs or code (config, data or kvquant version) replaced by this "
+                 f"run's; the earlier ones are kept in {self.retired_dir}")
+
+    def _read(self, path: Path, digest: str, owner: list[str]) -> dict | None:
+        """The saved result of ``digest`` at ``path``, else None (absent, of other inputs, or set aside);
+        ``owner``: the (candidate, metric) it must be the result of."""
         if not os.path.lexists(path):
             return None
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            raise KVQuantError(f"partial result {path} is a folder, not a file kvquant wrote; move it away")
         try:
             saved = json.loads(read_file(path).decode("utf-8"))
             if not isinstance(saved, dict) or "result" not in saved:
                 raise ValueError("holds no result")
             if saved.get("key") != digest:
-                return None  # measured with other inputs or code: recomputed and replaced
+                inputs = saved.get("inputs")
+                of = inputs.get("result_of") if isinstance(inputs, dict) else None
+                if of is not None and of != owner:
+                    raise ValueError(f"it is the result of {' '.join(map(str, of))[:80]}, copied here")
+                return None  # measured with other inputs or code: recomputed, and retired when replaced
             if not hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"])):
                 raise ValueError("its signature does not verify: edited, or written by another user or machine")
             return saved
@@ -87,6 +120,29 @@ class ResultStore:
             warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
                  f"{aside.name} and recomputed")
             return None
+
+
+def check_partial(directory: Path) -> None:
+    """Before a model loads, what a run would read, set aside or replace under ``directory`` (``partial/``): a
+    real folder of real candidate folders this user can enter and write, each ``*.json`` in them a file (or a
+    symlink, which is set aside, never followed); else :class:`KVQuantError` naming it (was: an internal error
+    once the first measurement was done)."""
+    if not os.path.lexists(directory):
+        return
+    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+        raise KVQuantError(f"partial results: {directory} is not a folder; move it away or write elsewhere "
+                           "(--set name=... or --set output_dir=...)")
+    for folder in [directory, *(Path(e.path) for e in os.scandir(directory))]:
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode):
+            raise KVQuantError(f"partial results: {folder} is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'a file'}"
+                               f"; {directory} holds one folder per candidate, so move it away")
+        if not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+            raise KVQuantError(f"partial results: cannot read and write {folder}; give yourself access or move it")
+    for entry in (e for folder in os.scandir(directory) for e in os.scandir(folder.path)):
+        if entry.name.endswith(".json") and not (entry.is_symlink() or entry.is_file(follow_symlinks=False)):
+            raise KVQuantError(f"partial results: {entry.path} is {'a folder' if entry.is_dir() else 'not a file'}, "
+                               "not a result kvquant wrote; move it away")
 
 
 def result_key() -> bytes:

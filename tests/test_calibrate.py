@@ -24,7 +24,7 @@ calibration: {{windows: 3}}
 eval:
   perplexity:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 4, max_length: 128}}
-gate: {{bootstrap: 50}}
+gate: {{bootstrap: 1000}}
 """
 
 

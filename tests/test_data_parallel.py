@@ -77,7 +77,7 @@ RUN_CONFIG = {
                         "limit": 6, "max_length": 128}],
         "tasks": {"names": ["tinystories_lastword", "arc_easy"], "limit": 8, "num_fewshot": {"arc_easy": 1}},
     },
-    "gate": {"bootstrap": 50, "tasks": ["tinystories_lastword"], "perplexity": [], "max_documents": 16},
+    "gate": {"bootstrap": 1000, "tasks": ["tinystories_lastword"], "perplexity": [], "max_documents": 16},
 }
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 

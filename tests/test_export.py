@@ -91,7 +91,7 @@ candidates:
 eval:
   perplexity:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 8, max_length: 128}}
-gate: {{bootstrap: 100, max_kl_divergence: 0.05}}
+gate: {{bootstrap: 1000, max_kl_divergence: 0.05}}
 """)
     assert run_main([str(config)]) == 0
     out = tmp_path / "reports" / "engine"

@@ -39,7 +39,7 @@ BASE = {
     "candidates": [{"quantizer": "int4", "name": "int4", "options": {"residual_length": 0}}],
     "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
              "tasks": {"names": ["tinystories_lastword"], "limit": 5}},
-    "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 100},
+    "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 1000},
 }
 
 
@@ -210,7 +210,7 @@ RUN_CASES = [
     ("model-max-length-1", S("model.max_length=1"), "model.max_length must be >= 2"),
     ("model-scalar", S("model=3"), "model must be a mapping"),
     # --set itself
-    ("set-through-scalar", S("gate.bootstrap.x=1"), "gate.bootstrap is int 100, which has no key 'x'"),
+    ("set-through-scalar", S("gate.bootstrap.x=1"), "gate.bootstrap is int 1000, which has no key 'x'"),
     ("set-into-new-key", S("eval.seed.x=1"), "eval.seed must be int, got dict"),
     ("set-no-equals", S("eval.seed"), "--set expects key=value"),
     ("set-no-item", S("candidates.5.quantizer=int8"), "has no item 5"),

@@ -205,7 +205,7 @@ CONFIG = {
     "candidates": [{"quantizer": "int4", "name": "int4", "options": {"residual_length": 0}}],
     "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
              "tasks": {"names": ["tinystories_lastword"], "limit": 5}},
-    "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 100},
+    "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 1000},
 }
 
 

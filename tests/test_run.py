@@ -28,7 +28,7 @@ eval:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 12, max_length: 256}}
     - {{name: wikitext2, source: local:text/wikitext-2-raw-v1/wiki.test.raw, layout: stream, limit: 3, max_length: 256}}
   tasks: {{names: [tinystories_lastword], limit: 30}}
-gate: {{bootstrap: 200, tasks: []}}   # 30 documents cannot show non-inferiority: the task is reported, not gated
+gate: {{bootstrap: 1000, tasks: []}}   # 30 documents cannot show non-inferiority: the task is reported, not gated
 """
 
 
@@ -112,7 +112,7 @@ candidates:
 eval:
   perplexity:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 128}}
-gate: {{bootstrap: 50}}
+gate: {{bootstrap: 1000}}
 """
 
 
@@ -268,8 +268,8 @@ def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_p
     stories = real / "text/tinystories/validation-first1000.jsonl"
     shutil.copy(stories, root / "text/tinystories/validation-first1000.jsonl")
     monkeypatch.setenv("KVQUANT_DATA", str(root))
-    path = write_config(tmp_path, TINY.replace("gate: {{bootstrap: 50}}", "  tasks: {{names: [tinystories_lastword], "
-                                               "limit: 5}}\ngate: {{bootstrap: 50}}"))
+    path = write_config(tmp_path, TINY.replace("gate: {{bootstrap: 1000}}", "  tasks: {{names: [tinystories_lastword], "
+                                               "limit: 5}}\ngate: {{bootstrap: 1000}}"))
     out_dir = tmp_path / "reports" / "tiny"
     main([str(path)])
     assert read_report(out_dir)["results"]["computed"] == 7  # baseline: ppl, task, memory; int8: also kl

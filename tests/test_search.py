@@ -70,7 +70,7 @@ eval:
   perplexity:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
   tasks: {{names: [tinystories_lastword], limit: 20}}
-gate: {{bootstrap: 100, max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
+gate: {{bootstrap: 1000, max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
 search:
   name: mixed
   windows: 4

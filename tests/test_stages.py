@@ -77,7 +77,7 @@ eval:
   perplexity:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 4, max_length: 128}}
   tasks: {{names: [tinystories_lastword], limit: 12}}
-gate: {{bootstrap: 100}}
+gate: {{bootstrap: 1000}}
 """
 
 

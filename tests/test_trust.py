@@ -29,7 +29,7 @@ TINY = {
     "candidates": [{"quantizer": "int4", "name": "int4", "options": {"residual_length": 0}}],
     "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
              "tasks": {"names": ["tinystories_lastword"], "limit": 5}},
-    "gate": {"bootstrap": 100},
+    "gate": {"bootstrap": 1000},
 }
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
