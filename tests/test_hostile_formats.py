@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import kvquant
 import kvquant.run
 from kvquant import KVQuantError
-from kvquant.cache import build_cache
+from kvquant.cache import build_cache, simulate_memory
 from kvquant.quantizers import MAX_TOKENS
 
 MODEL = "local:models/stories260K/hf"
@@ -148,6 +148,20 @@ def test_size_options_at_their_bounds_still_work(model):
     assert torch.equal(keys, x)  # sinks and the residual window keep full precision
     cache = kvquant.make_cache(model, "int4", eviction="key_norm", window=MAX_TOKENS, budget=MAX_TOKENS)
     assert cache.layers[0].capacity == 2 * MAX_TOKENS
+
+
+def test_simulate_memory_bounds_sinks_by_the_context_it_is_given():
+    """The planner's and the runner's pre-load checks simulate the cache on shapes: given the model's context, they
+    refuse the sinks make_cache would refuse once the model has loaded."""
+    def simulate(context=None, **settings):
+        return simulate_memory([None], {"quantizer": "int4", "residual_length": 0, **settings}, batch=1, kv_heads=1,
+                               head_dim=8, tokens=64, context=context)
+
+    with pytest.raises(KVQuantError, match="sink_tokens 600 is beyond the model's 512 positions"):
+        simulate(512, sink_tokens=600)
+    with pytest.raises(KVQuantError, match="settings: context is not an option"):
+        simulate_memory([None], {"quantizer": "int4", "context": 10**12}, batch=1, kv_heads=1, head_dim=8, tokens=1)
+    assert simulate(512, sink_tokens=512)["total_bytes"] > simulate(512)["total_bytes"]
 
 
 def test_sliding_windows_of_a_layout_must_be_positive():

@@ -217,6 +217,14 @@ def build_cache(
     return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized, policy)
 
 
+def _check_not_options(where: str, options: dict) -> None:
+    """What make_cache reads from the model is no option of a cache."""
+    for name in ("layout", "head_dim", "context"):
+        if name in options:
+            raise KVQuantError(f"{where}: {name} is not an option, it is read from model_or_config; the options: "
+                               f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
+
+
 def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
     """Build a quantized cache for a decoder model (or its config).
 
@@ -231,10 +239,7 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
-    for name in ("layout", "head_dim", "context"):
-        if name in options:
-            raise KVQuantError(f"make_cache: {name} is not an option, it is read from model_or_config; the options: "
-                               f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
+    _check_not_options("make_cache", options)
     cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
                         context=context_of(model_or_config), **options)
     if is_fused(getattr(model_or_config, "config", model_or_config)):
@@ -246,16 +251,18 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
 
 def simulate_memory(
     layout: list[int | None | str], settings: dict, *, batch: int, kv_heads: int, head_dim: int, tokens: int,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype = torch.float16, context: int | None = None,
 ) -> dict[str, float]:
     """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
     cache's own code on meta tensors (shapes only, no data, no compute) for one row; unshared rows each hold
     their own units, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
-    ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included)."""
+    ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included); ``context``: the model's positions,
+    which bound its sinks as in :func:`make_cache` (None: unknown)."""
     settings = dict(settings)
     quantizer = settings.pop("quantizer")
+    _check_not_options("settings", settings)
     states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
-    cache = build_cache(layout, quantizer, head_dim=head_dim, **settings)
+    cache = build_cache(layout, quantizer, head_dim=head_dim, context=context, **settings)
     parts, seen = {}, {}
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, KVQuantLayer):
