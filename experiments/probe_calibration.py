@@ -74,6 +74,7 @@ def main() -> None:
             raise SystemExit("no data directory: pass --model or set KVQUANT_DATA")
         model_dir, gguf = str(root / SMOLLM2[0]), gguf or SMOLLM2[1]
     extra = {"gguf_file": gguf} if gguf else {}
+    extra["trust_remote_code"] = False  # never run a model folder's own Python
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **extra)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
 

@@ -10,6 +10,7 @@
 ``kvquant`` (``lm_eval.simple_evaluate(model="kvquant", ...)``).
 """
 
+from . import importpath  # noqa: F401  (first: drops the working directory `python -m kvquant.<command>` put on sys.path)
 from .cache import KVQuantCache, make_cache
 from .cache.fused import enable_fused_decode
 from .errors import KVQuantError, NonFiniteKVError

@@ -19,9 +19,11 @@ from pathlib import Path
 
 from .deploy import export
 from .errors import OneLineParser, guarded, parse_args
+from .importpath import drop_working_dir
 
 
 def main(argv: list[str] | None = None) -> int:
+    drop_working_dir()
     parser = OneLineParser("kvquant", prog="python -m kvquant.export", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("report_dir", type=Path, help="a report directory written by python -m kvquant.run")

@@ -46,23 +46,21 @@ def _untrusted(item: Path) -> str | None:
     return None
 
 
-def _task_file_refs(path: Path) -> tuple[list[Path], list[Path]]:
+def _task_file_refs(path: Path, what: str) -> tuple[list[Path], list[Path]]:
     """What lm-eval reads because of the task YAML ``path``, found as lm-eval finds it (its own YAML base loader,
     the whole file, any encoding it accepts) but without running anything: each ``include:`` (any file, relative
-    to this file's folder) and the module file of each ``!function`` (``mod.sub.fn`` -> ``mod/sub.py`` beside
-    the file, or an absolute path)."""
+    to this file's folder) and the module file of each ``!function`` (:func:`_function_module`)."""
     import yaml
     from lm_eval.tasks._yaml_loader import _Base
 
     includes: list[Path] = []
-    modules: list[Path] = []
+    functions: list[str] = []
 
     class Recording(_Base):
         pass
 
     def function(loader, node):
-        module = loader.construct_scalar(node).rpartition(".")[0]
-        modules.append(path.parent / f"{module.replace('.', '/')}.py")
+        functions.append(loader.construct_scalar(node))
         return None
 
     Recording.add_constructor("!function", function)
@@ -70,19 +68,34 @@ def _task_file_refs(path: Path) -> tuple[list[Path], list[Path]]:
         with path.open("rb") as f:
             doc = yaml.load(f, Loader=Recording)  # noqa: S506  (a safe base; !function is only recorded)
     except (yaml.YAMLError, ValueError, UnicodeError):
-        return includes, modules  # lm-eval cannot load it either
+        doc = None  # lm-eval cannot load it either (what it named before the error is still checked)
     named = doc.get("include") if isinstance(doc, dict) else None
     for inc in named if isinstance(named, list) else [named] if named else []:
         if isinstance(inc, str):
             includes.append(path.parent / inc)
-    return includes, modules
+    return includes, [_function_module(path, name, what) for name in functions]
+
+
+def _function_module(path: Path, name: str, what: str) -> Path:
+    """The module file of the task YAML ``path``'s ``!function name``: ``mod.sub.fn`` -> ``mod/sub.py`` beside the
+    file (or an absolute path), as lm-eval looks first. It must be there: where it is not, lm-eval imports
+    ``mod.sub`` from wherever Python finds it (a ``mod.py`` another user left in the working directory, any
+    installed module), so that is refused, naming ``what``."""
+    module = name.rpartition(".")[0]
+    file = path.parent / f"{module.replace('.', '/')}.py"
+    if not module or not file.is_file():
+        raise KVQuantError(f"{what}: {path}: `!function {name}` names no module file beside it ({file} does not "
+                           "exist), so lm-eval would import it from anywhere on Python's path; put the module beside "
+                           "the task file (mod.fn -> mod.py)")
+    return file
 
 
 def check_trusted(path: str | Path, what: str) -> Path:
     """A task file or folder the user names for lm-eval to load, which may run Python it names (``!function``,
     imported from the file's folder): every file it reaches (under a folder, through a symlink, or by a YAML's
     ``include:``), each file's folder and their ancestors must be owned by this user (or root), writable by no one
-    else; else :class:`KVQuantError` naming ``what``. Returns the resolved path."""
+    else, and every ``!function`` must name a module file beside its YAML; else :class:`KVQuantError` naming
+    ``what``. Returns the resolved path."""
     top = Path(path).expanduser().resolve()
     todo, seen, included = [top], set(), set()
     while todo:
@@ -93,7 +106,7 @@ def check_trusted(path: str | Path, what: str) -> Path:
         if item.is_dir():
             todo += [Path(root) / n for root, dirs, files in os.walk(item) for n in [*dirs, *files]]
         elif item == top or item.suffix in (".yaml", ".yml") or item in included:
-            includes, modules = _task_file_refs(item)  # an included file is a task YAML whatever its name
+            includes, modules = _task_file_refs(item, what)  # an included file is a task YAML whatever its name
             included.update(r.resolve() for r in includes)
             todo += [*includes, *modules]
         folder = item if item.is_dir() else item.parent

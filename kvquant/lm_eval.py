@@ -27,11 +27,13 @@ import torch
 
 from .config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device, load_yaml,
                      read_text_file)
+from . import fewshot, parallel
 from .errors import EXIT_PASS, KVQuantError, guarded
 from .fs import check_trusted
+from .importpath import drop_working_dir
 from .lm_eval_model import batch_rows, parse_value, whole_number
-from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, trained_context
-from .tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_dir
+from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, resolve_model_path, trained_context
+from .tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_data_digest, task_dir
 
 #: model_args of ``--model kvquant`` that configure the model, by their :class:`ModelConfig` field.
 MODEL_ARGS = {"pretrained": "path", "tokenizer": "tokenizer", "gguf_file": "gguf_file", "dtype": "dtype",
@@ -263,7 +265,10 @@ def check(argv: list[str]) -> Path | None:
         check_tasks([t for t in tasks if t not in paths], "--tasks", single=False)
         check_task_data(tasks, "--tasks")
     model_args = _model_args(flags) if flags.get("model") == "kvquant" else {}
+    if flags.get("num_fewshot") is not None:
+        fewshot.check_shots_flag(flags["num_fewshot"], probe_tasks(tasks, lambda _: _documents(flags.get("limit"))))
     if flags.get("model") == "kvquant":
+        fewshot.expect(int(flags["num_fewshot"]) if flags.get("num_fewshot") is not None else None)
         for name in LM_EVAL_FLAGS:  # lm-eval passes these itself, so a model_args copy would collide
             if name in model_args:
                 raise KVQuantError(f"model_args: {name} is set with lm-eval's own flag: pass --{name} "
@@ -281,9 +286,30 @@ def check(argv: list[str]) -> Path | None:
     return prepare_probe_tasks(load_tokenizer(spec), probes, context, "--tasks")
 
 
+def same_command(flags: dict) -> None:
+    """Under several processes (``torchrun -m kvquant.lm_eval --model kvquant``), every process runs the same
+    command with the same kvquant version, task data and model files (:func:`kvquant.parallel.agree`), before the
+    model loads: ranks of other settings would blend their scores into one result."""
+    if flags.get("model") != "kvquant" or parallel.current().world == 1:
+        return
+    spec = _model_spec(_model_args(flags))
+    parts = {"command": parallel.digest(flags), "code": parallel.code_digest(),
+             "data": parallel.digest({t: task_data_digest(t) for t in _task_names(flags)}),
+             "model files": parallel.files_digest(resolve_model_path(spec))}
+    parallel.agree(parallel.current(), parts)
+
+
 def _evaluate(argv: list[str]) -> int:
+    try:
+        return _checked_evaluate(argv)
+    finally:
+        fewshot.expect(None)  # the shots were this command's (its kvquant model has read them)
+
+
+def _checked_evaluate(argv: list[str]) -> int:
     if not PASS_THROUGH & set(argv[:1]):
         folder = check(argv)
+        same_command(lm_eval_flags(argv))
         if folder is not None:
             argv = [*argv, "--include_path", str(folder)]
     from lm_eval.__main__ import cli_evaluate
@@ -297,6 +323,7 @@ def _evaluate(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    drop_working_dir()
     argv = list(sys.argv[1:] if argv is None else argv)
     return guarded("kvquant.lm_eval", lambda: _evaluate(argv))
 

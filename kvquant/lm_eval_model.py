@@ -30,7 +30,7 @@ from .config import ConfigError, ModelConfig, load_yaml
 from .errors import KVQuantError, check_int, is_int
 from .evaluate import Scorer, check_mode
 from .models import load_model, max_length as model_max_length
-from . import parallel
+from . import fewshot, parallel
 
 
 #: rows per batch for lm-eval's ``batch_size=auto`` (kvquant does not probe memory)
@@ -54,9 +54,17 @@ def parse_value(value):
         raise
 
 
+#: digits of the largest count a command line may give (Python reads at most 4,300 digits of text as an integer)
+MAX_DIGITS = 18
+
+
 def whole_number(value, name: str, minimum: int = 1, what: str | None = None) -> int:
-    """``value`` (an int, or its text) as an integer >= ``minimum``; else one line naming ``name``."""
+    """``value`` (an int, or its text of at most :data:`MAX_DIGITS` digits) as an integer >= ``minimum``; else one
+    line naming ``name``."""
     text = value.strip() if isinstance(value, str) else None
+    digits = text.lstrip("-").lstrip("0") if text is not None else ""
+    if len(digits) > MAX_DIGITS and digits.isdigit():
+        raise KVQuantError(f"{name} must be {what or f'an integer >= {minimum}'}, got a {len(digits)}-digit number")
     ok = is_int(value) or (text is not None and text.lstrip("-").isdigit())
     if not ok or int(value) < minimum:
         shown = value if isinstance(value, str) else repr(value)
@@ -130,6 +138,7 @@ class KVQuantLM(TemplateLM):
             self.model, self.tokenizer = pretrained, tokenizer
             spec = ModelConfig(max_length=max_length)
         self.max_length = model_max_length(self.model, spec)
+        self.shots = fewshot.expected()  # kvquant.lm_eval's --num_fewshot: requests are checked to fit, never cut
         options = {k: parse_value(v) for k, v in cache_options.items()}
         self.quantizer = quantizer
         self.cache_options = options
@@ -179,6 +188,12 @@ class KVQuantLM(TemplateLM):
             cut.append((ids[: len(ids) - len(continuation)], ids[len(ids) - len(continuation) :]))
         return [(float(s.logprobs.double().sum()), bool(s.greedy.all())) for s in self.scorer.score_many(cut, desc)]
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        """lm-eval's log-likelihood requests (all of them at once), checked before any is scored: few-shot contexts
+        longer than the model's are refused (:func:`kvquant.fewshot.check_requests`), not cut."""
+        fewshot.check_requests(requests, fewshot.counter(self.tokenizer), self.shots, self.max_length)
+        return super().loglikelihood(requests, disable_tqdm)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         return self._score([(ctx, cont) for _, ctx, cont in requests],
                            None if disable_tqdm else "kvquant loglikelihood")
@@ -194,7 +209,9 @@ class KVQuantLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         """Each request's greedy (or sampled) continuation through a fresh quantized cache; with ``share_out``
-        ``requests``, each process generates every ``world``-th one and all are gathered."""
+        ``requests``, each process generates every ``world``-th one and all are gathered. Few-shot contexts are
+        checked first, as in :meth:`loglikelihood`."""
+        fewshot.check_requests(requests, fewshot.counter(self.tokenizer), self.shots, self.max_length)
         args = [r.args for r in requests]
         mine = self.processes.share(list(range(len(args))))
         texts = self._generate([args[i] for i in mine], disable_tqdm or not self.processes.main)

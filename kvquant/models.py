@@ -27,6 +27,17 @@ from .paths import resolve
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: ``org/name`` or ``name`` as the Hugging Face hub spells repository ids.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+#: what transformers' refusal of a model's own Python code (``auto_map``) says, with ``trust_remote_code=False``
+REMOTE_CODE = "trust_remote_code"
+
+
+def refuse_remote_code(err: Exception, what: str) -> None:
+    """Raise one :class:`KVQuantError` line where transformers refused to run ``what``'s own Python code (its
+    config names classes of its own in ``auto_map``). kvquant passes ``trust_remote_code=False`` to every
+    ``from_pretrained``, so a model folder's code never runs, and transformers never asks on the terminal."""
+    if REMOTE_CODE in str(err):
+        raise KVQuantError(f"{what} needs Python code of its own to load (auto_map in its config); kvquant never "
+                           "runs a model folder's code: use a model whose architecture transformers includes") from None
 
 
 def resolve_model_path(spec: ModelConfig) -> str:
@@ -108,8 +119,9 @@ def check_model(spec: ModelConfig, keys: dict[str, str] | None = None):
         raise KVQuantError(f"{key('path')}: {path} holds no config.json (for a GGUF file set {key('gguf_file')})")
     try:
         with _quiet_transformers():
-            return AutoConfig.from_pretrained(source, **kwargs)
+            return AutoConfig.from_pretrained(source, trust_remote_code=False, **kwargs)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for a config it cannot read
+        refuse_remote_code(err, f"{key('path')}: {spec.path!r} ({source})")
         raise KVQuantError(f"{key('path')}: cannot read the config of {spec.path!r} ({source}): "
                            f"{one_line(err)[:300]}") from None
 
@@ -147,8 +159,9 @@ def convert_gguf(path: str, spec: ModelConfig, target: Path) -> None:
           file=sys.stderr)
     try:
         gguf_model = AutoModelForCausalLM.from_pretrained(path, gguf_file=spec.gguf_file, pad_token_id=None,
-                                                          dtype=torch.float32)
+                                                          dtype=torch.float32, trust_remote_code=False)
     except Exception as err:  # the GGUF loader raises many types for a file it cannot read
+        refuse_remote_code(err, f"model {spec.path!r} ({Path(path) / spec.gguf_file})")
         raise KVQuantError(f"cannot load model {spec.path!r} ({Path(path) / spec.gguf_file}): "
                            f"{type(err).__name__}: {one_line(err)[:300]}") from None
     fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
@@ -172,8 +185,9 @@ def _gguf_tokenizer(path: str, spec: ModelConfig):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, gguf_file=spec.gguf_file)
+        return AutoTokenizer.from_pretrained(path, gguf_file=spec.gguf_file, trust_remote_code=False)
     except Exception as err:  # transformers' GGUF tokenizer converter raises IndexError, KeyError, ...
+        refuse_remote_code(err, f"the tokenizer of {Path(path) / spec.gguf_file}")
         raise KVQuantError(f"cannot load the tokenizer of {Path(path) / spec.gguf_file} ({type(err).__name__}: "
                            f"{one_line(err)[:200]}); set model.tokenizer (tokenizer= in model_args) to a directory "
                            "or hub id holding its tokenizer") from None
@@ -190,8 +204,9 @@ def _load_tokenizer(spec: ModelConfig, path: str, converted: Path | None):
     else:
         source = str(converted or path)
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except Exception as err:  # as for models: many types
+        refuse_remote_code(err, f"the tokenizer {spec.tokenizer or spec.path!r} ({source})")
         hint = "" if spec.tokenizer else "; set model.tokenizer to a directory or hub id holding its tokenizer"
         raise KVQuantError(f"cannot load the tokenizer {spec.tokenizer or spec.path!r} ({source}): "
                            f"{type(err).__name__}: {one_line(err)[:200]}{hint}") from None
@@ -223,10 +238,11 @@ def load_model(spec: ModelConfig):
         kwargs.update(gguf_file=spec.gguf_file, pad_token_id=None)
     tokenizer = _load_tokenizer(spec, path, converted)
     try:
-        model = AutoModelForCausalLM.from_pretrained(converted or path, **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(converted or path, trust_remote_code=False, **kwargs).eval()
     except (MemoryError, torch.cuda.OutOfMemoryError):  # a machine too small, not a bad model: exit 3, traceback
         raise
     except Exception as err:  # transformers raises many types for weights it cannot read
+        refuse_remote_code(err, f"model {spec.path!r} ({converted or path})")
         raise KVQuantError(f"cannot load model {spec.path!r} ({converted or path}): {type(err).__name__}: "
                            f"{one_line(err)[:300]}") from None
     check_finite_weights(model, f"model {spec.path!r} ({converted or path})")

@@ -8,11 +8,17 @@ unwinds like Ctrl-C (the run keeps its finished results and says how to resume).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+
+from .errors import KVQuantError
 
 T = TypeVar("T")
 
@@ -58,6 +64,71 @@ class Processes:
 
 
 ONE = Processes()
+
+
+def digest(obj: Any) -> str:
+    """A short hash of ``obj`` as JSON (keys sorted; what JSON cannot hold, as its text)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def agree(processes: Processes, parts: dict[str, str]) -> None:
+    """Every process of several holds the same ``parts`` (a name -> a digest of what it runs with), before any
+    measures: processes started with another config, kvquant version or data would otherwise score their shares of
+    other things and blend them into one result. Else every process raises the same one-line
+    :class:`KVQuantError`, naming what differs and which processes."""
+    if processes.world == 1:
+        return
+    everyone = processes.gather(parts)
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differ = [name for name in everyone[0] if theirs.get(name) != everyone[0][name]]
+        if differ or theirs.keys() != everyone[0].keys():
+            what = ", ".join(differ or sorted(theirs.keys() ^ everyone[0].keys()))
+            raise KVQuantError(f"the {processes.world} processes of this run do not run the same thing: process "
+                               f"{rank} differs from process 0 in its {what}; start every process with the same "
+                               "config, kvquant version, data and model files (nothing was measured)")
+
+
+def code_digest() -> str:
+    """A digest of :func:`kvquant.report.code_version`: kvquant's sources and the versions of torch, transformers
+    and lm-eval."""
+    from .report import code_version
+
+    return digest(code_version())
+
+
+def files_digest(path: str) -> str:
+    """The names and sizes of a model folder's files, and the bytes of its JSON files (config, tokenizer), without
+    reading the weights; the path itself for a hub id."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return digest([path, folder.stat().st_size if folder.is_file() else None])
+    found = []
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        size = file.stat().st_size
+        small_json = file.suffix == ".json" and size <= 64 << 20
+        found.append([file.name, size, hashlib.sha256(file.read_bytes()).hexdigest() if small_json else None])
+    return digest(found)
+
+
+def run_parts(cfg, rows: dict[str, list[str]]) -> dict[str, str]:
+    """What the processes of one run of ``cfg`` must agree on (:func:`agree`): the config as loaded (``--set``
+    included), the code (:func:`kvquant.report.code_version`: kvquant's sources, torch, transformers, lm-eval), the
+    perplexity text and offline task data, and the model's files."""
+    from .models import resolve_model_path
+    from .paths import resolve
+    from .tasks import task_data_digest
+
+    return {"config": digest(dataclasses.asdict(cfg)), "code": code_digest(),
+            "data": digest([rows, {task: task_data_digest(task) for task in cfg.eval.tasks.names}]),
+            "model files": files_digest(resolve_model_path(cfg.model)),
+            "tokenizer files": files_digest(resolve(cfg.model.tokenizer)) if cfg.model.tokenizer else ""}
+
+
+def check_same_run(cfg, rows: dict[str, list[str]]) -> None:
+    """:func:`agree` on :func:`run_parts` among this run's processes (nothing to do for one)."""
+    processes = current()
+    if processes.world > 1:
+        agree(processes, run_parts(cfg, rows))
 
 
 #: what gloo and NCCL say when a peer's connection closed or a collective timed out

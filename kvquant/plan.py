@@ -19,6 +19,7 @@ import sys
 import torch
 
 from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from .importpath import drop_working_dir
 from .models import DTYPES
 from .planner import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes, parse_setting,
                       resolve_model, tensor_parallel)
@@ -127,6 +128,7 @@ def render(plan: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 2 bad input (one line), 3 internal error (traceback in a log file), 130 interrupted."""
+    drop_working_dir()
     parser = OneLineParser("kvquant.plan", prog="python -m kvquant.plan", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"known name ({', '.join(KNOWN_MODELS)}), a directory or "

@@ -116,7 +116,7 @@ def resolve_model(name: str) -> ModelShape:
             cfg = CONFIG_MAPPING[model_type].from_dict(data) if model_type in CONFIG_MAPPING else \
                 PretrainedConfig.from_dict(data)
         else:
-            cfg = AutoConfig.from_pretrained(name)
+            cfg = AutoConfig.from_pretrained(name, trust_remote_code=False)
     except KVQuantError:
         raise
     except Exception as err:  # transformers and json raise many types for a config they cannot read

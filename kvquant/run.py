@@ -37,6 +37,8 @@ from .calibrate import calibrated
 from .config import Candidate, ExperimentConfig, Stage, load_config
 from .deploy import deploy_beside
 from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from .fewshot import check_runner_fewshot
+from .importpath import drop_working_dir
 from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
 from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
@@ -140,6 +142,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     if probes:  # documents are cut with the model's tokenizer: write and check them now
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
     check_fewshot(cfg, folder)
+    check_runner_fewshot(cfg, lambda: tokenizer or load_tokenizer(cfg.model), context, folder or task_dir())
     if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
         calibration_windows(cfg, tokenizer, context, rows, cfg.calibration.windows, "calibrate")
     if cfg.search:
@@ -406,6 +409,7 @@ def locked(out_dir: Path, held: list[Path]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    drop_working_dir()
     parser = OneLineParser("kvquant", prog="python -m kvquant.run", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
@@ -422,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
         plan, rows, warnings = preflight(cfg)
+        parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):
             return execute(cfg, plan, out_dir, command, rows, warnings)
 
