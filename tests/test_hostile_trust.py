@@ -277,6 +277,16 @@ def test_ranks_that_disagree_on_config_code_data_or_model_are_refused_before_the
     assert not (tmp_path / "reports").exists()
 
 
+def test_lm_eval_ranks_that_run_other_flags_are_refused_before_the_model_loads(capsys, monkeypatch, no_model_load):
+    """``torchrun -m kvquant.lm_eval --model kvquant``: ranks with other model_args (another quantizer) or tasks
+    would score their shares of other things and rank 0 would gather them into one table."""
+    monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
+    monkeypatch.setattr(parallel, "current", lambda: Ranks({"command": "0123456789abcdef"}))
+    code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)},quantizer=int4",
+                             "--tasks", "tinystories_lastword", "--limit", "2"])
+    one_line(code, capsys.readouterr().err, "kvquant.lm_eval", "process 1 differs from process 0 in its command")
+
+
 def test_ranks_that_agree_go_on():
     parts = {"config": "a", "code": "b"}
     parallel.agree(Ranks({}), parts)
