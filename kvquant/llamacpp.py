@@ -7,7 +7,7 @@ of ``vendor/llama.cpp``):
 - Cache types: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 (``common/arg.cpp:304-314``). A quantized type
   needs head sizes that are multiples of its block of 32 (``src/llama-context.cpp:3851-3870``) and a quantized V
   needs flash attention (``:3840-3849``).
-- Blocks of 32 along the head dimension (``ggml/src/ggml-common.h:193-255, 445-451``): q8_0 = fp16 ``d`` + 32 int8
+- Blocks of 32 along the head dimension (``ggml/src/ggml-common.h:194-255, 445-451``): q8_0 = fp16 ``d`` + 32 int8
   (34 bytes), q4_0 = ``d`` + 16 bytes of nibbles (18), q4_1 = ``d``, ``m`` + nibbles (20), q5_0 = ``d`` + 4 bytes of
   fifth bits + nibbles (22), q5_1 = ``d``, ``m``, fifth bits, nibbles (24), iq4_nl = ``d`` + nibbles indexing
   ``kvalues_iq4nl`` (18, ``ggml-common.h:1120-1122``). Nibble ``j`` of a block's byte ``j`` is element ``j``, the high
@@ -28,8 +28,8 @@ of ``vendor/llama.cpp``):
   a quantized K is dotted with the query converted to K's ``vec_dot_type`` (``ggml-cpu/ggml-cpu.c:216-285, 380-400``;
   flash attention ``ggml-cpu/ops.cpp:8843-9079``): q8_0 for q8_0, q4_0, q5_0 and iq4_nl, q8_1 for q4_1 and q5_1 (same
   codes and ``d`` as q8_0; its ``s = fp16(d * sum q)`` term enters q4_1/q5_1's dot product rounded to fp16, which
-  :func:`engine_query` does not reproduce), f16 for f16, bf16 for bf16. f16 K and V with 64 or more query rows take
-  the tiled path, which keeps the query in float32 (``ops.cpp:9540-9569``).
+  :func:`convert_query` does not reproduce), f16 for f16, bf16 for bf16. f16 K and V with 64 or more query rows take
+  the tiled path, which keeps the query in float32 (``ops.cpp:9545-9569``).
 - Rotation (``src/llama-kv-cache.cpp:315-339``): a quantized K is rotated when the head size is a multiple of 64,
   by an orthonormal Walsh-Hadamard matrix of the largest power of two >= 64 dividing it (``build_input_k_rot``,
   ``:1447-1466``); a quantized V likewise, always by 64 (``build_input_v_rot``, ``:1468-1487``).
@@ -41,11 +41,12 @@ of ``vendor/llama.cpp``):
   ``ggml-cpu/ops.cpp:12256-12328``): :func:`fwht`.
 
 In kvquant the cache stores the rotated states and returns them rotated back (the same transform: it is its own
-inverse), which equals llama.cpp's rotated query and rotated-back output up to float32 rounding. Not emulated: the
-query conversion needs the attention (:func:`engine_query` computes it; see docs/quantizers.md), llama.cpp's order
-of float32 sums in dot products and softmax, the fp16 accumulator of an f16 V with fewer than 64 query rows
-(``ops.cpp:8995-9012``), and a model whose layers differ in head size (llama.cpp then rotates no layer,
-``llama-kv-cache.cpp:192-206``; kvquant decides per layer).
+inverse), which equals llama.cpp's rotated query and rotated-back output up to float32 rounding. The K codec's
+``query`` converts the query (:func:`convert_query`, rotated with K), and ``make_cache(model, ...)`` has the
+model's attention read it (:mod:`kvquant.cache.query`). Not emulated: llama.cpp's order of float32 sums in dot
+products and softmax, the fp16 accumulator of an f16 V with fewer than 64 query rows
+(``ops.cpp:8941-8945, 8995-9008``), and a model whose layers differ in head size (llama.cpp then rotates no layer,
+``llama-kv-cache.cpp:194-206``; kvquant decides per layer).
 """
 
 from __future__ import annotations
@@ -382,6 +383,8 @@ class LlamaCppQuantizer(Quantizer):
 
     #: the type both streams have unless ``key_type``/``value_type`` say otherwise
     cache_type: ClassVar[str]
+    #: its K codecs convert the query (``query``): ``make_cache(model, ...)`` lets the model's attention apply it
+    converts_query: ClassVar[bool] = True
     key_type: str | None = None
     value_type: str | None = None
     attn_rot: bool | None = None

@@ -462,26 +462,6 @@ def reference_spec(kind: str, block, cpu="x86") -> Spec:
     return Spec("fn", fn=apply)
 
 
-@pytest.mark.parametrize("kind, d", [("q4_0", 64), ("q5_1", 96), ("iq4_nl", 128)])
-def test_a_model_reads_what_the_reference_stores(kind, d):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config(d)).eval()
-    ids = torch.randint(0, 96, (1, 11))
-
-    def logits(cache):
-        with torch.no_grad():
-            out = [model(ids[:, :7], cache=cache, use_cache=True).logits]
-            out += [model(ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(7, 11)]
-        return torch.cat(out, 1)
-
-    k_block, v_block = ROTATED[d]
-    ours = logits(kvquant.make_cache(model, f"llamacpp_{kind}"))
-    reference = logits(FakeQuantReference(model, reference_spec(kind, k_block), reference_spec(kind, v_block)))
-    plain = logits(kvquant.make_cache(model, "fp16"))
-    assert torch.allclose(ours, reference, atol=1e-5, rtol=1e-5)
-    assert (ours - plain).abs().max() > 1e-3
-
-
 # --- refusals ---------------------------------------------------------------------------------------------------
 
 
@@ -528,3 +508,70 @@ def test_states_beyond_what_the_fp16_scales_hold_are_refused_before_anything_is_
     fine = torch.randn(1, 2, 3, 64)
     keys, _ = rotated_layer.update(fine, fine)
     assert keys.shape == (1, 2, 3, 64)  # nothing of the refused update was stored
+
+
+# --- the query conversion reaches the model's attention --------------------------------------------------------
+
+
+def reference_attention(kind_query: str, block):
+    """An attention implementation (registered under a test name) converting the query with this file's reference
+    before sdpa."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        flat = query.reshape(-1, query.shape[-1]).numpy().astype(F32)
+        converted = np.array([ref_query_row(r, kind_query, block, query.shape[2]) for r in flat], dtype=F32)
+        query = torch.tensor(converted).reshape(query.shape)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    name = f"test_llamacpp_{kind_query}_{block}"
+    AttentionInterface.register(name, attend)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
+def fresh_model(d: int, attention: str = "sdpa"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config(d), attn_implementation=attention).eval()
+
+
+def teacher_forced(model, ids, cache):
+    with torch.no_grad():
+        out = [model(ids[:, :7], cache=cache, use_cache=True).logits]
+        out += [model(ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(7, ids.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("kind, d", [("q4_0", 64), ("q4_1", 96), ("q5_1", 96), ("iq4_nl", 128)])
+def test_a_model_reads_the_stored_states_with_the_converted_query(kind, d):
+    """Keys and values as the reference stores them, and the query as flash attention's K dot product reads it."""
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    k_block, v_block = ROTATED[d]
+    specs = reference_spec(kind, k_block), reference_spec(kind, v_block)
+    model = fresh_model(d)
+    ours = teacher_forced(model, ids, kvquant.make_cache(model, f"llamacpp_{kind}"))
+    assert model.config._attn_implementation == "kvquant_query_sdpa"  # make_cache enabled the conversion
+    reference_model = fresh_model(d, reference_attention(llamacpp.VEC_DOT_TYPE[kind], k_block))
+    reference = teacher_forced(reference_model, ids, FakeQuantReference(reference_model, *specs))
+    unconverted = teacher_forced(fresh_model(d), ids, FakeQuantReference(fresh_model(d), *specs))
+    assert torch.allclose(ours, reference, atol=1e-5, rtol=1e-5)
+    assert (ours - unconverted).abs().max() > 1e-4  # the conversion changed what attention computed
+    # another cache on the same model: no tag, the query goes through untouched
+    assert torch.equal(teacher_forced(model, ids, kvquant.make_cache(model, "int4", residual_length=0)),
+                       teacher_forced(fresh_model(d), ids, kvquant.make_cache(fresh_model(d), "int4",
+                                                                               residual_length=0)))
+
+
+def test_the_conversion_goes_behind_fused_decode_which_stays_on():
+    from kvquant.cache.fused import is_fused
+
+    ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(2))
+    model = fresh_model(64)
+    kvquant.enable_fused_decode(model)
+    ours = teacher_forced(model, ids, kvquant.make_cache(model, "llamacpp_q8_0"))
+    assert is_fused(model.config)
+    reference_model = fresh_model(64, reference_attention("q8_0", 64))
+    specs = reference_spec("q8_0", 64), reference_spec("q8_0", 64)
+    assert torch.allclose(ours, teacher_forced(reference_model, ids, FakeQuantReference(reference_model, *specs)),
+                          atol=1e-5, rtol=1e-5)

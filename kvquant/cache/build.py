@@ -14,6 +14,7 @@ from ..eviction import get_eviction
 from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer
 from .cache import KVQuantCache
 from .fused import is_fused
+from .query import enable_query_conversion
 from .checks import shown
 from .layer import KVQuantLayer, check_importance
 from .memory import summarize
@@ -246,6 +247,9 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
         for layer in cache.layers:
             if isinstance(layer, KVQuantLayer):
                 layer.fused = True
+    if hasattr(model_or_config, "set_attn_implementation") and any(
+            getattr(getattr(layer, "quantizer", None), "converts_query", False) for layer in cache.layers):
+        enable_query_conversion(model_or_config)  # the engine's query arithmetic (llama.cpp): kvquant/cache/query.py
     return cache
 
 

@@ -12,7 +12,7 @@ from ..errors import InternalError, KVQuantError
 from ..eviction import Eviction
 from ..quantizers import Codec, Quantizer
 from ..reads import Reads
-from . import fused
+from . import fused, query
 from .checks import STATES, check_states, fits, shown
 from .padding import Padding
 from .storage import Store, left_align
@@ -192,7 +192,7 @@ class KVQuantLayer(CacheLayerMixin):
             for row in range(batch):  # the policy ranks each row's own tokens
                 self._evict_least_important(row, keep[row])
         self._check()
-        return out[0], out[1]
+        return query.tag(out[0], self.k.codec), out[1]
 
     def _fuses(self, n: int) -> bool:
         """Whether this step's attention reads the stored codes (:mod:`kvquant.cache.fused`): fused decode is on, the
