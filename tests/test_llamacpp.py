@@ -9,13 +9,16 @@ block structs byte for byte, so codes, scales and layout are compared exactly, a
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 
 import kvquant
+import kvquant.run
 from kvquant import llamacpp, plan
 from kvquant.cache import simulate_memory
 from kvquant.errors import KVQuantError
@@ -575,3 +578,24 @@ def test_the_conversion_goes_behind_fused_decode_which_stays_on():
     specs = reference_spec("q8_0", 64), reference_spec("q8_0", 64)
     assert torch.allclose(ours, teacher_forced(reference_model, ids, FakeQuantReference(reference_model, *specs)),
                           atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"attn_rot": True}, "rotates only head sizes that are multiples of 64 .*not head_dim 8"),
+    ({"value_type": "q2_K"}, "value_type 'q2_K' is not a cache type llama.cpp allows"),
+])
+def test_the_runner_refuses_before_the_model_loads(tmp_path, capsys, monkeypatch, options, needle):
+    def trap(*args, **kwargs):
+        raise AssertionError("a model was loaded for a setting that should have been refused before")
+
+    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    cfg = {"name": "llamacpp", "model": {"path": "local:models/stories260K/hf"}, "output_dir": str(tmp_path / "out"),
+           "candidates": [{"quantizer": "llamacpp_q4_0", "name": "q4_0", "options": options}],
+           "eval": {"perplexity": [{"name": "stories", "source": "local:text/tinystories/validation-first1000.jsonl",
+                                    "limit": 4, "max_length": 64}]},
+           "gate": {"perplexity": ["stories"], "bootstrap": 1000}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    code = kvquant.run.main([str(tmp_path / "c.yaml")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("kvquant: error: ") and re.search(needle, err[0]), err
+    assert not (tmp_path / "out").exists()  # nothing written
