@@ -1,11 +1,12 @@
 """llama.cpp's KV cache types (``kvquant/llamacpp.py``) against references written from llama.cpp's C code.
 
-The references (``tests/llamacpp_reference.py``) follow the C functions of the llama.cpp that llama-cpp-python 0.3.36 vendors, one block at a time
-with numpy float32 scalars: ``quantize_row_*_ref`` and ``dequantize_row_*`` (ggml/src/ggml-quants.c), x86's and
-ARM's ``quantize_row_q8_0`` (ggml-cpu/arch/*/quants.c), iq4_nl's ``quantize_row_iq4_nl_impl`` and
-``best_index_int8``, ggml-cpu's fast Walsh-Hadamard transform (ggml-cpu/ops.cpp ``ggml_compute_forward_fwht``) and
-``ggml_gen_hadamard``, and which head sizes are rotated by which block (src/llama-kv-cache.cpp). They write ggml's
-block structs byte for byte, so codes, scales and layout are compared exactly, and reads exactly too.
+The references (``tests/llamacpp_reference.py``) follow the C functions of the llama.cpp that llama-cpp-python 0.3.36
+vendors, one block at a time with numpy float32 scalars: ``quantize_row_*_ref`` and ``dequantize_row_*``
+(ggml/src/ggml-quants.c), x86's and ARM's ``quantize_row_q8_0`` (ggml-cpu/arch/*/quants.c), iq4_nl's
+``quantize_row_iq4_nl_impl`` and ``best_index_int8``, ggml-cpu's fast Walsh-Hadamard transform (ggml-cpu/ops.cpp
+``ggml_compute_forward_fwht``) and ``ggml_gen_hadamard``, and which head sizes are rotated by which block
+(src/llama-kv-cache.cpp). They write ggml's block structs byte for byte, so codes, scales and layout are compared
+exactly, and reads exactly too.
 """
 
 import re
