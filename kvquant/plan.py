@@ -3,9 +3,11 @@
     python -m kvquant.plan --model llama-3.1-8b --context 32768 --gpu-memory 80GB --cache fp16 --cache int4
     python -m kvquant.plan --model llama-2-70b --context 32768 --batch 1 --cache fp16 --json
 
-KV bytes come from running kvquant's own cache code on meta tensors (shapes, no data), so a plan counts what a
-cache really stores: payload, scales, zero points, residual and sink windows, incomplete groups; fp16, bf16
-and fp32 are the identity quantizer at that dtype. Sliding-window layers stop growing at their window.
+KV bytes come from kvquant's own cache code (each kind of layer written once on meta tensors: shapes, no data, its
+storage rules then applied to any context, and each answer checked against a full simulation), so a plan counts
+what a cache really stores: payload, scales, zero points, residual and sink windows, incomplete groups; fp16, bf16
+and fp32 are the identity quantizer at that dtype. Sliding-window layers stop growing at their window. Every size
+has a bound (docs/planner.md), so every plan takes seconds.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ import torch
 from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
 from .importpath import drop_working_dir
 from .models import DTYPES
+from .plan_cost import MAX_LAYER_KINDS
 from .planner import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes, parse_setting,
                       resolve_model, tensor_parallel)
 
 DEFAULT_SETTINGS = ["fp16", "fp8_e4m3", "int8", "int4", "int2"]
+MAX_BATCH = 1_000_000
+#: Most --cache values (and plan_cost.MAX_LAYER_KINDS kinds of layer in all of them): bounds a plan's work.
+MAX_SETTINGS = 16
 
 
 def parse_reserve(text: str, budget: int) -> int:
@@ -42,8 +48,10 @@ def build_plan(args) -> dict:
     shape = tensor_parallel(whole, args.tensor_parallel)  # what one GPU holds (weights and KV heads)
     if args.context is None or args.context <= 0 or args.context > MAX_CONTEXT:
         raise KVQuantError(f"--context must be between 1 and {MAX_CONTEXT:,} tokens, got {args.context}")
-    if args.batch <= 0 or args.batch > 1_000_000:
-        raise KVQuantError(f"--batch must be between 1 and 1,000,000, got {args.batch}")
+    if args.batch <= 0 or args.batch > MAX_BATCH:
+        raise KVQuantError(f"--batch must be between 1 and {MAX_BATCH:,}, got {args.batch}")
+    if len(args.cache or ()) > MAX_SETTINGS:
+        raise KVQuantError(f"--cache is given {len(args.cache)} times, over the {MAX_SETTINGS} one plan takes")
     if args.shared_prefix < 0 or args.shared_prefix > args.context:
         raise KVQuantError(f"--shared-prefix must be between 0 and --context ({args.context}), "
                            f"got {args.shared_prefix}")
@@ -57,10 +65,11 @@ def build_plan(args) -> dict:
         if available <= 0:
             raise KVQuantError(f"the budget {human(budget)} does not cover the weights {human(weights)} plus the "
                                f"reserve {human(reserve)}")
-    rows = []
+    rows, kinds_left = [], MAX_LAYER_KINDS
     for text in args.cache or DEFAULT_SETTINGS:
         name = text.partition(":")[0]
-        planner = Planner(shape, parse_setting(text), FULL_PRECISION.get(name, getattr(torch, args.dtype)))
+        planner = Planner(shape, parse_setting(text), FULL_PRECISION.get(name, getattr(torch, args.dtype)), kinds_left)
+        kinds_left -= planner.probes
         mem = planner.memory(args.batch, args.context)
         row = {"cache": text, "settings": planner.settings, "kv_bytes": int(mem["total_bytes"]),
                "bytes_per_token": mem["total_bytes"] / (args.batch * args.context),
@@ -77,6 +86,7 @@ def build_plan(args) -> dict:
             row["max_batch_at_context"] = planner.max_batch(args.context, available)
             row["max_context_at_batch"] = planner.max_context(args.batch, available)
             row["fits"] = row["kv_bytes"] <= available
+        planner.verify(row.get("max_context_at_batch", args.context))  # the final answer, by the cache code
         rows.append(row)
     fp16 = next((r["kv_bytes"] for r in rows if r["settings"] == {"quantizer": "fp16"} and r["cache"] == "fp16"), None)
     fp16 = fp16 or Planner(shape, {"quantizer": "fp16"}, torch.float16).kv_bytes(args.batch, args.context)

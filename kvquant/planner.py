@@ -1,25 +1,43 @@
 """Model shapes and the KV-bytes arithmetic on them: what a decoder's cache depends on (layers and their
-attention windows, KV heads, head_dim), read from a transformers config or a table of known architectures, and
-:class:`Planner`, which runs kvquant's own cache code on meta tensors (shapes, no data) for any batch and context.
+attention windows, KV heads, head_dim), read from a transformers config or a table of known architectures, each
+size within :data:`SIZE_BOUNDS`, and :class:`Planner`, the bytes for any batch and context from each layer's
+storage rules (:mod:`kvquant.plan_cost`, read off kvquant's own cache code run on meta tensors: shapes, no data).
 ``python -m kvquant.plan`` is the command around it; the runner uses it to check candidates before a model loads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from .cache import attention_layout, simulate_memory
+from .cache.memory import summarize
 from .config import load_yaml
-from .errors import KVQuantError, check_int, one_line
+from .errors import InternalError, KVQuantError, check_int, is_python_int, one_line
+from .plan_cost import MEMORY_KEYS, layer_costs
 from .quantizers import available_quantizers
 
 FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MAX_CONTEXT = 1 << 30
+#: The largest size a model shape may state, checked before anything is built from it. Real
+#: models sit far inside: Llama-3.1-405B has 126 layers, 128 heads, hidden 16,384, MLP 53,248; the largest
+#: vocabularies are about 262,144 (Gemma 3); head_dim is at most 256 (Gemma 2); sliding windows 128-262,144.
+SIZE_BOUNDS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "head_dim": 4096, "hidden_size": 262_144, "intermediate_size": 1 << 20, "vocab_size": 1 << 21,
+               "num_local_experts": 4096, "sliding_window": MAX_CONTEXT}
+#: The largest --gpu-memory, --weights or --reserve: 1 PiB.
+MAX_BYTES = 1 << 50
+#: Answers are re-checked with a full simulation of the cache code (at their equivalent token count within the
+#: first repeat of the bytes) when that count is at most this many tokens.
+VERIFY_TOKENS = 1 << 16
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the KV cache of a decoder depends on; ``layout`` as :func:`kvquant.cache.attention_layout`."""
@@ -31,28 +49,29 @@ class ModelShape:
     params: float  # for the weights estimate
     max_positions: int | None = None
     notes: list[str] = field(default_factory=list)
+    heads: int | None = None  # attention heads (None: as many as KV heads)
 
     @property
     def layers(self) -> int:
         return len(self.layout)
 
 
-def _known(name, layers, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
+def _known(name, layers, heads, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
     layout = [window if i % (pattern or 1) == 0 else None for i in range(layers)]
-    return ModelShape(name, layout, kv_heads, head_dim, params, max_positions)
+    return ModelShape(name, layout, kv_heads, head_dim, params, max_positions, heads=heads)
 
 
-#: Published architecture facts (layers, KV heads, head_dim, parameters, trained context).
+#: Published architecture facts (layers, attention heads, KV heads, head_dim, parameters, trained context).
 KNOWN_MODELS = {
-    "llama-2-7b": _known("llama-2-7b", 32, 32, 128, 6.74e9, 4096),
-    "llama-2-13b": _known("llama-2-13b", 40, 40, 128, 13.02e9, 4096),
-    "llama-2-70b": _known("llama-2-70b", 80, 8, 128, 68.98e9, 4096),
-    "llama-3.1-8b": _known("llama-3.1-8b", 32, 8, 128, 8.03e9, 131072),
-    "llama-3.1-70b": _known("llama-3.1-70b", 80, 8, 128, 70.55e9, 131072),
-    "mistral-7b": _known("mistral-7b", 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
-    "mistral-7b-v0.1": _known("mistral-7b-v0.1", 32, 8, 128, 7.24e9, 32768, window=4096),
-    "qwen2.5-7b": _known("qwen2.5-7b", 28, 4, 128, 7.62e9, 131072),
-    "gemma-2-9b": _known("gemma-2-9b", 42, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other layer
+    "llama-2-7b": _known("llama-2-7b", 32, 32, 32, 128, 6.74e9, 4096),
+    "llama-2-13b": _known("llama-2-13b", 40, 40, 40, 128, 13.02e9, 4096),
+    "llama-2-70b": _known("llama-2-70b", 80, 64, 8, 128, 68.98e9, 4096),
+    "llama-3.1-8b": _known("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
+    "llama-3.1-70b": _known("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
+    "mistral-7b": _known("mistral-7b", 32, 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
+    "mistral-7b-v0.1": _known("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, window=4096),
+    "qwen2.5-7b": _known("qwen2.5-7b", 28, 28, 4, 128, 7.62e9, 131072),
+    "gemma-2-9b": _known("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other
 }
 
 
@@ -66,7 +85,8 @@ def _count_params(cfg) -> float:
     experts = getattr(cfg, "num_local_experts", None) or 1
     attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
     mlp = 3 * hidden * inter * experts
-    embed = cfg.vocab_size * hidden * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    vocab = getattr(cfg, "vocab_size", None) or 0
+    embed = vocab * hidden * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
     return float(layers * (attn + mlp) + embed)
 
 
@@ -74,19 +94,39 @@ def shape_from_config(cfg, name: str) -> ModelShape:
     """Facts from a transformers config; missing ``num_key_value_heads`` means MHA, missing ``head_dim`` means
     hidden / heads."""
     text = cfg.get_text_config(decoder=True)
-    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if getattr(text, k, None) is None]
-    if missing:
-        raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
-    for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "num_key_value_heads", "head_dim"):
-        value = getattr(text, k, None)
-        if value is not None:
-            check_int(f"{name}: {k}", value, minimum=1)
+    check_sizes(lambda key: getattr(text, key, None), name)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     notes = [] if getattr(text, "num_key_value_heads", None) else ["num_key_value_heads missing: MHA assumed"]
-    return ModelShape(name, attention_layout(cfg), kv_heads, head_dim, _count_params(text),
-                      getattr(text, "max_position_embeddings", None), notes)
+    layout = attention_layout(cfg)
+    for i, window in enumerate(layout):
+        if window not in (None, "shared"):
+            check_int(f"{name}: the sliding window of layer {i}", window, minimum=1, maximum=MAX_CONTEXT)
+    trained = getattr(text, "max_position_embeddings", None)  # only for a note: ignored unless a positive integer
+    trained = trained if is_python_int(trained) and trained > 0 else None
+    return ModelShape(name, layout, kv_heads, head_dim, _count_params(text), trained, notes, heads)
+
+
+def check_sizes(get, name: str, complete: bool = True) -> None:
+    """The sizes a config states (``get(key)``: the value or None), before anything is built from them: each an
+    integer from 1 to its :data:`SIZE_BOUNDS` maximum; KV heads an equal share of the attention heads; without
+    head_dim, a hidden size the heads split evenly; ``complete``: layers, heads and hidden size present."""
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if get(k) is None]
+    if missing and complete:  # transformers would fill in its defaults: a plan for some other model
+        raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
+    for key, most in SIZE_BOUNDS.items():
+        if get(key) is not None:
+            check_int(f"{name}: {key}", get(key), minimum=1, maximum=most)
+    heads, kv_heads, hidden = get("num_attention_heads"), get("num_key_value_heads"), get("hidden_size")
+    if heads is None:
+        return
+    if kv_heads is not None and heads % kv_heads:
+        raise KVQuantError(f"{name}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads} "
+                           "(each KV head serves an equal group of attention heads)")
+    if get("head_dim") is None and hidden is not None and hidden % heads:
+        raise KVQuantError(f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and "
+                           "the config states no head_dim")
 
 
 def resolve_model(name: str) -> ModelShape:
@@ -102,14 +142,15 @@ def resolve_model(name: str) -> ModelShape:
         raise KVQuantError(f"unknown model {name!r}: not a known architecture ({', '.join(KNOWN_MODELS)}), "
                            "a local directory or config.json, or a hub id (org/name)")
     try:
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
+        file = path / "config.json" if path.is_dir() else path
+        if file.is_file():  # its sizes checked before transformers builds anything from them
+            data = json.loads(file.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
                 raise ValueError(f"config.json holds a {type(data).__name__}, not a mapping")
             text = data.get("text_config") or data
-            missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in text]
-            if missing:  # transformers would fill in its defaults: a plan for some other model
-                raise KVQuantError(f"{name}: the config lacks {', '.join(missing)}")
+            # a directory's config may leave sizes to transformers' defaults (e.g. Gemma 3's text_config)
+            check_sizes(text.get if isinstance(text, dict) else data.get, name, complete=path.is_file())
+        if path.is_file():
             model_type = data.get("model_type")
             from transformers import CONFIG_MAPPING
 
@@ -173,7 +214,10 @@ def parse_bytes(text: str, flag: str = "size") -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise KVQuantError(f"{flag}: cannot read {text!r} as a size; write e.g. 80GB, 80GiB or 85899345920")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not size <= MAX_BYTES:  # inf (a number of hundreds of digits) too
+        raise KVQuantError(f"{flag}: {text!r} is over the largest size the planner takes, {MAX_BYTES:,} B (1 PiB)")
+    return int(size)
 
 
 def human(nbytes: float) -> str:
@@ -181,36 +225,80 @@ def human(nbytes: float) -> str:
 
 
 def tensor_parallel(shape: ModelShape, ranks: int) -> ModelShape:
-    """The shape one of ``ranks`` tensor-parallel GPUs holds, as vLLM splits attention: each rank keeps
-    ``kv_heads / ranks`` KV heads, or one head replicated ``ranks / kv_heads`` times when there are fewer KV heads
-    than ranks (vLLM needs one count to divide the other)."""
+    """The shape one of ``ranks`` tensor-parallel GPUs holds, as vLLM splits attention: ``ranks`` must divide the
+    attention heads (vLLM's ``verify_with_parallel_config``); each rank keeps ``kv_heads / ranks`` KV heads, or one
+    head replicated ``ranks / kv_heads`` times when there are fewer KV heads than ranks (``QKVParallelLinear``: one
+    count must divide the other)."""
     check_int("--tensor-parallel", ranks, minimum=1)
-    if shape.kv_heads % ranks and ranks % shape.kv_heads:
-        raise KVQuantError(f"--tensor-parallel {ranks} does not split {shape.kv_heads} KV heads: one must divide the "
-                           f"other (vLLM's rule), e.g. {', '.join(map(str, _splits(shape.kv_heads)))}")
+    heads, kv_heads = shape.heads or shape.kv_heads, shape.kv_heads
+    if heads % ranks:
+        raise KVQuantError(f"--tensor-parallel {ranks} does not divide the {heads} attention heads of {shape.name} "
+                           f"(vLLM's rule: every GPU holds an equal share); use one of {_splits(heads, kv_heads)}")
+    if kv_heads % ranks and ranks % kv_heads:
+        raise KVQuantError(f"--tensor-parallel {ranks} does not split {kv_heads} KV heads: one must divide the "
+                           f"other (vLLM's rule); use one of {_splits(heads, kv_heads)}")
     if ranks == 1:
         return shape
-    return replace(shape, kv_heads=max(shape.kv_heads // ranks, 1), params=shape.params / ranks)
+    return replace(shape, kv_heads=max(kv_heads // ranks, 1), params=shape.params / ranks)
 
 
-def _splits(kv_heads: int) -> list[int]:
-    return [n for n in (1, 2, 4, 8, 16, 32, 64) if kv_heads % n == 0 or n % kv_heads == 0]
+def _splits(heads: int, kv_heads: int) -> str:
+    """The tensor-parallel sizes vLLM accepts for these heads."""
+    return ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0))
 
 
 class Planner:
-    """KV bytes of one model and one cache setting at any batch and context."""
+    """KV bytes of one model and one cache setting at any batch and context, in constant time: each layer's
+    storage rules (:class:`kvquant.plan_cost.LayerCost`) read off a short write through kvquant's own cache code,
+    and answers re-checked against a full simulation of that code (:meth:`verify`)."""
 
-    def __init__(self, shape: ModelShape, settings: dict, dtype: torch.dtype = torch.float16):
+    def __init__(self, shape: ModelShape, settings: dict, dtype: torch.dtype = torch.float16,
+                 max_kinds: int | None = None):
         self.shape, self.settings, self.dtype = shape, settings, dtype
-        simulate_memory(shape.layout, settings, batch=1, kv_heads=1, head_dim=shape.head_dim, tokens=1,
-                        dtype=dtype)  # reject bad options (e.g. a group that does not fit head_dim) up front
+        # bad options (e.g. a group that does not fit head_dim) are rejected here
+        self.layers = layer_costs(shape.layout, settings, shape.kv_heads, shape.head_dim, dtype, max_kinds)
+        if not self.layers:
+            raise KVQuantError(f"{shape.name}: no layer stores a KV cache (every layer reuses another's)")
+        self.kinds = Counter(self.layers.values())  # LayerCost -> how many layers follow it
+        self.probes = len({id(cost) for cost in self.layers.values()})  # kinds of layer written through the cache
+        self.steady = max(cost.steady for cost in self.kinds)  # from here the bytes repeat every `period` tokens
+        self.period = math.lcm(*(cost.block for cost in self.kinds))
+
+    def _totals(self, context: int) -> dict[str, int]:
+        """The layers' summed ``memory()`` for one row after ``context`` tokens."""
+        out = dict.fromkeys(MEMORY_KEYS, 0)
+        for cost, count in self.kinds.items():
+            for key, nbytes in cost.memory(context).items():
+                out[key] += count * nbytes
+        return out
 
     def memory(self, batch: int, context: int) -> dict:
-        return simulate_memory(self.shape.layout, self.settings, batch=batch, kv_heads=self.shape.kv_heads,
-                               head_dim=self.shape.head_dim, tokens=context, dtype=self.dtype)
+        """``simulate_memory``'s report: ``memory_report()`` of the cache after ``context`` tokens, ``batch`` rows."""
+        per_kind = {cost: cost.memory(context) for cost in self.kinds}
+        return summarize({i: {key: nbytes * batch for key, nbytes in per_kind[cost].items()}
+                          for i, cost in self.layers.items()}, context)
 
     def kv_bytes(self, batch: int, context: int) -> int:
-        return int(self.memory(batch, context)["total_bytes"]) if context > 0 and batch > 0 else 0
+        if context <= 0 or batch <= 0:
+            return 0
+        totals = self._totals(context)
+        return batch * (totals["payload_bytes"] + totals["scale_bytes"] + totals["full_precision_bytes"])
+
+    def verify(self, context: int) -> None:
+        """The arithmetic against kvquant's cache code, run in full on meta tensors (``simulate_memory``, one
+        write per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes'
+        repeat (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
+        :data:`VERIFY_TOKENS`. A difference is a kvquant bug (exit 3), never an answer. ``python -m kvquant.plan``
+        checks each setting's final answer so."""
+        tokens = context if context < self.steady else self.steady + (context - self.steady) % self.period
+        if tokens > VERIFY_TOKENS or tokens <= 0:
+            return
+        real = simulate_memory(self.shape.layout, self.settings, batch=1, kv_heads=self.shape.kv_heads,
+                               head_dim=self.shape.head_dim, tokens=tokens, dtype=self.dtype)
+        mine = self._totals(tokens)
+        if any(real[key] != mine[key] for key in MEMORY_KEYS):
+            raise InternalError(f"the planner's arithmetic gives {mine} at {tokens} tokens, the cache code "
+                                f"{ {key: real[key] for key in MEMORY_KEYS} }; please report this")
 
     def max_batch(self, context: int, available: int) -> int:
         """Every stored tensor has a batch dimension, so bytes are linear in the batch."""
@@ -218,14 +306,15 @@ class Planner:
         return available // per_sequence if per_sequence else 0
 
     def max_context(self, batch: int, available: int) -> int:
-        """Longest context whose cache fits ``available`` bytes (bytes never shrink as the context grows)."""
+        """Longest context whose cache fits ``available`` bytes: doubling, then bisection (the bytes dip a little
+        whenever a unit is quantized, so this finds a context that fits with the next one not fitting)."""
         if self.kv_bytes(batch, 1) > available:
             return 0
         lo, hi = 1, 2
         while hi < MAX_CONTEXT and self.kv_bytes(batch, hi) <= available:
             lo, hi = hi, hi * 2
         if hi >= MAX_CONTEXT and self.kv_bytes(batch, MAX_CONTEXT) <= available:
-            return MAX_CONTEXT  # sliding-window-only models stop growing
+            lo = hi = MAX_CONTEXT  # sliding-window-only models stop growing
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.kv_bytes(batch, mid) <= available else (lo, mid)

@@ -113,7 +113,7 @@ def test_config_without_kv_heads_or_head_dim(tmp_path, capsys):
     (["--model", "llama-2-7b", "--context", "10", "--gpu-memory", "lots"], "cannot read 'lots'"),
     (["--model", "llama-2-7b", "--context", "10", "--cache", "int3"], "unknown cache setting"),
     (["--model", "llama-2-7b", "--context", "10", "--cache", "int4:group_size=3"], "group_size 3 does not divide"),
-    (["--model", "llama-3.1-8b", "--context", "10", "--tensor-parallel", "3"], "does not split 8 KV heads"),
+    (["--model", "llama-3.1-8b", "--context", "10", "--tensor-parallel", "3"], "not divide the 32 attention"),
     (["--model", "llama-3.1-8b", "--context", "10", "--tensor-parallel", "0"], "--tensor-parallel must be"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

@@ -1,0 +1,311 @@
+"""Hostile planner inputs (issue 36): vLLM's tensor-parallel rules, bounded and consistent model shapes and sizes,
+and no input whose work grows with its sizes; the planner's arithmetic equals kvquant's cache code run in full.
+
+Refusals run in-process through ``kvquant.plan.main(argv)``: exit 2 with one line naming the value and its bound.
+The work a plan does is bounded by counting what goes through the cache code (``KVQuantLayer.update``: calls and
+tokens), not by timing it; the timings are in reports/planner_speed.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvquant import plan
+from kvquant.cache.build import simulate_memory
+from kvquant.cache.layer import KVQuantLayer
+
+ROOT = Path(__file__).parents[1]
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100}
+MISTRAL = {**LLAMA, "model_type": "mistral", "sliding_window": 40}
+
+
+def assert_refused(capsys, argv: list[str], needle: str) -> None:
+    code = plan.main(argv)
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2, (code, captured.err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("kvquant.plan: error: "), captured.err
+    assert needle in lines[0], (needle, lines[0])
+    assert not captured.out and "Traceback" not in captured.err
+
+
+# --tensor-parallel: vLLM refuses a size that does not divide the attention heads (ModelConfig.
+# verify_with_parallel_config), and KV heads and size must divide one another (QKVParallelLinear)
+TP_CASES = [
+    ("llama-64-over-32-heads", "llama-3.1-8b", "64", "--tensor-parallel 64 does not divide the 32 attention heads"),
+    ("llama-1e9", "llama-3.1-8b", "1000000000", "--tensor-parallel 1000000000 does not divide the 32 attention"),
+    ("gemma-32-over-16-heads", "gemma-2-9b", "32", "--tensor-parallel 32 does not divide the 16 attention heads"),
+    ("qwen-56-over-28-heads", "qwen2.5-7b", "56", "does not divide the 28 attention heads of qwen2.5-7b"),
+    ("llama-2-70b-128", "llama-2-70b", "128", "--tensor-parallel 128 does not divide the 64 attention heads"),
+]
+
+
+@pytest.mark.parametrize("model, ranks, needle", [c[1:] for c in TP_CASES], ids=[c[0] for c in TP_CASES])
+def test_tensor_parallel_must_divide_the_attention_heads(capsys, model, ranks, needle):
+    assert_refused(capsys, ["--model", model, "--context", "10", "--cache", "fp16", "--tensor-parallel", ranks],
+                   needle)
+
+
+def test_tensor_parallel_from_a_config_divides_its_heads(tmp_path, capsys):
+    """12 heads, 4 KV heads: 24 GPUs would each hold half a head (refused); 6 split neither count of KV heads
+    (refused by the KV rule); 12 holds one head each, each KV head replicated on 3 GPUs."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA, "num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 96}))
+    base = ["--model", str(config), "--context", "100", "--cache", "fp16"]
+    assert_refused(capsys, [*base, "--tensor-parallel", "24"], "does not divide the 12 attention heads")
+    assert_refused(capsys, [*base, "--tensor-parallel", "6"],
+                   "does not split 4 KV heads: one must divide the other (vLLM's rule); use one of 1, 2, 4, 12")
+    assert plan.main([*base, "--tensor-parallel", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU of 12 (tensor parallel): 1 KV head each, each head replicated on 3 GPUs" in out
+    # 2 layers x 1 head x head_dim 8 x keys and values x 2 bytes x 100 tokens
+    assert re.search(rf"\nfp16 +{2 * 1 * 8 * 2 * 2 * 100:,} ", out), out
+
+
+# model shapes given by hand: a config file (or a directory holding one) with a size out of bounds or inconsistent
+CONFIG_CASES = [
+    ("layers-1e8", {"num_hidden_layers": 100_000_000},
+     "num_hidden_layers must be an integer <= 1024, got int 100000000"),
+    ("layers-1025", {"num_hidden_layers": 1025}, "num_hidden_layers must be an integer <= 1024"),
+    ("vocab-negative", {"vocab_size": -10**15}, "vocab_size must be an integer >= 1, got int -1000000000000000"),
+    ("vocab-1e9", {"vocab_size": 10**9}, "vocab_size must be an integer <= 2097152"),
+    ("kv-heads-over-heads", {"num_key_value_heads": 8}, "num_key_value_heads 8 does not divide num_attention_heads 4"),
+    ("kv-heads-not-dividing", {"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads"),
+    ("heads-4096", {"num_attention_heads": 4096, "num_key_value_heads": 4096, "hidden_size": 4096},
+     "num_attention_heads must be an integer <= 1024"),
+    ("head-dim-1e6", {"head_dim": 10**6}, "head_dim must be an integer <= 4096"),
+    ("hidden-1e7", {"hidden_size": 10**7}, "hidden_size must be an integer <= 262144"),
+    ("hidden-not-split-by-heads", {"hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
+    ("intermediate-negative", {"intermediate_size": -1}, "intermediate_size must be an integer >= 1"),
+    ("experts-zero", {"num_local_experts": 0}, "num_local_experts must be an integer >= 1"),
+    ("window-zero", {**MISTRAL, "sliding_window": 0}, "sliding_window must be an integer >= 1, got int 0"),
+    ("window-negative", {**MISTRAL, "sliding_window": -5}, "sliding_window must be an integer >= 1, got int -5"),
+    ("window-2e9", {**MISTRAL, "sliding_window": 2**31}, "sliding_window must be an integer <= 1073741824"),
+]
+
+
+@pytest.mark.parametrize("where", ["file", "directory"])
+@pytest.mark.parametrize("override, needle", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_config_sizes_are_bounded_and_consistent(tmp_path, capsys, where, override, needle):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LLAMA, **override}))
+    model = folder / "config.json" if where == "file" else folder
+    assert_refused(capsys, ["--model", str(model), "--context", "10", "--cache", "fp16"], needle)
+
+
+def test_a_window_transformers_reads_from_layer_types_is_bounded_too():
+    """Windows reach the planner through transformers' layer types as well: the shape's own check (the API path,
+    no file) refuses a non-positive one."""
+    from transformers import MistralConfig
+
+    from kvquant.errors import KVQuantError
+    from kvquant.planner import shape_from_config
+
+    config = MistralConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}, sliding_window=8)
+    config.sliding_window = 0  # set after construction, as a hub config could arrive
+    with pytest.raises(KVQuantError, match="sliding_window must be an integer >= 1, got int 0"):
+        shape_from_config(config, "m")
+
+
+# sizes on the command line
+SIZE_CASES = [
+    ("gpu-memory-400-digits", ["--gpu-memory", "9" * 400 + "GB"], "--gpu-memory: '999"),
+    ("gpu-memory-2-PiB", ["--gpu-memory", str(2**51)],
+     "over the largest size the planner takes, 1,125,899,906,842,624"),
+    ("weights-1e8-TB", ["--weights", "100000000TB"], "--weights: '100000000TB' is over the largest size"),
+    ("cache-17-times", ["--cache", "fp16"] * 17, "--cache is given 17 times, over the 16 one plan takes"),
+    ("sinks-65537", ["--cache", "int4:sink_tokens=65537"], "sink_tokens must be <= 65,536 for the planner"),
+    ("token-group-1e6", ["--cache", "int4:key_group_size=1000000"], "units span 1,000,000 tokens"),
+    ("token-groups-lcm", ["--cache", "{quantizer: int4, value_axis: channel, key_group_size: 1024, "
+                                     "value_group_size: 1023}"], "units span 1,047,552 tokens"),
+    ("layer-kinds-25", ["--cache", "{quantizer: int4, layers: {%s}}" % ", ".join(
+        f"{i}: {{key_group_size: {i + 1}}}" for i in range(24))], "25 kinds of layer"),
+]
+
+
+@pytest.mark.parametrize("extra, needle", [c[1:] for c in SIZE_CASES], ids=[c[0] for c in SIZE_CASES])
+def test_sizes_on_the_command_line_are_bounded(capsys, extra, needle):
+    assert_refused(capsys, ["--model", "llama-2-7b", "--context", "10", *extra], needle)
+
+
+def test_layer_kinds_are_counted_over_all_settings(capsys):
+    """24 kinds in all: two settings of 13 kinds each are refused at the second."""
+    def kinds(start):
+        return "{quantizer: int4, layers: {%s}}" % ", ".join(f"{i}: {{key_group_size: {start + i}}}" for i in range(12))
+
+    assert_refused(capsys, ["--model", "llama-2-7b", "--context", "10", "--cache", kinds(1), "--cache", kinds(100)],
+                   "13 kinds of layer (quantizer and options, window, sinks) in this setting, over the 11 left of "
+                   "the 24")
+
+
+# no input makes a plan's work grow with its sizes: what goes through the cache code is counted
+MAX_UPDATES = 2 * (24 + 2)  # per kind of layer (24 in all, +2 for the fp16 reference): a probe and a simulation
+MAX_TOKENS_PER_UPDATE = 2 * 65_536  # a simulation (<= VERIFY_TOKENS) or a probe (sinks <= 65,536, + residual, units)
+
+
+@pytest.fixture
+def updates(monkeypatch):
+    """Tokens of every ``KVQuantLayer.update`` call; too many calls or tokens stop the plan at once (the planner
+    before issue 36 wrote up to 2^30 tokens per call, some 60 calls per setting)."""
+    calls = []
+    original = KVQuantLayer.update
+
+    def counting(self, key_states, value_states, *args, **kwargs):
+        calls.append(key_states.shape[2])
+        assert len(calls) <= MAX_UPDATES and calls[-1] <= MAX_TOKENS_PER_UPDATE, (len(calls), calls[-1])
+        return original(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(KVQuantLayer, "update", counting)
+    return calls
+
+
+def at_the_bounds(tmp_path) -> str:
+    """A config at every maximum: 1,024 layers alternating 2^30-token sliding windows and full attention, 1,024
+    heads and KV heads of 4,096 channels, hidden 262,144, MLP 1,048,576, vocabulary 2,097,152."""
+    config = {"model_type": "gemma2", "num_hidden_layers": 1024, "num_attention_heads": 1024,
+              "num_key_value_heads": 1024, "head_dim": 4096, "hidden_size": 262_144, "intermediate_size": 1 << 20,
+              "vocab_size": 1 << 21, "sliding_window": 1 << 30, "max_position_embeddings": 1 << 30}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+MIXED = ("{quantizer: int4, layers: {0-3: {quantizer: int8}, 4: {quantizer: int2, group_size: 64}, "
+         "31: {quantizer: fp16}}}")
+EXTREME = [
+    ("tp8-80GB", ["--model", "llama-3.1-8b", "--context", "32768", "--gpu-memory", "80GB", "--tensor-parallel", "8"]),
+    ("tp32-1PiB", ["--model", "llama-3.1-8b", "--context", str(2**30), "--batch", "1000000", "--gpu-memory",
+                   str(2**50), "--tensor-parallel", "32"]),
+    ("sliding-only-prefix", ["--model", "mistral-7b-v0.1", "--context", "1000000", "--gpu-memory", "80GB",
+                             "--shared-prefix", "500000", "--batch", "7"]),
+    ("config-at-the-bounds", ["--model", "{bounds}", "--context", str(2**30), "--weights", "1GB", "--gpu-memory",
+                              str(2**50), "--cache", "fp16", "--cache", "int2"]),
+    ("gemma-24-kinds", ["--model", "gemma-2-9b", "--context", "32768", "--gpu-memory", "80GB", "--shared-prefix",
+                        "8192", *[a for q in ("fp16", "bf16", "fp32", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2",
+                                              "int4:group_size=128", "int4:residual_length=0", "int2:group_size=64",
+                                              "int8:key_group_size=64") for a in ("--cache", q)]]),
+    ("sixteen-settings", ["--model", "llama-3.1-8b", "--context", "32768", "--batch", "64", "--gpu-memory", "141GB",
+                          "--shared-prefix", "16384", "--cache", "int4:sink_tokens=65536", "--cache", MIXED,
+                          "--cache", "int4:eviction=key_norm,window=1000000,budget=1000000",
+                          "--cache", "int4:eviction=sink_window,sink_tokens=4,window=100000",
+                          "--cache", "int8:key_group_size=128,value_group_size=64,residual_length=0",
+                          "--cache", "fp8_e4m3:granularity=tensor", "--cache", "int4:rotation=hadamard",
+                          *[a for q in ("fp16", "bf16", "fp32", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2",
+                                        "int4:group_size=128") for a in ("--cache", q)]]),
+]
+
+
+@pytest.mark.parametrize("argv", [c[1] for c in EXTREME], ids=[c[0] for c in EXTREME])
+def test_extreme_valid_inputs_do_bounded_work(tmp_path, capsys, updates, argv):
+    code = plan.main([a.replace("{bounds}", at_the_bounds(tmp_path)) if a == "{bounds}" else a for a in argv])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    assert updates and len(updates) <= MAX_UPDATES and max(updates) <= MAX_TOKENS_PER_UPDATE
+    assert "max context @batch" in captured.out
+
+
+# the arithmetic equals kvquant's cache code run in full (simulate_memory), for every storage rule
+H, D = 2, 64
+LAYOUTS = {"full": [None] * 3, "sliding": [10, 10, None], "hybrid-shared": [None, 24, "shared", None],
+           "window-1": [1, None]}
+SETTINGS = [
+    {"quantizer": "fp16"}, {"quantizer": "int8"}, {"quantizer": "fp8_e5m2"},
+    {"quantizer": "int4", "group_size": 8, "residual_length": 3, "sink_tokens": 2},
+    {"quantizer": "int2", "key_group_size": 16, "value_group_size": 8, "residual_length": 0},
+    {"quantizer": "int8", "key_axis": "token", "value_axis": "channel", "group_size": 4, "residual_length": 5},
+    {"quantizer": "int4", "rotation": "hadamard", "scale_dtype": "float32", "residual_length": 7, "group_size": 12},
+    {"quantizer": "fp8_e4m3", "granularity": "tensor", "sink_tokens": 3},
+    {"quantizer": "int4", "group_size": 8, "residual_length": 4,
+     "layers": {"0": {"quantizer": "int8", "group_size": 6, "residual_length": 2}, "1": {"quantizer": "fp16"}}},
+    {"quantizer": "int4", "group_size": 8, "residual_length": 4, "eviction": "window", "window": 20},
+    {"quantizer": "int4", "group_size": 8, "residual_length": 4, "sink_tokens": 3, "eviction": "sink_window",
+     "window": 17},
+    {"quantizer": "int4", "group_size": 8, "residual_length": 4, "eviction": "key_norm", "window": 12, "budget": 9},
+    {"quantizer": "int2", "key_group_size": 6, "value_group_size": 4, "residual_length": 1, "sink_tokens": 2,
+     "eviction": "key_norm", "window": 8, "budget": 5},
+]
+TOKENS = [1, 2, 3, 5, 8, 9, 10, 11, 12, 13, 17, 20, 21, 24, 25, 31, 33, 40, 47, 64, 97, 130, 257]
+
+
+def planner(layout, settings):
+    from kvquant.planner import ModelShape, Planner
+
+    return Planner(ModelShape("t", layout, H, D, 1e6), settings, torch.float16)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())[:60])
+def test_the_arithmetic_equals_the_cache_code(layout, settings):
+    """Every token count, below, at and past sinks, residual windows, units, sliding windows and eviction
+    capacities: the whole report (per layer too), at batch 2."""
+    from kvquant.errors import KVQuantError
+
+    try:
+        mine = planner(layout, settings)
+    except KVQuantError as err:  # e.g. sinks on a sliding-window layer: make_cache refuses the same
+        with pytest.raises(KVQuantError, match=re.escape(str(err))):
+            simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=1)
+        return
+    for n in TOKENS:
+        real = simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=n)
+        # as JSON: a window of one token holds nothing, and its ratio to fp16 is NaN (never equal to itself)
+        assert json.dumps(mine.memory(2, n), sort_keys=True) == json.dumps(real, sort_keys=True), n
+        assert mine.kv_bytes(2, n) == real["total_bytes"], n
+
+
+def simulated_max_context(layout, settings, batch, available):
+    """The planner's search before issue 36, each probe a full simulation (the reference for the answers)."""
+    def fits(n):
+        return simulate_memory(layout, settings, batch=batch, kv_heads=H, head_dim=D, tokens=n)["total_bytes"] \
+            <= available
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("layout, settings", [
+    (LAYOUTS["full"], {"quantizer": "int4", "group_size": 8, "residual_length": 5, "sink_tokens": 2}),
+    (LAYOUTS["full"], {"quantizer": "int2", "key_group_size": 16, "value_group_size": 8, "residual_length": 0}),
+    (LAYOUTS["hybrid-shared"], {"quantizer": "int8", "group_size": 16, "residual_length": 3}),
+    (LAYOUTS["full"], {"quantizer": "int4", "group_size": 8, "residual_length": 4, "sink_tokens": 3,
+                       "eviction": "sink_window", "window": 1500}),
+], ids=["int4-sinks", "int2-residual-0", "int8-hybrid", "int4-sink-window"])
+@pytest.mark.parametrize("available", [9_999, 123_457, 600_001])
+def test_the_largest_context_is_the_simulated_searchs(layout, settings, available):
+    """Largest contexts of a few hundred to a few thousand tokens, where the bytes dip at every quantized unit:
+    the same answer as the search that simulated every probe."""
+    assert planner(layout, settings).max_context(3, available) == simulated_max_context(layout, settings, 3,
+                                                                                       available)
+
+
+def documented_tables() -> list[tuple[list[str], list[str]]]:
+    """The tables docs/planner.md shows, each with the command above it: (argv, table rows)."""
+    text = (ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
+    found = []
+    for command, table in re.findall(r"```bash\n\.venv/bin/python -m kvquant\.plan ([^\n]+)\n```\n\n```\n(.*?)```",
+                                     text, re.S):
+        found.append((command.split(), [line for line in table.splitlines()[1:] if line.strip()]))
+    return found
+
+
+def test_the_documented_plans_are_unchanged(capsys):
+    """The worked examples of docs/planner.md (computed by the simulation-only planner) come out as shown."""
+    tables = documented_tables()
+    assert len(tables) == 2 and any("--tensor-parallel" in argv for argv, _ in tables)
+    for argv, rows in tables:
+        assert plan.main(argv) == 0
+        out = capsys.readouterr().out.splitlines()
+        for row in rows:
+            assert row in out, (argv, row)
