@@ -697,7 +697,7 @@ class _StrictLoader(yaml.SafeLoader):
             raise
         except (ValueError, OverflowError) as err:
             line, text = node.start_mark.line + 1, str(node.value)
-            if node.tag.endswith(":int"):
+            if node.tag.endswith(":int") and len(text) > sys.get_int_max_str_digits():
                 raise ConfigError(f"line {line}: an integer of {len(text):,} digits, beyond the "
                                   f"{sys.get_int_max_str_digits():,} Python reads; no setting takes one") from None
             raise ConfigError(f"line {line}: {text[:40]!r} cannot be read as {node.tag.rpartition(':')[2]} "

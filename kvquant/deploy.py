@@ -52,8 +52,8 @@ def code(text, limit: int = 300) -> str:
 
 
 #: the characters that make Markdown mid-line: emphasis, code, links and images (a "(" or "!" needs a "["), HTML,
-#: entities, table cells, attributes, math
-MARKUP = re.compile(r"[\\`*_{}\[\]<>#|~&^$]")
+#: entities, table cells, attributes, math, and GitHub's bare links (``https://``, ``www.``, ``a@b.c``)
+MARKUP = re.compile(r"[\\`*_{}\[\]<>#|~&^$:.@]")
 
 
 def prose(text, limit: int = 2000) -> str:

@@ -112,8 +112,8 @@ def check_shots_flag(value, probes: dict[str, int]) -> None:
 
     shots = int(value)
     if shots > MAX_SHOTS:
-        raise KVQuantError(f"--num_fewshot must be at most {MAX_SHOTS}, got {value}: no model's context holds "
-                           "that many examples of a task")
+        raise KVQuantError(f"--num_fewshot must be at most {MAX_SHOTS}, got {value}: kvquant's bound (as for "
+                           "eval.tasks.num_fewshot in a config)")
     for task, documents in probes.items():
         pool = max(documents, PROBE_DOCUMENTS)  # the documents written: lm-eval draws the examples from them
         if shots > pool - 1:

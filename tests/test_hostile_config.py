@@ -99,6 +99,13 @@ def test_a_config_file_with_a_huge_integer_names_its_line(base, trapped, capsys)
     assert f"line {text.count(chr(10))}" in line
 
 
+@pytest.mark.parametrize("value", ["0x_", "0b_"])
+def test_a_malformed_short_integer_is_not_called_too_long(base, trapped, capsys, value):
+    """``0x_`` was refused as "an integer of 3 digits, beyond the 4,300 Python reads"."""
+    line = refused(capsys, [base, *S(f"eval.seed={value}")], "cannot be read as int")
+    assert "digits" not in line
+
+
 def test_run_name_and_search_name_together_name_a_config_that_loads():
     """searched.yaml reruns the map as ``<name>-<search.name>``: that name must be one a config can have."""
     cfg = load_config(ROOT / "configs/smollm2-search.yaml", ["name=" + "r" * 100])

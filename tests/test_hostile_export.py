@@ -143,6 +143,17 @@ def test_names_command_reason_and_model_path_are_rendered_inert(tmp_path):
     assert "&amp;amp;" in html  # an entity in the reason is shown as written, not decoded
 
 
+def test_bare_links_in_the_reason_and_names_are_not_links_on_github(tmp_path):
+    """GitHub turns a bare ``https://...``, ``www....`` or ``a@b.c`` into a link; each trigger is escaped (the
+    reason was written as it came)."""
+    doc = {**document(), "reason": "see https://evil.example/pay or www.evil.example or pay@evil.example"}
+    folder = report(tmp_path, doc)
+    assert main([str(folder)]) == 0
+    text = (folder / "DEPLOY.md").read_text()
+    assert "https\\://evil\\.example/pay" in text and "www\\.evil" in text and "pay\\@evil" in text
+    assert "s://" not in text and "www.evil" not in text and "y@e" not in text
+
+
 def test_a_megabyte_name_makes_no_megabyte_deploy_md_nor_error_line(tmp_path, capsys):
     name = "n" * 1_000_000
     doc = {**document(), "chosen": name, "command": "c" * 1_000_000, "reason": "r" * 1_000_000}

@@ -351,7 +351,8 @@ def test_the_runner_refuses_few_shot_contexts_longer_than_the_model_before_it_lo
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--tasks", "tinystories_lastword", "--num_fewshot", "100000"], "--num_fewshot must be at most 100, got 100000"),
+    (["--tasks", "tinystories_lastword", "--num_fewshot", "100000"],
+     "--num_fewshot must be at most 100, got 100000: kvquant's bound"),
     (["--tasks", "tinystories_lastword", "--num_fewshot", "9" * 5000],
      "--num_fewshot must be an integer >= 0, got a 5000-digit number"),
     (["--tasks", "passkey_64", "--limit", "2", "--num_fewshot", "60"],
