@@ -323,11 +323,12 @@ class Planner:
 
 def check_candidate(candidate, shape: ModelShape, key: str) -> None:
     """The candidate's quantizer and options on the model's shapes, through kvquant's own cache code (on meta
-    tensors: no data, no compute), so a bad name, type, range or a group that does not fit head_dim fails now."""
+    tensors: no data, no compute), so a bad name, type, range, a group that does not fit head_dim or sinks beyond the
+    model's trained context (as make_cache bounds them) fail now."""
     if "quantizer" in candidate.options:
         raise KVQuantError(f"{key}.options: 'quantizer' is not an option; set {key}.quantizer")
     try:
         simulate_memory(shape.layout, {"quantizer": candidate.quantizer, **candidate.options}, batch=1,
-                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=1)
+                        kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=1, context=shape.max_positions)
     except KVQuantError as err:
         raise KVQuantError(f"{key}: {one_line(err)}") from None

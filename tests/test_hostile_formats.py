@@ -98,6 +98,9 @@ RUN_CASES = [
     ("int4", {"layers": {"0": {"sink_tokens": 10**12}}}, "sink_tokens must be an integer in 0-"),
     ("int4", {"eviction": "sink_window", "sink_tokens": 4, "window": 10**12}, "window must be an integer in 1-"),
     ("int4", {"eviction": "key_norm", "window": 256, "budget": 10**12}, "budget must be an integer in 1-"),
+    # within the bound but beyond the toy model's 512 positions: refused only by make_cache, after loading, before
+    ("int4", {"sink_tokens": 513}, "sink_tokens 513 is beyond the model's 512 positions"),
+    ("int4", {"layers": {"0": {"sink_tokens": 513}}}, "sink_tokens 513 is beyond the model's 512 positions"),
 ]
 
 
