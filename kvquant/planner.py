@@ -197,6 +197,9 @@ def parse_setting(text: str) -> dict:
 
 
 def _number(text: str):
+    """An option's value from ``key=value``: true/false (any case) as a bool, else an int, a float or the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)

@@ -160,9 +160,13 @@ def result_key() -> bytes:
         finally:
             os.unlink(tmp)
     try:
+        info = os.lstat(path)
         key = read_file(path)
     except OSError as err:
         raise KVQuantError(f"cannot read {path} ({err.strerror or err}); remove it to make a new one") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise KVQuantError(f"{path} is not a key only you can read (mode {stat.S_IMODE(info.st_mode):o}, uid "
+                           f"{info.st_uid}): whoever reads it can sign results as you; remove it to make a new one")
     if len(key) != 64:
         raise KVQuantError(f"{path} is not a key kvquant wrote; remove it to make a new one")
     return key

@@ -208,3 +208,18 @@ def test_a_rerun_keeps_the_results_it_replaces_and_a_copied_result_is_recomputed
     assert {p.relative_to(olds[0]): p.read_bytes() for p in olds[0].glob("*/*.json")} == kept
     doc = json.loads((report / "results.json").read_text())
     assert doc["results"]["computed"] == 5 and warning[0].removeprefix("kvquant: warning: ") in doc["warnings"]
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660], ids=oct)
+def test_a_signing_key_others_can_read_is_refused(tmp_path, monkeypatch, mode):
+    """A partial-results key that group or others could read was used: whoever read it could sign results (and
+    exported reports) as this user."""
+    from kvquant import store
+    from kvquant.errors import KVQuantError
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    first = store.result_key()  # made private (0600) and used as is
+    assert store.result_key() == first
+    (tmp_path / "cache" / "keys" / "partial-results.key").chmod(mode)
+    with pytest.raises(KVQuantError, match="is not a key only you can read"):
+        store.result_key()

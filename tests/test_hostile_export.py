@@ -127,7 +127,7 @@ HOSTILE = {
 
 
 def test_names_command_reason_and_model_path_are_rendered_inert(tmp_path):
-    markdown_it = pytest.importorskip("markdown_it")
+    import markdown_it
     doc = {**document(), **HOSTILE, "chosen": NAME}
     doc["candidates"][0]["name"] = NAME
     doc["candidates"][0]["metrics"] = {"ppl | <script>m</script>": doc["candidates"][0]["metrics"]["ppl/wikitext2"]}

@@ -309,3 +309,10 @@ def test_the_documented_plans_are_unchanged(capsys):
         out = capsys.readouterr().out.splitlines()
         for row in rows:
             assert row in out, (argv, row)
+
+
+@pytest.mark.parametrize("value", ["false", "False", "true", "TRUE"])
+def test_a_key_value_cache_option_reads_booleans(capsys, value):
+    """``llamacpp_q4_0:attn_rot=false`` was refused as "got 'false'": the key=value form read no booleans."""
+    assert plan.main(["--model", "llama-3.1-8b", "--context", "64", "--cache", f"llamacpp_q4_0:attn_rot={value}"]) == 0
+    assert "llamacpp_q4_0" in capsys.readouterr().out
