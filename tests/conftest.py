@@ -37,3 +37,19 @@ def story_ids(tokenizer, stories):
     """One real story of a few hundred tokens, ``[1, T]`` with BOS."""
     ids = next(tokenizer(s).input_ids for s in stories if 300 <= len(tokenizer(s).input_ids) <= 512)
     return torch.tensor([ids])
+
+
+@pytest.fixture
+def no_model_load(monkeypatch, tmp_path):
+    """Inputs that must be refused before a model loads: loading one fails the test. kvquant's private cache (the
+    signing key, GGUF conversions) goes to a throwaway folder."""
+    import kvquant.lm_eval_model
+    import kvquant.run
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def trap(*args, **kwargs):
+        raise AssertionError("a model was loaded for an input that should have been refused before")
+
+    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    monkeypatch.setattr(kvquant.lm_eval_model, "load_model", trap)

@@ -304,17 +304,6 @@ LM_EVAL_CASES = [
 ]
 
 
-@pytest.fixture
-def no_model_load(monkeypatch, tmp_path):
-    """Runner cases must fail before a model loads; GGUF conversions would go to a throwaway cache."""
-    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
-
-    def trap(*args, **kwargs):
-        raise AssertionError("a model was loaded for an input that should have been refused before")
-
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
-
-
 @pytest.mark.parametrize("argv, needle", [c[1:] for c in RUN_CASES], ids=[c[0] for c in RUN_CASES])
 def test_runner_refuses(env, capsys, no_model_load, argv, needle):
     before = snapshot(env["finished"])

@@ -1,6 +1,6 @@
 """Hostile configs, names and partial results (issue 36): the gate's keys, names that cannot be file names,
 numbers and nesting Python cannot read, partial results that are folders or copies, and reruns that replace
-finished results. Each refusal is one line and exit 2 before a model loads (``load_model`` is booby-trapped);
+finished results. Each refusal is one line and exit 2 before a model loads (``load_model`` is booby-no_model_load);
 a copied or outdated partial result is recomputed (and kept), never an internal error."""
 
 import json
@@ -34,14 +34,6 @@ def base(tmp_path, monkeypatch) -> Path:
     path = tmp_path / "base.yaml"
     path.write_text(yaml.safe_dump({**BASE, "output_dir": str(tmp_path / "reports")}))
     return path
-
-
-@pytest.fixture
-def trapped(monkeypatch):
-    def trap(*args, **kwargs):
-        raise AssertionError("a model was loaded for an input that should have been refused before")
-
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
 
 
 def refused(capsys, argv: list[str], needle: str) -> str:
@@ -87,12 +79,12 @@ CONFIG_CASES = [
 
 
 @pytest.mark.parametrize("argv, needle", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
-def test_config_refused_when_read(base, trapped, capsys, argv, needle):
+def test_config_refused_when_read(base, no_model_load, capsys, argv, needle):
     refused(capsys, [base, *argv], needle)
     assert not (base.parent / "reports").exists()
 
 
-def test_a_config_file_with_a_huge_integer_names_its_line(base, trapped, capsys):
+def test_a_config_file_with_a_huge_integer_names_its_line(base, no_model_load, capsys):
     text = base.read_text() + "gate: {bootstrap: " + "9" * 5000 + "}\n"
     base.write_text(text)
     line = refused(capsys, [base], "an integer of 5,000 digits")
@@ -100,7 +92,7 @@ def test_a_config_file_with_a_huge_integer_names_its_line(base, trapped, capsys)
 
 
 @pytest.mark.parametrize("value", ["0x_", "0b_"])
-def test_a_malformed_short_integer_is_not_called_too_long(base, trapped, capsys, value):
+def test_a_malformed_short_integer_is_not_called_too_long(base, no_model_load, capsys, value):
     """``0x_`` was refused as "an integer of 3 digits, beyond the 4,300 Python reads"."""
     line = refused(capsys, [base, *S(f"eval.seed={value}")], "cannot be read as int")
     assert "digits" not in line
@@ -123,7 +115,7 @@ DATA_CASES = [
 
 
 @pytest.mark.parametrize("name, text, needle", DATA_CASES, ids=[c[0] for c in DATA_CASES])
-def test_data_file_python_cannot_read_is_refused(base, trapped, capsys, tmp_path, name, text, needle):
+def test_data_file_python_cannot_read_is_refused(base, no_model_load, capsys, tmp_path, name, text, needle):
     (tmp_path / name).write_text(text)
     refused(capsys, [base, *S(f"eval.perplexity.0.source={tmp_path / name}")], needle)
 
@@ -138,7 +130,7 @@ PARTIAL_CASES = [  # what is already under reports/hostile/partial, and what the
 
 
 @pytest.mark.parametrize("entry, needle", [c[1:] for c in PARTIAL_CASES], ids=[c[0] for c in PARTIAL_CASES])
-def test_a_partial_result_kvquant_cannot_replace_is_refused_before_loading(base, trapped, capsys, tmp_path,
+def test_a_partial_result_kvquant_cannot_replace_is_refused_before_loading(base, no_model_load, capsys, tmp_path,
                                                                              entry, needle):
     """Was: PermissionError (exit 3) while setting the folder aside, after the model loaded and measured."""
     partial = tmp_path / "reports" / "hostile" / "partial"

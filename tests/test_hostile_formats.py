@@ -69,16 +69,6 @@ def test_extreme_scales_that_hold_in_float32_read_back_finite(name, options):
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
 
 
-@pytest.fixture
-def no_model_load(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
-
-    def trap(*args, **kwargs):
-        raise AssertionError("a model was loaded for an input that should have been refused before")
-
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
-
-
 def run_config(tmp_path, quantizer: str, options: dict) -> list:
     doc = {"name": "hostile", "output_dir": str(tmp_path / "reports"), "model": {"path": MODEL},
            "candidates": [{"quantizer": quantizer, "name": "c", "options": options}],

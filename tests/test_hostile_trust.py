@@ -53,15 +53,6 @@ def write_config(tmp_path: Path, name: str = "config.yaml", **changes) -> Path:
     return path
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    def trap(*args, **kwargs):
-        raise AssertionError("a model was loaded for an input that should have been refused before")
-
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
-    monkeypatch.setattr(kvquant.lm_eval_model, "load_model", trap)
-
-
 def python_m(module: str, args: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
     """``python -m module args`` run from ``cwd`` (whose folder ``python -m`` puts first on ``sys.path``)."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd,

@@ -187,10 +187,16 @@ def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, 
 
 
 def _fallback(module):
-    """The attention the model had before :func:`enable_fused_decode` (``eager`` is each model's own function)."""
+    """The attention the model had before :func:`enable_fused_decode`."""
+    return attention_before(module, "_kvquant_fallback")
+
+
+def attention_before(module, attribute: str):
+    """The attention function whose name ``module.<attribute>`` remembers (``sdpa`` where unset; ``eager`` is each
+    model's own function), for an attention kvquant put in front of it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    previous = getattr(module, "_kvquant_fallback", "sdpa")
+    previous = getattr(module, attribute, "sdpa")
     if previous in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[previous]
     return sys.modules[type(module).__module__].eager_attention_forward

@@ -12,14 +12,13 @@ goes in front of the attention fused decode falls back to, so fused decode stays
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 
 from .. import ops
 from ..quantizers import Codec, RotatedCodec
-from .fused import is_fused
+from .fused import attention_before, is_fused
 
 NAME = "kvquant_query"
 TAG = "_kvquant_query"
@@ -47,13 +46,8 @@ def tag(keys: torch.Tensor, codec: Codec) -> torch.Tensor:
 
 
 def _previous(module):
-    """The attention :func:`enable_query_conversion` put this in front of (``eager`` is each model's own function)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    previous = getattr(module, "_kvquant_query_previous", "sdpa")
-    if previous in ALL_ATTENTION_FUNCTIONS:
-        return ALL_ATTENTION_FUNCTIONS[previous]
-    return sys.modules[type(module).__module__].eager_attention_forward
+    """The attention :func:`enable_query_conversion` put this in front of."""
+    return attention_before(module, "_kvquant_query_previous")
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
