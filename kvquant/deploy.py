@@ -1,7 +1,8 @@
 """A report's decision as what a serving engine is started with (``python -m kvquant.export REPORT_DIR``).
 
 Reads ``REPORT_DIR/results.json``; when the chosen setting is a serving engine's own format (``kvquant/engines.py``,
-every token stored quantized, no rotation, sinks, window or eviction of kvquant's own), writes
+every token stored quantized, no rotation, sinks, window or eviction of kvquant's own) or one of llama.cpp's cache
+types (``kvquant/llamacpp.py``, one type for every layer: :mod:`kvquant.deploy_llamacpp`), writes
 ``REPORT_DIR/DEPLOY.md``: the engine's command-line flags and Python keyword arguments, what was measured (the
 verdicts) and what was not. The runner writes it beside every report whose decision is engine-native.
 
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from . import deploy_llamacpp
+from .deploy_llamacpp import CacheTypes
 from .deploy_read import chosen_candidate, layer_map, load_report, model_layers
 from .errors import KVQuantError, one_line
 from .fs import write_together
@@ -107,9 +110,29 @@ def native(settings: dict) -> tuple[str, str, str, list[int]] | None:
     return None if skipped is None else (*flags, skipped)
 
 
+def llamacpp_research(settings: dict) -> str | None:
+    """Why llama.cpp does not run a ``llamacpp_*`` setting (kvquant's own options, layers apart), else None."""
+    own = [k for k in RESEARCH_OPTIONS if settings.get(k)]
+    if own:
+        return (f"it uses kvquant's own {', '.join(own)} (llama.cpp stores every token in the cache type, with no "
+                "residual tokens, sinks, window, eviction or rotation of kvquant's)")
+    if skipped_layers(settings) != []:
+        return ("its layers differ (llama.cpp has one -ctk/-ctv for every layer and keeps none at full precision: a "
+                "per-layer map is kvquant's)")
+    return None
+
+
+def deployable(settings: dict) -> bool:
+    """Whether a setting is an engine format export writes ``DEPLOY.md`` for (a vLLM/SGLang format or a llama.cpp
+    cache type)."""
+    if deploy_llamacpp.is_llamacpp(settings):
+        return llamacpp_research(settings) is None
+    return native(settings) is not None
+
+
 def nearest_engine_format(doc: dict, chosen: dict) -> str:
     """The engine format measured in this report nearest the chosen setting's bits, with its verdict."""
-    measured = [c for c in doc["candidates"] if native(c["settings"])]
+    measured = [c for c in doc["candidates"] if deployable(c["settings"])]
     if not measured:
         return "no engine format was measured in this report (configs/smollm2-engines.yaml measures them)"
     near = min(measured, key=lambda c: abs(c["bits_per_element"] - chosen["bits_per_element"]))
@@ -215,6 +238,26 @@ prefill, which may attend to unquantized states where kvquant quantizes on write
 """
 
 
+def llamacpp_text(doc: dict, chosen: dict, types: CacheTypes) -> str:
+    """``DEPLOY.md`` for a llama.cpp cache type: llama.cpp's flags, Ollama's line (or why none), llama-cpp-python's
+    keyword arguments, what was measured, the verdicts, what was not measured."""
+    return f"""# Deploying {code(chosen['name'], 200)} (llama.cpp `-ctk {types.key} -ctv {types.value}`)
+
+{deploy_llamacpp.run_text(types)}
+
+kvquant measured this cache ({code(chosen['settings']['quantizer'], 100)}, {chosen['bits_per_element']:.3f} bits per
+element as llama.cpp stores it) on {measured_on(doc)} against the fp16 baseline through the same cache, emulating
+llama.cpp's arithmetic (ggml's blocks and rounding, the rotation as above, the query converted to K's dot-product type),
+and the gate decided **PASS**: {prose(doc.get('reason'))}
+
+{verdict_table(chosen)}
+
+Not measured: llama.cpp itself in this run (kvquant emulates it; the order of its float32 sums is not
+reproduced).{deploy_llamacpp.cpu_text(types)} Nor speed, other models, tasks or lengths than the report's, nor the
+GGUF's own weights where the report measured another file of the model (llama.cpp runs the GGUF). {provenance(doc)}
+"""
+
+
 def keeps_model_precision(settings: dict, layer_settings: dict[int, dict], layers: int) -> bool:
     """Whether a setting quantizes nothing: fp16 for every one of the model's ``layers`` (its own, or each layer's
     in ``layer_settings``), with none of kvquant's own cache options (:data:`RESEARCH_OPTIONS`)."""
@@ -233,7 +276,11 @@ def keep_text(doc: dict, chosen: dict, layers: int) -> str:
 The gate decided **PASS** for a setting that quantizes nothing ({kept}): every layer's keys and values stay at the
 model's precision, so there is no KV-cache format to turn on and no scales to ship. Start the engine with its
 default cache: vLLM and SGLang without `--kv-cache-dtype` (or with `--kv-cache-dtype auto`), which stores the cache
-in the model's dtype (fp16 or bf16). Measured on {measured_on(doc)}: {prose(doc.get('reason'))}
+in the model's dtype (fp16 or bf16). llama.cpp (`llama-server`, `llama-cli`), Ollama and llama-cpp-python keep
+their default f16 cache (`-ctk f16 -ctv f16`, no flag needed; `OLLAMA_KV_CACHE_TYPE` unset or `f16`; `type_k` and
+`type_v` unset): the model's precision for an fp16 model, while for a bf16 or float32 model llama.cpp rounds K and V
+to f16, which `llamacpp_f16` measures and this setting did not. Measured on {measured_on(doc)}:
+{prose(doc.get('reason'))}
 
 {verdict_table(chosen)}
 
@@ -276,6 +323,12 @@ def deploy_files(report_dir: Path, doc: dict) -> dict[str, str | bytes]:
     settings, name, layers = chosen["settings"], visible(doc["chosen"]), model_layers(doc, chosen, path)
     if keeps_model_precision(settings, layer_map(settings, layers, path, name), layers):
         return {"DEPLOY.md": keep_text(doc, chosen, layers)}
+    if deploy_llamacpp.is_llamacpp(settings):
+        why = llamacpp_research(settings)
+        if why:
+            raise KVQuantError(f"research setting: llama.cpp does not run {name} ({visible(settings['quantizer'])}): "
+                               f"{why}; {nearest_engine_format(doc, chosen)}")
+        return {"DEPLOY.md": llamacpp_text(doc, chosen, deploy_llamacpp.read(settings, path, doc["chosen"]))}
     found = native(settings)
     if found is None:
         raise KVQuantError(f"research setting: no serving engine runs {name} ({visible(settings['quantizer'])}); "

@@ -1,5 +1,7 @@
 """``python -m kvquant.export REPORT_DIR``: write ``DEPLOY.md`` for a report whose decision a serving engine runs
-(the engine's flags, what was measured and what was not; :mod:`kvquant.deploy`).
+(the engine's flags, what was measured and what was not; :mod:`kvquant.deploy`): vLLM's or SGLang's
+``--kv-cache-dtype``, or for a llama.cpp cache type llama.cpp's ``-ctk/-ctv/-fa on``, Ollama's
+``OLLAMA_KV_CACHE_TYPE`` where Ollama can run it, and llama-cpp-python's ``type_k``/``type_v``.
 
 Exports only a report your own run wrote: a real directory (not a symlink) and a results.json you own, signed
 with your key (the runner signs it; --trust-unsigned accepts one it did not, e.g. of an older kvquant, after you
