@@ -130,6 +130,8 @@ def read(settings: dict, path: Path, name: str) -> CacheTypes:
     need(isinstance(own["cpu"], str) and own["cpu"] in CPU_PATHS, path, f"{at}.cpu", f"one of {', '.join(CPU_PATHS)}",
          own["cpu"])
     for key, kind in (("key_rotation_block", own["key_type"]), ("value_rotation_block", own["value_type"])):
+        need(key in settings, path, f"{at}.{key}", "recorded (the runner writes the Hadamard block it measured, or "
+             "null)", "missing")
         block = own[key]
         rotatable = kind not in FLOAT_TYPES and own["attn_rot"] is not False
         need(block is None or (rotatable and not isinstance(block, bool) and block in BLOCKS), path, f"{at}.{key}",

@@ -217,6 +217,13 @@ def test_a_llamacpp_setting_no_run_writes_is_refused(tmp_path, capsys, key, valu
     assert "'llama-q8''s settings." in err and "not a results.json this kvquant writes" in err
 
 
+def test_a_llamacpp_setting_without_its_rotation_blocks_is_refused(tmp_path, capsys):
+    """Without them export cannot tell a rotated measurement from an unrotated one."""
+    settings = recorded("llamacpp_q8_0")
+    del settings["value_rotation_block"]
+    refused(tmp_path, capsys, document(settings), "'llama-q8''s settings.value_rotation_block must be recorded")
+
+
 def test_a_rotation_block_beside_rotation_off_is_refused(tmp_path, capsys):
     settings = {**recorded("llamacpp_q4_0", attn_rot=False), "key_rotation_block": 64}
     refused(tmp_path, capsys, document(settings), "key_rotation_block must be null or a power of two from 64 (only "
