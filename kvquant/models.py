@@ -10,7 +10,6 @@ later loads read that directory in seconds instead of dequantizing the GGUF agai
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import shutil
@@ -22,6 +21,7 @@ import torch
 from .config import ModelConfig, mapped_devices
 from .errors import KVQuantError, one_line
 from .fs import cache_dir
+from .packaged import PACKAGE_PREFIX, PackageMissing, file_sha256
 from .paths import resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,10 +41,13 @@ def refuse_remote_code(err: Exception, what: str) -> None:
 
 
 def resolve_model_path(spec: ModelConfig) -> str:
+    """``spec.path`` resolved (:func:`kvquant.paths.resolve`), or ``spec.fallback`` where the path is not here:
+    no data directory holds a ``local:`` path, or a ``package:`` model's package is not installed (a packaged file
+    that is damaged, or a name kvquant does not know, is refused even with a fallback)."""
     try:
         return resolve(spec.path)
-    except KVQuantError:
-        if spec.fallback:
+    except KVQuantError as err:
+        if spec.fallback and (not spec.path.startswith(PACKAGE_PREFIX) or isinstance(err, PackageMissing)):
             return spec.fallback
         raise
 
@@ -142,11 +145,7 @@ def _gguf_path(path: str, gguf_file: str, path_key: str = "model.path",
 
 def converted_dir(gguf: Path) -> Path:
     """Where the converted copy of ``gguf`` lives: named by the first 16 hex digits of the file's sha256."""
-    digest = hashlib.sha256()
-    with gguf.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return cache_dir("models") / digest.hexdigest()[:16]
+    return cache_dir("models") / file_sha256(gguf)[:16]
 
 
 def convert_gguf(path: str, spec: ModelConfig, target: Path) -> None:

@@ -1,8 +1,10 @@
 """Where local copies of models and data live, so the same configs work offline and with a hub.
 
 A reference ``local:PATH`` (in configs: ``model: {path: local:models/stories260K/hf}``) names a file under the
-data directory: ``$KVQUANT_DATA`` when set, else ``../shared/data`` beside the project checkout. Anything
-else is used as given: a filesystem path or a Hugging Face hub id.
+data directory: ``$KVQUANT_DATA`` when set, else ``../shared/data`` beside the project checkout. A reference
+``package:NAME`` names a model installed as a Python package (:mod:`kvquant.packaged`): the folder of its
+assembled, verified GGUF file in kvquant's cache. Anything else is used as given: a filesystem path or a Hugging
+Face hub id.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ def data_dir() -> Path | None:
 
 
 def resolve(ref: str) -> str:
-    """Turn ``local:REL`` into an absolute path under :func:`data_dir`; return other references unchanged."""
+    """Turn ``local:REL`` into an absolute path under :func:`data_dir` and ``package:NAME`` into the folder of
+    that packaged model's verified file; return other references unchanged."""
+    from .packaged import PACKAGE_PREFIX, package_folder
+
+    if ref.startswith(PACKAGE_PREFIX):
+        return package_folder(ref)
     if not ref.startswith(LOCAL_PREFIX):
         return ref
     root = data_dir()
