@@ -168,10 +168,19 @@ class StaticFp8Codec(Codec):
     max_abs = F32_HALF
     held = F32_HELD
 
+    def check_heads(self, heads: int, name: str = "states") -> None:
+        """Per-head scales: one per KV head of the layer (``name``: keys or values)."""
+        if self.scale.dim() and self.scale.numel() != heads:
+            field = {"keys": "k_scale", "values": "v_scale"}.get(name, "scale")
+            raise KVQuantError(f"vllm_fp8: {field} has {self.scale.numel()} per-head scales for a layer of {heads} "
+                               f"KV heads; give one per KV head, or one number for the whole layer")
+
+    def check(self, x: torch.Tensor, name: str) -> None:
+        self.check_heads(x.shape[1], name)
+
     def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_heads(x.shape[1])
         scale = self.scale.to(x.device)
-        if scale.dim() and scale.numel() != x.shape[1]:
-            raise KVQuantError(f"vllm_fp8: {scale.numel()} per-head scales for a layer of {x.shape[1]} KV heads")
         return scale.view(1, -1, 1, 1) if scale.dim() else scale
 
     def encode(self, x):

@@ -6,7 +6,9 @@ is refused, naming the task, the shots, the context needed and the model's.
   very requests lm-eval will build (each task's documents and look ranges, its seed, its few-shot draws).
 - ``python -m kvquant.lm_eval --model kvquant``: the shots are bounded before the model loads
   (:func:`check_shots_flag`); the kvquant model checks every request's length once they are built, right after the
-  model loads and before it scores any (:func:`check_requests`, told the shots by :func:`expect`).
+  model loads and before it scores any (:func:`check_requests`, told the shots by :func:`expect`). Shots a task's
+  own YAML sets (``num_fewshot:``, without ``--num_fewshot``) are bounded and told to the model the moment lm-eval
+  has read them, after the model loads and before any request is built (:func:`task_files_checked`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import contextlib
 import io
 from collections.abc import Callable, Iterable
 
-from .errors import KVQuantError
+from .errors import KVQuantError, is_python_int
 
 #: new tokens a generation request asks for where it does not say (as :mod:`kvquant.lm_eval_model`)
 DEFAULT_MAX_GEN = 256
 #: ``--num_fewshot`` above this is refused before anything loads (the runner's ``eval.tasks.num_fewshot`` bound)
 MAX_SHOTS = 100
 _expected: dict[str, int] = {}
+#: task -> the shots lm-eval runs it with (its YAML's ``num_fewshot``, or ``--num_fewshot``): :func:`note_tasks`
+_task_shots: dict[str, int] = {}
 
 
 def positions(request_type: str, args: tuple, encode: Callable[[list[str]], list[int]]) -> int:
@@ -125,6 +129,7 @@ def expect(shots: int | None) -> None:
     """Tell the kvquant models this process builds next that every task runs with ``shots`` examples (lm-eval's
     ``--num_fewshot``; None or 0: zero-shot, nothing to check)."""
     _expected.clear()
+    _task_shots.clear()
     if shots:
         _expected["*"] = int(shots)
 
@@ -135,13 +140,50 @@ def expected() -> int:
 
 
 def check_requests(instances: list, encode: Callable[[list[str]], list[int]], shots: int, context: int) -> None:
-    """Before any is scored: with ``shots`` examples, no task's request may need more than ``context`` positions."""
-    if not shots:
-        return
+    """Before any is scored: no task with examples (``shots``, or the task's own as lm-eval read them:
+    :func:`note_tasks`) may have a request needing more than ``context`` positions."""
     tasks: dict[str, list] = {}
     for instance in instances:
         tasks.setdefault(instance.task_name, []).append(instance)
     for task, mine in tasks.items():
-        needed = longest(mine, encode)
-        if needed > context:
-            raise refusal("--num_fewshot", task, shots, needed, context, " or a model with a longer context")
+        count = _task_shots.get(task, shots)
+        if count and (needed := longest(mine, encode)) > context:
+            flag = "*" in _expected
+            raise refusal("--num_fewshot" if flag else "num_fewshot (its task file's)", task, count, needed, context,
+                          " or a model with a longer context" if flag else
+                          " (set num_fewshot in its task file, or pass --num_fewshot) or a model with a longer context")
+
+
+def note_tasks(tasks: dict) -> None:
+    """lm-eval's tasks (``{name: Task}``) with the shots it will run each with: each at most :data:`MAX_SHOTS` (a
+    task file's ``num_fewshot:`` bounded as ``--num_fewshot`` is), remembered for :func:`check_requests`."""
+    for name, task in tasks.items():
+        count = task.get_config("num_fewshot") if hasattr(task, "get_config") else None
+        name = str(getattr(getattr(task, "config", None), "task", None) or name)
+        if count is None:
+            continue
+        if not (is_python_int(count) and 0 <= count <= MAX_SHOTS):
+            raise KVQuantError(f"task {name!r}: its task file sets num_fewshot: {count!r:.40}; kvquant's bound is a "
+                               f"whole number in 0..{MAX_SHOTS} (as for --num_fewshot): set a smaller one there")
+        _task_shots[name] = count
+
+
+@contextlib.contextmanager
+def task_files_checked():
+    """While lm-eval runs in this process (``kvquant.lm_eval``): the tasks it hands its ``evaluate`` (the model
+    loaded, the shots of every task settled from its YAML and ``--num_fewshot``, no request built yet) go through
+    :func:`note_tasks` first."""
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.evaluate
+
+    def evaluate(*args, **kwargs):
+        task_dict = kwargs["task_dict"] if "task_dict" in kwargs else args[1] if len(args) > 1 else None
+        note_tasks(task_dict.get("tasks", {}) if isinstance(task_dict, dict) else {})
+        return original(*args, **kwargs)
+
+    evaluator.evaluate = evaluate
+    try:
+        yield
+    finally:
+        evaluator.evaluate = original

@@ -145,13 +145,40 @@ def private_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+def env_dir(name: str) -> Path | None:
+    """The folder the environment variable ``name`` sets (``~`` expanded), None where it is unset or empty. A
+    relative one is refused, before anything is created: kvquant's private folders must not move with the folder a
+    command runs from."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        raise KVQuantError(f"${name}: {value!r} is a relative path; set an absolute one (a private folder of "
+                           "kvquant must not depend on the folder you run from)")
+    return path
+
+
+#: the environment variables that set kvquant's private folders
+PRIVATE_DIRS = ("KVQUANT_CACHE_DIR", "KVQUANT_TASK_DIR", "KVQUANT_KERNEL_DIR")
+
+
+def check_env_dirs() -> None:
+    """Before anything loads: every private folder an environment variable sets is absolute (:func:`env_dir`);
+    nothing is created."""
+    for name in PRIVATE_DIRS:
+        env_dir(name)
+
+
 def cache_dir(sub: str, env: str | None = None) -> Path:
     """kvquant's private cache folder ``sub`` (under ``$KVQUANT_CACHE_DIR``, default ``~/.cache/kvquant``), or the
-    folder the environment variable ``env`` names; checked by :func:`private_dir`."""
-    if env and os.environ.get(env):
-        return private_dir(os.environ[env], f"${env}")
-    root = os.environ.get("KVQUANT_CACHE_DIR") or Path.home() / ".cache" / "kvquant"
-    return private_dir(Path(root) / sub, "$KVQUANT_CACHE_DIR" if os.environ.get("KVQUANT_CACHE_DIR") else "cache")
+    folder the environment variable ``env`` names; checked by :func:`private_dir` (a relative one: :func:`env_dir`)."""
+    chosen = env_dir(env) if env else None
+    if chosen is not None:
+        return private_dir(chosen, f"${env}")
+    root = env_dir("KVQUANT_CACHE_DIR")
+    return private_dir((root or Path.home() / ".cache" / "kvquant") / sub,
+                       "$KVQUANT_CACHE_DIR" if root is not None else "cache")
 
 
 def real_dir(path: Path, what: str) -> Path:

@@ -29,7 +29,7 @@ from .config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, 
                      read_text_file)
 from . import fewshot, parallel
 from .errors import EXIT_PASS, KVQuantError, guarded
-from .fs import check_trusted
+from .fs import check_env_dirs, check_trusted
 from .importpath import drop_working_dir
 from .lm_eval_model import batch_rows, parse_value, whole_number
 from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, resolve_model_path, trained_context
@@ -252,6 +252,7 @@ def check(argv: list[str]) -> Path | None:
     tasks we cannot see) and their offline data, and the kvquant model's arguments. Returns the folder of task
     files to include (None where the user gave ``--include_path``): for ``passkey_<D>`` tasks, one holding
     their documents cut with the model's tokenizer."""
+    check_env_dirs()
     flags = lm_eval_flags(argv)
     check_flags(flags)
     tasks = _task_names(flags)
@@ -316,7 +317,8 @@ def _checked_evaluate(argv: list[str]) -> int:
 
     sys.argv = [sys.argv[0], *argv]
     try:
-        cli_evaluate()
+        with fewshot.task_files_checked():  # shots a task's own YAML sets: bounded, and fitted by the model
+            cli_evaluate()
     except SystemExit as stop:  # lm-eval's own usage errors and --help
         return stop.code if isinstance(stop.code, int) else 2
     return EXIT_PASS

@@ -94,27 +94,61 @@ def probe_documents(tokenizer, distances: list[int], per_distance: int, seed: in
     Each is ``{"context": str, "target": " NNNNN", "distance": D}`` with D exactly as measured by ``tokenizer`` on
     the context (see the module docstring). A document depends only on ``(seed, D, its index)``, so adding
     distances or documents leaves the others unchanged. ``baseline=True`` gives the same documents without the key
-    sentences (the ``distance`` field keeps the informed document's D).
+    sentences (the ``distance`` field keeps the informed document's D). A distance shorter than the probe's own
+    text is refused with the shortest one this tokenizer allows (:func:`shortest_distance`).
     """
-    filler, spans, starts = _filler(tokenizer)
+    _filler(tokenizer)  # the filler text exists (else one error saying where it was looked for)
     docs = []
     for d in distances:
-        for index in range(per_distance):
-            rng = random.Random(f"kvquant-probe:{seed}:{d}:{index}")
-            key = str(rng.randint(10000, 99999))
-            head = INTRO + STATEMENT.format(key=key)
-            key_char = head.rindex(key)
-            shortest = len(_token_spans(tokenizer, head[key_char:] + QUESTION)) + 1
-            if d < shortest:
-                raise KVQuantError(f"probe distance {d} is shorter than the probe's own text from the key on "
-                                   f"({shortest} tokens with this tokenizer, at least one filler token included)")
-            for _ in range(20):  # another paragraph where this one's end cannot be cut to exactly d tokens
-                context = _fit(tokenizer, head, key_char, filler, spans, rng.choice(starts), d)
-                if context is not None:
-                    break
-            else:
-                raise KVQuantError(f"distance {d}: cannot cut the filler to exactly {d} tokens (longer than the "
-                                   f"{len(spans)}-token filler text?)")
-            docs.append({"context": context[len(head):] if baseline else context, "target": " " + key,
-                         "distance": d})
+        need = _own_tokens(tokenizer, d, per_distance, seed)
+        if d < need:
+            shortest = shortest_distance(tokenizer, per_distance, seed, start=need)
+            raise KVQuantError(f"probe distance {d} is shorter than the probe's own text from the key on ({need} "
+                               "tokens with this tokenizer, at least one filler token included); the shortest "
+                               f"distance this tokenizer allows is {shortest} (passkey_{shortest})")
+        docs += [_document(tokenizer, d, index, seed, baseline) for index in range(per_distance)]
     return docs
+
+
+def shortest_distance(tokenizer, per_distance: int, seed: int = 0, start: int = 1) -> int:
+    """The shortest distance D >= ``start`` whose ``per_distance`` documents this tokenizer can write (their key
+    is drawn from D, so the probe's own text can change length with D)."""
+    for d in range(start, start + 1000):
+        if _own_tokens(tokenizer, d, per_distance, seed) <= d:
+            try:
+                for index in range(per_distance):
+                    _document(tokenizer, d, index, seed, False)
+                return d
+            except KVQuantError:
+                continue
+    raise KVQuantError(f"no probe distance from {start} to {start + 999} can be cut with this tokenizer")
+
+
+def _head(d: int, index: int, seed: int) -> tuple[random.Random, str, str, int]:
+    """Document ``index`` of distance ``d``: its random source, key, text up to the filler and the key's last
+    character offset in it."""
+    rng = random.Random(f"kvquant-probe:{seed}:{d}:{index}")
+    key = str(rng.randint(10000, 99999))
+    head = INTRO + STATEMENT.format(key=key)
+    return rng, key, head, head.rindex(key)
+
+
+def _own_tokens(tokenizer, d: int, per_distance: int, seed: int) -> int:
+    """The fewest tokens from the key on that every document of distance ``d`` needs: its own text from the key
+    to the question's end, plus one filler token."""
+    return max(len(_token_spans(tokenizer, head[key_char:] + QUESTION)) + 1
+               for _, _, head, key_char in (_head(d, index, seed) for index in range(per_distance)))
+
+
+def _document(tokenizer, d: int, index: int, seed: int, baseline: bool) -> dict:
+    """Document ``index`` of distance ``d`` (``d`` at least its own text: :func:`_own_tokens`)."""
+    filler, spans, starts = _filler(tokenizer)
+    rng, key, head, key_char = _head(d, index, seed)
+    for _ in range(20):  # another paragraph where this one's end cannot be cut to exactly d tokens
+        context = _fit(tokenizer, head, key_char, filler, spans, rng.choice(starts), d)
+        if context is not None:
+            break
+    else:
+        raise KVQuantError(f"distance {d}: cannot cut the filler to exactly {d} tokens (longer than the "
+                           f"{len(spans)}-token filler text?)")
+    return {"context": context[len(head):] if baseline else context, "target": " " + key, "distance": d}

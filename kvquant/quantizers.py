@@ -75,6 +75,10 @@ class Codec:
         """Raise, before anything is stored, for states ``x`` within ``max_abs`` that still cannot be encoded
         (``name``: keys or values). Most codecs: nothing more to check."""
 
+    def check_heads(self, heads: int, name: str) -> None:
+        """Raise if this codec cannot store a layer of ``heads`` KV heads (``name``: keys or values), e.g. per-head
+        scales of another count; checked by make_cache where the model's heads are known. Most codecs: any count."""
+
     def checked_above(self, head_dim: int, dtype: torch.dtype) -> float:
         """States ``[..., head_dim]`` of ``dtype`` within ``±`` this pass :meth:`check` without being looked at (a
         rotation around this codec rotates only states beyond it to check them)."""

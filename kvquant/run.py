@@ -39,6 +39,7 @@ from .deploy import deploy_beside
 from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
 from .fewshot import check_runner_fewshot
 from .importpath import drop_working_dir
+from .fs import check_env_dirs
 from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
 from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
 from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
@@ -102,6 +103,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     """Check everything a run needs before loading anything heavy: the report directory, the model (path, GGUF
     file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
     perplexity set's text and every task name. Returns the run's plan, the perplexity rows and warnings."""
+    check_env_dirs()
     check_report_dir(Path(cfg.output_dir) / cfg.name)
     check_processes(cfg, parallel.current().world)
     model_config = check_model(cfg.model)

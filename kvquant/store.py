@@ -126,20 +126,23 @@ def check_partial(directory: Path) -> None:
     """Before a model loads, what a run would read, set aside or replace under ``directory`` (``partial/``): a
     real folder of real candidate folders this user can enter and write, each ``*.json`` in them a file (or a
     symlink, which is set aside, never followed); else :class:`KVQuantError` naming it (was: an internal error
-    once the first measurement was done)."""
+    once the first measurement was done). A name starting with ``.`` is none kvquant writes or reads there (its
+    candidates, metrics and results start with a letter or digit): a stray ``.DS_Store``, ``.nfs…`` file or an
+    editor's swap file is left alone."""
     if not os.path.lexists(directory):
         return
     if not stat.S_ISDIR(os.lstat(directory).st_mode):
         raise KVQuantError(f"partial results: {directory} is not a folder; move it away or write elsewhere "
                            "(--set name=... or --set output_dir=...)")
-    for folder in [directory, *(Path(e.path) for e in os.scandir(directory))]:
+    candidates = [Path(e.path) for e in os.scandir(directory) if not e.name.startswith(".")]
+    for folder in [directory, *candidates]:
         info = os.lstat(folder)
         if not stat.S_ISDIR(info.st_mode):
             raise KVQuantError(f"partial results: {folder} is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'a file'}"
                                f"; {directory} holds one folder per candidate, so move it away")
         if not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
             raise KVQuantError(f"partial results: cannot read and write {folder}; give yourself access or move it")
-    for entry in (e for folder in os.scandir(directory) for e in os.scandir(folder.path)):
+    for entry in (e for folder in candidates for e in os.scandir(folder) if not e.name.startswith(".")):
         if entry.name.endswith(".json") and not (entry.is_symlink() or entry.is_file(follow_symlinks=False)):
             raise KVQuantError(f"partial results: {entry.path} is {'a folder' if entry.is_dir() else 'not a file'}, "
                                "not a result kvquant wrote; move it away")

@@ -34,8 +34,9 @@ import yaml
 
 from .data import _json
 from .errors import KVQuantError, one_line
-from .fs import cache_dir, private_dir, write_file
+from .fs import cache_dir, env_dir, private_dir, write_file
 from .paths import data_dir
+from .task_rows import row_problem
 
 #: The metric a task is gated on where it is not ``acc``: the one its literature reports (length-normalized
 #: accuracy for HellaSwag, PIQA and ARC-Challenge); both are always reported.
@@ -145,9 +146,10 @@ def write_task_dir(directory: Path) -> Path:
 
 
 def _stories(root: Path | None) -> list[str]:
+    """The TinyStories validation stories: the data directory's copy, read as :func:`_check_rows` reads it (one line
+    naming the file for a row that is not a JSON object with a text, or JSON nested too deeply), else the hub's."""
     if root is not None and (root / LASTWORD_SOURCE).exists():
-        with (root / LASTWORD_SOURCE).open(encoding="utf-8") as f:
-            return [json.loads(line)["text"] for line in f]
+        return [row["text"] for row in _check_rows(LASTWORD, root / LASTWORD_SOURCE)]
     import datasets
 
     ds = datasets.load_dataset("roneneldan/TinyStories", split=f"validation[:{LASTWORD_STORIES.stop}]")
@@ -177,7 +179,7 @@ def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> dic
         data_file = directory / f"{name}.jsonl"
         try:
             existing = [json.loads(line) for line in data_file.read_text(encoding="utf-8").splitlines()]
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # not what this folder's own writer wrote: written again
             existing = []
         if len(existing) < max(count, PROBE_DOCUMENTS) or not all("tokens" in d for d in existing):
             docs = probe_documents(tokenizer, [probe_distance(name)], max(count, PROBE_DOCUMENTS))
@@ -243,8 +245,8 @@ def _process_dir() -> Path:
 
 
 def _task_dir(tokenizer, probes: dict[str, int] | None) -> tuple[Path, dict[str, int]]:
-    env = os.environ.get("KVQUANT_TASK_DIR")
-    base = private_dir(env, "$KVQUANT_TASK_DIR") if env else _process_dir()
+    env = env_dir("KVQUANT_TASK_DIR")
+    base = private_dir(env, "$KVQUANT_TASK_DIR") if env is not None else _process_dir()
     root = data_dir()
     tag = re.sub(r"[^A-Za-z0-9]+", "_", str(root)) if root else "hub"
     if probes:
@@ -287,7 +289,7 @@ def known_tasks() -> dict[str, list[str]]:
         saved = json.loads(index.read_text(encoding="utf-8"))
         if saved.get("key") == key:
             return saved["names"]
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # unreadable: listed again
         pass
     manager = task_manager()
     names = {"tasks": sorted(manager.all_subtasks), "groups": sorted(manager.all_groups),
@@ -303,6 +305,9 @@ def check_tasks(names: list[str], key: str, single: bool = True) -> None:
     for name in names:
         if probe_distance(name) == 0:
             raise KVQuantError(f"{key}: {name!r}: the probe distance must be a positive number of tokens")
+        if probe_distance(name) is not None and name != f"passkey_{probe_distance(name)}":
+            raise KVQuantError(f"{key}: {name!r}: write passkey_{probe_distance(name)} (a distance without leading "
+                               "zeros: one spelling per probe, so none is measured and gated twice)")
     unchecked = [n for n in names if n not in offline and probe_distance(n) is None]
     if not unchecked:
         return
@@ -332,8 +337,6 @@ TASK_FIELDS = {
     "winogrande": ("sentence", "option1", "option2", "answer"),
     LASTWORD: ("text",),
 }
-#: the fields of :data:`TASK_FIELDS` that are not strings (the others must be)
-NOT_STRINGS = {"endings", "label", "choices"}
 #: the switches that keep ``datasets`` from downloading a hub task, and the values that turn them on
 OFFLINE_SWITCHES = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
 ON = {"1", "ON", "YES", "TRUE"}
@@ -342,10 +345,10 @@ ON = {"1", "ON", "YES", "TRUE"}
 def check_task_data(names: list[str], key: str) -> None:
     """The data file of every offline task among ``names`` (a ``<task>_local`` name counts as its task) holds rows
     the task can score: UTF-8 JSON lines, each an object with the fields the task reads, of the types and values
-    it needs (:func:`_row_problem`), a field's type the same on every row (``datasets`` would otherwise store it
-    as JSON text). A missing file means the hub task (:func:`resolve_task`), refused where the hub is switched
-    off. Other names (hub tasks, ``passkey_<D>``) are not checked here. Errors are one line naming ``key``, the
-    task and the file."""
+    it needs (:func:`kvquant.task_rows.row_problem`), a field's type the same on every row (``datasets`` would
+    otherwise store it as JSON text). A missing file means the hub task (:func:`resolve_task`), refused where the
+    hub is switched off. Other names (hub tasks, ``passkey_<D>``) are not checked here. Errors are one line naming
+    ``key``, the task and the file."""
     root = data_dir()
     local = {f"{task}_local": task for task in OFFLINE_TASKS}
     switch = next((v for v in OFFLINE_SWITCHES if os.environ.get(v, "").upper() in ON), None)
@@ -381,8 +384,8 @@ def _read_task_file(path: Path) -> str:
         raise KVQuantError(f"{path}: not UTF-8 (line {line}), byte {err.start}; save it as UTF-8") from None
 
 
-def _check_rows(task: str, path: Path) -> None:
-    """Every row of ``task``'s data file at ``path`` is one it can score, and there are enough of them."""
+def _check_rows(task: str, path: Path) -> list[dict]:
+    """Every row of ``task``'s data file at ``path`` is one it can score, and there are enough of them; the rows."""
     text = _read_task_file(path)
     text = text if task == LASTWORD else text.removeprefix("\ufeff")
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # the line ends pyarrow and Python read
@@ -397,7 +400,7 @@ def _check_rows(task: str, path: Path) -> None:
         row = _json(line, where)
         if not isinstance(row, dict):
             raise KVQuantError(f"{where}: not a JSON object (got {type(row).__name__})")
-        problem = _row_problem(task, row) or _type_change(row, TASK_FIELDS[task], first, number)
+        problem = row_problem(task, row, TASK_FIELDS[task]) or _type_change(row, TASK_FIELDS[task], first, number)
         if problem:
             raise KVQuantError(f"{where}: {problem}")
         rows.append(row)
@@ -405,6 +408,7 @@ def _check_rows(task: str, path: Path) -> None:
         _check_stories(path, [row["text"] for row in rows])
     elif not rows:
         raise KVQuantError(f"{path} holds no rows")
+    return rows
 
 
 def _type_change(row: dict, fields: tuple[str, ...], first: dict[str, tuple[type, int]], number: int) -> str | None:
@@ -424,82 +428,3 @@ def _check_stories(path: Path, stories: list[str]) -> None:
                            f"so it needs at least {stop}")
     if not _lastword_docs(stories[LASTWORD_STORIES]):
         raise KVQuantError(f"{path}: none of stories {start}-{stop - 1} ends in a word to predict")
-
-
-def _row_problem(task: str, row: dict) -> str | None:
-    """What keeps ``task`` from scoring ``row`` (a missing field, or one of the wrong type or value), else None."""
-    fields = TASK_FIELDS[task]
-    missing = [f for f in fields if f not in row]
-    if missing:
-        return f"no field {missing[0]!r} (the task reads {', '.join(fields)})"
-    wrong = [f for f in fields if f not in NOT_STRINGS and not isinstance(row[f], str)]
-    if wrong:
-        return f"field {wrong[0]!r} is {_shown(row[wrong[0]])}, not a string"
-    return ROW_CHECKS.get(task, lambda _: None)(row)
-
-
-def _shown(value) -> str:
-    """``value`` for a message: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _string_list(value) -> bool:
-    """``value`` is a non-empty list of strings."""
-    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
-
-
-def _hellaswag(row: dict) -> str | None:
-    """``endings``: the choices; ``label``: the index of the right one, an int or a string of digits (lm-eval
-    renders it and reads the digits back)."""
-    endings, label = row["endings"], row["label"]
-    if not _string_list(endings):
-        return f"field 'endings' is {_shown(endings)}, not a non-empty list of strings"
-    digits = isinstance(label, str) and re.fullmatch(r"0|[1-9][0-9]*", label)
-    index = label if type(label) is int else int(label) if digits else None
-    if index is None or not 0 <= index < len(endings):
-        return f"field 'label' is {_shown(label)}, not the index of one of the {len(endings)} endings"
-    return None
-
-
-def _arc(row: dict) -> str | None:
-    """``choices``: ``{"text": [...], "label": [...]}`` of the same length; ``answerKey``: one of the labels."""
-    choices = row["choices"]
-    if not (isinstance(choices, dict) and _string_list(choices.get("text")) and _string_list(choices.get("label"))
-            and len(choices["text"]) == len(choices["label"])):
-        return (f"field 'choices' is {_shown(choices)}, not an object of two string lists of the same length, "
-                "'text' and 'label'")
-    if row["answerKey"] not in choices["label"]:
-        return f"field 'answerKey' is {row['answerKey']!r}, not one of choices.label ({', '.join(choices['label'])})"
-    return None
-
-
-def _binary_label(row: dict) -> str | None:
-    """``label``: the index of the right one of two choices (``true``/``false`` or 0/1)."""
-    label = row["label"]
-    if type(label) not in (bool, int) or label not in (0, 1):
-        return f"field 'label' is {_shown(label)}, not 0, 1, true or false"
-    return None
-
-
-def _winogrande(row: dict) -> str | None:
-    """``sentence``: a blank ``_`` (where an option goes) and the words after it (the scored part); ``answer``:
-    ``'1'`` or ``'2'``."""
-    sentence = row["sentence"]
-    if not sentence.partition("_")[2].strip():
-        return f"field 'sentence' is {_shown(sentence)}, not a sentence with a blank '_' and words after it"
-    if row["answer"] not in ("1", "2"):
-        return f"field 'answer' is {_shown(row['answer'])}, not '1' or '2'"
-    return None
-
-
-def _lambada(row: dict) -> str | None:
-    """``text``: ends in a word, the one the task predicts (after the last space)."""
-    if not row["text"].split(" ")[-1].strip():
-        return f"field 'text' is {_shown(row['text'])}, which does not end in a word to predict"
-    return None
-
-
-#: task -> its checks of a row beyond the fields being there and the string fields being strings
-ROW_CHECKS = {"hellaswag": _hellaswag, "arc_easy": _arc, "arc_challenge": _arc, "piqa": _binary_label,
-              "boolq": _binary_label, "winogrande": _winogrande, "lambada_openai": _lambada}

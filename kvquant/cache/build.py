@@ -8,6 +8,7 @@ import re
 
 import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
+from transformers.configuration_utils import get_head_shapes
 
 from ..errors import KVQuantError, is_python_int
 from ..eviction import get_eviction
@@ -61,9 +62,12 @@ def attention_layout(model_or_config) -> list[int | None | str]:
 
 
 def head_dim_of(model_or_config) -> int | None:
-    """The attention head dimension of a model or config (``head_dim``, else hidden_size / heads)."""
+    """The attention head dimension of a model or config (``head_dim``, else hidden_size / heads); None where the
+    layers differ in it (transformers' per-layer config, e.g. Gemma 4: make_cache checks each layer's own)."""
     config = getattr(model_or_config, "config", model_or_config)
     text = config.get_text_config(decoder=True)
+    if "head_dim" in (getattr(text, "per_layer_attributes", None) or ()):
+        return None
     head_dim = getattr(text, "head_dim", None)
     if head_dim is None and getattr(text, "hidden_size", None) and getattr(text, "num_attention_heads", None):
         head_dim = text.hidden_size // text.num_attention_heads
@@ -75,6 +79,48 @@ def context_of(model_or_config) -> int | None:
     config = getattr(model_or_config, "config", model_or_config)
     positions = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     return positions if is_python_int(positions) and positions > 0 else None
+
+
+#: a layer's ``(KV heads, head_dim)`` for keys and for values; None where not known
+Shapes = tuple[tuple[int, int] | None, tuple[int, int] | None]
+
+
+def _projects(attention: torch.nn.Module, name: str, shape: tuple[int, int]) -> bool:
+    """The attention module's projection ``name`` (``k_proj``, ``v_proj``) outputs ``heads * head_dim`` features."""
+    features = getattr(getattr(attention, name, None), "out_features", None)
+    return is_python_int(features) and features == shape[0] * shape[1]
+
+
+def written_shapes(model) -> dict[int, Shapes]:
+    """Per decoder layer of a loaded ``model``: the ``(KV heads, head_dim)`` its attention writes to the cache, for
+    keys and for values, where the config (transformers' own ``get_head_shapes``) and the layer's own ``k_proj`` /
+    ``v_proj`` agree on it. Layers without such projections (fused QKV, MLA, shared KV), with a key or value size
+    of their own (``qk_head_dim``, ``v_head_dim``), a model split by tensor parallelism, or a config alone: not
+    known (nothing to check against)."""
+    if not isinstance(model, torch.nn.Module) or (getattr(model, "_tp_size", None) or 1) > 1:
+        return {}
+    try:
+        text = model.config.get_text_config(decoder=True)
+        layer_configs = list(text.per_layer_config)
+        heads, dims = get_head_shapes(text)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return {}
+    count = len(layer_configs)
+    heads, dims = (x if isinstance(x, list) else [x] * count for x in (heads, dims))
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    found: dict[int, Shapes] = {}
+    for attention in decoder.modules() if isinstance(decoder, torch.nn.Module) else ():
+        i = getattr(attention, "layer_idx", None)
+        if not is_python_int(i) or not 0 <= i < min(count, len(heads), len(dims)) or any(
+                getattr(layer_configs[i], name, None) is not None for name in ("qk_head_dim", "v_head_dim")):
+            continue
+        shape = (heads[i], dims[i])
+        if not all(is_python_int(n) and n > 0 for n in shape):
+            continue
+        key, value = (shape if _projects(attention, name, shape) else None for name in ("k_proj", "v_proj"))
+        if key or value:
+            found[i] = (key, value) if found.get(i, (key, value)) == (key, value) else (None, None)
+    return {i: shapes for i, shapes in found.items() if shapes != (None, None)}
 
 
 def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
@@ -226,6 +272,16 @@ def _check_not_options(where: str, options: dict) -> None:
                                f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
 
 
+def _check_heads(layer: KVQuantLayer, shapes: Shapes) -> None:
+    """The layer's codecs can store the KV heads the model writes there (e.g. one per-head scale each)."""
+    for stream, name, shape in ((0, "keys", shapes[0]), (1, "values", shapes[1])):
+        if shape is not None:
+            try:
+                layer.quantizer.codecs(shape[1])[stream].check_heads(shape[0], name)
+            except KVQuantError as err:
+                raise KVQuantError(f"make_cache: layer {layer.index}: {err}") from None
+
+
 def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
     """Build a quantized cache for a decoder model (or its config).
 
@@ -243,6 +299,10 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     _check_not_options("make_cache", options)
     cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
                         context=context_of(model_or_config), **options)
+    for i, shapes in written_shapes(model_or_config).items():  # checked at each layer's first update
+        if i < len(cache.layers) and isinstance(cache.layers[i], KVQuantLayer):
+            _check_heads(cache.layers[i], shapes)
+            cache.layers[i].expected = shapes
     if is_fused(getattr(model_or_config, "config", model_or_config)):
         for layer in cache.layers:
             if isinstance(layer, KVQuantLayer):

@@ -77,6 +77,9 @@ class KVQuantLayer(CacheLayerMixin):
         self.index: int | None = None  # the layer's index in its cache (for error messages)
         self.reads: Reads | None = None  # counts what attention reads, when given a counter
         self.fused = False  # short steps return placeholders read by fused.attention (set by make_cache)
+        #: ``(KV heads, head_dim)`` the model writes, for keys and for values (None: not known), checked at the
+        #: first update (set by make_cache from the model: :func:`~kvquant.cache.build.written_shapes`)
+        self.expected: tuple[tuple[int, int] | None, tuple[int, int] | None] = (None, None)
 
     @property
     def batch(self) -> int:
@@ -123,6 +126,8 @@ class KVQuantLayer(CacheLayerMixin):
                 shown_v = f"on {v}" if what == "are on" else v
                 raise KVQuantError(f"{where}: keys {what} {k}{unit}, values {shown_v}; keys and values must {rule}"
                                    + (" (at least one)" if unit == " rows" else ""))
+        if not self.is_initialized:
+            self._check_expected(where, keys, values)
         if self.is_initialized and self.k is not None:
             for name, x, like in (("keys", keys, self.k.tail), ("values", values, self.v.tail)):
                 for what, dim in (("heads", 1), ("head_dim", 3)):
@@ -137,6 +142,16 @@ class KVQuantLayer(CacheLayerMixin):
                 if x.device != like.device:
                     raise KVQuantError(f"{where}: {name} are on {x.device}, this layer stores them on {like.device}; "
                                        "every update of a cache must be on the same device (use a new cache)")
+
+    def _check_expected(self, where: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A first update writes the ``(KV heads, head_dim)`` of the model the cache was made for (once a layer)."""
+        for name, x, shape in (("keys", keys, self.expected[0]), ("values", values, self.expected[1])):
+            if shape is not None and (x.shape[1], x.shape[3]) != shape:
+                heads, head_dim = shape
+                raise KVQuantError(f"{where}: {name} have shape {tuple(x.shape)} ({x.shape[1]} heads, head_dim "
+                                   f"{x.shape[3]}), but layer {self.index} of the model this cache was made for "
+                                   f"writes [batch, {heads}, tokens, {head_dim}] ({heads} KV heads, head_dim "
+                                   f"{head_dim}); use a cache made by make_cache for the model that writes them")
 
     def _check_positions(self, past: int, n: int, batch: int, kwargs: dict) -> None:
         if self.eviction and self.padding.mask is not None:
