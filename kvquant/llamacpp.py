@@ -29,7 +29,9 @@ of ``vendor/llama.cpp``):
   flash attention ``ggml-cpu/ops.cpp:8843-9079``): q8_0 for q8_0, q4_0, q5_0 and iq4_nl, q8_1 for q4_1 and q5_1 (same
   codes and ``d`` as q8_0; its ``s = fp16(d * sum q)`` term enters q4_1/q5_1's dot product rounded to fp16, which
   :func:`convert_query` does not reproduce), f16 for f16, bf16 for bf16. f16 K and V with 64 or more query rows take
-  the tiled path, which keeps the query in float32 (``ops.cpp:9545-9569``).
+  the tiled path, which keeps the query in float32 (``ops.cpp:9545-9569``). An f32 K or V is cast to f16 before
+  flash attention (``src/llama-graph.cpp:2650-2658``): an f32 cache reads as f16 (measured: llama.cpp's logits
+  over an f32 cache equal those over an f16 cache bit for bit), though it stores 32 bits.
 - Rotation (``src/llama-kv-cache.cpp:315-339``): a quantized K is rotated when the head size is a multiple of 64,
   by an orthonormal Walsh-Hadamard matrix of the largest power of two >= 64 dividing it (``build_input_k_rot``,
   ``:1447-1466``); a quantized V likewise, always by 64 (``build_input_v_rot``, ``:1468-1487``).
@@ -76,6 +78,8 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "iq4_
 #: ``type_traits_cpu[type].vec_dot_type``: what the query is converted to before the K dot product
 VEC_DOT_TYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0",
                 "iq4_nl": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1"}
+#: what flash attention reads a float cache as: an f32 K or V is cast to f16 first (``src/llama-graph.cpp:2650-2658``)
+READ_AS = {"f32": "f16", "f16": "f16", "bf16": "bf16"}
 #: which build of ggml-cpu's ``quantize_row_q8_0``/``q8_1`` (q8_0 caches and converted queries)
 CPU_PATHS = ("x86", "arm", "scalar")
 #: query rows from which flash attention over f16 K and V takes the tiled path (``GGML_FA_TILE_Q``, ggml-cpu/common.h:9)
@@ -263,7 +267,7 @@ def convert_query(q: torch.Tensor, query_type: str, cpu: str = "x86") -> torch.T
 #: iq4_nl's fitted ``d`` is at most ``sqrt(32) amax / 127`` (Cauchy-Schwarz with weights x^2).
 MAX_ABS = {"q8_0": FP16_MAX * 127, "q4_0": FP16_MAX * 8, "q5_0": FP16_MAX * 16, "q4_1": FP16_MAX,
            "q5_1": FP16_MAX, "iq4_nl": FP16_MAX * 127 / math.sqrt(32), "f16": FP16_MAX,
-           "bf16": torch.finfo(torch.bfloat16).max, "f32": torch.finfo(torch.float32).max}
+           "bf16": torch.finfo(torch.bfloat16).max, "f32": FP16_MAX}  # f32: read cast to f16
 
 
 @dataclass(frozen=True)
@@ -285,6 +289,8 @@ class GgmlCodec(Codec):
 
     @property
     def held(self) -> str:
+        if self.kind == "f32":
+            return "llama.cpp's f32 cache, read by flash attention cast to f16, holds"
         return f"llama.cpp's {self.kind} {'holds' if self.kind in FLOAT_TYPES else 'fp16 block scales can hold'}"
 
     @property
@@ -305,8 +311,8 @@ class GgmlCodec(Codec):
         return enc if m is None else {**enc, "zero": m.squeeze(-1)}
 
     def decode_into(self, enc, out):
-        if self.kind in FLOAT_TYPES:
-            ops.store_clamped(out, enc["payload"].float())
+        if self.kind in FLOAT_TYPES:  # f32: stored in 32 bits, read as f16 (READ_AS)
+            ops.store_clamped(out, enc["payload"].to(FLOAT_TYPES[READ_AS[self.kind]]).float())
             return
         body = enc["payload"].unflatten(-1, (enc["scale"].shape[-1], -1))
         if self.kind == "q8_0":
@@ -424,7 +430,8 @@ class LlamaCppQuantizer(Quantizer):
     def _codecs(self, head_dim):
         key_type, value_type = self.types()
         key_block, value_block = self.rotations(head_dim)
-        query = "f16_tiled" if key_type == value_type == "f16" else VEC_DOT_TYPE[key_type]
+        read_key, read_value = READ_AS.get(key_type, key_type), READ_AS.get(value_type, value_type)
+        query = "f16_tiled" if read_key == read_value == "f16" else VEC_DOT_TYPE[read_key]
         key = GgmlCodec(key_type, self.cpu, query)
         value = GgmlCodec(value_type, self.cpu, VEC_DOT_TYPE[value_type])
         return (AttnRotCodec(key, key_block) if key_block else key,

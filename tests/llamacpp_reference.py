@@ -241,3 +241,19 @@ def reference_attention(kind_query: str, block):
     AttentionInterface.register(name, attend)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return name
+
+
+def nearest_int(fval) -> int:
+    """ggml-quants.c ``nearest_int``: ``fval + 12582912.f``, the float's low 23 bits minus 0x400000."""
+    val = np.array([F32(fval) + F32(12582912.0)], dtype=F32)
+    return int((int(val.view(np.int32)[0]) & 0x007FFFFF) - 0x00400000)
+
+
+def ref_q8_k(x):
+    """quantize_row_q8_K_ref on one block of 256, then ``code * d``: the values a K-quant matmul reads."""
+    amax, top = first_absmax(x)
+    if not amax:
+        return [F32(0)] * len(x)
+    iscale = F32(F32(-127) / top)
+    d = F32(F32(1) / iscale)
+    return [F32(F32(min(127, nearest_int(F32(iscale * v)))) * d) for v in x]

@@ -207,10 +207,31 @@ def test_the_query_is_converted_to_ks_dot_product_type(name, value_type, query_t
         assert np.array_equal(got[r], np.array(ref_query_row(row, kind, block, rows_seen), dtype=F32)), r
 
 
-def test_the_bf16_and_f32_caches_read_the_query_as_bf16_and_f32():
+def test_the_bf16_cache_reads_the_query_as_bf16():
     q = torch.randn(1, 1, 2, 64)
     assert torch.equal(kvquant.get_quantizer("llamacpp_bf16").codecs(64)[0].query(q), q.bfloat16().float())
-    assert torch.equal(kvquant.get_quantizer("llamacpp_f32").codecs(64)[0].query(q), q)
+
+
+@pytest.mark.parametrize("value_type, query_type", [(None, "f16"), ("f16", "f16"), ("q8_0", "f16-always"),
+                                                    ("bf16", "f16-always")])
+@pytest.mark.parametrize("n_rows", [3, 64])
+def test_an_f32_cache_is_read_as_flash_attention_casts_it_to_f16(value_type, query_type, n_rows):
+    """llama-graph.cpp casts an f32 K or V to f16 before flash attention: the states read back rounded to f16 (they
+    are stored in 32 bits), and the query meets K as it meets an f16 K (llama.cpp's logits over an f32 cache equal
+    those over an f16 cache bit for bit: reports/llamacpp-compare)."""
+    key, value = kvquant.get_quantizer("llamacpp_f32", value_type=value_type).codecs(64)
+    x = states(64) * 1e-3 + 1.0  # float32 values f16 cannot hold exactly
+    _, read = encoded_and_read(key, x)
+    assert torch.equal(read, x.half().float()) and not torch.equal(read, x)
+    if value_type is None:
+        assert torch.equal(encoded_and_read(value, x)[1], x.half().float())
+        assert key.encode(x)["payload"].dtype == torch.float32  # 32 bits stored
+    q = torch.randn(1, 2, n_rows, 64, generator=torch.Generator().manual_seed(n_rows)) * 3
+    kind, rows_seen = ("f16", 0) if query_type == "f16-always" else (query_type, n_rows)
+    for r, row in enumerate(rows(q)):
+        assert np.array_equal(rows(key.query(q))[r], np.array(ref_query_row(row, kind, None, rows_seen), dtype=F32))
+    with pytest.raises(KVQuantError, match="f32 cache, read by flash attention cast to f16"):
+        kvquant.make_cache(config(64, layers=1), "llamacpp_f32").layers[0].update(x * 1e5, x, 0)
 
 
 # --- bytes, error, through a model ----------------------------------------------------------------------------

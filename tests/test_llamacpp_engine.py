@@ -1,0 +1,265 @@
+"""llama.cpp itself against kvquant's emulation (``kvquant/llamacpp_engine.py``, ``experiments/llamacpp_compare.py``).
+
+Bad input is refused in one line (exit 2) before any model loads, with or without llama-cpp-python; the statistics
+are checked by value on made-up data; the comparison itself runs on a slice of SmolLM2 wherever ``llama_cpp`` is
+importable (``pip install -e ".[llamacpp]"``), asserting the agreement ``reports/llamacpp-compare`` reports there.
+"""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from llamacpp_reference import F32
+
+import kvquant.models
+from kvquant import llamacpp_compare as comparison
+from kvquant import llamacpp_engine as engine
+from kvquant import llamacpp_matmul
+from kvquant.errors import KVQuantError
+from kvquant.llamacpp_engine import Setting
+from kvquant.paths import resolve
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "llamacpp_compare.py"
+STORIES_GGUF = "local:models/stories260K/stories260K.gguf"
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("llamacpp_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch, tmp_path):
+    """Loading llama.cpp's model or kvquant's (or its tokenizer) fails the test."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def trap(*args, **kwargs):
+        raise AssertionError("a model was loaded for an input that should have been refused before")
+
+    monkeypatch.setattr(comparison, "Engine", trap)
+    monkeypatch.setattr(kvquant.models, "load_model", trap)
+    monkeypatch.setattr(kvquant.models, "load_tokenizer", trap)
+
+
+def refused(capsys, argv) -> str:
+    code = script().main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llamacpp_compare: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# --- bad input: one line, exit 2, nothing loaded ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("types, needle", [
+    ("q3_k", "cache type 'q3_k' is not a quantized type llama.cpp allows"),
+    ("q8_0,f16", "cache type 'f16' is not a quantized type"),
+    ("Q4_0", "cache type 'Q4_0' is not"),
+])
+def test_a_type_llama_cpp_does_not_allow_is_refused(capsys, nothing_loads, types, needle):
+    assert needle in refused(capsys, ["--model", "smollm2", "--types", types])
+
+
+def test_rotation_at_a_head_size_llama_cpp_cannot_rotate_is_refused(capsys, nothing_loads, monkeypatch):
+    monkeypatch.setattr(comparison, "gguf_metadata", lambda path: {"head_dim": 96, "add_bos": False, "bos": 1})
+    line = refused(capsys, ["--model", "smollm2", "--types", "q8_0", "--rotation", "on"])
+    assert "rotates only head sizes that are multiples of 64" in line and "not head_dim 96" in line
+    # the same head size unrotated is what llama.cpp stores: allowed (it goes on to need llama_cpp)
+    engine.check_settings([Setting("q8_0", False)], 96)
+
+
+@pytest.mark.parametrize("head_dim, needle", [(96, "not head_dim 96"), (160, "not head_dim 160"),
+                                              (8, "not a multiple of llama.cpp's blocks of 32")])
+def test_check_settings_refuses_what_llama_cpp_would_not_do(head_dim, needle):
+    with pytest.raises(KVQuantError, match=needle):
+        engine.check_settings([Setting("q4_0", True)], head_dim)
+    for d in (64, 128, 192, 256):
+        engine.check_settings([Setting(kind, rot) for kind in engine.QUANTIZED for rot in (True, False)], d)
+
+
+def test_a_head_size_that_is_not_a_multiple_of_32_is_refused_from_the_gguf(capsys, nothing_loads):
+    line = refused(capsys, ["--model", resolve(STORIES_GGUF), "--types", "q8_0", "--rotation", "off"])
+    assert "head_dim 8 is not a multiple of llama.cpp's blocks of 32" in line
+
+
+def test_a_missing_llama_cpp_package_is_one_line(capsys, nothing_loads, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    line = refused(capsys, ["--model", "smollm2", "--types", "q8_0"])
+    assert "llama-cpp-python is not installed" in line and 'pip install -e ".[llamacpp]"' in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "llama-70b"], "--model 'llama-70b': a known model (smollm2, gemma3) or a .gguf file"),
+    (["--model", "smollm2", "--rotation", "maybe"], "--rotation 'maybe': on, off or on,off"),
+    (["--model", "smollm2", "--windows", "0"], "--windows must be an integer >= 1"),
+    (["--model", "smollm2", "--length", "16"], "--length must be an integer >= 32"),
+    (["--model", "/nonexistent/x.gguf"], "/nonexistent"),
+])
+def test_other_bad_arguments_are_one_line(capsys, nothing_loads, argv, needle):
+    assert needle in refused(capsys, argv)
+
+
+def test_a_damaged_gguf_is_one_line(capsys, nothing_loads, tmp_path):
+    bad = tmp_path / "damaged.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    assert "not a readable GGUF file" in refused(capsys, ["--model", str(bad), "--types", "q8_0"])
+
+
+# --- the pieces, by value -------------------------------------------------------------------------------------
+
+
+def test_the_gguf_header_gives_head_size_and_bos():
+    meta = engine.gguf_metadata(engine.model_spec("smollm2")[1])
+    assert meta == {"architecture": "llama", "head_dim": 64, "add_bos": False, "bos": 1}
+
+
+def test_the_rotation_switch_is_set_only_while_a_context_is_made(monkeypatch):
+    monkeypatch.setenv(engine.ROT_ENV, "0")
+    with engine.rotation_env(False):
+        assert os.environ[engine.ROT_ENV] == "1"
+    with engine.rotation_env(True):
+        assert engine.ROT_ENV not in os.environ
+    assert os.environ[engine.ROT_ENV] == "0"
+    monkeypatch.delenv(engine.ROT_ENV)
+    with engine.rotation_env(False):
+        pass
+    assert engine.ROT_ENV not in os.environ
+
+
+def test_divergence_is_kl_of_the_softmaxes_and_top1_agreement():
+    rng = np.random.default_rng(0)
+    p, q = torch.tensor(rng.normal(size=(70, 50))), torch.tensor(rng.normal(size=(70, 50)))
+    kl, same = engine.divergence(p.float(), q.float())
+    a, b = torch.softmax(p.float().double(), -1).numpy(), torch.softmax(q.float().double(), -1).numpy()
+    assert np.allclose(kl, (a * np.log(a / b)).sum(-1), rtol=1e-9, atol=1e-12)
+    assert np.array_equal(same, a.argmax(-1) == b.argmax(-1))
+    zero, all_same = engine.divergence(p.float(), p.float())
+    assert np.all(zero == 0) and all_same.all()
+
+
+def test_block_sums_cut_each_window_on_its_own():
+    sums = comparison.block_sums([np.arange(5.0), np.ones(3)], 2)
+    assert sums.tolist() == [[1, 2], [5, 2], [4, 1], [2, 2], [1, 1]]
+
+
+def made_up(values: dict[str, tuple[float, float]], positions: int = 256, windows: int = 2) -> dict:
+    """Per label: llama.cpp's and kvquant's KL drawn around the given means (exponential, seeded)."""
+    rng = np.random.default_rng(1)
+    found = {}
+    for label, means in values.items():
+        found[label] = {side: {"kl": [rng.exponential(m, positions) for _ in range(windows)],
+                               "top1": [np.ones(positions, bool)] * windows} for side, m in zip(engine.SIDES, means)}
+    return found
+
+
+def test_the_rows_verdicts_and_checks_by_value():
+    settings = [Setting("q8_0", True), Setting("q4_0", True), Setting("q8_0", False), Setting("q4_0", False),
+                Setting("q5_0", True), Setting("q5_0", False)]
+    found = made_up({"q8_0 rot on": (0.004, 0.0041), "q4_0 rot on": (0.05, 0.03), "q8_0 rot off": (0.005, 0.0002),
+                     "q4_0 rot off": (0.15, 0.16), "q5_0 rot on": (0.0005, 0.0001), "q5_0 rot off": (0.04, 0.00005)})
+    rows, draws = comparison.summarize(found, settings)
+    by = {r.setting.label: r for r in rows}
+    for r in rows:
+        both = [np.concatenate(found[r.setting.label][side]["kl"]).mean() for side in engine.SIDES]
+        assert r.kl["llamacpp"][0] == pytest.approx(both[0]) and r.kl["kvquant"][0] == pytest.approx(both[1])
+        assert r.kl["llamacpp"][1] < r.kl["llamacpp"][0] < r.kl["llamacpp"][2]
+        assert r.ratio[0] == pytest.approx(both[1] / both[0]) and r.ratio[1] < r.ratio[0] < r.ratio[2]
+    assert by["q8_0 rot on"].within and by["q4_0 rot off"].within
+    assert not by["q4_0 rot on"].within and not by["q8_0 rot off"].within  # 0.6x and 0.04x
+    assert not by["q5_0 rot on"].gated  # llama.cpp's KL below 1e-3: no target
+    checks = comparison.verdicts(rows, draws)
+    assert not checks["within"]
+    on, off = checks["orders"]["on"], checks["orders"]["off"]
+    assert on["orders"] == {"llamacpp": ["q5_0", "q8_0", "q4_0"], "kvquant": ["q5_0", "q8_0", "q4_0"]} and on["same"]
+    assert off["orders"] == {"llamacpp": ["q8_0", "q5_0", "q4_0"], "kvquant": ["q5_0", "q8_0", "q4_0"]}
+    assert off["swapped"] == [{"pair": ("q8_0", "q5_0"), "llamacpp_separates": True}]
+    assert checks["rotation"]["q4_0"]["llamacpp"] < 0 and checks["rotation"]["q4_0"]["kvquant"] < 0
+    assert checks["rotation"]["q5_0"]["llamacpp"] < 0 < checks["rotation"]["q5_0"]["kvquant"]
+    assert not checks["rotation_same_direction"]
+    text = comparison.summary_text(rows, checks)
+    assert "| q4_0 | on |" in text and "**missed**" in text and "target: not met" in text
+
+
+def test_a_swap_llama_cpp_cannot_separate_is_named_as_noise():
+    settings = [Setting("q4_1", True), Setting("iq4_nl", True)]
+    found = made_up({"q4_1 rot on": (0.0400, 0.041), "iq4_nl rot on": (0.0401, 0.039)})
+    rows, draws = comparison.summarize(found, settings)
+    check = comparison.order_check(rows, draws, True)
+    assert not check["same"] and check["swapped"][0]["pair"] == ("q4_1", "iq4_nl")
+    assert not check["swapped"][0]["llamacpp_separates"] and check["same_where_llamacpp_separates"]
+
+
+# --- llama.cpp's matmuls: activations quantized to the weight's dot-product type, by value ----------------------
+
+
+def activation_rows(d: int, n: int = 4) -> torch.Tensor:
+    """``[n, d]`` float32: Gaussian rows with a rounding tie for q8_0 (amax 127, x = 2.5) and q8_K (max -127),
+    an all-zero block and one whose largest magnitude appears with both signs."""
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(d)) * 2
+    x[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])
+    x[1, :32] = 0.0
+    x[2, :256 if d >= 256 else 32] = 0.0
+    x[2, :3] = torch.tensor([5.0, -5.0, 1.5])
+    x[3] = x[3] * 1e-3
+    x[3, 7] = -127.0 * 1e-3
+    return x
+
+
+def test_q8_0_and_q8_1_activations_are_what_ggml_quantizes():
+    from llamacpp_reference import ref_dequantize, ref_q8_0
+
+    x = activation_rows(96)
+    for kind in ("q8_0", "q8_1"):  # q8_1's codes and d are q8_0's; its s is not used by value here
+        got = llamacpp_matmul.activations(x, kind).numpy()
+        for r, row in enumerate(x.numpy().astype(F32)):
+            want = [v for b in range(3) for v in ref_dequantize("q8_0", ref_q8_0(row[b * 32: b * 32 + 32], "x86")[0])]
+            assert np.array_equal(got[r], np.array(want, dtype=F32)), (kind, r)
+
+
+def test_q8_k_activations_are_quantize_row_q8_k_ref():
+    from llamacpp_reference import ref_q8_k
+
+    x = activation_rows(512)
+    got = llamacpp_matmul.activations(x, "q8_K").numpy()
+    for r, row in enumerate(x.numpy().astype(F32)):
+        want = ref_q8_k(row[:256]) + ref_q8_k(row[256:])
+        assert np.array_equal(got[r], np.array(want, dtype=F32)), r
+    assert np.all(got[2, :256][3:] == 0) and got[2, 0] == 5.0  # max = +5 (first of equal magnitudes): -127 codes
+
+
+def test_float_weights_read_float_activations():
+    x = activation_rows(64).double()
+    assert torch.equal(llamacpp_matmul.activations(x.float(), "f16"), x.float().half().float())
+    assert torch.equal(llamacpp_matmul.activations(x.float(), "bf16"), x.float().bfloat16().float())
+    assert torch.equal(llamacpp_matmul.activations(x.float(), "f32"), x.float())
+
+
+def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
+    import transformers
+
+    gguf = engine.model_spec("smollm2")[1]
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    types = llamacpp_matmul.weight_types(gguf, linear)
+    assert types.pop("lm_head") == "Q8_0"  # tied: token_embd
+    assert len(types) == 14 and set(types.values()) == {"Q4_1"}
+    handles = llamacpp_matmul.emulate_matmuls(model, gguf)
+    x = activation_rows(64)
+    q_proj, down = model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj
+    assert torch.equal(q_proj(x), torch.nn.functional.linear(llamacpp_matmul.activations(x, "q8_1"), q_proj.weight))
+    h = torch.randn(4, 96)
+    assert torch.equal(down(h), torch.nn.functional.linear(llamacpp_matmul.activations(h, "q8_1"), down.weight))
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(q_proj(x), torch.nn.functional.linear(x, q_proj.weight))
