@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 
 import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
@@ -91,6 +92,10 @@ def _projects(attention: torch.nn.Module, name: str, shape: tuple[int, int]) -> 
     return is_python_int(features) and features == shape[0] * shape[1]
 
 
+#: :func:`written_shapes` of each model, read once (make_cache runs per batch; a loaded model keeps its shapes)
+_WRITTEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def written_shapes(model) -> dict[int, Shapes]:
     """Per decoder layer of a loaded ``model``: the ``(KV heads, head_dim)`` its attention writes to the cache, for
     keys and for values, where the config (transformers' own ``get_head_shapes``) and the layer's own ``k_proj`` /
@@ -99,6 +104,13 @@ def written_shapes(model) -> dict[int, Shapes]:
     known (nothing to check against)."""
     if not isinstance(model, torch.nn.Module) or (getattr(model, "_tp_size", None) or 1) > 1:
         return {}
+    if model not in _WRITTEN:
+        _WRITTEN[model] = _read_shapes(model)
+    return dict(_WRITTEN[model])
+
+
+def _read_shapes(model: torch.nn.Module) -> dict[int, Shapes]:
+    """:func:`written_shapes`, read from the model's config and modules."""
     try:
         text = model.config.get_text_config(decoder=True)
         layer_configs = list(text.per_layer_config)
@@ -299,9 +311,12 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     _check_not_options("make_cache", options)
     cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
                         context=context_of(model_or_config), **options)
+    checked = set()  # (quantizer, shapes) whose codecs were checked: once for the layers sharing them
     for i, shapes in written_shapes(model_or_config).items():  # checked at each layer's first update
         if i < len(cache.layers) and isinstance(cache.layers[i], KVQuantLayer):
-            _check_heads(cache.layers[i], shapes)
+            if (id(cache.layers[i].quantizer), shapes) not in checked:
+                _check_heads(cache.layers[i], shapes)
+                checked.add((id(cache.layers[i].quantizer), shapes))
             cache.layers[i].expected = shapes
     if is_fused(getattr(model_or_config, "config", model_or_config)):
         for layer in cache.layers:
