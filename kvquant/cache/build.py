@@ -115,11 +115,11 @@ def _read_shapes(model: torch.nn.Module) -> dict[int, Shapes]:
         text = model.config.get_text_config(decoder=True)
         layer_configs = list(text.per_layer_config)
         heads, dims = get_head_shapes(text)
-    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError, NotImplementedError):
         return {}
     count = len(layer_configs)
     heads, dims = (x if isinstance(x, list) else [x] * count for x in (heads, dims))
-    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
     found: dict[int, Shapes] = {}
     for attention in decoder.modules() if isinstance(decoder, torch.nn.Module) else ():
         i = getattr(attention, "layer_idx", None)
