@@ -374,32 +374,48 @@ DISTRIBUTION_ELEMENTS = 2**28
 
 def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window], desc: str | None = None) -> dict:
     """Per window: the per-token KL divergence ``KL(baseline || candidate)`` of the next-token distributions (nats,
-    ``kl[w][t]``), how many positions keep the baseline's most likely token (``top1``), and the positions
-    (``tokens``). Windows go through both scorers a few at a time, so at most :data:`DISTRIBUTION_ELEMENTS`
-    log-probabilities per scorer are held (never a run's logits). Under several processes each compares the
-    windows it scored (both scorers share requests out alike) and only the comparisons are gathered."""
-    baseline.distributions = candidate.distributions = True
-    found: dict[int, tuple[list[float], int, int]] = {}
+    ``kl[w][t]``), how many positions keep the baseline's most likely token (``top1``), the positions (``tokens``)
+    and the candidate's summed negative log-likelihood of the window's tokens (``nll``: its perplexity, from the
+    same scoring). :func:`divergences` of one candidate."""
+    return divergences(baseline, [candidate], windows, desc)[0]
+
+
+def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window],
+                desc: str | None = None) -> list[dict]:
+    """:func:`divergence_samples` of every candidate scorer against one baseline pass: windows go through the
+    baseline a few at a time, then through each candidate, so at most :data:`DISTRIBUTION_ELEMENTS` log-probabilities
+    per scorer are held at once (two scorers' worth: never a run's logits), and the baseline is scored once for all
+    of them. Under several processes each compares the windows it scored (the scorers share requests out alike) and
+    only the comparisons are gathered."""
+    scorers = [baseline, *candidates]
+    for scorer in scorers:
+        scorer.distributions = True
+    found: list[dict[int, tuple[list[float], int, int, float]]] = [{} for _ in candidates]
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
     try:
         longest = max((len(c) for _, c in requests), default=1)
         step = max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab))
         for start in tqdm(range(0, len(requests), step), desc=desc, leave=False,
-                          disable=desc is None or not candidate.processes.main):
+                          disable=desc is None or not baseline.processes.main):
             group = requests[start : start + step]
-            pairs = zip(baseline.score_many(group, local=True), candidate.score_many(group, local=True))
-            for i, (ref, got) in enumerate(pairs, start):
-                if (ref is None) != (got is None):
-                    raise InternalError("the baseline and the candidate scorer shared their requests out differently")
-                if ref is not None:
-                    found[i] = _compare(ref.distribution, got.distribution)
+            reference = baseline.score_many(group, local=True)
+            for own, candidate in zip(found, candidates):
+                for i, (ref, got) in enumerate(zip(reference, candidate.score_many(group, local=True)), start):
+                    if (ref is None) != (got is None):
+                        raise InternalError("the baseline and a candidate scorer shared their requests out differently")
+                    if ref is not None:
+                        own[i] = (*_compare(ref.distribution, got.distribution), float(-got.logprobs.double().sum()))
     finally:
-        baseline.distributions = candidate.distributions = False
-    for part in candidate.processes.gather(found):
-        found.update(part)
-    kl, top1, tokens = zip(*(found[i] for i in range(len(requests)))) if requests else ((), (), ())
-    return {"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "reads": candidate.reads.to_dict(),
-            "lengths": candidate.lengths}
+        for scorer in scorers:
+            scorer.distributions = False
+    out = []
+    for own, candidate in zip(found, candidates):
+        for part in candidate.processes.gather(own):
+            own.update(part)
+        kl, top1, tokens, nll = zip(*(own[i] for i in range(len(requests)))) if requests else ((),) * 4
+        out.append({"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "nll": list(nll),
+                    "reads": candidate.reads.to_dict(), "lengths": candidate.lengths})
+    return out
 
 
 def vocabulary(model) -> int:
@@ -426,5 +442,5 @@ def memory_probe(model, make_cache: Callable[[], KVQuantCache], ids: list[int]) 
     """``memory_report()`` of a cache after ``ids`` went through it."""
     cache = make_cache()
     device = model.get_input_embeddings().weight.device
-    model(torch.tensor([ids], device=device), cache=cache, use_cache=True)
+    model(torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)  # the last position only
     return cache.memory_report()

@@ -23,13 +23,16 @@ from . import data, parallel
 from .cache import make_cache, simulate_memory
 from .config import Candidate, ExperimentConfig
 from .errors import KVQuantError
-from .evaluate import Scorer, divergence_samples, memory_probe, perplexity_samples
+from .evaluate import Scorer, divergences, memory_probe, perplexity_samples
 from .models import max_length
 from .results import LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, perplexity_outcomes, task_outcomes
 from .tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks, resolve_task,
                     task_data_digest, task_manager)
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
+#: Candidates compared with the baseline's next-token distributions in one pass of it over the windows: the baseline
+#: is scored once for them all, not once per candidate (an interrupted run recomputes at most one such group).
+SHARED_BASELINE = 4
 
 
 def shares_prefix(candidate: Candidate) -> bool:
@@ -159,6 +162,10 @@ class Session:
         probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
                                                                       "eval.tasks.names")))
+        #: the candidates :func:`measure` will measure, in order (divergences share the baseline's scoring), and
+        #: the divergence results computed ahead of their candidate's turn: (label, metric/windows) -> result
+        self.ahead: list[Candidate] = []
+        self.waiting: dict[tuple[str, str], dict] = {}
 
     def measure(self, candidate: Candidate, split: Split, label: str | None = None, tasks: bool = True,
                 probe: list[int] | None = None, divergence: bool | None = None) -> Measured:
@@ -172,11 +179,14 @@ class Session:
                "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
                "max_length": self.maxlen, "split": split.name, "settings": settings,
                **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
-        outcomes = [self._perplexity(candidate, label, key, self._scorer(candidate), name, ws, split.progress)
-                    for name, ws in split.windows.items()]
-        if candidate is not BASELINE and (split.name == "evaluation" if divergence is None else divergence):
-            for name, ws in split.windows.items():
-                outcomes += self._divergence(candidate, label, key, name, ws, split.progress)
+        divergent = candidate is not BASELINE and (split.name == "evaluation" if divergence is None else divergence)
+        outcomes, compared = [], []
+        for name, ws in split.windows.items():
+            raw = self._divergence(candidate, label, key, name, ws, split.progress) if divergent else None
+            outcomes.append(self._perplexity(candidate, label, key, name, ws, split.progress, raw))
+            if raw is not None:
+                compared += divergence_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in ws]))
+        outcomes += compared
         for task, documents in (split.documents.items() if tasks else ()):
             chunks = [self._task(candidate, label, key, task, documents)]
             chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
@@ -185,12 +195,17 @@ class Session:
         memory = self._memory(candidate, label, key, make, settings, probe) if probe else None
         return Measured(label, tuple(outcomes), memory)
 
-    def _perplexity(self, candidate, label, key, scorer, name: str, windows: list[data.Window],
-                    progress: bool) -> Outcomes:
+    def _perplexity(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool,
+                    compared: dict | None = None) -> Outcomes:
+        """Perplexity of a set, window by window; from the scoring that ``compared`` it with the baseline (a
+        :func:`divergences` result) where there is one, else scored for itself."""
         ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
         desc = f"{label} {name}" if progress else None
-        raw = self.store.get_or_compute(label, f"ppl/{name}", {**key, "windows": ids},
-                                        lambda: perplexity_samples(scorer, windows, desc=desc))
+        if compared is not None and "nll" in compared:
+            compute = lambda: {k: compared[k] for k in ("nll", "tokens", "reads", "lengths")}  # noqa: E731
+        else:
+            compute = lambda: perplexity_samples(self._scorer(candidate), windows, desc=desc)  # noqa: E731
+        raw = self.store.get_or_compute(label, f"ppl/{name}", {**key, "windows": ids}, compute)
         if candidate is BASELINE:
             check_baseline_finite(raw["nll"], self.cfg, f"perplexity {name!r}")
         return perplexity_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in windows]))
@@ -202,15 +217,27 @@ class Session:
                       cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
                       share_prefix=shares_prefix(candidate), processes=self.processes)
 
-    def _divergence(self, candidate, label, key, name: str, windows: list[data.Window],
-                    progress: bool) -> list[Outcomes]:
-        """KL divergence from the baseline's next-token distributions on a perplexity set, window by window."""
+    def _divergence(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool) -> dict:
+        """KL divergence from the baseline's next-token distributions on a perplexity set, window by window (and
+        the candidate's log-likelihood from the same scoring): the raw result."""
         ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
-        scorers = [self._scorer(BASELINE), self._scorer(candidate)]
         desc = f"{label} {name} divergence" if progress else None
-        raw = self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
-                                        lambda: divergence_samples(*scorers, windows, desc=desc))
-        return divergence_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in windows]))
+        return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
+                                         lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc))
+
+    def _compared(self, candidate, label, what: str, windows: list[data.Window], desc: str | None) -> dict:
+        """``candidate``'s divergence result on ``windows``: computed beside up to :data:`SHARED_BASELINE` - 1
+        of the candidates :attr:`ahead` of it, which share the baseline's scoring (each result waits in
+        :attr:`waiting` until its candidate is measured), or taken from there."""
+        if (label, what) in self.waiting:
+            return self.waiting.pop((label, what))
+        later = [c for c in self.ahead[self.ahead.index(candidate) + 1 :] if (c.label, what) not in self.waiting] \
+            if label == candidate.label and candidate in self.ahead else []
+        group = [candidate, *later[: SHARED_BASELINE - 1]]
+        raws = divergences(self._scorer(BASELINE), [self._scorer(c) for c in group], windows, desc)
+        for other, raw in zip(group[1:], raws[1:]):
+            self.waiting[(other.label, what)] = raw
+        return raws[0]
 
     def _bits(self, candidate, lengths: list[int]) -> float:
         """Bits per element this cache stores at the median of ``lengths`` tokens (its own code, shapes only)."""
@@ -261,4 +288,8 @@ def measure(session: Session, candidates: list[Candidate], rows: dict[str, list[
     ``rows``: the text of every perplexity set, read by preflight."""
     split = evaluation_split(session.cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(session.cfg, split, session.tokenizer, session.maxlen)
-    return {c.label: session.measure(c, split, probe=probe) for c in [BASELINE, *candidates]}
+    session.ahead = list(candidates)
+    try:
+        return {c.label: session.measure(c, split, probe=probe) for c in [BASELINE, *candidates]}
+    finally:
+        session.ahead, session.waiting = [], {}

@@ -11,6 +11,8 @@
   holds a few windows' distributions, never a run's.
 """
 
+import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -303,6 +305,19 @@ def test_a_forward_projects_at_most_logit_elements(monkeypatch):
     assert scorer(model, "fp16", batch_size=16).rows_per_batch(511) == 4  # Gemma 3: 4 x 511 x 262,144 <= 2**29
 
 
+def test_the_memory_probe_projects_one_position():
+    """memory_probe measures the cache after its tokens; their logits are never used, so only the last position is
+    projected (Gemma 3: 512 x 262,144 logits, 0.5 GiB and a fifth of a window's compute, saved per candidate)."""
+    model = gemma()
+    projected = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.shape[:-1].numel()))
+    try:
+        report = evaluate.memory_probe(model, lambda: kvquant.make_cache(model, "int8"), list(range(40)))
+    finally:
+        hook.remove()
+    assert projected == [1] and report["tokens"] == 40
+
+
 def test_a_kl_comparison_holds_a_few_windows_never_a_runs(monkeypatch):
     """With room for one window's distributions per scorer, every scoring call of the comparison scores one
     window (6 calls each), and the divergences are those of all windows at once."""
@@ -334,3 +349,60 @@ def test_divergences_are_computed_a_few_positions_at_a_time():
     p, q = ref.double().log_softmax(-1), got.double().log_softmax(-1)
     assert kl == (p.exp() * (p - q)).sum(-1).clamp(min=0).tolist()
     assert same == int((p.argmax(-1) == q.argmax(-1)).sum()) and n == 150 > evaluate.SOFTMAX_ROWS
+
+
+SHARED = """
+name: shared
+output_dir: {out}
+candidates:
+  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
+  - {{quantizer: int4, name: int4, options: {{group_size: 32, residual_length: 0}}}}
+  - {{quantizer: fp8_e4m3, name: fp8, options: {{residual_length: 0}}}}
+eval:
+  memory_probe_tokens: 64
+  perplexity:
+    - {{name: stories, source: local:text/tinystories/validation-first1000.jsonl, limit: 3, max_length: 64}}
+gate: {{bootstrap: 1000, max_kl_divergence: 0.05, perplexity: [stories]}}
+"""
+
+
+def test_candidates_compared_in_one_baseline_pass_measure_what_one_pass_each_measures():
+    """divergences() of three candidates against one pass of the baseline equals each compared alone, to the last
+    bit, and scores the baseline once per group of windows instead of once per candidate."""
+    model = gemma()
+    ws = windows(4, 24)
+    names = ("int8", "int4", "fp8_e4m3")
+    alone = [divergence_samples(scorer(model, "fp16", chunk_size=24), scorer(model, n, chunk_size=24), ws)
+             for n in names]
+    base = scorer(model, "fp16", chunk_size=24)
+    calls, score_many = [], base.score_many
+    base.score_many = lambda group, *a, **k: calls.append(len(group)) or score_many(group, *a, **k)
+    together = evaluate.divergences(base, [scorer(model, n, chunk_size=24) for n in names], ws)
+    assert together == alone and calls == [4]
+    assert all(len(r["nll"]) == 4 and min(r["nll"]) > 0 for r in together)
+
+
+@pytest.mark.slow
+def test_the_runner_shares_the_baseline_pass_and_takes_perplexity_from_it(tmp_path, monkeypatch):
+    """Three candidates, one pass of the baseline over the windows (SmolLM2 and Gemma: a third and two thirds
+    fewer forwards per window and candidate); each candidate's perplexity is the log-likelihood of the very scoring
+    that compared it (its KL result's ``nll``)."""
+    import kvquant.measure
+
+    passes = []
+
+    def counted(baseline, candidates, *args, **kwargs):
+        passes.append(len(candidates))
+        return evaluate.divergences(baseline, candidates, *args, **kwargs)
+
+    monkeypatch.setattr(kvquant.measure, "divergences", counted)
+    path = tmp_path / "shared.yaml"
+    path.write_text(SHARED.format(out=tmp_path / "reports"))
+    assert kvquant.run.main([str(path)]) in (0, 1, 4)
+    assert passes == [3]
+    folder = tmp_path / "reports" / "shared"
+    for cand in json.loads((folder / "results.json").read_text())["candidates"]:
+        saved = json.loads((folder / "partial" / cand["name"] / "kl__stories.json").read_text())["result"]
+        ppl = cand["metrics"]["ppl/stories"]
+        assert len(saved["nll"]) == len(saved["tokens"]) == ppl["n"] == 3
+        assert ppl["value"] == pytest.approx(math.exp(sum(saved["nll"]) / sum(saved["tokens"])), rel=1e-12)
