@@ -6,6 +6,8 @@ zero points are stored in fp16 by default (two bytes each), fp32 on request; ari
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -132,12 +134,19 @@ def hadamard_rotation(head_dim: int, seed: int) -> torch.Tensor:
     ``s`` (from ``seed``) times normalized Hadamard blocks of the largest power of two dividing ``head_dim`` (the
     whole head_dim where it is a power of two; 80 -> blocks of 16). States ``x [..., D]`` are rotated as
     ``x @ R`` and restored as ``y @ R.T``."""
+    block = head_dim & -head_dim
+    h = _hadamard_block(block)
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
+    return signs[:, None] * (h if block == head_dim else torch.block_diag(*[h] * (head_dim // block)))
+
+
+@functools.lru_cache(maxsize=4)
+def _hadamard_block(block: int) -> torch.Tensor:
+    """The normalized ``[block, block]`` Hadamard matrix (Sylvester's), float64; built once per size (every codec
+    builds its rotation, and the planner one per layers entry). Shared: never modify it in place."""
     from scipy.linalg import hadamard
 
-    block = head_dim & -head_dim
-    h = torch.from_numpy(hadamard(block)).double() / block**0.5
-    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
-    return signs[:, None] * torch.block_diag(*[h] * (head_dim // block))
+    return torch.from_numpy(hadamard(block)).double() / block**0.5
 
 
 def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
     python -m kvquant.plan --model llama-3.1-8b --context 32768 --gpu-memory 80GB --cache fp16 --cache int4
     python -m kvquant.plan --model llama-2-70b --context 32768 --batch 1 --cache fp16 --json
 
-KV bytes come from kvquant's own cache code (each kind of layer written once on meta tensors: shapes, no data, its
-storage rules then applied to any context, and each answer checked against a full simulation), so a plan counts
+KV bytes come from kvquant's own cache code (each quantizer written once, on zeros or on meta tensors, its storage
+rules then applied to any context, and each answer checked against a full run of the cache code), so a plan counts
 what a cache really stores: payload, scales, zero points, residual and sink windows, incomplete groups; fp16, bf16
 and fp32 are the identity quantizer at that dtype. Sliding-window layers stop growing at their window. Every size
 has a bound (docs/planner.md), so every plan takes seconds.
@@ -69,7 +69,7 @@ def build_plan(args) -> dict:
     for text in args.cache or DEFAULT_SETTINGS:
         name = text.partition(":")[0]
         planner = Planner(shape, parse_setting(text), FULL_PRECISION.get(name, getattr(torch, args.dtype)), kinds_left)
-        kinds_left -= planner.probes
+        kinds_left -= planner.layer_kinds
         mem = planner.memory(args.batch, args.context)
         row = {"cache": text, "settings": planner.settings, "kv_bytes": int(mem["total_bytes"]),
                "bytes_per_token": mem["total_bytes"] / (args.batch * args.context),

@@ -1,7 +1,7 @@
 """Model shapes and the KV-bytes arithmetic on them: what a decoder's cache depends on (layers and their
 attention windows, KV heads, head_dim), read from a transformers config or a table of known architectures, each
 size within :data:`SIZE_BOUNDS`, and :class:`Planner`, the bytes for any batch and context from each layer's
-storage rules (:mod:`kvquant.plan_cost`, read off kvquant's own cache code run on meta tensors: shapes, no data).
+storage rules (:mod:`kvquant.plan_cost`, read off kvquant's own cache code run on zeros or on meta tensors).
 ``python -m kvquant.plan`` is the command around it; the runner uses it to check candidates before a model loads.
 """
 
@@ -20,7 +20,7 @@ from .cache import attention_layout, simulate_memory
 from .cache.memory import summarize
 from .config import load_yaml
 from .errors import InternalError, KVQuantError, check_int, is_python_int, one_line
-from .plan_cost import MEMORY_KEYS, layer_costs
+from .plan_cost import MEMORY_KEYS, layer_costs, written
 from .quantizers import available_quantizers
 
 FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -263,7 +263,7 @@ class Planner:
         if not self.layers:
             raise KVQuantError(f"{shape.name}: no layer stores a KV cache (every layer reuses another's)")
         self.kinds = Counter(self.layers.values())  # LayerCost -> how many layers follow it
-        self.probes = len({id(cost) for cost in self.layers.values()})  # kinds of layer written through the cache
+        self.layer_kinds = len({id(cost) for cost in self.layers.values()})  # one LayerCost per kind of layer
         self.steady = max(cost.steady for cost in self.kinds)  # from here the bytes repeat every `period` tokens
         self.period = math.lcm(*(cost.block for cost in self.kinds))
 
@@ -288,20 +288,19 @@ class Planner:
         return batch * (totals["payload_bytes"] + totals["scale_bytes"] + totals["full_precision_bytes"])
 
     def verify(self, context: int) -> None:
-        """The arithmetic against kvquant's cache code, run in full on meta tensors (``simulate_memory``, one
-        write per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes'
-        repeat (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
+        """The arithmetic against kvquant's cache code, run in full (:func:`kvquant.plan_cost.written`, one write
+        per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes' repeat
+        (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
         :data:`VERIFY_TOKENS`. A difference is a kvquant bug (exit 3), never an answer. ``python -m kvquant.plan``
         checks each setting's final answer so."""
         tokens = context if context < self.steady else self.steady + (context - self.steady) % self.period
         if tokens > VERIFY_TOKENS or tokens <= 0:
             return
-        real = simulate_memory(self.shape.layout, self.settings, batch=1, kv_heads=self.shape.kv_heads,
-                               head_dim=self.shape.head_dim, tokens=tokens, dtype=self.dtype)
-        mine = self._totals(tokens)
-        if any(real[key] != mine[key] for key in MEMORY_KEYS):
-            raise InternalError(f"the planner's arithmetic gives {mine} at {tokens} tokens, the cache code "
-                                f"{ {key: real[key] for key in MEMORY_KEYS} }; please report this")
+        real = written(self.shape.layout, self.settings, self.shape.kv_heads, self.shape.head_dim, self.dtype, tokens)
+        for i, cost in self.layers.items():
+            if cost.memory(tokens) != real[i]:
+                raise InternalError(f"the planner's arithmetic gives {cost.memory(tokens)} for layer {i} at {tokens} "
+                                    f"tokens, the cache code {real[i]}; please report this")
 
     def max_batch(self, context: int, available: int) -> int:
         """Every stored tensor has a batch dimension, so bytes are linear in the batch."""

@@ -3,9 +3,10 @@ and no input whose work grows with its sizes; the planner's arithmetic equals kv
 
 Refusals run in-process through ``kvquant.plan.main(argv)``: exit 2 with one line naming the value and its bound.
 The work a plan does is bounded by counting what goes through the cache code (``KVQuantLayer.update``: calls and
-tokens), not by timing it; the timings are in reports/planner_speed.
+tokens, and on which device), not by timing it; the timings are in reports/planner_speed.
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -13,14 +14,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvquant import plan
-from kvquant.cache.build import simulate_memory
+from kvquant import ops, plan, plan_cost
+from kvquant.cache.build import build_cache, simulate_memory
 from kvquant.cache.layer import KVQuantLayer
+from kvquant.cache.memory import summarize
+from kvquant.quantizers import available_quantizers
 
 ROOT = Path(__file__).parents[1]
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100}
 MISTRAL = {**LLAMA, "model_type": "mistral", "sliding_window": 40}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """PyTorch on one thread for this file, as the planner runs its writes: the references below run the cache code
+    on small CPU tensors, whose ops split over threads wait for each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def assert_refused(capsys, argv: list[str], needle: str) -> None:
@@ -123,6 +136,10 @@ SIZE_CASES = [
     ("token-group-1e6", ["--cache", "int4:key_group_size=1000000"], "units span 1,000,000 tokens"),
     ("token-groups-lcm", ["--cache", "{quantizer: int4, value_axis: channel, key_group_size: 1024, "
                                      "value_group_size: 1023}"], "units span 1,047,552 tokens"),
+    # each kind of layer is no longer written on its own: an importance policy's window is still checked for each
+    ("importance-window", ["--cache", "{quantizer: int4, eviction: key_norm, window: 200, budget: 50, "
+                                      "layers: {0: {residual_length: 190}}}"],
+     "eviction 'key_norm': window 200 must cover residual_length 190 plus a quantized unit (32 tokens) - 1 = 221"),
     ("layer-kinds-25", ["--cache", "{quantizer: int4, layers: {%s}}" % ", ".join(
         f"{i}: {{key_group_size: {i + 1}}}" for i in range(24))], "25 kinds of layer"),
 ]
@@ -209,6 +226,109 @@ def test_extreme_valid_inputs_do_bounded_work(tmp_path, capsys, updates, argv):
     assert "max context @batch" in captured.out
 
 
+def kinds_map(entry, count: int = 23, base: str = "quantizer: int4") -> str:
+    """A ``layers`` map of ``count`` one-layer entries, ``entry(i)`` the options of layer ``i``."""
+    return "{%s, layers: {%s}}" % (base, ", ".join(f"{i}: {{{entry(i)}}}" for i in range(count)))
+
+
+def every_quantizer() -> str:
+    """int4, and each other registered quantizer on one layer."""
+    others = [name for name in available_quantizers() if name != "int4"]
+    return kinds_map(lambda i: f"quantizer: {others[i]}", count=len(others))
+
+
+# 24 kinds of layer: 23 full-precision windows besides the default, or 23 rotation seeds besides 0 (the same bytes);
+# every registered quantizer
+MANY_KINDS = {
+    "windows": lambda: kinds_map(lambda i: f"residual_length: {i + 1}"),
+    "rotation-seeds": lambda: kinds_map(lambda i: f"rotation_seed: {i + 1}",
+                                        base="quantizer: int4, rotation: hadamard"),
+    "quantizers": every_quantizer,
+}
+
+
+@pytest.mark.parametrize("kinds", MANY_KINDS)
+def test_kinds_of_layer_share_their_quantizers_write(monkeypatch, kinds):
+    """Each kind of layer was written through the cache code on meta tensors twice (to read its costs, and to
+    check the answer): about 2 s a kind on a loaded machine, 50 s for 23 kinds. A layer's units cost what its
+    quantizer stores whatever its windows, sinks, eviction or rotation seed, so each quantizer is written once (on
+    zeros on the CPU at these shapes: Python meta kernels run ~50 times slower, and the first imports
+    torch._dynamo), and the answer is checked by one write per kind that stores different bytes."""
+    from kvquant.planner import KNOWN_MODELS, Planner, parse_setting
+
+    writes = []
+    original = KVQuantLayer.update
+
+    def counting(self, key_states, value_states, *args, **kwargs):
+        writes.append((self.quantizer, self.residual_length, key_states.device.type))
+        return original(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(KVQuantLayer, "update", counting)
+    text = MANY_KINDS[kinds]()  # every quantizer is registered by now
+    settings = parse_setting(text)
+    planner = Planner(KNOWN_MODELS["llama-3.1-8b"], settings, torch.float16)
+    quantizers = {dataclasses.replace(q, rotation_seed=0) for q, _, _ in writes}
+    names = {options.get("quantizer", settings["quantizer"]) for options in settings["layers"].values()}
+    assert len(writes) == len(quantizers) == len(names | {settings["quantizer"]})
+    probes = len(writes)
+    planner.verify(planner.max_context(1, 55_940_000_000))
+    stores = {(dataclasses.replace(q, rotation_seed=0), residual) for q, residual, _ in writes[probes:]}
+    assert len(writes) - probes == len(stores) == (24 if "residual_length" in text else probes)
+    assert {device for _, _, device in writes} == {"cpu"}
+
+
+def test_zeros_store_what_meta_tensors_store(monkeypatch):
+    """The planner writes zeros on the CPU up to plan_cost.CPU_ELEMENTS and meta tensors beyond: every registered
+    quantizer, a rotation, and every storage rule store the same bytes either way (or are refused alike), 200 tokens
+    being past every window and unit here."""
+    from kvquant.errors import KVQuantError
+
+    def both(layout, settings):
+        out = []
+        for elements in (1 << 30, 0):
+            monkeypatch.setattr(plan_cost, "CPU_ELEMENTS", elements)
+            try:
+                out.append(plan_cost.written(layout, settings, H, D, torch.float16, 200))
+            except KVQuantError as err:
+                out.append(str(err))
+        return out
+
+    cases = [([None], {"quantizer": name}) for name in available_quantizers()]
+    cases += [([None], {"quantizer": name, "rotation": "hadamard", "rotation_seed": 3})
+              for name in ("int4", "llamacpp_q4_0")]
+    cases += [(LAYOUTS["hybrid-shared"], settings) for settings in SETTINGS]
+    for layout, settings in cases:
+        on_cpu, on_meta = both(layout, settings)
+        assert on_cpu == on_meta, settings
+        stored = len(layout) - layout.count("shared")
+        assert isinstance(on_cpu, str) or len(on_cpu) == stored and all(sum(m.values()) for m in on_cpu.values())
+
+
+def test_a_rotation_at_a_large_head_dim_is_refused_before_any_matrix_is_built(tmp_path, monkeypatch, capsys):
+    """A rotation's head_dim x head_dim matrix is built for every layers entry and every layer written (and read
+    whole at each write): at head_dim 4,096 a plan with a few rotation seeds ran for minutes. Up to 512 it is
+    planned, its Hadamard block built once (a layers map of 64 seeds built 64 x 7 of them)."""
+    import scipy.linalg
+
+    built, hadamard = [], scipy.linalg.hadamard
+    monkeypatch.setattr(scipy.linalg, "hadamard", lambda n: built.append(n) or hadamard(n))
+    config = tmp_path / "config.json"
+    for head_dim in (4096, 1024):
+        config.write_text(json.dumps({**LLAMA, "head_dim": head_dim}))
+        for setting in ("int4:rotation=hadamard", "{quantizer: int4, layers: {1: {rotation: hadamard}}}"):
+            assert_refused(capsys, ["--model", str(config), "--context", "100", "--cache", setting],
+                           f"rotation: the planner takes a Hadamard rotation up to head_dim 512, this model's is "
+                           f"{head_dim:,}")
+    assert not built
+    ops._hadamard_block.cache_clear()
+    config.write_text(json.dumps({**LLAMA, "num_hidden_layers": 64, "head_dim": 512}))
+    seeds = kinds_map(lambda i: f"rotation_seed: {i + 1}", count=64, base="quantizer: int4, rotation: hadamard")
+    assert plan.main(["--model", str(config), "--context", "100", "--cache", seeds, "--cache", "int4", "--json"]) == 0
+    assert built == [512]
+    rotated, int4 = json.loads(capsys.readouterr().out)["settings"]
+    assert rotated["kv_bytes"] == int4["kv_bytes"] > 0  # a rotation stores what its quantizer does
+
+
 # the arithmetic equals kvquant's cache code run in full (simulate_memory), for every storage rule
 H, D = 2, 64
 LAYOUTS = {"full": [None] * 3, "sliding": [10, 10, None], "hybrid-shared": [None, 24, "shared", None],
@@ -232,17 +352,35 @@ SETTINGS = [
 TOKENS = [1, 2, 3, 5, 8, 9, 10, 11, 12, 13, 17, 20, 21, 24, 25, 31, 33, 40, 47, 64, 97, 130, 257]
 
 
+#: Token counts at which the arithmetic is also checked against ``simulate_memory`` (meta tensors)
+META_TOKENS = [21, 257]
+
+
 def planner(layout, settings):
     from kvquant.planner import ModelShape, Planner
 
     return Planner(ModelShape("t", layout, H, D, 1e6), settings, torch.float16)
 
 
+def cache_code(layout, settings, tokens: int, batch: int = 2) -> dict:
+    """``simulate_memory``'s report by the same cache code, each layer written with zeros on the CPU (Python meta
+    kernels take some 50 times longer at these sizes): ``memory_report()`` after ``tokens`` tokens, ``batch`` rows."""
+    settings = dict(settings)
+    cache = build_cache(layout, settings.pop("quantizer"), head_dim=D, **settings)
+    parts = {}
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, KVQuantLayer):
+            states = torch.zeros(1, H, tokens, D, dtype=torch.float16)
+            layer.update(states, states)
+            parts[i] = {key: nbytes * batch for key, nbytes in layer.memory().items()}
+    return summarize(parts, tokens)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())[:60])
 def test_the_arithmetic_equals_the_cache_code(layout, settings):
     """Every token count, below, at and past sinks, residual windows, units, sliding windows and eviction
-    capacities: the whole report (per layer too), at batch 2."""
+    capacities: the whole report (per layer too), at batch 2; on meta tensors as well at :data:`META_TOKENS`."""
     from kvquant.errors import KVQuantError
 
     try:
@@ -252,17 +390,20 @@ def test_the_arithmetic_equals_the_cache_code(layout, settings):
             simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=1)
         return
     for n in TOKENS:
-        real = simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=n)
+        real = cache_code(layout, settings, n)
+        if n in META_TOKENS:
+            assert json.dumps(simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=n),
+                              sort_keys=True) == json.dumps(real, sort_keys=True), n
         # as JSON: a window of one token holds nothing, and its ratio to fp16 is NaN (never equal to itself)
         assert json.dumps(mine.memory(2, n), sort_keys=True) == json.dumps(real, sort_keys=True), n
         assert mine.kv_bytes(2, n) == real["total_bytes"], n
 
 
 def simulated_max_context(layout, settings, batch, available):
-    """The planner's search before issue 36, each probe a full simulation (the reference for the answers)."""
+    """The planner's search before issue 36, each probe a full run of the cache code (the reference for the
+    answers)."""
     def fits(n):
-        return simulate_memory(layout, settings, batch=batch, kv_heads=H, head_dim=D, tokens=n)["total_bytes"] \
-            <= available
+        return cache_code(layout, settings, n, batch)["total_bytes"] <= available
 
     if not fits(1):
         return 0

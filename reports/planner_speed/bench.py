@@ -46,9 +46,37 @@ CASES = [
     ("a config at every bound (1,024 layers, heads, KV heads; head_dim 4,096; 2^30 windows), context 2^30",
      ["--model", "{bounds}", "--context", str(2**30), "--weights", "1GB", "--gpu-memory", str(2**50)], False),
 ]
+def kinds(entry, base: str = "quantizer: int4", count: int = 23) -> str:
+    """A ``layers`` map of ``count`` one-layer entries (``entry(i)``: the options of layer ``i``) besides ``base``."""
+    return "{%s, layers: {%s}}" % (base, ", ".join(f"{i}: {{{entry(i)}}}" for i in range(count)))
+
+
+QUANTIZERS = ["fp16", "fp8_e4m3", "fp8_e5m2", "int2", "int8", "llamacpp_bf16", "llamacpp_f16", "llamacpp_f32",
+              "llamacpp_iq4_nl", "llamacpp_q4_0", "llamacpp_q4_1", "llamacpp_q5_0", "llamacpp_q5_1", "llamacpp_q8_0",
+              "sglang_mxfp8", "vllm_fp8", "vllm_fp8_per_token_head", "vllm_int4_per_token_head",
+              "vllm_int8_per_token_head", "vllm_nvfp4", "vllm_turboquant_4bit_nc", "vllm_turboquant_k8v4"]
+# section 3: layers maps of many kinds of layer (issue 36: about 2 s a kind)
+CASES += [
+    ("llama-3.1-8b 80GB, layers map: 4 kinds (int8, int2, group 64 besides int4)",
+     [*L8, "--cache", "{quantizer: int4, layers: {0: {quantizer: int8}, 1: {quantizer: int2}, 2: {group_size: 64}}}"],
+     True),
+    ("llama-3.1-8b 80GB, layers map: 24 kinds (23 full-precision windows)",
+     [*L8, "--cache", kinds(lambda i: f"residual_length: {i + 1}")], True),
+    ("llama-3.1-8b 80GB, layers map: 23 kinds (every registered quantizer)",
+     [*L8, "--cache", kinds(lambda i: f"quantizer: {QUANTIZERS[i]}", count=len(QUANTIZERS))], True),
+    ("llama-3.1-8b 80GB, layers map: IQ4_NL, 23 rotation seeds",
+     [*L8, "--cache", kinds(lambda i: f"rotation: hadamard, rotation_seed: {i + 1}", "quantizer: llamacpp_iq4_nl")],
+     True),
+    ("llama-3.1-8b 80GB, layers map: IQ4_NL, 24 kinds (23 full-precision windows)",
+     [*L8, "--cache", kinds(lambda i: f"residual_length: {i + 1}", "quantizer: llamacpp_iq4_nl")], True),
+    ("config at every bound but 1,024 layers of full attention, layers map: IQ4_NL, 24 kinds (meta tensors)",
+     ["--model", "{bounds-full}", "--context", str(2**30), "--weights", "1GB", "--gpu-memory", str(2**50),
+      "--cache", kinds(lambda i: f"residual_length: {i + 1}", "quantizer: llamacpp_iq4_nl")], False),
+]
 BOUNDS = ('{"model_type": "gemma2", "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": '
           '1024, "head_dim": 4096, "hidden_size": 262144, "intermediate_size": 1048576, "vocab_size": 2097152, '
           '"sliding_window": 1073741824}')
+BOUNDS_FULL = BOUNDS.replace('"gemma2"', '"llama"').replace(', "sliding_window": 1073741824', "")
 
 
 def run(argv: list[str], cwd: Path, timeout: float) -> tuple[str, float, float, float, bytes]:
@@ -77,14 +105,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", type=Path, help="a folder holding an older kvquant/ to time too")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--only", help="only the commands whose name contains this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        bounds = Path(tmp) / "config.json"
+        bounds, full = Path(tmp) / "config.json", Path(tmp) / "full" / "config.json"
         bounds.write_text(BOUNDS)
+        full.parent.mkdir()
+        full.write_text(BOUNDS_FULL)
+        paths = {"{bounds}": str(bounds), "{bounds-full}": str(full)}
         print("| command | checkout | outcome | wall s | CPU s | peak MiB | same output |")
         print("|---|---|---|---:|---:|---:|---|")
         for name, argv, compare in CASES:
-            argv = [str(bounds) if a == "{bounds}" else a for a in argv]
+            if args.only and args.only not in name:
+                continue
+            argv = [paths.get(a, a) for a in argv]
             new = run([*PLAN, *argv], ROOT, args.timeout)
             rows = [("this", new)]
             if compare and args.old:
