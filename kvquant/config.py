@@ -138,6 +138,10 @@ class ModelConfig:
     def __post_init__(self):
         _require(bool(self.path), "path must name a model (local:REL, a directory or a hub id)")
         _require(self.gguf_file is None or bool(self.gguf_file), "gguf_file must be a file name or null")
+        from .packaged import gguf_file_problem  # imported here: packaged's command line imports little
+
+        problem = gguf_file_problem(self.path, self.gguf_file)
+        _require(problem is None, problem or "")
         _at_least("max_length", self.max_length, 2, nullable=True)
         check_device("device", self.device)
         if isinstance(self.device_map, dict):

