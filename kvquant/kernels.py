@@ -15,6 +15,8 @@ killed midway is removed once it is older than any build.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import importlib.util
@@ -33,6 +35,8 @@ NAME = "kvquant_dequant"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STALE_LOCK_S = 600
+#: True inside :func:`eager`: the fused kernel is neither used nor built
+_EAGER = contextvars.ContextVar("kvquant_kernels_eager", default=False)
 
 
 def cpu_identity() -> str:
@@ -84,14 +88,25 @@ def _extension():
         return None
 
 
+@contextlib.contextmanager
+def eager():
+    """Inside, :func:`usable` is False: the eager path runs and the kernel is never compiled, for callers that only
+    read what a cache stores (the planner's writes on zeros, which must not wait ~30 s for a compile)."""
+    token = _EAGER.set(True)
+    try:
+        yield
+    finally:
+        _EAGER.reset(token)
+
+
 def available() -> bool:
     return _extension() is not None
 
 
 def usable(out: torch.Tensor) -> bool:
     """Whether the fused kernel can write ``out`` (CPU, float32/bfloat16/float16, head_dim up to 1024, no autograd)."""
-    return (out.device.type == "cpu" and out.dtype in OUT_DTYPES and out.shape[-1] <= 1024 and not out.requires_grad
-            and available())
+    return (not _EAGER.get() and out.device.type == "cpu" and out.dtype in OUT_DTYPES and out.shape[-1] <= 1024
+            and not out.requires_grad and available())
 
 
 def dequantize_into(payload, scale, zero, bits: int, group: int, token_axis: bool, out: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .cache import FP16_BYTES, KVQuantLayer, build_cache, check_importance
 from .cache.layer import _ROLE, block_tokens
 from .errors import InternalError, KVQuantError
@@ -141,11 +142,13 @@ def _stream_cost(store) -> StreamCost:
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """PyTorch on one thread (then as before), for the planner's writes and the caches it builds: on a busy machine,
-    small ops split over several threads wait for each other far longer than they compute."""
+    small ops split over several threads wait for each other far longer than they compute. The fused CPU kernel is
+    held back (:func:`kvquant.kernels.eager`): the planner reads bytes, and must never wait for its compile."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield
+        with kernels.eager():
+            yield
     finally:
         torch.set_num_threads(threads)
 

@@ -1,12 +1,16 @@
 """Hostile inputs found by the second blind probe of issue 36 (/tmp/probe2): each gets one clear line and exit 2
 before a model loads (or the right behaviour), never a hang, a traceback or a silently wrong measurement."""
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+import kvquant.kernels
 import kvquant.run
+from kvquant import plan
 from kvquant.config import ModelConfig
 from kvquant.errors import KVQuantError
 from kvquant.packaged import PACKAGES
@@ -64,3 +68,24 @@ def test_package_gguf_file_may_be_the_packages_file_or_absent():
     assert ModelConfig(path=f"package:{GEMMA.name}", gguf_file=GEMMA.file).gguf_file == GEMMA.file
     assert ModelConfig(path=f"package:{GEMMA.name}").gguf_file is None
     assert ModelConfig(path="/some/folder", gguf_file="../x.gguf").gguf_file == "../x.gguf"  # not a package
+
+
+# P23: the planner compiled the fused CPU dequantization kernel (30-60 s on a fresh machine) for its writes on zeros
+def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def trap():
+        calls.append(1)
+        raise AssertionError("the planner asked for the fused CPU kernel")
+
+    monkeypatch.setattr(kvquant.kernels, "_extension", trap)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 4096}))
+    assert plan.main(["--model", str(model), "--context", "4096", "--cache", "int4"]) == 0, capsys.readouterr().err
+    assert "int4" in capsys.readouterr().out
+    assert calls == []
+    with pytest.raises(AssertionError, match="fused CPU kernel"):  # outside the planner it is asked for again
+        kvquant.kernels.usable(torch.empty(1, 2, 8, 64))
