@@ -23,6 +23,7 @@ import torch
 
 from .cache import ObservingCache
 from .config import Candidate
+from .errors import KVQuantError
 from .quantizers import QUANTIZERS
 from .search import calibration_windows
 
@@ -83,6 +84,17 @@ def saturating(observed: dict, layers: dict, divisor: float) -> list[str]:
                 out.append(f"layer {layer} {name} reach {worst:.0f}x their scale on the calibration split, beyond "
                            f"the {divisor:.0f}x the format holds: they saturate")
     return out
+
+
+def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
+    """Before the model loads: every gated perplexity set holds ``calibration.windows`` windows after what
+    evaluation reads (asking for more would calibrate, for as long as it takes, on whatever text is left)."""
+    asked = cfg.calibration.windows
+    for name, (start, windows) in calibration_windows(cfg, tokenizer, maxlen, rows, asked, "calibrate").items():
+        if len(windows) < asked:
+            raise KVQuantError(f"calibration.windows: {asked:,} asked, but perplexity set {name!r} holds only "
+                               f"{len(windows):,} windows after the {start:,} evaluation reads; set "
+                               f"calibration.windows to at most {len(windows):,} or use a longer text")
 
 
 def calibrated(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:

@@ -428,6 +428,7 @@ class CalibrationConfig:
 
     def __post_init__(self):
         _at_least("windows", self.windows, 1)
+        _require(self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
         _require(0 < self.averaging <= 1, f"averaging must be in (0, 1], got {self.averaging!r}")
 
 

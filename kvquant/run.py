@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import data, models, parallel, report
-from .calibrate import calibrated
+from .calibrate import calibrated, check_calibration
 from .config import Candidate, ExperimentConfig, Stage, load_config
 from .deploy import deploy_beside
 from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
@@ -46,7 +46,7 @@ from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer,
 from .planner import check_candidate, parse_bytes, shape_from_config
 from .results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from .quantizers import QUANTIZERS, available_quantizers
-from .search import calibration_windows, check_search, search
+from .search import check_search, search
 from .store import ResultStore, RunLock, check_partial, warn
 from .stages import serve, serving_tokens, staged_decision
 from .tasks import check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir, task_manager
@@ -146,7 +146,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     check_fewshot(cfg, folder)
     check_runner_fewshot(cfg, lambda: tokenizer or load_tokenizer(cfg.model), context, folder or task_dir())
     if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
-        calibration_windows(cfg, tokenizer, context, rows, cfg.calibration.windows, "calibrate")
+        check_calibration(cfg, tokenizer, context, rows)
     if cfg.search:
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")

@@ -89,3 +89,24 @@ def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
     assert calls == []
     with pytest.raises(AssertionError, match="fused CPU kernel"):  # outside the planner it is asked for again
         kvquant.kernels.usable(torch.empty(1, 2, 8, 64))
+
+
+# R10: calibration.windows had no bound (10**9 calibrated on the whole rest of the text, >300 s after loading)
+CALIBRATING = {"candidates": [{"quantizer": "vllm_fp8", "calibrate": "tensor"}],
+               "gate": {"max_perplexity_ratio": 1.05, "perplexity": ["ts"]}}
+
+
+def test_calibration_windows_bounded_like_search_windows(tmp_path, capsys, no_load):
+    argv = run_config(tmp_path, **CALIBRATING, calibration={"windows": 10**9})
+    assert kvquant.run.main(argv) == 2
+    assert "calibration.windows must be in 1..100000, got 1000000000" in one_line(capsys)
+
+
+def test_calibration_windows_beyond_the_text_refused_before_loading(tmp_path, capsys, no_load):
+    argv = run_config(tmp_path, **CALIBRATING, calibration={"windows": 100_000})
+    assert kvquant.run.main(argv) == 2
+    line = one_line(capsys)
+    assert "calibration.windows: 100,000 asked, but perplexity set 'ts' holds only" in line
+    held = int(line.split("holds only ")[1].split(" windows")[0].replace(",", ""))
+    assert 0 < held < 100_000 and f"at most {held:,}" in line
+    assert not (tmp_path / "out").exists()
