@@ -170,19 +170,24 @@ def checkpoint_scales(settings: dict) -> tuple[dict, dict[str, torch.Tensor]] | 
 
 
 def unshippable_scales(settings: dict) -> str | None:
-    """Why static scales that were measured (anything but 1.0) cannot be exported, else None: kvquant writes
-    them for vllm_fp8 per layer (``layers``), not yet for one scale for all layers nor for nvfp4's global scales."""
-    if "k_scale" not in settings:
-        return None
-    per_layer = [own.get(k) for own in (settings.get("layers") or {}).values() for k in CHECKPOINT_OPTIONS]
+    """Why static scales that were measured (anything but 1.0, at the top or in any layer) cannot be exported, else
+    None: kvquant writes them for vllm_fp8 per layer (``layers``), not yet for one scale for all layers nor for
+    nvfp4's global scales, and no other format takes any."""
+    def measured(values: list) -> bool:
+        return any(v not in (None, 1.0) for v in values)
+
     top = [settings.get(k) for k in CHECKPOINT_OPTIONS]
-    if settings["quantizer"] == "vllm_fp8":
-        return None if all(v in (None, 1.0) for v in top) else (
-            "one k_scale/v_scale for all layers is not exported (calibrate: tensor gives per-layer scales, which are)")
-    if any(v not in (None, 1.0) for v in [*top, *per_layer]):
-        return (f"exporting {settings['quantizer']}'s global scales (ModelOpt's hf_quant_config.json) is not built "
-                "yet")
-    return None
+    per_layer = [own.get(k) for own in (settings.get("layers") or {}).values() for k in CHECKPOINT_OPTIONS]
+    quantizer = settings["quantizer"]
+    if quantizer == "vllm_fp8":
+        return ("one k_scale/v_scale for all layers is not exported (calibrate: tensor gives per-layer scales, which "
+                "are)") if measured(top) else None
+    if not measured([*top, *per_layer]):
+        return None
+    if quantizer == "vllm_nvfp4":
+        return "exporting vllm_nvfp4's global scales (ModelOpt's hf_quant_config.json) is not built yet"
+    return (f"{quantizer} takes no static k_scale/v_scale (only vllm_fp8 and vllm_nvfp4 do), yet the setting records "
+            "some other than 1.0")
 
 
 def engine_own_skips(chosen: dict, skipped: list[int], layers: int) -> str:

@@ -129,15 +129,41 @@ def read(settings: dict, path: Path, name: str) -> CacheTypes:
     own["cpu"] = own["cpu"] if "cpu" in settings else "x86"
     need(isinstance(own["cpu"], str) and own["cpu"] in CPU_PATHS, path, f"{at}.cpu", f"one of {', '.join(CPU_PATHS)}",
          own["cpu"])
-    for key, kind in (("key_rotation_block", own["key_type"]), ("value_rotation_block", own["value_type"])):
-        need(key in settings, path, f"{at}.{key}", "recorded (the runner writes the Hadamard block it measured, or "
-             "null)", "missing")
-        block = own[key]
-        rotatable = kind not in FLOAT_TYPES and own["attn_rot"] is not False
-        need(block is None or (rotatable and not isinstance(block, bool) and block in BLOCKS), path, f"{at}.{key}",
-             "null or a power of two from 64 (only a quantized type, rotation not off)", block)
+    check_blocks(own, settings, path, at)
+    check_no_scales(settings, path, at)
     return CacheTypes(own["key_type"], own["value_type"], own["attn_rot"], own["cpu"], own["key_rotation_block"],
                       own["value_rotation_block"])
+
+
+def check_blocks(own: dict, settings: dict, path: Path, at: str) -> None:
+    """The Hadamard blocks recorded are the ones llama.cpp rotates with (``LlamaCppQuantizer.rotations``): K's an
+    int of :data:`BLOCKS`, V's 64 (``build_input_v_rot``), each only for a quantized type with rotation not off;
+    with ``attn_rot: true`` every quantized side's present (the runner refuses it where nothing rotates); by
+    default both quantized sides rotated or neither (one head size decides both)."""
+    sides = (("key_rotation_block", own["key_type"], BLOCKS, "a power of two from 64"),
+             ("value_rotation_block", own["value_type"], (64,), "64, llama.cpp's V block"))
+    for key, kind, allowed, wanted in sides:
+        need(key in settings, path, f"{at}.{key}", "recorded (the runner writes the Hadamard block it measured, or "
+             "null)", "missing")
+        block, rotatable = own[key], kind not in FLOAT_TYPES and own["attn_rot"] is not False
+        need(block is None or (rotatable and type(block) is int and block in allowed), path, f"{at}.{key}",
+             f"null or {wanted} (only a quantized type, rotation not off)", block)
+    rotated = {own[key] is not None for key, kind, _, _ in sides if kind not in FLOAT_TYPES}
+    if own["attn_rot"] is True:
+        need(rotated == {True}, path, f"{at}'s rotation blocks", "present for every quantized type (attn_rot: true "
+             "is refused by the runner where llama.cpp rotates nothing)", [own[key] for key, *_ in sides])
+    need(len(rotated) <= 1, path, f"{at}'s rotation blocks", "present for both quantized types or neither "
+         "(llama.cpp rotates K and V at the same head sizes)", [own[key] for key, *_ in sides])
+
+
+def check_no_scales(settings: dict, path: Path, at: str) -> None:
+    """No ``k_scale``/``v_scale``, at the top or in a layer: llama.cpp's cache types have no static scales (each
+    block of 32 carries its own), so the runner never records one for a ``llamacpp_*`` setting."""
+    owners = [("", settings), *((f".layers[{quoted(k)}]", v) for k, v in (settings.get("layers") or {}).items())]
+    for where, own_settings in owners:
+        for key in ("k_scale", "v_scale"):
+            need(key not in own_settings, path, f"{at}{where}.{key}", "absent (llama.cpp's cache types take no "
+                 "static scales)", own_settings.get(key))
 
 
 def rotation_text(types: CacheTypes) -> str:

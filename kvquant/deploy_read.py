@@ -34,6 +34,8 @@ MAX_BYTES = 256 * 2**20
 MAX_LAYERS = 4096
 #: more KV heads per layer than any model has (per-head scales are one per KV head)
 MAX_HEADS = 4096
+#: more gated metrics than any report has (each is a row of DEPLOY.md's table, its name cut at 200 characters)
+MAX_GATED = 1024
 DECISIONS = ("pass", "fail", "inconclusive")
 SELECTOR = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7}))?")
 SCALES = ("k_scale", "v_scale")
@@ -79,10 +81,11 @@ def read_results(report_dir: Path) -> bytes:
                            ) from None
     finally:
         os.close(dir_fd)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a directory, FIFO or device (a directory opens, but cannot be read)
+        os.close(fd)
+        raise KVQuantError(f"{path} is not a regular file; kvquant exports only the results.json its runner wrote")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise KVQuantError(f"{path} is not a regular file")
         _own(info, path)
         if info.st_size > MAX_BYTES:
             raise KVQuantError(f"{path} is {info.st_size:,} bytes, more than the {MAX_BYTES:,} a report holds; {WROTE}")
@@ -203,6 +206,8 @@ def check_chosen(doc: dict, path: Path) -> None:
                            f"{quoted(chosen['verdict'])}, yet it names {quoted(name)} as chosen: a setting is chosen "
                            f"only under a PASS decision, with a pass verdict; {WROTE}")
     gated = {k: m for k, m in chosen["metrics"].items() if m.get("gated")}
+    need(len(gated) <= MAX_GATED, path, f"{quoted(name)}'s gated metrics", f"at most {MAX_GATED:,}",
+         f"{len(gated):,} of them")
     for metric, m in gated.items():
         at = f"{quoted(name)}'s metric {quoted(metric)}"
         need(m["verdict"] in ("pass", "not gated"), path, f"{at} verdict", "pass (the setting passed)", m["verdict"])
