@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -146,11 +148,63 @@ def _collective(op, *args, **kwargs) -> None:
         raise  # anything else (out of memory, an object that does not pickle) is this process's own error
 
 
+#: Seconds a process other than 0 waits for process 0's rendezvous (``$MASTER_ADDR:$MASTER_PORT``) before it gives
+#: up with one line (``$KVQUANT_RENDEZVOUS_S`` overrides it): a process started without its process 0 (or with the
+#: wrong address) would otherwise wait for it for half an hour, deaf to SIGTERM.
+RENDEZVOUS_S = 300
+
+
+def env_int(name: str, default: int, low: int = 0) -> int:
+    """The whole number in ``$name`` (``default`` where unset): one line naming the variable where it is not one."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise KVQuantError(f"${name} is {text[:60]!r}, not a whole number of at least {low}: it is set by the launcher "
+                           "(torchrun, accelerate launch); unset it to run one process")
+    return value
+
+
+def _await_process_0(rank: int) -> None:
+    """Where this is not process 0: wait (at most :data:`RENDEZVOUS_S`, in short tries so that signals such as
+    SIGTERM are handled between them) until something listens at process 0's rendezvous address, else one line."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if rank == 0 or not host or not port:
+        return  # process 0 hosts the store; without an address torch.distributed says what is missing
+    number, limit = env_int("MASTER_PORT", 0), env_int("KVQUANT_RENDEZVOUS_S", RENDEZVOUS_S, low=1)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            socket.create_connection((host, number), timeout=1).close()
+            return
+        except OSError:  # refused, unreachable, timed out, unknown host: nothing answers yet
+            if time.monotonic() >= deadline:
+                raise KVQuantError(f"process {rank} waited {limit} s for process 0 at {host}:{port} "
+                                   "($MASTER_ADDR:$MASTER_PORT), which never answered: start every process of the "
+                                   "run with a launcher (torchrun, accelerate launch), or set "
+                                   "$KVQUANT_RENDEZVOUS_S to wait longer") from None
+            time.sleep(0.5)
+
+
 def start(cpu: bool) -> Processes:
     """Start the run's process group (once; later calls and :func:`current` reuse it): gloo on CPUs when ``cpu``
-    (a config whose model runs on the CPU, even where there are GPUs), else one GPU per process with NCCL."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    (a config whose model runs on the CPU, even where there are GPUs), else one GPU per process with NCCL.
+    ``$WORLD_SIZE``, ``$RANK``, ``$LOCAL_RANK`` and ``$LOCAL_WORLD_SIZE`` that are not whole numbers are refused in
+    one line, and a process other than 0 waits for process 0 at most :data:`RENDEZVOUS_S` seconds."""
+    world = env_int("WORLD_SIZE", 1, low=1)
+    if world <= 1:
         return ONE
+    rank = env_int("RANK", 0)
+    env_int("LOCAL_RANK", 0)
+    env_int("LOCAL_WORLD_SIZE", world, low=1)
+    if rank >= world:
+        raise KVQuantError(f"$RANK is {rank}, but $WORLD_SIZE is {world}: ranks run 0..{world - 1}")
+    if not torch.distributed.is_initialized():
+        _await_process_0(rank)
     from accelerate import PartialState
 
     state = PartialState(cpu=cpu or not torch.cuda.is_available())  # accelerate must be told to use gloo on CPUs

@@ -188,7 +188,7 @@ def check_processes(cfg: ExperimentConfig, world: int) -> None:
         raise KVQuantError(f"model.device_map shards one model over devices, and {world} data-parallel processes "
                            "each load their own; launch one process, or drop model.device_map")
     device = models.pick_device(cfg.model.device)
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # this machine's processes (torchrun sets it)
+    here = parallel.env_int("LOCAL_WORLD_SIZE", world, low=1)  # this machine's processes (torchrun sets it)
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     if device.startswith("cuda") and here > gpus:
         raise KVQuantError(f"{here} processes on this machine, each driving one GPU, but it has {gpus}; launch at "

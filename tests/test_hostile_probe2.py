@@ -2,6 +2,12 @@
 before a model loads (or the right behaviour), never a hang, a traceback or a silently wrong measurement."""
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +116,58 @@ def test_calibration_windows_beyond_the_text_refused_before_loading(tmp_path, ca
     held = int(line.split("holds only ")[1].split(" windows")[0].replace(",", ""))
     assert 0 < held < 100_000 and f"at most {held:,}" in line
     assert not (tmp_path / "out").exists()
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (just released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def distributed_env(monkeypatch, **values: str) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+# R46: WORLD_SIZE=2 RANK=1 with no process 0 waited for it forever, deaf to SIGTERM
+def test_process_without_process_0_gives_up_in_one_line(tmp_path, monkeypatch, capsys, no_load):
+    distributed_env(monkeypatch, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()), KVQUANT_RENDEZVOUS_S="1")
+    began = time.monotonic()
+    assert kvquant.run.main(run_config(tmp_path)) == 2
+    assert time.monotonic() - began < 30
+    line = one_line(capsys)
+    assert "process 1 waited 1 s for process 0 at 127.0.0.1:" in line and "KVQUANT_RENDEZVOUS_S" in line
+    assert not torch.distributed.is_initialized()
+
+
+def test_process_waiting_for_process_0_ends_on_sigterm():
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "KVQUANT_RENDEZVOUS_S": "120"}
+    code = "import sys; from kvquant import parallel; print('waiting', flush=True); parallel.start(cpu=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "waiting"
+    time.sleep(2)
+    assert proc.poll() is None  # still waiting for process 0
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=10) != 0
+    finally:
+        proc.kill()
+
+
+# R47: WORLD_SIZE=abc was an internal error (ValueError, exit 3)
+@pytest.mark.parametrize("name, value", [("WORLD_SIZE", "abc"), ("RANK", "one"), ("LOCAL_RANK", "-1"),
+                                         ("LOCAL_WORLD_SIZE", "x")])
+def test_launcher_variables_that_are_not_numbers(name, value, tmp_path, monkeypatch, capsys, no_load):
+    distributed_env(monkeypatch, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()))
+    monkeypatch.setenv(name, value)
+    assert kvquant.run.main(run_config(tmp_path)) == 2
+    line = one_line(capsys)
+    assert f"${name} is {value!r}, not a whole number" in line
+    assert not torch.distributed.is_initialized()
