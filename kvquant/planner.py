@@ -138,6 +138,12 @@ def resolve_model(name: str) -> ModelShape:
     from transformers import AutoConfig, PretrainedConfig
 
     path = Path(name)
+    try:
+        path.exists()
+    except OSError as err:  # a name too long for the file system (ENAMETOOLONG), ...
+        raise KVQuantError(f"--model {name[:60]!r}{'...' if len(name) > 60 else ''} ({len(name):,} characters) is "
+                           f"not a path this system can read ({err.strerror}): name a known architecture, a "
+                           "directory or config.json, or a hub id") from None
     if not path.exists() and "/" not in name:
         raise KVQuantError(f"unknown model {name!r}: not a known architecture ({', '.join(KNOWN_MODELS)}), "
                            "a local directory or config.json, or a hub id (org/name)")

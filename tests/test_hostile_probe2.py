@@ -171,3 +171,12 @@ def test_launcher_variables_that_are_not_numbers(name, value, tmp_path, monkeypa
     line = one_line(capsys)
     assert f"${name} is {value!r}, not a whole number" in line
     assert not torch.distributed.is_initialized()
+
+
+# P90: a --model name too long for the file system was an internal error (OSError ENAMETOOLONG, exit 3)
+def test_planner_model_name_too_long_for_the_file_system(capsys):
+    model = "x" * 5000
+    assert plan.main(["--model", model, "--context", "4096"]) == 2
+    line = one_line(capsys, "kvquant.plan")
+    assert line.startswith(f"kvquant.plan: error: --model {model[:60]!r}...") and "(5,000 characters)" in line
+    assert "File name too long" in line and len(line) < 400
