@@ -43,6 +43,25 @@ def parse_reserve(text: str, budget: int) -> int:
     return int(budget * float(share) / 100)
 
 
+def per_gpu_scales(settings: dict, model_heads: int, gpu_heads: int, text: str) -> dict:
+    """``settings`` with per-head static scales (``k_scale``/``v_scale`` lists, top level and per ``layers`` entry)
+    given per KV head of the model cut to one tensor-parallel GPU's share (its first ``gpu_heads``; the bytes do not
+    depend on the values); a list of another length is one line naming the model's count."""
+    out = dict(settings)
+    for key in ("k_scale", "v_scale"):
+        value = out.get(key)
+        if isinstance(value, list) and model_heads != gpu_heads:
+            if len(value) != model_heads:
+                raise KVQuantError(f"--cache {text[:80]!r}: {key} has {len(value)} per-head scales for a model of "
+                                   f"{model_heads} KV heads; give one per KV head of the model (each GPU takes "
+                                   "its heads' share under --tensor-parallel), or one number for the whole layer")
+            out[key] = value[:gpu_heads]
+    if isinstance(out.get("layers"), dict):
+        out["layers"] = {span: per_gpu_scales(layer, model_heads, gpu_heads, text) if isinstance(layer, dict)
+                         else layer for span, layer in out["layers"].items()}
+    return out
+
+
 def build_plan(args) -> dict:
     whole = resolve_model(args.model)
     shape = tensor_parallel(whole, args.tensor_parallel)  # what one GPU holds (weights and KV heads)
@@ -68,7 +87,8 @@ def build_plan(args) -> dict:
     rows, kinds_left = [], MAX_LAYER_KINDS
     for text in args.cache or DEFAULT_SETTINGS:
         name = text.partition(":")[0]
-        planner = Planner(shape, parse_setting(text), FULL_PRECISION.get(name, getattr(torch, args.dtype)), kinds_left)
+        setting = per_gpu_scales(parse_setting(text), whole.kv_heads, shape.kv_heads, text)
+        planner = Planner(shape, setting, FULL_PRECISION.get(name, getattr(torch, args.dtype)), kinds_left)
         kinds_left -= planner.layer_kinds
         mem = planner.memory(args.batch, args.context)
         row = {"cache": text, "settings": planner.settings, "kv_bytes": int(mem["total_bytes"]),

@@ -180,3 +180,19 @@ def test_planner_model_name_too_long_for_the_file_system(capsys):
     line = one_line(capsys, "kvquant.plan")
     assert line.startswith(f"kvquant.plan: error: --model {model[:60]!r}...") and "(5,000 characters)" in line
     assert "File name too long" in line and len(line) < 400
+
+
+# P86: per-head static scales are per model; under --tensor-parallel 2 they were checked against one GPU's KV heads
+def test_planner_per_head_scales_are_per_model_under_tensor_parallel(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 4096}))
+    argv = ["--model", str(model), "--context", "4096", "--tensor-parallel", "2", "--json"]
+    per_head = "{quantizer: vllm_fp8, k_scale: [0.1, 0.2], v_scale: [0.1, 0.2]}"
+    assert plan.main([*argv, "--cache", per_head, "--cache", "vllm_fp8"]) == 0, capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out)["settings"]
+    assert rows[0]["kv_bytes"] == rows[1]["kv_bytes"] > 0  # a scale's value never changes the bytes
+    assert plan.main([*argv, "--cache", per_head.replace("0.2]", "0.2, 0.3]")]) == 2
+    assert "k_scale has 3 per-head scales for a model of 2 KV heads" in one_line(capsys, "kvquant.plan")
