@@ -27,6 +27,7 @@ import random
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -200,11 +201,14 @@ def check_processes(cfg: ExperimentConfig, world: int) -> None:
 
 
 def lm_eval_task(task: str, folder):
-    """The lm-eval task object behind a task name, its files from ``folder`` (:func:`kvquant.tasks.task_dir`)."""
+    """The lm-eval task object behind a task name, its files from ``folder`` (:func:`kvquant.tasks.task_dir`); lm-eval's
+    DeprecationWarning about get_task_dict is held back (it would print before a refusal's one line)."""
     from lm_eval.tasks import get_task_dict
 
     name = resolve_task(task)
-    return get_task_dict([name], task_manager(str(folder)))[name]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*get_task_dict.*", category=DeprecationWarning)
+        return get_task_dict([name], task_manager(str(folder)))[name]
 
 
 def check_fewshot(cfg: ExperimentConfig, folder) -> None:

@@ -196,3 +196,16 @@ def test_planner_per_head_scales_are_per_model_under_tensor_parallel(tmp_path, c
     assert rows[0]["kv_bytes"] == rows[1]["kv_bytes"] > 0  # a scale's value never changes the bytes
     assert plan.main([*argv, "--cache", per_head.replace("0.2]", "0.2, 0.3]")]) == 2
     assert "k_scale has 3 per-head scales for a model of 2 KV heads" in one_line(capsys, "kvquant.plan")
+
+
+# R22: kvquant's own get_task_dict call printed lm-eval's DeprecationWarning before a refusal's one line
+def test_lm_eval_task_lookup_prints_no_deprecation_warning():
+    import warnings
+
+    from kvquant.tasks import task_dir
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task = kvquant.run.lm_eval_task("tinystories_lastword", task_dir())
+    assert task is not None
+    assert not [w for w in caught if "get_task_dict" in str(w.message)], [str(w.message) for w in caught]
