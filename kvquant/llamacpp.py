@@ -152,10 +152,13 @@ def quantize_iq4_nl(b: torch.Tensor):
     q = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=b.device)[codes]
     sum_qx = torch.zeros_like(amax)
     sum_q2 = torch.zeros_like(amax)
-    for j in range(b.shape[-1]):  # ggml's order: sumqx += w*q*x, one element after the other
-        wq = (b[..., j : j + 1] * b[..., j : j + 1]) * q[..., j : j + 1]
-        sum_qx = sum_qx + wq * b[..., j : j + 1]
-        sum_q2 = sum_q2 + wq * q[..., j : j + 1]
+    if b.device.type == "meta":  # shapes only (the capacity planner): no order to keep, and 160 ops cost it seconds
+        sum_qx, sum_q2 = (b * b * q * b).sum(-1, keepdim=True), (b * b * q * q).sum(-1, keepdim=True)
+    else:
+        for j in range(b.shape[-1]):  # ggml's order: sumqx += w*q*x, one element after the other
+            wq = (b[..., j : j + 1] * b[..., j : j + 1]) * q[..., j : j + 1]
+            sum_qx = sum_qx + wq * b[..., j : j + 1]
+            sum_q2 = sum_q2 + wq * q[..., j : j + 1]
     d = torch.where(sum_q2 > 0, sum_qx / sum_q2, torch.zeros_like(sum_q2))
     d = torch.where(live, d, torch.zeros_like(d))
     return d.half(), None, torch.where(live, codes, torch.zeros_like(codes)).to(torch.uint8)

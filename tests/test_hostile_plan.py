@@ -304,6 +304,29 @@ def test_zeros_store_what_meta_tensors_store(monkeypatch):
         assert isinstance(on_cpu, str) or len(on_cpu) == stored and all(sum(m.values()) for m in on_cpu.values())
 
 
+def test_an_iq4_nl_block_on_meta_tensors_takes_a_few_ops():
+    """llama.cpp's IQ4_NL fits its scale by sums taken element by element (ggml's order: 5 ops per element of a block
+    of 32). On meta tensors each op runs a Python kernel, so the planner's every write of it cost ~0.3 s (24 kinds
+    of it: 12 s); shapes have no order to keep. Same shapes and dtypes as on real data."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvquant.llamacpp import quantize_iq4_nl
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    real = torch.randn(1, 8, 3, 4, 32)
+    with Counting():
+        shapes = quantize_iq4_nl(real.to("meta"))
+    assert Counting.ops < 100
+    for on_meta, on_cpu in zip(shapes, quantize_iq4_nl(real), strict=True):
+        assert on_meta is on_cpu is None or (on_meta.shape, on_meta.dtype) == (on_cpu.shape, on_cpu.dtype)
+
+
 def test_a_rotation_at_a_large_head_dim_is_refused_before_any_matrix_is_built(tmp_path, monkeypatch, capsys):
     """A rotation's head_dim x head_dim matrix is built for every layers entry and every layer written (and read
     whole at each write): at head_dim 4,096 a plan with a few rotation seeds ran for minutes. Up to 512 it is
