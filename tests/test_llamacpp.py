@@ -19,7 +19,7 @@ import yaml
 
 import kvquant
 import kvquant.run
-from kvquant import llamacpp, plan
+from kvquant import llamacpp, llamacpp_gguf, plan
 from kvquant.cache import simulate_memory
 from kvquant.errors import KVQuantError
 from llamacpp_reference import (F32, KVALUES, gen_hadamard, ref_block, ref_dequantize, ref_fwht, ref_iq4_nl,
@@ -187,6 +187,63 @@ def test_the_transform_is_ggmls_orthonormal_walsh_hadamard_and_its_own_inverse()
     assert torch.equal(two[:, 64:], llamacpp.fwht(x[:, 64:128], 64))  # consecutive blocks, each on its own
 
 
+# --- K in a Llama-family GGUF's channel order ------------------------------------------------------------------
+
+
+def convert_hf_to_gguf_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """``LlamaModel.permute`` of llama.cpp's convert_hf_to_gguf.py: each head's rows ``(2, D/2)`` -> ``(D/2, 2)``."""
+    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gguf_order_is_the_permutation_a_llama_gguf_applies_to_k(d):
+    rows_ = np.arange(3 * d)  # 3 KV heads' rows of k_proj, labelled by their transformers row
+    gguf = convert_hf_to_gguf_permute(rows_, 3)
+    order = llamacpp_gguf.gguf_order(d).numpy()
+    for h in range(3):
+        assert np.array_equal(gguf[h * d : (h + 1) * d], h * d + order)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0", "iq4_nl"])
+@pytest.mark.parametrize("d, attn_rot", [(64, False), (128, False), (128, None), (256, None), (96, None)])
+def test_a_norm_layout_key_is_stored_and_read_in_gguf_order(kind, d, attn_rot):
+    """rope_layout norm: K's blocks (and rotation) are those of the permuted row, which check_stream compares with
+    ggml's references; the read and the converted query come back in the model's order. V is not permuted."""
+    norm_key, norm_value = kvquant.get_quantizer(f"llamacpp_{kind}", attn_rot=attn_rot, rope_layout="norm").codecs(d)
+    key, value = kvquant.get_quantizer(f"llamacpp_{kind}", attn_rot=attn_rot, rope_layout="neox").codecs(d)
+    assert isinstance(norm_key, llamacpp_gguf.GgufOrderCodec) and norm_value == value
+    x, order = states(d), llamacpp_gguf.gguf_order(d)
+    blocks = ROTATED[d] if attn_rot is None else (None, None)
+    check_stream(kind, key, x[..., order], blocks[0])
+    enc, read = encoded_and_read(norm_key, x)
+    want_enc, want_read = encoded_and_read(key, x[..., order])
+    assert all(torch.equal(enc[role], want_enc[role]) for role in want_enc)
+    assert torch.equal(read[..., order], want_read)
+    q = torch.randn(1, 2, 5, d, generator=torch.Generator().manual_seed(d)) * 3
+    assert torch.equal(norm_key.query(q)[..., order], key.query(q[..., order]))
+    assert not torch.equal(norm_key.query(q), key.query(q))
+
+
+def test_make_cache_takes_the_layout_from_the_model():
+    def key_codec(cfg, **options):
+        return kvquant.make_cache(cfg, "llamacpp_q4_0", **options).layers[0].quantizer.codecs(64)[0]
+
+    llama = config(64, layers=1)
+    gemma = transformers.Gemma3TextConfig(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    qwen = transformers.Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1)
+    assert isinstance(key_codec(llama), llamacpp_gguf.GgufOrderCodec)
+    assert not isinstance(key_codec(gemma), llamacpp_gguf.GgufOrderCodec)
+    assert not isinstance(key_codec(qwen), llamacpp_gguf.GgufOrderCodec)
+    assert not isinstance(key_codec(llama, rope_layout="neox"), llamacpp_gguf.GgufOrderCodec)
+    assert isinstance(key_codec(qwen, rope_layout="norm"), llamacpp_gguf.GgufOrderCodec)
+    assert not isinstance(kvquant.get_quantizer("llamacpp_q4_0").codecs(64)[0], llamacpp_gguf.GgufOrderCodec)
+    with pytest.raises(KVQuantError, match="rope_layout must be norm .*, got 'gpt'"):
+        kvquant.get_quantizer("llamacpp_q4_0", rope_layout="gpt")
+
+
 # --- the query as flash attention's K dot product reads it ---------------------------------------------------
 
 
@@ -344,12 +401,13 @@ def teacher_forced(model, ids, cache):
 
 @pytest.mark.parametrize("kind, d", [("q4_0", 64), ("q4_1", 96), ("q5_1", 96), ("iq4_nl", 128)])
 def test_a_model_reads_the_stored_states_with_the_converted_query(kind, d):
-    """Keys and values as the reference stores them, and the query as flash attention's K dot product reads it."""
+    """Keys and values as the reference stores them, and the query as flash attention's K dot product reads it (in
+    the model's channel order: the GGUF order of rope_layout norm is tested by value above, and against llama.cpp)."""
     ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
     k_block, v_block = ROTATED[d]
     specs = reference_spec(kind, k_block), reference_spec(kind, v_block)
     model = fresh_model(d)
-    ours = teacher_forced(model, ids, kvquant.make_cache(model, f"llamacpp_{kind}"))
+    ours = teacher_forced(model, ids, kvquant.make_cache(model, f"llamacpp_{kind}", rope_layout="neox"))
     assert model.config._attn_implementation == "kvquant_query_sdpa"  # make_cache enabled the conversion
     reference_model = fresh_model(d, reference_attention(llamacpp.VEC_DOT_TYPE[kind], k_block))
     reference = teacher_forced(reference_model, ids, FakeQuantReference(reference_model, *specs))
@@ -368,7 +426,7 @@ def test_the_conversion_goes_behind_fused_decode_which_stays_on():
     ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(2))
     model = fresh_model(64)
     kvquant.enable_fused_decode(model)
-    ours = teacher_forced(model, ids, kvquant.make_cache(model, "llamacpp_q8_0"))
+    ours = teacher_forced(model, ids, kvquant.make_cache(model, "llamacpp_q8_0", rope_layout="neox"))
     assert is_fused(model.config)
     reference_model = fresh_model(64, reference_attention("q8_0", 64))
     specs = reference_spec("q8_0", 64), reference_spec("q8_0", 64)

@@ -18,7 +18,7 @@ from llamacpp_reference import F32
 import kvquant.models
 from kvquant import llamacpp_compare as comparison
 from kvquant import llamacpp_engine as engine
-from kvquant import llamacpp_matmul
+from kvquant import llamacpp_gguf
 from kvquant.errors import KVQuantError
 from kvquant.llamacpp_engine import Setting
 from kvquant.paths import resolve
@@ -219,7 +219,7 @@ def test_q8_0_and_q8_1_activations_are_what_ggml_quantizes():
 
     x = activation_rows(96)
     for kind in ("q8_0", "q8_1"):  # q8_1's codes and d are q8_0's; its s is not used by value here
-        got = llamacpp_matmul.activations(x, kind).numpy()
+        got = llamacpp_gguf.activations(x, kind).numpy()
         for r, row in enumerate(x.numpy().astype(F32)):
             want = [v for b in range(3) for v in ref_dequantize("q8_0", ref_q8_0(row[b * 32: b * 32 + 32], "x86")[0])]
             assert np.array_equal(got[r], np.array(want, dtype=F32)), (kind, r)
@@ -229,7 +229,7 @@ def test_q8_k_activations_are_quantize_row_q8_k_ref():
     from llamacpp_reference import ref_q8_k
 
     x = activation_rows(512)
-    got = llamacpp_matmul.activations(x, "q8_K").numpy()
+    got = llamacpp_gguf.activations(x, "q8_K").numpy()
     for r, row in enumerate(x.numpy().astype(F32)):
         want = ref_q8_k(row[:256]) + ref_q8_k(row[256:])
         assert np.array_equal(got[r], np.array(want, dtype=F32)), r
@@ -238,9 +238,9 @@ def test_q8_k_activations_are_quantize_row_q8_k_ref():
 
 def test_float_weights_read_float_activations():
     x = activation_rows(64).double()
-    assert torch.equal(llamacpp_matmul.activations(x.float(), "f16"), x.float().half().float())
-    assert torch.equal(llamacpp_matmul.activations(x.float(), "bf16"), x.float().bfloat16().float())
-    assert torch.equal(llamacpp_matmul.activations(x.float(), "f32"), x.float())
+    assert torch.equal(llamacpp_gguf.activations(x.float(), "f16"), x.float().half().float())
+    assert torch.equal(llamacpp_gguf.activations(x.float(), "bf16"), x.float().bfloat16().float())
+    assert torch.equal(llamacpp_gguf.activations(x.float(), "f32"), x.float())
 
 
 def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
@@ -251,15 +251,51 @@ def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config).eval()
     linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    types = llamacpp_matmul.weight_types(gguf, linear)
+    types = llamacpp_gguf.weight_types(gguf, linear)
     assert types.pop("lm_head") == "Q8_0"  # tied: token_embd
     assert len(types) == 14 and set(types.values()) == {"Q4_1"}
-    handles = llamacpp_matmul.emulate_matmuls(model, gguf)
+    handles = llamacpp_gguf.emulate_matmuls(model, gguf)
     x = activation_rows(64)
     q_proj, down = model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj
-    assert torch.equal(q_proj(x), torch.nn.functional.linear(llamacpp_matmul.activations(x, "q8_1"), q_proj.weight))
+    assert torch.equal(q_proj(x), torch.nn.functional.linear(llamacpp_gguf.activations(x, "q8_1"), q_proj.weight))
     h = torch.randn(4, 96)
-    assert torch.equal(down(h), torch.nn.functional.linear(llamacpp_matmul.activations(h, "q8_1"), down.weight))
+    assert torch.equal(down(h), torch.nn.functional.linear(llamacpp_gguf.activations(h, "q8_1"), down.weight))
     for handle in handles:
         handle.remove()
     assert torch.equal(q_proj(x), torch.nn.functional.linear(x, q_proj.weight))
+
+
+# --- llama.cpp itself (where llama_cpp is importable: pip install -e ".[llamacpp]") ----------------------------
+
+
+def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
+    """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
+    for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""
+    pytest.importorskip("llama_cpp")
+    spec, gguf = engine.model_spec("smollm2")
+    run = engine.Engine(gguf, threads=2)
+    try:
+        ids = engine.token_windows(kvquant.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 128)[0]
+        f16 = run.logits(ids)
+        assert torch.equal(run.logits(ids), f16)
+        assert torch.equal(run.logits(ids, Setting("f32", True)), f16)
+        assert not torch.equal(run.logits(ids, Setting("bf16", True)), f16)
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_llama_cpp_and_kvquant_agree_on_a_smollm2_window():
+    """One 256-token WikiText-2 window, q8_0 and q4_0 (rotation on, llama.cpp's default): each kvquant KL within
+    +-20% of llama.cpp's or their 95% intervals overlapping, the same order, top-1 agreement within 0.05
+    (reports/llamacpp-compare)."""
+    pytest.importorskip("llama_cpp")
+    settings = [Setting("q8_0", True), Setting("q4_0", True)]
+    result = comparison.compare("smollm2", 1, 256, settings, threads=2)
+    assert result["meta"]["same_tokenization"]
+    q8, q4 = result["rows"]
+    for row in (q8, q4):
+        assert row.gated and row.within, row
+        assert abs(row.top1["llamacpp"] - row.top1["kvquant"]) <= 0.05, row
+    assert result["checks"]["orders"]["on"]["same"]
+    assert q8.kl["llamacpp"][0] > 2e-3  # llama.cpp's q8_0 costs what its quantized matmuls make of any change

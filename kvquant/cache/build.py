@@ -13,6 +13,7 @@ from transformers.configuration_utils import get_head_shapes
 
 from ..errors import KVQuantError, is_python_int
 from ..eviction import get_eviction
+from ..llamacpp_gguf import model_options
 from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer
 from .cache import KVQuantCache
 from .fused import is_fused
@@ -309,6 +310,7 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
     _check_not_options("make_cache", options)
+    options = model_options(model_or_config, quantizer, options)  # llama.cpp's K channel order for this model
     cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
                         context=context_of(model_or_config), **options)
     checked = set()  # (quantizer, shapes) whose codecs were checked: once for the layers sharing them

@@ -1,13 +1,23 @@
-"""llama.cpp's CPU matmuls over a GGUF's quantized weights, emulated on a transformers model: before a quantized
-weight is multiplied, the activations are quantized to the weight type's ``vec_dot_type``.
+"""What llama.cpp does with a GGUF model that transformers does not, emulated on the transformers model: the two
+causes of the differences between llama.cpp's KL divergences and kvquant's cache-only emulation
+(``reports/llamacpp-compare``).
 
-Why (``reports/llamacpp-compare``): transformers dequantizes a GGUF's weights to float32 and multiplies float32
-activations, while llama.cpp's CPU backend converts the activations to the weight's dot-product type first
+**K's channel order.** A Llama-family GGUF (llama.cpp's RoPE type NORM: :data:`NORM_ROPE_MODELS`) stores each Q and
+K head with the two channels RoPE rotates together adjacent: ``convert_hf_to_gguf.py`` permutes the Q/K weights and
+transformers' GGUF loader permutes them back (``LlamaTensorProcessor._reverse_permute_weights``). So llama.cpp's K
+blocks of 32 (and its Hadamard rotation) see channels ``0, D/2, 1, D/2 + 1, ...`` of the model's head
+(:func:`gguf_order`), not ``0, 1, 2, ...``. Unrotated q4_0 K on SmolLM2 costs 0.143 nats in llama.cpp, 0.080 in
+the model's order and 0.151 in llama.cpp's. ``rope_layout: norm`` on a ``llamacpp_*`` quantizer stores K in that
+order (:class:`GgufOrderCodec`); ``make_cache(model, ...)`` sets it from the model's type (:func:`model_options`).
+V is stored as the model computes it (its weights are not permuted): V alone matches to 1%.
+
+**The matmuls.** transformers dequantizes a GGUF's weights to float32 and multiplies float32 activations, while
+llama.cpp's CPU backend converts the activations to the weight's dot-product type first
 (``ggml-cpu/ggml-cpu.c:1328-1371``, ``from_float`` of ``type_traits_cpu[type].vec_dot_type``, ``:215-410``): q8_0 for
 Q4_0, Q5_0, Q8_0 and IQ4_NL weights, q8_1 for Q4_1 and Q5_1, q8_K for the K-quants, f16 / bf16 for F16 / BF16. That
 rounding is a step function: a small change upstream (a KV cache rounded to bf16 or q8_0) moves some activations
 across a step, which costs far more than the change itself. On SmolLM2 a bf16 cache's KL divergence from the f16
-cache is 0.0039 in llama.cpp and 0.00004 in kvquant with float32 matmuls, 0.0036 with these.
+cache is 0.0039 in llama.cpp and 0.00004 in kvquant with float32 matmuls, 0.0036 with :func:`emulate_matmuls`.
 
 The values (``ggml_vec_dot_*`` are integer sums times the two scales, so the dot product of dequantized rows in
 float32): q8_0 / q8_1 as :func:`kvquant.llamacpp.quantize_q8` stores them (``d = amax / 127`` in fp16, codes of
@@ -21,12 +31,88 @@ the float32 order of the sums, and which of two equal magnitudes of opposite sig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import ops
 from .errors import KVQuantError
 from .llamacpp import BLOCK, _signed_absmax, quantize_q8
+from .quantizers import Codec
+
+# --------------------------------------------------------------------------------------------------
+# K's channel order
+
+#: transformers model types whose GGUF stores each Q and K head with RoPE's pairs adjacent (llama.cpp's RoPE type
+#: NORM: ``convert_hf_to_gguf.py`` permutes their Q/K weights, transformers' GGUF loader permutes them back)
+NORM_ROPE_MODELS = ("llama", "mistral", "mixtral", "granite", "granitemoe")
+
+
+def gguf_order(head_dim: int) -> torch.Tensor:
+    """Channel ``j`` of a K head as llama.cpp stores it for a RoPE-NORM GGUF is the model's channel ``order[j]``:
+    ``0, D/2, 1, D/2 + 1, ...`` (the pairs RoPE rotates together, adjacent)."""
+    half = torch.arange(head_dim // 2)
+    return torch.stack([half, half + head_dim // 2], -1).flatten()
+
+
+@dataclass(frozen=True)
+class GgufOrderCodec(Codec):
+    """K in llama.cpp's channel order (:func:`gguf_order`) around ``inner``: its blocks of 32 and its rotation see
+    the channels llama.cpp's do; read back, and the query converted, in the model's order."""
+
+    inner: Codec
+    head_dim: int
+
+    @property
+    def max_abs(self) -> float:
+        return self.inner.max_abs
+
+    @property
+    def held(self) -> str:
+        return self.inner.held
+
+    @property
+    def channel_multiple(self) -> tuple[int, str]:
+        return self.inner.channel_multiple
+
+    def _orders(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        order = gguf_order(self.head_dim).to(device)
+        return order, torch.argsort(order)
+
+    def check(self, x, name):
+        self.inner.check(x[..., self._orders(x.device)[0]], name)
+
+    def encode(self, x):
+        return self.inner.encode(x[..., self._orders(x.device)[0]])
+
+    def decode_into(self, enc, out):
+        work = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        self.inner.decode_into(enc, work)
+        ops.store_clamped(out, work[..., self._orders(out.device)[1]])
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """The query as llama.cpp's K dot product reads it (``inner.query`` in llama.cpp's order), float32."""
+        order, back = self._orders(q.device)
+        return self.inner.query(q[..., order])[..., back]
+
+
+def rope_layout_of(model_or_config) -> str:
+    """``norm`` for a model whose GGUF interleaves Q/K heads (:data:`NORM_ROPE_MODELS`), else ``neox``."""
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return "norm" if getattr(text, "model_type", None) in NORM_ROPE_MODELS else "neox"
+
+
+def model_options(model_or_config, quantizer, options: dict) -> dict:
+    """``options`` with a llama.cpp quantizer's ``rope_layout`` taken from the model where not given."""
+    if isinstance(quantizer, str) and quantizer.startswith("llamacpp_") and "rope_layout" not in options:
+        return {**options, "rope_layout": rope_layout_of(model_or_config)}
+    return options
+
+
+# --------------------------------------------------------------------------------------------------
+# The matmuls
 
 #: GGUF weight type -> what its CPU matmul converts the activations to (``type_traits_cpu[...].vec_dot_type``)
 ACTIVATION_TYPE = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0",
