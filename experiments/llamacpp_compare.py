@@ -43,6 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul", default="llamacpp", choices=MATMULS, help="kvquant's matmuls over the GGUF's "
                    "weights: llama.cpp's (activations quantized to the weight's dot-product type, default) or "
                    "float32 (transformers')")
+    p.add_argument("--rope-layout", choices=["norm", "neox"], help="K's channel order on kvquant's side (default: "
+                   "the model's, as make_cache decides: norm for a Llama-family GGUF)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's and torch's threads (default 2)")
     p.add_argument("--out", type=Path, help="directory for results.json and table.md")
     return p
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--length", args.length, minimum=32, maximum=32768)
     check_int("--threads", args.threads, minimum=1, maximum=256)
     chosen = settings(args.types, args.rotation)
-    result = compare(args.model, args.windows, args.length, chosen, args.threads, args.matmul,
+    result = compare(args.model, args.windows, args.length, chosen, args.threads, args.matmul, args.rope_layout,
                      progress=lambda message: print(message, file=sys.stderr, flush=True))
     print(result["text"])
     if args.out:

@@ -156,10 +156,12 @@ def summary_text(rows: list[Row], checks: dict[str, object]) -> str:
 
 
 def compare(model: str, windows: int, length: int, settings: list[Setting], threads: int = 2,
-            matmul: str = "llamacpp", progress=lambda message: None) -> dict[str, object]:
+            matmul: str = "llamacpp", rope_layout: str | None = None,
+            progress=lambda message: None) -> dict[str, object]:
     """The whole comparison: refusals first (a setting llama.cpp does not allow, a missing ``llama_cpp``, before
     any model loads), then llama.cpp's model, kvquant's tokenizer and windows, kvquant's model (its matmuls as
-    ``matmul`` says: :mod:`kvquant.llamacpp_gguf`), both sides."""
+    ``matmul`` says: :mod:`kvquant.llamacpp_gguf`), both sides. ``rope_layout``: K's channel order on kvquant's side
+    (None: the model's, as ``make_cache`` decides; ``neox`` with ``matmul="float32"`` is the cache-only emulation)."""
     from .llamacpp_gguf import emulate_matmuls
     from .models import load_model, load_tokenizer
 
@@ -181,7 +183,8 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         if matmul == "llamacpp":
             emulate_matmuls(loaded, gguf)
         start = time.perf_counter()
-        found = measure(engine, loaded, ids, settings, progress)
+        found = measure(engine, loaded, ids, settings, progress,
+                        **({"rope_layout": rope_layout} if rope_layout else {}))
         seconds = time.perf_counter() - start
     finally:
         engine.close()
@@ -189,7 +192,8 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
     checks = verdicts(rows, draws)
     return {"rows": rows, "checks": checks, "text": summary_text(rows, checks), "found": found,
             "meta": {"model": model, "gguf": str(gguf), **meta, "windows": windows, "length": length,
-                     "threads": threads, "matmul": matmul, "same_tokenization": agree, "seconds": round(seconds, 1)}}
+                     "threads": threads, "matmul": matmul, "rope_layout": rope_layout or "the model's",
+                     "same_tokenization": agree, "seconds": round(seconds, 1)}}
 
 
 def to_json(result: dict[str, object], block: int = 32) -> dict[str, object]:

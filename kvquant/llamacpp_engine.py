@@ -240,13 +240,13 @@ class Engine:
 
 
 @torch.inference_mode()
-def kvquant_logits(model, ids: list[int], setting: Setting | None = None) -> torch.Tensor:
+def kvquant_logits(model, ids: list[int], setting: Setting | None = None, **options) -> torch.Tensor:
     """``[len(ids), vocab]`` float32 logits of one forward over ``ids`` through kvquant's emulation of the cache
-    ``setting`` (None: ``llamacpp_f16``)."""
+    ``setting`` (None: ``llamacpp_f16``) with ``options`` beside the setting's own (e.g. ``rope_layout``)."""
     from .cache import make_cache
 
-    name, options = setting.quantizer() if setting else ("llamacpp_f16", {})
-    cache = make_cache(model, name, **options)
+    name, own = setting.quantizer() if setting else ("llamacpp_f16", {})
+    cache = make_cache(model, name, **own, **options)
     device = model.get_input_embeddings().weight.device
     out = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True)
     return out.logits[0].float().cpu()
@@ -272,12 +272,14 @@ SIDES = ("llamacpp", "kvquant")
 
 
 def measure(engine: Engine, model, windows: list[list[int]], settings: list[Setting],
-            progress=lambda message: None) -> dict[str, dict[str, dict[str, list]]]:
+            progress=lambda message: None, **options) -> dict[str, dict[str, dict[str, list]]]:
     """``{label: {side: {"kl": [per-position KL per window], "top1": [per-position agreement per window]}}}``:
     each window's positions ``0 .. n-2`` (those predicting a token of the window). Window by window, llama.cpp then
-    kvquant, each side's f16 reference first: one reference and one setting's logits are held at a time."""
+    kvquant, each side's f16 reference first: one reference and one setting's logits are held at a time.
+    ``options``: kvquant's, for every setting (:func:`kvquant_logits`)."""
     found = {s.label: {side: {"kl": [], "top1": []} for side in SIDES} for s in settings}
-    runs = {"llamacpp": lambda ids, s: engine.logits(ids, s), "kvquant": lambda ids, s: kvquant_logits(model, ids, s)}
+    runs = {"llamacpp": lambda ids, s: engine.logits(ids, s),
+            "kvquant": lambda ids, s: kvquant_logits(model, ids, s, **(options if s else {}))}
     for w, ids in enumerate(windows, 1):
         for side, run in runs.items():
             reference = run(ids, None)[:-1]

@@ -104,10 +104,22 @@ def rope_layout_of(model_or_config) -> str:
     return "norm" if getattr(text, "model_type", None) in NORM_ROPE_MODELS else "neox"
 
 
-def model_options(model_or_config, quantizer, options: dict) -> dict:
-    """``options`` with a llama.cpp quantizer's ``rope_layout`` taken from the model where not given."""
+def _with_layout(quantizer, options: dict, layout: str) -> dict:
     if isinstance(quantizer, str) and quantizer.startswith("llamacpp_") and "rope_layout" not in options:
-        return {**options, "rope_layout": rope_layout_of(model_or_config)}
+        return {**options, "rope_layout": layout}
+    return options
+
+
+def model_options(model_or_config, quantizer, options: dict) -> dict:
+    """``make_cache`` options with every llama.cpp quantizer's ``rope_layout`` (the cache's and those a ``layers``
+    map names) taken from the model where not given."""
+    layout = rope_layout_of(model_or_config)
+    options = _with_layout(quantizer, options, layout)
+    layers = options.get("layers")
+    if isinstance(layers, dict):
+        layers = {key: _with_layout(value.get("quantizer"), value, layout) if isinstance(value, dict) else value
+                  for key, value in layers.items()}
+        options = {**options, "layers": layers}
     return options
 
 

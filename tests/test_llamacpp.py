@@ -240,6 +240,8 @@ def test_make_cache_takes_the_layout_from_the_model():
     assert not isinstance(key_codec(llama, rope_layout="neox"), llamacpp_gguf.GgufOrderCodec)
     assert isinstance(key_codec(qwen, rope_layout="norm"), llamacpp_gguf.GgufOrderCodec)
     assert not isinstance(kvquant.get_quantizer("llamacpp_q4_0").codecs(64)[0], llamacpp_gguf.GgufOrderCodec)
+    mixed = kvquant.make_cache(config(64), "int8", layers={1: {"quantizer": "llamacpp_q4_0"}})
+    assert isinstance(mixed.layers[1].quantizer.codecs(64)[0], llamacpp_gguf.GgufOrderCodec)
     with pytest.raises(KVQuantError, match="rope_layout must be norm .*, got 'gpt'"):
         kvquant.get_quantizer("llamacpp_q4_0", rope_layout="gpt")
 

@@ -286,16 +286,26 @@ def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
 
 @pytest.mark.slow
 def test_llama_cpp_and_kvquant_agree_on_a_smollm2_window():
-    """One 256-token WikiText-2 window, q8_0 and q4_0 (rotation on, llama.cpp's default): each kvquant KL within
-    +-20% of llama.cpp's or their 95% intervals overlapping, the same order, top-1 agreement within 0.05
-    (reports/llamacpp-compare)."""
+    """One 256-token WikiText-2 window, q8_0 and q4_0 rotated (llama.cpp's default) and q4_0 unrotated: each kvquant
+    KL within +-20% of llama.cpp's or their 95% intervals overlapping, top-1 agreement within 0.05, the same order
+    and rotation's effect in the same direction (reports/llamacpp-compare)."""
     pytest.importorskip("llama_cpp")
-    settings = [Setting("q8_0", True), Setting("q4_0", True)]
+    settings = [Setting("q8_0", True), Setting("q4_0", True), Setting("q4_0", False)]
     result = comparison.compare("smollm2", 1, 256, settings, threads=2)
     assert result["meta"]["same_tokenization"]
-    q8, q4 = result["rows"]
-    for row in (q8, q4):
+    for row in result["rows"]:
         assert row.gated and row.within, row
         assert abs(row.top1["llamacpp"] - row.top1["kvquant"]) <= 0.05, row
-    assert result["checks"]["orders"]["on"]["same"]
-    assert q8.kl["llamacpp"][0] > 2e-3  # llama.cpp's q8_0 costs what its quantized matmuls make of any change
+    checks = result["checks"]
+    assert checks["orders"]["on"]["same"] and checks["rotation_same_direction"]
+    assert result["rows"][0].kl["llamacpp"][0] > 2e-3  # what llama.cpp's quantized matmuls make of a q8_0 cache
+
+
+@pytest.mark.slow
+def test_the_cache_alone_does_not_predict_llama_cpp():
+    """The same window with kvquant's cache-only emulation (float32 matmuls, K in the model's order): q8_0 predicted
+    at under a fifth of llama.cpp's KL, what emulating llama.cpp's quantized matmuls fixes."""
+    pytest.importorskip("llama_cpp")
+    (q8,) = comparison.compare("smollm2", 1, 256, [Setting("q8_0", True)], threads=2, matmul="float32",
+                               rope_layout="neox")["rows"]
+    assert q8.ratio[2] < 0.2 and not q8.within
