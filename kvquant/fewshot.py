@@ -62,7 +62,7 @@ def longest(instances: Iterable, encode: Callable[[list[str]], list[int]]) -> in
 
 def counter(tokenizer) -> Callable[[list[str]], list[int]]:
     """Token counts of texts as the kvquant model encodes them (special tokens added)."""
-    return lambda texts: [len(ids) for ids in tokenizer(list(texts), add_special_tokens=True).input_ids]
+    return lambda texts: [len(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False).input_ids]
 
 
 def task_builds(cfg, task: str, size: int) -> list[dict]:

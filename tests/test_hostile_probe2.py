@@ -209,3 +209,29 @@ def test_lm_eval_task_lookup_prints_no_deprecation_warning():
         task = kvquant.run.lm_eval_task("tinystories_lastword", task_dir())
     assert task is not None
     assert not [w for w in caught if "get_task_dict" in str(w.message)], [str(w.message) for w in caught]
+
+
+# R22, the rest: the few-shot check's token counts logged transformers' "Token indices sequence length is longer
+# than the specified maximum sequence length" before the refusal's one line (and, in a long pytest run, through a
+# handler whose stream an earlier test had closed: 189 lines of "--- Logging error ---")
+def test_the_few_shot_token_count_logs_no_sequence_length_warning():
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from kvquant.fewshot import counter
+    from kvquant.paths import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        long_text = "one two three " * (tokenizer.model_max_length + 50)
+        counts = counter(tokenizer)([long_text, "one"])
+    finally:
+        logger.removeHandler(handler)
+    assert counts[0] > tokenizer.model_max_length and counts[1] == len(tokenizer("one").input_ids)
+    assert not [r for r in records if "sequence length" in r.getMessage()], [r.getMessage() for r in records]

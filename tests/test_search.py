@@ -253,7 +253,7 @@ def test_a_ladder_that_does_not_grow_in_bits_is_refused_before_the_model_loads(t
     ("eval.tasks.names=[tinystories_lastword, arc_easy, arc_easy_local]", "'arc_easy' and 'arc_easy_local' read the "
      "same documents"),
     ("eval.tasks.names=[tinystories_lastword, passkey_64, passkey_064]",
-     "'passkey_64' and 'passkey_064' read the same"),
+     "'passkey_064': write passkey_64"),  # one spelling per probe: refused by name before the pair is compared
 ])
 def test_a_split_that_cannot_be_held_apart_is_refused_before_the_model_loads(tmp_path, capsys, change, message):
     path = tmp_path / "search.yaml"

@@ -310,8 +310,9 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
     On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
     _check_not_options("make_cache", options)
+    layout = attention_layout(model_or_config)  # first: refuses what is no model or config instance
     options = model_options(model_or_config, quantizer, options)  # llama.cpp's K channel order for this model
-    cache = build_cache(attention_layout(model_or_config), quantizer, head_dim=head_dim_of(model_or_config),
+    cache = build_cache(layout, quantizer, head_dim=head_dim_of(model_or_config),
                         context=context_of(model_or_config), **options)
     checked = set()  # (quantizer, shapes) whose codecs were checked: once for the layers sharing them
     for i, shapes in written_shapes(model_or_config).items():  # checked at each layer's first update
