@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import numbers
+import os
 import re
 import signal
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 EXIT_INCONCLUSIVE = 4
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left (``... | head``)
 ERROR_LOG = "error.log"
 
 
@@ -116,6 +118,15 @@ def _terminate(signum, frame):
     raise Terminated
 
 
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (pytest's capture): nothing to flush at exit
+        pass
+
+
 def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None],
              on_interrupt: Callable[[], str]) -> int:
     try:
@@ -123,6 +134,9 @@ def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | No
     except KVQuantError as err:
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader of stdout left (``--json | head``): not an error, and nothing more to say
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt as stop:
         how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else " ".join(["interrupted", *(
             [f"({stop})"] if str(stop) else [])])  # e.g. another process of a data-parallel run ended

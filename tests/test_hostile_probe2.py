@@ -235,3 +235,15 @@ def test_the_few_shot_token_count_logs_no_sequence_length_warning():
         logger.removeHandler(handler)
     assert counts[0] > tokenizer.model_max_length and counts[1] == len(tokenizer("one").input_ids)
     assert not [r for r in records if "sequence length" in r.getMessage()], [r.getMessage() for r in records]
+
+
+# `python -m kvquant.plan ... --json | head`: the reader left before the plan was written; that was "internal error
+# (BrokenPipeError ...); please report it", exit 3. Now silent, exit 141 as a shell reports SIGPIPE's writer.
+def test_a_reader_that_leaves_early_is_no_internal_error():
+    proc = subprocess.Popen([sys.executable, "-m", "kvquant.plan", "--model", "llama-2-7b", "--context", "4096",
+                             "--cache", "fp16", "--cache", "int8", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the plan is written: its first write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert err == ""
