@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from . import ops
+from .cache.roles import StorageRole
 from .errors import KVQuantError
 from .quantizers import F32_MAX, Codec, Quantizer, register_quantizer, short_repr
 
@@ -167,6 +168,7 @@ class StaticFp8Codec(Codec):
     scale: torch.Tensor
     max_abs = F32_HALF
     held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD}  # the static scale is the layer's, not stored per token
 
     def check_heads(self, heads: int, name: str = "states") -> None:
         """Per-head scales: one per KV head of the layer (``name``: keys or values)."""
@@ -199,6 +201,7 @@ class PerTokenHeadCodec(Codec):
     fp8: bool
     max_abs = F32_HALF
     held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}
 
     def encode(self, x):
         x = x.float()
@@ -227,6 +230,7 @@ class Int4PerTokenHeadCodec(Codec):
     channel_multiple = (2, "two codes per byte")
     max_abs = F32_HALF
     held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}  # the zero point in the scale's low bits
 
     @staticmethod
     def _rotated_limit(head_dim: int, dtype: torch.dtype) -> tuple[float, str]:
@@ -280,6 +284,7 @@ class Nvfp4Codec(Codec):
     channel_multiple = (16, "blocks of 16 channels")
     max_abs = F32_HALF
     held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}  # one e4m3 block scale per 16 channels
 
     global_scale: float
 
@@ -305,6 +310,7 @@ class MinMaxUint4Codec(Codec):
 
     channel_multiple = (2, "two value codes per byte")
     max_abs = FP16_MAX
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE, "minimum": StorageRole.SCALE}
     held = "TurboQuant's fp16 scale and minimum per token and head can hold"
 
     def encode(self, x):
@@ -324,6 +330,8 @@ class MinMaxUint4Codec(Codec):
 class UnscaledFp8Codec(Codec):
     """TurboQuant k8v4's keys (``triton_turboquant_store.py:144-211``): cast to e4m3 with no scale (saturating)."""
 
+    roles = {"payload": StorageRole.PAYLOAD}
+
     def encode(self, x):
         return {"payload": e4m3_saturated(x.float())}
 
@@ -341,6 +349,7 @@ class LloydMaxCodec(Codec):
 
     centroids: torch.Tensor
     max_abs = FP16_MAX  # a norm is at least every |x| of its vector
+    roles = {"payload": StorageRole.PAYLOAD, "norm": StorageRole.SCALE}
     held = "TurboQuant's fp16 key norm can hold"
 
     def checked_above(self, head_dim, dtype):
@@ -384,6 +393,7 @@ class Mxfp8Codec(Codec):
     channel_multiple = (32, "blocks of 32 channels")
     max_abs = F32_HALF
     held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "exponent": StorageRole.SCALE}  # one e8m0 shared exponent per 32 channels
 
     def encode(self, x):
         blocks = x.float().unflatten(-1, (-1, 32))

@@ -61,6 +61,7 @@ from typing import ClassVar
 import torch
 
 from . import ops
+from .cache.roles import StorageRole
 from .engines import hadamard_transform, round_half_away
 from .errors import KVQuantError
 from .quantizers import Codec, Quantizer, register_quantizer
@@ -286,6 +287,8 @@ class GgmlCodec(Codec):
     kind: str
     cpu: str = "x86"
     query_type: str = "f32"
+    #: ``d`` and ``m`` are the blocks' scale and minimum; f32/f16/bf16 store the format's elements as the payload
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE, "zero": StorageRole.SCALE}
 
     @property
     def max_abs(self) -> float:
@@ -340,6 +343,10 @@ class AttnRotCodec(Codec):
 
     inner: GgmlCodec
     block: int
+
+    @property
+    def roles(self):
+        return self.inner.roles
 
     @property
     def max_abs(self) -> float:

@@ -65,6 +65,10 @@ class GgufOrderCodec(Codec):
     head_dim: int
 
     @property
+    def roles(self):
+        return self.inner.roles
+
+    @property
     def max_abs(self) -> float:
         return self.inner.max_abs
 

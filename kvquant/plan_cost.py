@@ -34,7 +34,8 @@ import torch
 
 from . import kernels
 from .cache import FP16_BYTES, KVQuantLayer, build_cache, check_importance
-from .cache.layer import _ROLE, block_tokens
+from .cache.layer import block_tokens
+from .cache.roles import by_category
 from .errors import InternalError, KVQuantError
 from .quantizers import Quantizer
 
@@ -131,10 +132,7 @@ class LayerCost:
 
 def _stream_cost(store) -> StreamCost:
     """A :class:`StreamCost` read off a :class:`~kvquant.cache.storage.Store` that has stored at least one unit."""
-    slot: dict[str, int] = {}
-    for role, nbytes in store.slot_bytes().items():
-        category = _ROLE.get(role, "full_precision_bytes")
-        slot[category] = slot.get(category, 0) + nbytes
+    slot = by_category(store.codec, store.slot_bytes())
     token = store.heads * store.head_dim
     return StreamCost(store.unit, tuple(slot.items()), token * store.tail.element_size(), token * FP16_BYTES)
 

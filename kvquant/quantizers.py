@@ -16,11 +16,13 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
 
 from . import kernels, ops
+from .cache.roles import StorageRole
 from .errors import KVQuantError, check_int, is_python_int
 from .registry import Registry
 
@@ -70,6 +72,9 @@ class Codec:
     held: str = "its scales and zero points can hold (scale_dtype='float32' holds more)"
     #: head_dim must be a multiple of this, and why (codes packed several per byte, channels in blocks).
     channel_multiple: tuple[int, str] = (1, "")
+    #: The storage role of every tensor :meth:`encode` may return (its key -> :class:`StorageRole`): which
+    #: ``memory_report()`` category its bytes go to. A key not declared here is refused at the first write.
+    roles: ClassVar[Mapping[str, StorageRole]] = {}
 
     def check(self, x: torch.Tensor, name: str) -> None:
         """Raise, before anything is stored, for states ``x`` within ``max_abs`` that still cannot be encoded
@@ -106,6 +111,8 @@ class Codec:
 class IdentityCodec(Codec):
     """Keeps the states as they are: the baseline through the same code path as every quantizer."""
 
+    roles = {"full": StorageRole.FULL}
+
     def encode(self, x):
         return {"full": x.clone()}
 
@@ -127,6 +134,7 @@ class IntCodec(Codec):
     axis: Axis
     group: int
     scale_dtype: torch.dtype = torch.float16
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE, "zero": StorageRole.SCALE}
 
     @property
     def max_abs(self) -> float:
@@ -198,6 +206,7 @@ class Fp8Codec(Codec):
     dtype: torch.dtype
     granularity: Literal["token", "tensor"]
     scale_dtype: torch.dtype = torch.float16
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}
 
     @property
     def max_abs(self) -> float:
@@ -236,6 +245,10 @@ class RotatedCodec(Codec):
     @property
     def tokens_per_unit(self) -> int:
         return self.inner.tokens_per_unit
+
+    @property
+    def roles(self) -> Mapping[str, StorageRole]:
+        return self.inner.roles
 
     @property
     def max_abs(self) -> float:

@@ -11,6 +11,7 @@ token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
 - :mod:`.cache` :class:`KVQuantCache` and :func:`stack_rows`
 - :mod:`.build` :func:`make_cache`, :func:`build_cache`, per-layer settings, :func:`simulate_memory`
 - :mod:`.memory` ``memory_report()`` sums and :func:`stored_bytes`; :mod:`.padding`, :mod:`.checks`
+- :mod:`.roles` the storage roles codecs declare for what they store, and the fused kernels' stream kinds
 - :mod:`.observe` :class:`ObservingCache`, which hands every layer's new states to a callback (calibration)
 """
 

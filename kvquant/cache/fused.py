@@ -34,6 +34,7 @@ import torch
 
 from .. import kernels
 from ..errors import KVQuantError
+from .roles import StreamKind
 from .storage import Store, _rank
 from .streams import Stream, stream
 
@@ -42,7 +43,6 @@ NAME = "kvquant_fused"
 MAX_QUERY = 16
 #: Attention arguments the kernel does not implement: a call that sets one reads the dequantized copy.
 UNSUPPORTED = ("softcap", "s_aux", "sinks")
-_KIND = {"int": 0, "full": 3}
 #: Model types whose attention passes the cache's keys and values to the attention function unchanged (tested in
 #: tests/test_architectures.py); :func:`enable_fused_decode` refuses others.
 VERIFIED = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gpt_neox", "cohere2",
@@ -160,7 +160,7 @@ class Pending:
 
 
 def _args(s: Stream) -> tuple[list[torch.Tensor], list[int]]:
-    kind = _KIND.get(s.kind, 1 if s.payload.dtype == torch.float8_e4m3fn else 2)
+    kind = int(StreamKind.of(s.kind, s.payload))  # the C++ kernel's enum Kind carries the same numbers
     empty = torch.empty(0)
     return ([s.payload, s.scale if s.scale is not None else empty, s.zero if s.zero is not None else empty, s.table,
              s.sinks, s.tail, s.n_sinks, s.skip, s.units, s.n_tail], [kind, s.bits, s.group, int(s.token_axis)])

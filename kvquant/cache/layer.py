@@ -15,11 +15,11 @@ from ..reads import Reads
 from . import fused, query
 from .checks import STATES, check_states, fits, shown
 from .padding import Padding
+from .roles import by_category
 from .storage import Store, left_align
 from .streams import fusable
 
 FP16_BYTES = 2
-_ROLE = {"payload": "payload_bytes", "scale": "scale_bytes", "zero": "scale_bytes", "full": "full_precision_bytes"}
 
 
 def block_tokens(key_codec: Codec, value_codec: Codec) -> int:
@@ -300,10 +300,12 @@ class KVQuantLayer(CacheLayerMixin):
     prefetch = offload
 
     def memory(self) -> dict[str, int]:
-        """Bytes stored, by role (a unit several rows hold counted once; ``shared_saved_bytes`` what counting it per
-        row would add, ``shared_bytes`` the units several rows hold), ``shareable_bytes`` (what a fork of row 0
-        would share with it: its units) and what fp16 would take for the tokens attention can read. A pool's slots
-        reserved for later writes are not counted (see :attr:`Store.GROWTH`)."""
+        """Bytes stored, by the role each codec declares for its stored tensors (:class:`~.roles.StorageRole`:
+        payload, scale for every per-group metadata, full precision; sinks and the tail are full precision), a unit
+        several rows hold counted once (``shared_saved_bytes`` what counting it per row would add, ``shared_bytes``
+        the units several rows hold), ``shareable_bytes`` (what a fork of row 0 would share with it: its units) and
+        what fp16 would take for the tokens attention can read. A pool's slots reserved for later writes are not
+        counted (see :attr:`Store.GROWTH`)."""
         out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0,
                "shared_saved_bytes": 0, "shareable_bytes": 0, "shared_bytes": 0}
         if not self.is_initialized:
@@ -315,8 +317,8 @@ class KVQuantLayer(CacheLayerMixin):
             holders = store.holders()
             live, shared = int((holders > 0).sum()), int((holders > 1).sum())
             slot = sum(store.slot_bytes().values())
-            for role, nbytes in store.slot_bytes().items():
-                out[_ROLE.get(role, "full_precision_bytes")] += live * nbytes
+            for category, nbytes in by_category(store.codec, store.slot_bytes()).items():
+                out[category] += live * nbytes
             out["full_precision_bytes"] += store.full_precision_bytes()
             out["shared_saved_bytes"] += (int(holders.sum()) - live) * slot
             out["shared_bytes"] += shared * slot

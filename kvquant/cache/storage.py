@@ -31,6 +31,7 @@ import torch
 
 from ..quantizers import Codec
 from ..reads import Run, last_runs
+from .roles import check_roles
 
 
 def _rank(real: torch.Tensor) -> torch.Tensor:
@@ -201,6 +202,7 @@ class Store:
         self.free = self.free[count:]
         fresh = count - len(reuse)
         if not self.pool:
+            check_roles(self.codec, like)  # a stored tensor of no declared role is refused before it is stored
             self.pool = {role: v.new_empty(0, v.shape[1], *v.shape[3:]) for role, v in like.items()}
         capacity = next(iter(self.pool.values())).shape[0]
         if self.top + fresh > capacity:

@@ -23,11 +23,14 @@ import types
 
 import torch
 
+from .roles import StreamKind
 from .streams import Stream
 
 tl = None  # triton.language, bound in the kernels' own namespace by _kernels()
+# The stream kinds the kernels compare KIND with (StreamKind's numbers), bound as tl.constexpr in their namespace
+KIND_INT, KIND_FULL = int(StreamKind.INT), int(StreamKind.FULL)
 
-_KINDS = {"int": 0, "fp8": 1, "full": 2}
+_KINDS = ("int", "fp8", "full")
 # fp8 formats decoded in the kernel from their bits: exponent bits, mantissa bits, bias
 _FP8 = {torch.float8_e4m3fn: (4, 3, 7), torch.float8_e5m2: (5, 2, 15)}
 
@@ -120,7 +123,7 @@ def _load_tile(payload, pay_n, pay_h, pay_r, pay_d,
     row = pc % R
     base = payload + slot * pay_n + h * pay_h + row * pay_r  # [BLOCK_N] pointers
     m2 = ok & pool_ok[:, None]
-    if KIND == 0:  # min-max integer codes, block-packed along head_dim
+    if KIND == KIND_INT:  # min-max integer codes, block-packed along head_dim
         byte = tl.load(base[:, None] + (d % DP)[None, :] * pay_d, mask=m2, other=0).to(tl.int32)
         code = (byte >> ((d // DP) * BITS)[None, :]) & ((1 << BITS) - 1)
         if TOKEN_AXIS:
@@ -130,13 +133,13 @@ def _load_tile(payload, pay_n, pay_h, pay_r, pay_d,
         s = tl.load(scale + slot[:, None] * sc_n + h * sc_h + ch[None, :] * sc_c, mask=m2, other=0.0)
         z = tl.load(zero + slot[:, None] * ze_n + h * ze_h + ch[None, :] * ze_c, mask=m2, other=0.0)
         x_pool = z.to(tl.float32) + code.to(tl.float32) * s.to(tl.float32)
-    elif KIND == 1:  # fp8 bytes times a per-token scale
+    elif KIND != KIND_FULL:  # fp8 (e4m3fn or e5m2) bytes times a per-token scale
         byte = tl.load(base[:, None] + d[None, :] * pay_d, mask=m2, other=0).to(tl.int32)
         s = tl.load(scale + slot * sc_n + h * sc_h, mask=pool_ok, other=0.0).to(tl.float32)
         x_pool = _fp8_decode(byte, EXP, MAN, BIAS, SUBNORMAL, E4M3FN) * s[:, None]
     else:  # the model's dtype
         x_pool = tl.load(base[:, None] + d[None, :] * pay_d, mask=m2, other=0.0).to(tl.float32)
-    if KIND != 2:  # rounded to the model's dtype as the dequantized copy is (clamped to its finite range)
+    if KIND != KIND_FULL:  # rounded to the model's dtype as the dequantized copy is (clamped to its finite range)
         if LIMIT > 0:
             x_pool = tl.minimum(tl.maximum(x_pool, -LIMIT), LIMIT)
         x_pool = _round(x_pool, sinks.dtype.element_ty)
@@ -290,7 +293,8 @@ def _kernels() -> types.SimpleNamespace:
     except ImportError:
         interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     if interpret not in _BUILT:
-        scope = {**globals(), "tl": language}
+        scope = {**globals(), "tl": language, "KIND_INT": language.constexpr(KIND_INT),
+                 "KIND_FULL": language.constexpr(KIND_FULL)}
         for name in _JITTED:
             raw = globals()[name]
             fn = types.FunctionType(raw.__code__, scope, name, raw.__defaults__, raw.__closure__)
@@ -332,7 +336,6 @@ def _stream_args(s: Stream, dtype: torch.dtype, head_dim: int, heads: int, rows:
         raise ValueError(f"payload is {tuple(s.payload.shape)}, expected [N, {heads}, R, Dp]")
     if s.table.dim() != 2 or s.table.shape[0] != rows:
         raise ValueError(f"table is {tuple(s.table.shape)}, expected [{rows}, U]")
-    kind = _KINDS[s.kind]
     bits, group, dp = 8, 1, head_dim
     exp = man = bias = 0
     subnormal, e4m3fn = 0.0, False
@@ -388,6 +391,7 @@ def _stream_args(s: Stream, dtype: torch.dtype, head_dim: int, heads: int, rows:
             _some(sinks, sinks), *strides(sinks, 3), channel,
             _some(tail, tail), *strides(tail, 3),
             _meta(s, device)]
+    kind = int(StreamKind.of(s.kind, s.payload))
     const = [kind, bits, group, bool(s.token_axis), unit, dp, exp, man, bias, subnormal, e4m3fn]
     return args, const
 
