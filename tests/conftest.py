@@ -1,4 +1,6 @@
 import json
+from fnmatch import fnmatchcase
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,17 @@ from kvquant.paths import resolve
 # uint8, so a cache that hands attention memory nobody wrote fails loudly instead of by chance.
 torch.utils.deterministic.fill_uninitialized_memory = True
 torch.use_deterministic_algorithms(True, warn_only=True)
+
+SLOW = [line for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")]
+
+
+def pytest_collection_modifyitems(items):
+    """Mark ``slow`` the tests tests/slow.txt names (``make test`` leaves them out, ``make test-slow`` runs them)."""
+    for item in items:
+        if any(fnmatchcase(item.nodeid, pattern) for pattern in SLOW):
+            item.add_marker(pytest.mark.slow)
+
 
 MODEL = "local:models/stories260K/hf"
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
