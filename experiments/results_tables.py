@@ -171,6 +171,46 @@ def gpu_check_block(rep: dict) -> str:
                      "allocated vs DynamicCache", "allocated / memory_report()"], rows, "lrrrrrr"))
 
 
+#: The side-by-side of the two real models: Gemma 3's report, and where each of its candidates (by name) was
+#: measured on SmolLM2, the first report holding that name.
+SIDE_BY_SIDE = ("gemma3-270m", ("smollm2-sweep", "smollm2-engines"))
+
+
+def kl_cell(metric: dict | None) -> str:
+    if not metric:
+        return "—"
+    return f"{metric['value']:.4f} [{metric['ci_low']:.4f}, {metric['ci_high']:.4f}]"
+
+
+def side_by_side_block(runs: dict[str, dict]) -> str:
+    """Per Gemma 3 candidate: bits/element, KL divergence from fp16 on WikiText-2 with its interval, the KL verdict
+    and the run's verdict, on SmolLM2 (where a SmolLM2 report measured a candidate of that name) and on Gemma 3."""
+    gemma_name, smol_names = SIDE_BY_SIDE
+    gemma = runs[gemma_name]
+    smol = {}
+    for name in smol_names:
+        for cand in runs.get(name, {}).get("candidates", []):
+            smol.setdefault(cand["name"], (name, cand))
+    rows = []
+    for cand in gemma["candidates"]:
+        where, other = smol.get(cand["name"], (None, None))
+        if other and other["settings"].get("quantizer") != cand["settings"].get("quantizer"):
+            where, other = None, None  # the same name for another format: not comparable
+        g_kl, s_kl = cand["metrics"].get("kl/wikitext2"), other and other["metrics"].get("kl/wikitext2")
+        ratio = f"{g_kl['value'] / s_kl['value']:.1f}x" if g_kl and s_kl and s_kl["value"] > 0 else "—"
+        rows.append([f"`{cand['name']}`", num(other["bits_per_element"], 2) if other else "—",
+                     num(cand["bits_per_element"], 2), kl_cell(s_kl), kl_cell(g_kl), ratio,
+                     s_kl["verdict"] if s_kl else "—", g_kl["verdict"] if g_kl else "—",
+                     other["verdict"] if other else "—", cand["verdict"],
+                     f"[`{where}`](../reports/{where}/report.md)" if where else "—"])
+    header = ["setting", "bits/element SmolLM2", "bits/element Gemma 3", "KL SmolLM2 [95%]", "KL Gemma 3 [95%]",
+              "Gemma 3 / SmolLM2", "KL verdict SmolLM2", "KL verdict Gemma 3", "verdict SmolLM2", "verdict Gemma 3",
+              "SmolLM2 report"]
+    return (f"KL divergence from each model's own fp16 cache, nats per position on WikiText-2 (512-token windows; "
+            f"gate {gemma['config']['gate']['max_kl_divergence']}); bits/element at "
+            f"{gemma['config']['eval']['memory_probe_tokens']} tokens.\n\n" + table(header, rows, "lrrllrlllll"))
+
+
 def blocks() -> dict[str, str]:
     """Every block's text, from the committed results.json files."""
     runs, out = {}, {}
@@ -184,6 +224,8 @@ def blocks() -> dict[str, str]:
             out[name] = bench_scoring_block(rep)
         elif name == "gpu_check":
             out[name] = gpu_check_block(rep)
+    if SIDE_BY_SIDE[0] in runs:
+        out["smollm2-vs-gemma3"] = side_by_side_block(runs)
     return {"index": index_block(runs), **out}
 
 
