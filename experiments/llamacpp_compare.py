@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-layout", choices=["norm", "neox"], help="K's channel order on kvquant's side (default: "
                    "the model's, as make_cache decides: norm for a Llama-family GGUF)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's and torch's threads (default 2)")
-    p.add_argument("--out", type=Path, help="directory for results.json and table.md")
+    p.add_argument("--out", type=Path, help="directory for results.json and table.md; each finished window is kept in "
+                   "its windows/ folder, so a rerun after an interruption resumes at the next window")
     return p
 
 
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     check_int("--threads", args.threads, minimum=1, maximum=256)
     chosen = settings(args.types, args.rotation)
     result = compare(args.model, args.windows, args.length, chosen, args.threads, args.matmul, args.rope_layout,
-                     progress=lambda message: print(message, file=sys.stderr, flush=True))
+                     progress=lambda message: print(message, file=sys.stderr, flush=True),
+                     saved=args.out / "windows" if args.out else None)
     print(result["text"])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ a spread. Both sides see the same windows, so the spread that windows share canc
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,11 +158,12 @@ def summary_text(rows: list[Row], checks: dict[str, object]) -> str:
 
 def compare(model: str, windows: int, length: int, settings: list[Setting], threads: int = 2,
             matmul: str = "llamacpp", rope_layout: str | None = None,
-            progress=lambda message: None) -> dict[str, object]:
+            progress=lambda message: None, saved: Path | None = None) -> dict[str, object]:
     """The whole comparison: refusals first (a setting llama.cpp does not allow, a missing ``llama_cpp``, before
     any model loads), then llama.cpp's model, kvquant's tokenizer and windows, kvquant's model (its matmuls as
     ``matmul`` says: :mod:`kvquant.llamacpp_gguf`), both sides. ``rope_layout``: K's channel order on kvquant's side
-    (None: the model's, as ``make_cache`` decides; ``neox`` with ``matmul="float32"`` is the cache-only emulation)."""
+    (None: the model's, as ``make_cache`` decides; ``neox`` with ``matmul="float32"`` is the cache-only emulation).
+    ``saved``: a folder keeping each finished window (an interrupted comparison resumes at the next one)."""
     from .llamacpp_gguf import emulate_matmuls
     from .models import load_model, load_tokenizer
 
@@ -183,7 +185,10 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         if matmul == "llamacpp":
             emulate_matmuls(loaded, gguf)
         start = time.perf_counter()
-        found = measure(engine, loaded, ids, settings, progress,
+        from .report import code_version
+
+        inputs = f"{gguf}|{Path(gguf).stat().st_size}|{matmul}|{threads}|{code_version()}"
+        found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs,
                         **({"rope_layout": rope_layout} if rope_layout else {}))
         seconds = time.perf_counter() - start
     finally:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -272,16 +274,26 @@ SIDES = ("llamacpp", "kvquant")
 
 
 def measure(engine: Engine, model, windows: list[list[int]], settings: list[Setting],
-            progress=lambda message: None, **options) -> dict[str, dict[str, dict[str, list]]]:
+            progress=lambda message: None, saved: Path | None = None, inputs: str = "",
+            **options) -> dict[str, dict[str, dict[str, list]]]:
     """``{label: {side: {"kl": [per-position KL per window], "top1": [per-position agreement per window]}}}``:
     each window's positions ``0 .. n-2`` (those predicting a token of the window). Window by window, llama.cpp then
     kvquant, each side's f16 reference first: one reference and one setting's logits are held at a time.
-    ``options``: kvquant's, for every setting (:func:`kvquant_logits`)."""
+    ``options``: kvquant's, for every setting (:func:`kvquant_logits`). ``saved``: a folder where each finished
+    window is kept (:func:`window_file`), so that an interrupted comparison resumes at the next window; ``inputs``
+    names everything else that decides the numbers (model file, matmuls, code version), part of each window's key."""
     found = {s.label: {side: {"kl": [], "top1": []} for side in SIDES} for s in settings}
     runs = {"llamacpp": lambda ids, s: engine.logits(ids, s),
             "kvquant": lambda ids, s: kvquant_logits(model, ids, s, **(options if s else {}))}
     for w, ids in enumerate(windows, 1):
+        key = window_key(ids, settings, f"{inputs}|{sorted(options.items())}")
+        kept = load_window(saved, w, key) if saved else None
         for side, run in runs.items():
+            if kept is not None:
+                for s in settings:
+                    found[s.label][side]["kl"].append(kept[f"{s.label}|{side}|kl"])
+                    found[s.label][side]["top1"].append(kept[f"{s.label}|{side}|top1"])
+                continue
             reference = run(ids, None)[:-1]
             for s in settings:
                 kl, same = divergence(reference, run(ids, s)[:-1])
@@ -289,7 +301,46 @@ def measure(engine: Engine, model, windows: list[list[int]], settings: list[Sett
                 found[s.label][side]["top1"].append(same)
                 progress(f"window {w}/{len(windows)} {side} {s.label}: KL {kl.mean():.5f}")
             del reference
+        if kept is not None:
+            progress(f"window {w}/{len(windows)}: kept from {window_file(saved, w)}")
+        elif saved:
+            save_window(saved, w, key, {f"{label}|{side}|{what}": values[-1] for label, sides in found.items()
+                                        for side, measured in sides.items() for what, values in measured.items()})
     return found
+
+
+def window_key(ids: list[int], settings: list[Setting], inputs: str) -> str:
+    """SHA-256 of a window's tokens, the settings and ``inputs``: a kept window is reused only under this key."""
+    text = json.dumps([ids, [s.label for s in settings], inputs])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def window_file(folder: Path, w: int) -> Path:
+    return folder / f"window-{w:04d}.npz"
+
+
+def load_window(folder: Path, w: int, key: str) -> dict[str, np.ndarray] | None:
+    """The arrays kept for window ``w`` under ``key``; None where there are none, or they were kept under another
+    key (other tokens, settings, model or code: measured again and replaced) or cannot be read."""
+    path = window_file(folder, w)
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if str(data["key"]) != key:
+                return None
+            return {name: data[name] for name in data.files if name != "key"}
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def save_window(folder: Path, w: int, key: str, arrays: dict[str, np.ndarray]) -> None:
+    """Keep window ``w``'s arrays (written to a temporary name, then renamed: never a half-written window)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = window_file(folder, w)
+    partial = path.with_suffix(".tmp.npz")
+    np.savez(partial, key=np.array(key), **arrays)
+    partial.replace(path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -309,3 +309,40 @@ def test_the_cache_alone_does_not_predict_llama_cpp():
     (q8,) = comparison.compare("smollm2", 1, 256, [Setting("q8_0", True)], threads=2, matmul="float32",
                                rope_layout="neox")["rows"]
     assert q8.ratio[2] < 0.2 and not q8.within
+
+
+def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypatch):
+    """Each finished window is kept under a key of its tokens, settings and inputs: a rerun reads it back (no
+    model called, the same numbers), other inputs measure it again, and an interruption keeps what was done."""
+    from kvquant import llamacpp_engine as engine_module
+
+    calls = []
+
+    def logits(ids, setting):  # [n, vocab]: the f16 reference, and a setting's logits off it by its rotation
+        calls.append((tuple(ids), setting))
+        base = torch.arange(len(ids) * 5, dtype=torch.float64).reshape(len(ids), 5).sin()
+        return base if setting is None else base + 0.1 * (1 + setting.rotation) * base.cos()
+
+    class FakeEngine:
+        def logits(self, ids, setting):
+            return logits(ids, setting)
+
+    monkeypatch.setattr(engine_module, "kvquant_logits", lambda model, ids, s, **options: logits(ids, s))
+    settings = [Setting("q8_0", True), Setting("q4_0", False)]
+    windows = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    first = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
+    assert len(calls) == 3 * 2 * 3 and len(list(tmp_path.glob("window-*.npz"))) == 3
+    calls.clear()
+    again = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
+    assert calls == []
+    for label in first:
+        for side in first[label]:
+            for what in ("kl", "top1"):
+                assert all(np.array_equal(x, y) for x, y in zip(first[label][side][what], again[label][side][what]))
+    engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
+    assert len(calls) == 18  # other inputs: every window measured again
+    calls.clear()
+    window_2 = tmp_path / "window-0002.npz"
+    window_2.unlink()  # as if interrupted during window 2
+    engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
+    assert {ids for ids, _ in calls} == {tuple(windows[1])}
