@@ -17,10 +17,10 @@ import pandas as pd
 import torch
 
 import kvquant
-from kvquant.config import ModelConfig
-from kvquant.evaluate import Scorer
-from kvquant.models import load_model
-from kvquant.report import environment
+from kvquant.runner.config import ModelConfig
+from kvquant.scoring.scorer import Scorer
+from kvquant.scoring.models import load_model
+from kvquant.runner.report import environment
 
 MODEL = ModelConfig(path="local:models/smollm2-135m-instruct", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                     dtype="float32", device="cpu")

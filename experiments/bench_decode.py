@@ -27,9 +27,9 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedCache
 
 import kvquant
-from kvquant import kernels
+from kvquant.cache import kernels
 from kvquant.cache import stored_bytes
-from kvquant.report import environment
+from kvquant.runner.report import environment
 
 GROUP, RESIDUAL = 32, 128
 

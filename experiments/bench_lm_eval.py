@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvquant.paths import data_dir
-from kvquant.report import environment
+from kvquant.runner.report import environment
 
 MODEL = "models/smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -24,10 +24,10 @@ import lm_eval
 import numpy as np
 import torch
 
-from kvquant.config import ModelConfig
-from kvquant.lm_eval_model import KVQuantLM  # registers the lm-eval model
-from kvquant.models import load_model
-from kvquant.tasks import resolve_task, task_manager
+from kvquant.runner.config import ModelConfig
+from kvquant.scoring.lm_eval_model import KVQuantLM  # registers the lm-eval model
+from kvquant.scoring.models import load_model
+from kvquant.scoring.tasks import resolve_task, task_manager
 
 TASKS = ["arc_easy", "hellaswag", "piqa", "lambada_openai"]
 

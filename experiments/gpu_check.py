@@ -33,7 +33,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 
 import kvquant
 from kvquant.cache import stored_bytes
-from kvquant.report import environment
+from kvquant.runner.report import environment
 
 QUANTIZERS = {  # name -> make_cache arguments
     "fp16": ("fp16", {}),

@@ -8,8 +8,8 @@ prints each side's per-token KL divergence and top-1 agreement against its own f
 intervals (a paired bootstrap over 32-token blocks), and whether the target holds: kvquant's KL within +-20% of
 llama.cpp's (or overlapping intervals) wherever llama.cpp's is at least 1e-3, the same order of types, rotation's
 effect in the same direction. kvquant's model multiplies the GGUF's weights as llama.cpp's CPU backend does
-(activations quantized to the weight's dot-product type, ``kvquant/llamacpp_gguf.py``) unless ``--matmul
-float32``. The logic is in ``kvquant/llamacpp_engine.py`` and ``kvquant/llamacpp_compare.py``.
+(activations quantized to the weight's dot-product type, ``kvquant/formats/llamacpp_gguf.py``) unless ``--matmul
+float32``. The logic is in ``kvquant/integrations/llamacpp_engine.py`` and ``kvquant/integrations/llamacpp_compare.py``.
 
 Exit 0 when the target holds, 1 when it does not, 2 bad input (one line: a type llama.cpp does not allow, rotation
 at a head size llama.cpp cannot rotate, no llama_cpp package), 3 an internal error.
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from kvquant.errors import OneLineParser, guarded, parse_args
 from kvquant.fs import write_file
-from kvquant.llamacpp_compare import MATMULS, compare, to_json
-from kvquant.llamacpp_engine import MODELS, QUANTIZED, Setting
+from kvquant.integrations.llamacpp_compare import MATMULS, compare, to_json
+from kvquant.integrations.llamacpp_engine import MODELS, QUANTIZED, Setting
 
 PROG = "llamacpp_compare"
 

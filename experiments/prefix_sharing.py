@@ -17,12 +17,12 @@ import pandas as pd
 import torch
 
 import kvquant
-from kvquant import data
+from kvquant.scoring import data
 from kvquant.cache import stack_rows
-from kvquant.config import load_config
-from kvquant.models import load_model
-from kvquant.planner import Planner, parse_setting, shape_from_config
-from kvquant.report import environment
+from kvquant.runner.config import load_config
+from kvquant.scoring.models import load_model
+from kvquant.planner.shapes import Planner, parse_setting, shape_from_config
+from kvquant.runner.report import environment
 
 SETTINGS = ["fp16", "fp8_e4m3:residual_length=0", "int4:group_size=32,residual_length=0",
             "int4:group_size=32,residual_length=128"]

@@ -1,4 +1,4 @@
-"""Does the model do the long-range probe (``kvquant.probe``) in full precision? Accuracy per distance.
+"""Does the model do the long-range probe (``kvquant.scoring.passkey``) in full precision? Accuracy per distance.
 
     python experiments/probe_calibration.py --model /tmp/smollm2-hf --per-distance 6
 
@@ -25,7 +25,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvquant.paths import data_dir
-from kvquant.probe import probe_documents
+from kvquant.scoring.passkey import probe_documents
 
 SMOLLM2 = ("models/smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf")
 

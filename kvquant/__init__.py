@@ -6,21 +6,23 @@
 >>> cache = kvquant.make_cache(model, "int4", group_size=32, residual_length=128)
 >>> model.generate(ids, cache=cache, max_new_tokens=64)
 
-``import kvquant`` does not import lm-eval; ``import kvquant.lm_eval_model`` registers the lm-eval model
+``import kvquant`` does not import lm-eval; ``import kvquant.scoring.lm_eval_model`` registers the lm-eval model
 ``kvquant`` (``lm_eval.simple_evaluate(model="kvquant", ...)``).
 """
 
-from . import importpath  # noqa: F401  (first: drops the working directory `python -m kvquant.<command>` put on sys.path)
-from .cache import KVQuantCache, make_cache
-from .cache.fused import enable_fused_decode
-from .errors import KVQuantError, NonFiniteKVError
-from .quantizers import Quantizer, available_quantizers, get_quantizer, quantizer_options, register_quantizer
-from . import engines  # noqa: F401  (registers the serving engines' formats)
-from . import llamacpp  # noqa: F401  (registers llama.cpp's cache types)
+from kvquant import importpath  # noqa: F401  (first: drops the working directory `python -m kvquant.<command>` put on sys.path)
+from kvquant.cache import CacheSpec, KVQuantCache, make_cache
+from kvquant.cache.fused import enable_fused_decode
+from kvquant.errors import KVQuantError, NonFiniteKVError
+from kvquant.formats.quantizers import (Quantizer, available_quantizers, get_quantizer, quantizer_options,
+    register_quantizer)
+from kvquant.formats import engines  # noqa: F401  (registers the serving engines' formats)
+from kvquant.formats import llamacpp  # noqa: F401  (registers llama.cpp's cache types)
 
 
 
 __all__ = [
+    "CacheSpec",
     "KVQuantCache",
     "KVQuantError",
     "NonFiniteKVError",

@@ -94,7 +94,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def write_error_log(directory: Path | None) -> Path:
     """The current exception's traceback in ``directory/error.log`` (or a temp file where that cannot be); a
     symlink at either is replaced, never written through."""
-    from .fs import write_file
+    from kvquant.fs import write_file
 
     text = traceback.format_exc()
     if directory is not None and directory.is_dir() and not directory.is_symlink():

@@ -1,5 +1,5 @@
 """``python -m kvquant.export REPORT_DIR``: write ``DEPLOY.md`` for a report whose decision a serving engine runs
-(the engine's flags, what was measured and what was not; :mod:`kvquant.deploy`): vLLM's or SGLang's
+(the engine's flags, what was measured and what was not; :mod:`kvquant.integrations.deploy`): vLLM's or SGLang's
 ``--kv-cache-dtype``, or for a llama.cpp cache type llama.cpp's ``-ctk/-ctv/-fa on``, Ollama's
 ``OLLAMA_KV_CACHE_TYPE`` where Ollama can run it, and llama-cpp-python's ``type_k``/``type_v``.
 
@@ -19,9 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .deploy import export
-from .errors import OneLineParser, guarded, parse_args
-from .importpath import drop_working_dir
+from kvquant.integrations.deploy import export
+from kvquant.errors import OneLineParser, guarded, parse_args
+from kvquant.importpath import drop_working_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .errors import KVQuantError
+from kvquant.errors import KVQuantError
 
 
 def _unsafe_ancestor(path: Path) -> str | None:

@@ -25,15 +25,17 @@ from pathlib import Path
 
 import torch
 
-from .config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device, load_yaml,
-                     read_text_file)
-from . import fewshot, parallel
-from .errors import EXIT_PASS, KVQuantError, guarded
-from .fs import check_env_dirs, check_trusted
-from .importpath import drop_working_dir
-from .lm_eval_model import batch_rows, parse_value, whole_number
-from .models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, resolve_model_path, trained_context
-from .tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_data_digest, task_dir
+from kvquant.runner.config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device,
+    load_yaml, read_text_file)
+from kvquant.scoring import fewshot
+from kvquant.scoring import parallel
+from kvquant.errors import EXIT_PASS, KVQuantError, guarded
+from kvquant.fs import check_env_dirs, check_trusted
+from kvquant.importpath import drop_working_dir
+from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number
+from kvquant.scoring.models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, resolve_model_path, trained_context
+from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_data_digest,
+    task_dir)
 
 #: model_args of ``--model kvquant`` that configure the model, by their :class:`ModelConfig` field.
 MODEL_ARGS = {"pretrained": "path", "tokenizer": "tokenizer", "gguf_file": "gguf_file", "dtype": "dtype",
@@ -69,8 +71,8 @@ def _model_spec(args: dict) -> ModelConfig:
 def check_kvquant_args(model_args: dict) -> None:
     """The model arguments of ``--model kvquant`` (model, device, mode, chunk_size, quantizer and its options),
     by the runner's own checks, without loading the model's weights."""
-    from .lm_eval_model import KVQuantLM
-    from .planner import check_candidate, shape_from_config
+    from kvquant.scoring.lm_eval_model import KVQuantLM
+    from kvquant.planner.shapes import check_candidate, shape_from_config
 
     args = dict(model_args)
     if args.get("pretrained") in (None, ""):
@@ -289,7 +291,8 @@ def check(argv: list[str]) -> Path | None:
 
 def same_command(flags: dict) -> None:
     """Under several processes (``torchrun -m kvquant.lm_eval --model kvquant``), every process runs the same
-    command with the same kvquant version, task data and model files (:func:`kvquant.parallel.agree`), before the
+    command with the same kvquant version, task data and model files (:func:`kvquant.scoring.parallel.agree`), before
+    the
     model loads: ranks of other settings would blend their scores into one result."""
     if flags.get("model") != "kvquant" or parallel.current().world == 1:
         return

@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import KVQuantError, OneLineParser, guarded, one_line, parse_args
-from .fs import cache_dir
+from kvquant.errors import KVQuantError, OneLineParser, guarded, one_line, parse_args
+from kvquant.fs import cache_dir
 
 PACKAGE_PREFIX = "package:"
 

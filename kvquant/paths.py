@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import KVQuantError
+from kvquant.errors import KVQuantError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 LOCAL_PREFIX = "local:"
@@ -56,7 +56,7 @@ def data_dir() -> Path | None:
 def resolve(ref: str) -> str:
     """Turn ``local:REL`` into an absolute path under :func:`data_dir` and ``package:NAME`` into the folder of
     that packaged model's verified file; return other references unchanged."""
-    from .packaged import PACKAGE_PREFIX, package_folder
+    from kvquant.packaged import PACKAGE_PREFIX, package_folder
 
     if ref.startswith(PACKAGE_PREFIX):
         return package_folder(ref)

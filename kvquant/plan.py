@@ -20,12 +20,12 @@ import sys
 
 import torch
 
-from .errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
-from .importpath import drop_working_dir
-from .models import DTYPES
-from .plan_cost import MAX_LAYER_KINDS
-from .planner import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes, parse_setting,
-                      resolve_model, tensor_parallel)
+from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from kvquant.importpath import drop_working_dir
+from kvquant.scoring.models import DTYPES
+from kvquant.planner.cost import MAX_LAYER_KINDS
+from kvquant.planner.shapes import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes,
+    parse_setting, resolve_model, tensor_parallel)
 
 DEFAULT_SETTINGS = ["fp16", "fp8_e4m3", "int8", "int4", "int2"]
 MAX_BATCH = 1_000_000

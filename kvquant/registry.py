@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from .errors import KVQuantError
+from kvquant.errors import KVQuantError
 
 
 class Registry:

@@ -33,24 +33,32 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import data, models, parallel, report
-from .calibrate import calibrated, check_calibration
-from .config import Candidate, ExperimentConfig, Stage, load_config
-from .deploy import deploy_beside
-from .errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
-from .fewshot import check_runner_fewshot
-from .importpath import drop_working_dir
-from .fs import check_env_dirs
-from .gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
-from .measure import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
-from .models import DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype, trained_context
-from .planner import check_candidate, parse_bytes, shape_from_config
-from .results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
-from .quantizers import QUANTIZERS, available_quantizers
-from .search import check_search, search
-from .store import ResultStore, RunLock, check_partial, warn
-from .stages import serve, serving_tokens, staged_decision
-from .tasks import check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir, task_manager
+from kvquant.scoring import data
+
+from kvquant.scoring import models
+
+from kvquant.scoring import parallel
+
+from kvquant.runner import report
+from kvquant.scoring.calibrate import calibrated, check_calibration
+from kvquant.runner.config import Candidate, ExperimentConfig, Stage, load_config
+from kvquant.integrations.deploy import deploy_beside
+from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from kvquant.scoring.fewshot import check_runner_fewshot
+from kvquant.importpath import drop_working_dir
+from kvquant.fs import check_env_dirs
+from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
+from kvquant.scoring.session import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
+from kvquant.scoring.models import (DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype,
+    trained_context)
+from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
+from kvquant.runner.results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
+from kvquant.runner.search import check_search, search
+from kvquant.runner.store import ResultStore, RunLock, check_partial, warn
+from kvquant.scoring.stages import serve, serving_tokens, staged_decision
+from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir,
+    task_manager)
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -59,7 +67,8 @@ def seed_everything(seed: int) -> None:
 
 
 def context_length(cfg: ExperimentConfig, model_config) -> int:
-    """Longest sequence the run feeds, before the model loads (as :func:`kvquant.models.max_length` once it has)."""
+    """Longest sequence the run feeds, before the model loads (as :func:`kvquant.scoring.models.max_length` once it
+    has)."""
     return cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
 
 
@@ -79,7 +88,7 @@ def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
 def check_report_dir(out_dir: Path) -> None:
     """The report directory can be created and written (checked without creating anything); kvquant does not
     write through a symlink at the report directory or its ``partial/``, and what it would read or replace in
-    ``partial/`` is its own (:func:`kvquant.store.check_partial`)."""
+    ``partial/`` is its own (:func:`kvquant.runner.store.check_partial`)."""
     for path in (out_dir, out_dir / "partial"):
         if path.is_symlink():
             raise KVQuantError(f"output_dir/name: {path} is a symlink; kvquant writes only into directories it can "
@@ -201,7 +210,8 @@ def check_processes(cfg: ExperimentConfig, world: int) -> None:
 
 
 def lm_eval_task(task: str, folder):
-    """The lm-eval task object behind a task name, its files from ``folder`` (:func:`kvquant.tasks.task_dir`); lm-eval's
+    """The lm-eval task object behind a task name, its files from ``folder``
+    (:func:`kvquant.scoring.tasks.task_dir`); lm-eval's
     DeprecationWarning about get_task_dict is held back (it would print before a refusal's one line)."""
     from lm_eval.tasks import get_task_dict
 

@@ -1,5 +1,5 @@
 """Signed reports: ``results.json`` carries an HMAC-SHA256 of its content under this user's private key (the key
-that signs partial results, :func:`kvquant.store.result_key`), so ``python -m kvquant.export`` deploys only what
+that signs partial results, :func:`kvquant.runner.store.result_key`), so ``python -m kvquant.export`` deploys only what
 this user's own run decided, never a file edited by hand or written by another user or on another machine.
 
 The signature covers the document as JSON reads it back (keys sorted, no spaces), not the file's bytes, so it
@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import json
 
-from .store import result_key
+from kvquant.runner.store import result_key
 
 SIGNATURE = "signature"
 #: what a results.json signature signs besides the document, so that no other signature under the same key (a

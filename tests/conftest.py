@@ -56,7 +56,7 @@ def story_ids(tokenizer, stories):
 def no_model_load(monkeypatch, tmp_path):
     """Inputs that must be refused before a model loads: loading one fails the test. kvquant's private cache (the
     signing key, GGUF conversions) goes to a throwaway folder."""
-    import kvquant.lm_eval_model
+    import kvquant.scoring.lm_eval_model
     import kvquant.run
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
@@ -65,4 +65,4 @@ def no_model_load(monkeypatch, tmp_path):
         raise AssertionError("a model was loaded for an input that should have been refused before")
 
     monkeypatch.setattr(kvquant.run, "load_model", trap)
-    monkeypatch.setattr(kvquant.lm_eval_model, "load_model", trap)
+    monkeypatch.setattr(kvquant.scoring.lm_eval_model, "load_model", trap)

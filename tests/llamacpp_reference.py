@@ -1,5 +1,5 @@
 """References for tests/test_llamacpp.py, written from the C code of the llama.cpp that llama-cpp-python 0.3.36
-vendors, one block at a time with numpy float32 scalars, sharing no code with ``kvquant/llamacpp.py``:
+vendors, one block at a time with numpy float32 scalars, sharing no code with ``kvquant/formats/llamacpp.py``:
 
 - ``quantize_row_q4_0_ref`` ... ``quantize_row_q5_1_ref``, ``quantize_row_q8_0_ref`` and ``dequantize_row_*``
   (ggml/src/ggml-quants.c); x86's and ARM's ``quantize_row_q8_0`` (ggml/src/ggml-cpu/arch/{x86,arm}/quants.c);

@@ -1,4 +1,4 @@
-"""Static KV scales calibrated on a split held apart from evaluation (kvquant/calibrate.py), against scales
+"""Static KV scales calibrated on a split held apart from evaluation (kvquant/scoring/calibrate.py), against scales
 recomputed here from the states a plain DynamicCache stores, and the runner measuring with the frozen scales."""
 
 import dataclasses
@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvquant import calibrate, data
-from kvquant.config import load_config
-from kvquant.models import load_tokenizer
+from kvquant.scoring import calibrate
+
+from kvquant.scoring import data
+from kvquant.runner.config import load_config
+from kvquant.scoring.models import load_tokenizer
 from kvquant.run import main
 
 CONFIG = """
@@ -171,7 +173,7 @@ def test_values_beyond_the_format_at_the_calibrated_scale_are_named():
 
 
 def test_an_unnamed_candidate_keeps_its_label_once_calibrated():
-    from kvquant.config import Candidate
+    from kvquant.runner.config import Candidate
 
     plain = Candidate("vllm_fp8", calibrate="tensor")
     calibrated = calibrate.with_scales(plain, {"0": {"k_scale": 0.1, "v_scale": 0.2}})

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvquant.config import ConfigError, TaskSet, build, load_config
+from kvquant.runner.config import ConfigError, TaskSet, build, load_config
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))

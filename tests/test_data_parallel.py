@@ -54,11 +54,11 @@ def test_two_processes_score_what_one_process_scores(tmp_path):
 
 def test_device_map_with_several_processes_is_refused(monkeypatch, model, tokenizer):
     from kvquant.errors import KVQuantError
-    from kvquant.lm_eval_model import KVQuantLM
+    from kvquant.scoring.lm_eval_model import KVQuantLM
 
-    from kvquant.parallel import Processes
+    from kvquant.scoring.parallel import Processes
 
-    monkeypatch.setattr("kvquant.parallel.current", lambda: Processes(rank=1, world=2))
+    monkeypatch.setattr("kvquant.scoring.parallel.current", lambda: Processes(rank=1, world=2))
     with pytest.raises(KVQuantError, match="device_map"):
         KVQuantLM(model, tokenizer=tokenizer, device_map="auto")
     lm = KVQuantLM(model, tokenizer=tokenizer)
@@ -172,8 +172,9 @@ def test_two_processes_run_what_one_runs_survive_an_interrupted_rank_and_resume_
 ])
 def test_bad_process_counts_and_device_maps_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, world,
                                                                                 change, message):
-    from kvquant import parallel, run
-    from kvquant.parallel import Processes
+    from kvquant import run
+    from kvquant.scoring import parallel
+    from kvquant.scoring.parallel import Processes
 
     config = {**RUN_CONFIG, "output_dir": str(tmp_path), **({"model": change} if change else {})}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))

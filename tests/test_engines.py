@@ -1,4 +1,5 @@
-"""Serving engines' KV formats (``kvquant/engines.py``) against references written here from the published formats.
+"""Serving engines' KV formats (``kvquant/formats/engines.py``) against references written here from the published
+formats.
 
 The references compute with numpy float32 scalars per (token, head) or per block, and search the e2m1 grid by
 distance, so they share no code with the quantizers. Codes, scales and dequantized states are compared exactly;
@@ -15,7 +16,7 @@ import torch
 import transformers
 
 import kvquant
-from kvquant import engines
+from kvquant.formats import engines
 from kvquant.cache import simulate_memory
 from kvquant.errors import KVQuantError
 from reference import FakeQuantReference, Spec
@@ -393,7 +394,7 @@ def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do
     """``export`` writes a format's flags from its class: every vLLM/SGLang format names its engine and its
     ``--kv-cache-dtype`` value; kvquant's own formats name none, nor does a subclass of an engine format that
     does not name them itself (it may store something else)."""
-    from kvquant.deploy import engine_flags
+    from kvquant.integrations.deploy import engine_flags
 
     flags = {n: engine_flags(n) for n in kvquant.available_quantizers() if engine_flags(n)}
     assert set(flags) == {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
@@ -409,13 +410,13 @@ def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do
     try:
         assert engine_flags("my_fp8_variant") is None
     finally:
-        del kvquant.quantizers.QUANTIZERS.classes["my_fp8_variant"]
+        del kvquant.formats.quantizers.QUANTIZERS.classes["my_fp8_variant"]
 
 
 def test_every_registered_quantizer_is_itself_a_frozen_dataclass():
     """Not only through its base: a subclass that is not a dataclass itself lets an instance's class attributes
     (``serving``, ``codec``) be shadowed by assignment."""
-    from kvquant.quantizers import QUANTIZERS
+    from kvquant.formats.quantizers import QUANTIZERS
 
     for name, cls in QUANTIZERS.classes.items():
         params = cls.__dict__.get("__dataclass_params__")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvquant
-from kvquant.evaluate import Scorer
+from kvquant.scoring.scorer import Scorer
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_a_forked_cache_scores_exactly_as_a_fresh_one(model64, requests):
 
 
 def test_sharing_feeds_each_context_once(model64, requests, monkeypatch):
-    from kvquant import evaluate
+    from kvquant.scoring import scorer as evaluate
 
     fed = []
     original = evaluate._Batch.step
@@ -104,7 +104,7 @@ def test_batched_scoring_on_a_sliding_window_model(name, mode, chunk):
 
 
 def test_cut_finds_the_cheapest_runs():
-    from kvquant.evaluate import _cut
+    from kvquant.scoring.scorer import _cut
 
     lengths = [9, 9, 8, 3, 3, 3, 1]
     assert _cut(lengths, most=10, forward_cost=0) == [2, 1, 3, 1]  # no price per run: no padding at all
@@ -119,7 +119,7 @@ def test_rows_are_regrouped_by_length_so_nothing_is_padded(model64, monkeypatch)
     """Long contexts with short continuations and short contexts with long ones: contexts are prefilled in batches
     of their own lengths and continuations in batches of theirs, so with no price per forward pass no position
     is padding, and every score equals the request scored alone."""
-    from kvquant import evaluate
+    from kvquant.scoring import scorer as evaluate
 
     ids = list(range(3, 200))
     requests = []
@@ -152,7 +152,7 @@ def test_only_scored_positions_reach_the_output_layer(model64, requests, mode, m
     sees one row per scored token (plus, in streaming mode, one per prefilled batch row, which transformers keeps
     by default). Forward passes priced high, so that every batch has several rows (a row alone is projected
     whole, as a plain forward does)."""
-    from kvquant import evaluate
+    from kvquant.scoring import scorer as evaluate
 
     monkeypatch.setattr(evaluate, "FORWARD_COST", 10**6)
     seen = []

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvquant.cache import build_cache, make_cache
-from kvquant.data import Window
-from kvquant.evaluate import Scorer, divergence_samples
-from kvquant.reads import Reads, causal_counts
+from kvquant.scoring.data import Window
+from kvquant.scoring.scorer import Scorer, divergence_samples
+from kvquant.cache.reads import Reads, causal_counts
 
 
 def brute_force(flags: list[bool], queries: int) -> tuple[int, int]:

@@ -120,10 +120,10 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     import transformers
 
     import kvquant
-    from kvquant.config import Candidate
-    from kvquant.deploy import native
-    from kvquant.measure import described
-    from kvquant.search import map_candidate
+    from kvquant.runner.config import Candidate
+    from kvquant.integrations.deploy import native
+    from kvquant.scoring.session import described
+    from kvquant.runner.search import map_candidate
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)

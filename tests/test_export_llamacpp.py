@@ -30,7 +30,7 @@ def recorded(quantizer: str, head_dim: int = 64, **options) -> dict:
     import transformers
 
     import kvquant
-    from kvquant.measure import described
+    from kvquant.scoring.session import described
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=4 * head_dim, intermediate_size=64,
                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
@@ -104,7 +104,7 @@ def test_each_cache_type_exports_llamacpps_flags_ollamas_line_where_it_has_one_a
 
 def test_the_python_constants_are_llama_cpp_pythons():
     """The numbers are ggml's; where llama-cpp-python is installed, its constants have them."""
-    from kvquant.deploy_llamacpp import PYTHON_TYPES
+    from kvquant.integrations.deploy_llamacpp import PYTHON_TYPES
 
     assert PYTHON_TYPES == {kind: python_type(kind) for kind in GGML}
     llama_cpp = pytest.importorskip("llama_cpp")
@@ -251,7 +251,7 @@ def test_report_text_stays_inert_beside_the_llamacpp_commands(tmp_path):
 
 
 def test_the_runner_step_writes_deploy_md_for_a_llamacpp_decision(tmp_path):
-    from kvquant.deploy import deploy_beside
+    from kvquant.integrations.deploy import deploy_beside
 
     folder = tmp_path / "report"
     folder.mkdir()

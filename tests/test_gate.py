@@ -6,9 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from kvquant.config import GateConfig
-from kvquant.gate import FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, paired_interval, decide, judge, looks
-from kvquant.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
+from kvquant.runner.config import GateConfig
+from kvquant.runner.gate import (FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, paired_interval, decide, judge,
+    looks)
+from kvquant.runner.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
 
 POLICY = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, decide_on="point")
 TEST = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, max_kl_divergence=0.01,

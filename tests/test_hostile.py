@@ -18,13 +18,13 @@ import yaml
 from transformers import AutoConfig
 
 import kvquant
-import kvquant.kernels
+import kvquant.cache.kernels
 import kvquant.run
 from kvquant import lm_eval as lm_eval_cli
 from kvquant import plan
-from kvquant.config import GateConfig, ModelConfig, PerplexitySet
+from kvquant.runner.config import GateConfig, ModelConfig, PerplexitySet
 from kvquant.errors import KVQuantError
-from kvquant.evaluate import Scorer
+from kvquant.scoring.scorer import Scorer
 from kvquant.paths import data_dir, resolve
 
 ROOT = Path(__file__).parents[1]
@@ -387,7 +387,7 @@ def test_api_scorer_refuses(model, mode, chunk_size, needle):
 
 
 def test_api_kvquant_lm_refuses_a_bad_quantizer(model, tokenizer):
-    from kvquant.lm_eval_model import KVQuantLM
+    from kvquant.scoring.lm_eval_model import KVQuantLM
 
     with pytest.raises(KVQuantError, match="int5"):
         KVQuantLM(model, tokenizer=tokenizer, quantizer="int5")
@@ -443,7 +443,7 @@ def test_dataset_sizes_are_validated(env, capsys, no_model_load):
 
 def test_api_works_under_autograd(model, story_ids, monkeypatch):
     """The eager dequantization path (every GPU, fp16 models, KVQUANT_KERNELS=0) outside torch.no_grad()."""
-    monkeypatch.setattr(kvquant.kernels, "usable", lambda out: False)
+    monkeypatch.setattr(kvquant.cache.kernels, "usable", lambda out: False)
     cache = kvquant.make_cache(model, "int4")
     out = model(story_ids, cache=cache, use_cache=True)
     assert torch.isfinite(out.logits).all()

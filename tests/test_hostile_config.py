@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 import kvquant.run
-from kvquant.config import ConfigError, load_config
-from kvquant.store import ResultStore
+from kvquant.runner.config import ConfigError, load_config
+from kvquant.runner.store import ResultStore
 
 ROOT = Path(__file__).parents[1]
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
@@ -206,7 +206,7 @@ def test_a_rerun_keeps_the_results_it_replaces_and_a_copied_result_is_recomputed
 def test_a_signing_key_others_can_read_is_refused(tmp_path, monkeypatch, mode):
     """A partial-results key that group or others could read was used: whoever read it could sign results (and
     exported reports) as this user."""
-    from kvquant import store
+    from kvquant.runner import store
     from kvquant.errors import KVQuantError
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))

@@ -13,11 +13,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-import kvquant.lm_eval_model
-import kvquant.models
+import kvquant.scoring.lm_eval_model
+import kvquant.scoring.models
 import kvquant.run
 from kvquant import lm_eval as lm_eval_cli
-from kvquant import tasks
+from kvquant.scoring import tasks
 from kvquant.errors import KVQuantError
 from kvquant.paths import data_dir, resolve
 
@@ -46,7 +46,7 @@ def trapped(monkeypatch, tmp_path):
     def trap(*args, **kwargs):
         raise AssertionError("reached a model load (or lm-eval's CLI) for an input that should have been refused")
 
-    for module in (kvquant.models, kvquant.lm_eval_model, kvquant.run):
+    for module in (kvquant.scoring.models, kvquant.scoring.lm_eval_model, kvquant.run):
         monkeypatch.setattr(module, "load_model", trap)
     monkeypatch.setattr("lm_eval.__main__.cli_evaluate", trap)
 
@@ -157,7 +157,7 @@ def test_lm_eval_entry_accepts(trapped, files, monkeypatch, extra):
     (None, None, 1),
 ], ids=["auto", "auto-4", "auto-max-4", "auto-2-max-8", "text-8", "int-3", "none"])
 def test_kvquant_lm_accepts_lm_eval_batch_sizes(model, tokenizer, batch_size, max_batch_size, expected):
-    lm = kvquant.lm_eval_model.KVQuantLM(model, tokenizer=tokenizer, batch_size=batch_size,
+    lm = kvquant.scoring.lm_eval_model.KVQuantLM(model, tokenizer=tokenizer, batch_size=batch_size,
                                          max_batch_size=max_batch_size)
     assert lm.scorer.batch_size == expected
 
@@ -169,7 +169,7 @@ def test_kvquant_lm_accepts_lm_eval_batch_sizes(model, tokenizer, batch_size, ma
 ], ids=["0", "negative", "text", "auto-0", "auto-x", "float", "bool", "max-0", "max-text"])
 def test_kvquant_lm_refuses_batch_sizes_before_loading(trapped, batch_size, max_batch_size, needle):
     with pytest.raises(KVQuantError, match=needle) as info:
-        kvquant.lm_eval_model.KVQuantLM(resolve(MODEL), batch_size=batch_size, max_batch_size=max_batch_size)
+        kvquant.scoring.lm_eval_model.KVQuantLM(resolve(MODEL), batch_size=batch_size, max_batch_size=max_batch_size)
     assert "\n" not in str(info.value)
 
 
@@ -191,11 +191,11 @@ WEIGHTS = [("model.layers.2.mlp.down_proj.weight", float("nan")), ("model.layers
 
 @pytest.mark.parametrize("weight, value", WEIGHTS, ids=["mlp-nan", "mlp-inf", "norm-neg-inf", "embedding-nan"])
 def test_load_model_refuses_non_finite_weights(tmp_path, weight, value):
-    from kvquant.config import ModelConfig
+    from kvquant.runner.config import ModelConfig
 
     path = broken_model(tmp_path / "broken", weight, value)
     with pytest.raises(KVQuantError) as info:
-        kvquant.models.load_model(ModelConfig(path=str(path), device="cpu"))
+        kvquant.scoring.models.load_model(ModelConfig(path=str(path), device="cpu"))
     message = str(info.value)
     assert "\n" not in message and str(path) in message and weight in message and "NaN or Inf" in message, message
 
@@ -232,7 +232,7 @@ def test_run_refuses_a_non_finite_baseline(tmp_path, capsys, monkeypatch, overri
     """Scores that are not finite through the identity cache (here: the final norm poisoned after the load check,
     so keys and values stay finite) mean the model is broken, not the quantizer. Was: "FAIL: int4 ..." (exit 1)."""
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
-    real = kvquant.models.load_model
+    real = kvquant.scoring.models.load_model
 
     def poisoned(spec):
         model, tokenizer = real(spec)
@@ -369,8 +369,8 @@ def test_lm_eval_refuses_broken_task_data_before_loading(data, trapped, capsys):
 def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
     """Found by the second hostile session: NUL text was accepted (and measured), a lone surrogate crashed the
     tokenizer (exit 3), and a number in the text field was called a missing field."""
-    from kvquant.config import PerplexitySet
-    from kvquant.data import load_rows
+    from kvquant.runner.config import PerplexitySet
+    from kvquant.scoring.data import load_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(row) + "\n", encoding="utf-8", errors="surrogatepass")
@@ -383,8 +383,8 @@ def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
                                                ("\ud800", "separator is not text: it holds a lone surrogate")])
 def test_a_separator_that_is_not_text_is_refused(tmp_path, separator, needle):
     """The rows were checked but not what joins them (a NUL separator was measured; a surrogate was exit 3)."""
-    from kvquant.config import PerplexitySet
-    from kvquant.data import load_rows
+    from kvquant.runner.config import PerplexitySet
+    from kvquant.scoring.data import load_rows
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"text": "Once upon a time."}) + "\n")

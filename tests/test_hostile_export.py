@@ -239,9 +239,9 @@ def keeps_every_layer_doc(layers: int) -> dict:
     import transformers
 
     import kvquant
-    from kvquant.config import Candidate
-    from kvquant.measure import described
-    from kvquant.search import map_candidate
+    from kvquant.runner.config import Candidate
+    from kvquant.scoring.session import described
+    from kvquant.runner.search import map_candidate
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)

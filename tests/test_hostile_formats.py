@@ -18,7 +18,7 @@ import kvquant
 import kvquant.run
 from kvquant import KVQuantError
 from kvquant.cache import build_cache, simulate_memory
-from kvquant.quantizers import MAX_TOKENS
+from kvquant.formats.quantizers import MAX_TOKENS
 
 MODEL = "local:models/stories260K/hf"
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
@@ -302,7 +302,7 @@ def test_a_cache_made_for_fused_decode_read_by_a_plain_model_equals_the_plain_ca
 def test_a_fused_model_still_reads_the_codes(monkeypatch):
     """The fix does not switch fused decode off: a fused model's decode steps still run the kernel, and agree with
     the plain cache within float rounding."""
-    from kvquant import kernels
+    from kvquant.cache import kernels
 
     if not kernels.available():
         pytest.skip("needs the C++ kernel (a compiler)")

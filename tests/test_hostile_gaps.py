@@ -119,7 +119,7 @@ def test_vllm_fp8_per_head_scales_of_the_right_count_store_per_head(llama):
 @pytest.fixture
 def short_filler(monkeypatch):
     """The probe's filler cut to WikiText-2's first 40,000 characters (tokenizing all of it takes seconds)."""
-    from kvquant import probe
+    from kvquant.scoring import passkey as probe
 
     text = probe._filler_text()[:40_000]
     probe._filler.cache_clear()
@@ -130,7 +130,7 @@ def short_filler(monkeypatch):
 
 def test_a_probe_too_short_for_the_tokenizer_names_the_shortest_that_works(tokenizer, short_filler):
     """passkey_32 was documented (any D >= 32) and refused without saying what would work."""
-    from kvquant.probe import probe_documents
+    from kvquant.scoring.passkey import probe_documents
 
     with pytest.raises(KVQuantError, match=r"probe distance 32 is shorter .*\(46 tokens with this tokenizer.*the "
                                            r"shortest distance this tokenizer allows is 46 \(passkey_46\)$"):
@@ -162,7 +162,7 @@ def test_the_runner_names_the_shortest_probe_before_loading(no_model_load, short
 ])
 def test_a_probe_has_one_spelling(names, needle):
     """passkey_64 and passkey_0064 were both accepted: one probe measured and gated twice under two names."""
-    from kvquant.tasks import check_tasks
+    from kvquant.scoring.tasks import check_tasks
 
     with pytest.raises(KVQuantError, match=re.escape(f"eval.tasks.names: {needle}")):
         check_tasks(names, "eval.tasks.names")
@@ -262,7 +262,7 @@ def run_lm_eval(monkeypatch, capsys, *args) -> tuple[int, list[str], str]:
 
 
 class FakeTask:
-    """What :func:`kvquant.fewshot.note_tasks` reads of an lm-eval task."""
+    """What :func:`kvquant.scoring.fewshot.note_tasks` reads of an lm-eval task."""
 
     def __init__(self, name, shots):
         self.config, self.shots = type("Config", (), {"task": name})(), shots
@@ -273,7 +273,7 @@ class FakeTask:
 
 @pytest.mark.parametrize("shots", [101, 10**6, "5", True, -1])
 def test_a_task_file_shot_count_beyond_the_bound_is_refused(shots):
-    from kvquant import fewshot
+    from kvquant.scoring import fewshot
 
     try:
         said = re.escape(repr(shots))
@@ -291,7 +291,7 @@ def test_a_task_file_shot_count_beyond_the_bound_is_refused(shots):
 def test_shots_a_task_file_sets_must_fit_the_model_before_any_request_is_scored(tmp_path, monkeypatch, capsys):
     """Was: lm-eval ran the task file's 5 shots unchecked, the contexts cut to the model's 64 tokens while its
     results said 5-shot."""
-    monkeypatch.setattr("kvquant.evaluate.Scorer.score_many", lambda *a, **k: pytest.fail("a request was scored"))
+    monkeypatch.setattr("kvquant.scoring.scorer.Scorer.score_many", lambda *a, **k: pytest.fail("a request was scored"))
     code, ours, text = run_lm_eval(monkeypatch, capsys, "--tasks", str(task_yaml(tmp_path, 5)), "--limit", "2")
     assert code == 2 and len(ours) == 1 and "Traceback" not in text, text[-3000:]
     assert ours[0].startswith("kvquant.lm_eval: error: num_fewshot (its task file's): task 'mytask' with 5 few-shot "
@@ -300,7 +300,7 @@ def test_shots_a_task_file_sets_must_fit_the_model_before_any_request_is_scored(
 
 @pytest.mark.slow
 def test_the_flag_still_overrides_a_task_file(tmp_path, monkeypatch, capsys):
-    from kvquant import fewshot
+    from kvquant.scoring import fewshot
 
     yaml_path = str(task_yaml(tmp_path, 5))
     code, ours, text = run_lm_eval(monkeypatch, capsys, "--tasks", yaml_path, "--limit", "2", "--num_fewshot", "0")
@@ -309,10 +309,11 @@ def test_the_flag_still_overrides_a_task_file(tmp_path, monkeypatch, capsys):
 
 
 def test_the_model_checks_each_task_with_the_shots_its_file_set(tokenizer):
-    """:func:`kvquant.fewshot.check_requests` reads each task's own count (as lm-eval settled it), not one for all."""
+    """:func:`kvquant.scoring.fewshot.check_requests` reads each task's own count (as lm-eval settled it), not one
+    for all."""
     from lm_eval.api.instance import Instance
 
-    from kvquant import fewshot
+    from kvquant.scoring import fewshot
 
     story = "Once upon a time there was a little girl who liked to play in the park with her dog. " * 4
     requests = [Instance("loglikelihood", {}, (story, " end"), 0, (task, 0, 1)) for task in ("zero", "some")]
@@ -337,7 +338,7 @@ def test_the_model_checks_each_task_with_the_shots_its_file_set(tokenizer):
 ])
 def test_stories_python_cannot_read_are_one_line(tmp_path, monkeypatch, line, needle):
     """Was: tasks.py read these with a bare json.loads (RecursionError, KeyError: exit 3), for any task list."""
-    from kvquant import tasks
+    from kvquant.scoring import tasks
 
     source = tmp_path / "data" / tasks.LASTWORD_SOURCE
     source.parent.mkdir(parents=True)
@@ -354,7 +355,7 @@ def test_stray_dotfiles_in_partial_are_left_alone_but_kvquant_names_are_still_ch
     """Was: a ``.DS_Store`` in ``partial/`` refused every rerun ("holds one folder per candidate")."""
     import os
 
-    from kvquant.store import check_partial
+    from kvquant.runner.store import check_partial
 
     partial = tmp_path / "partial"
     (partial / "int8").mkdir(parents=True)

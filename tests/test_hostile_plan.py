@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvquant import ops, plan, plan_cost
+from kvquant import plan
+
+from kvquant.formats import ops
+
+from kvquant.planner import cost as plan_cost
 from kvquant.cache.build import build_cache, simulate_memory
 from kvquant.cache.layer import KVQuantLayer
 from kvquant.cache.memory import summarize
-from kvquant.quantizers import available_quantizers
+from kvquant.formats.quantizers import available_quantizers
 
 ROOT = Path(__file__).parents[1]
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -117,7 +121,7 @@ def test_a_window_transformers_reads_from_layer_types_is_bounded_too():
     from transformers import MistralConfig
 
     from kvquant.errors import KVQuantError
-    from kvquant.planner import shape_from_config
+    from kvquant.planner.shapes import shape_from_config
 
     config = MistralConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}, sliding_window=8)
     config.sliding_window = 0  # set after construction, as a hub config could arrive
@@ -254,7 +258,7 @@ def test_kinds_of_layer_share_their_quantizers_write(monkeypatch, kinds):
     quantizer stores whatever its windows, sinks, eviction or rotation seed, so each quantizer is written once (on
     zeros on the CPU at these shapes: Python meta kernels run ~50 times slower, and the first imports
     torch._dynamo), and the answer is checked by one write per kind that stores different bytes."""
-    from kvquant.planner import KNOWN_MODELS, Planner, parse_setting
+    from kvquant.planner.shapes import KNOWN_MODELS, Planner, parse_setting
 
     writes = []
     original = KVQuantLayer.update
@@ -310,7 +314,7 @@ def test_an_iq4_nl_block_on_meta_tensors_takes_a_few_ops():
     of it: 12 s); shapes have no order to keep. Same shapes and dtypes as on real data."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kvquant.llamacpp import quantize_iq4_nl
+    from kvquant.formats.llamacpp import quantize_iq4_nl
 
     class Counting(TorchDispatchMode):
         ops = 0
@@ -380,7 +384,7 @@ META_TOKENS = [21, 257]
 
 
 def planner(layout, settings):
-    from kvquant.planner import ModelShape, Planner
+    from kvquant.planner.shapes import ModelShape, Planner
 
     return Planner(ModelShape("t", layout, H, D, 1e6), settings, torch.float16)
 

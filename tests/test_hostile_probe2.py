@@ -14,10 +14,10 @@ import pytest
 import torch
 import yaml
 
-import kvquant.kernels
+import kvquant.cache.kernels
 import kvquant.run
 from kvquant import plan
-from kvquant.config import ModelConfig
+from kvquant.runner.config import ModelConfig
 from kvquant.errors import KVQuantError
 from kvquant.packaged import PACKAGES
 
@@ -84,7 +84,7 @@ def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
         calls.append(1)
         raise AssertionError("the planner asked for the fused CPU kernel")
 
-    monkeypatch.setattr(kvquant.kernels, "_extension", trap)
+    monkeypatch.setattr(kvquant.cache.kernels, "_extension", trap)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(
@@ -94,7 +94,7 @@ def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
     assert "int4" in capsys.readouterr().out
     assert calls == []
     with pytest.raises(AssertionError, match="fused CPU kernel"):  # outside the planner it is asked for again
-        kvquant.kernels.usable(torch.empty(1, 2, 8, 64))
+        kvquant.cache.kernels.usable(torch.empty(1, 2, 8, 64))
 
 
 # R10: calibration.windows had no bound (10**9 calibrated on the whole rest of the text, >300 s after loading)
@@ -147,7 +147,7 @@ def test_process_without_process_0_gives_up_in_one_line(tmp_path, monkeypatch, c
 def test_process_waiting_for_process_0_ends_on_sigterm():
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "KVQUANT_RENDEZVOUS_S": "120"}
-    code = "import sys; from kvquant import parallel; print('waiting', flush=True); parallel.start(cpu=True)"
+    code = "import sys; from kvquant.scoring import parallel; print('waiting', flush=True); parallel.start(cpu=True)"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     assert proc.stdout.readline().strip() == "waiting"
@@ -202,7 +202,7 @@ def test_planner_per_head_scales_are_per_model_under_tensor_parallel(tmp_path, c
 def test_lm_eval_task_lookup_prints_no_deprecation_warning():
     import warnings
 
-    from kvquant.tasks import task_dir
+    from kvquant.scoring.tasks import task_dir
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -219,7 +219,7 @@ def test_the_few_shot_token_count_logs_no_sequence_length_warning():
 
     from transformers import AutoTokenizer
 
-    from kvquant.fewshot import counter
+    from kvquant.scoring.fewshot import counter
     from kvquant.paths import resolve
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL))

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-import kvquant.lm_eval_model
+import kvquant.scoring.lm_eval_model
 import kvquant.run
 from kvquant import lm_eval as lm_eval_cli
-from kvquant import parallel, plan
+from kvquant import plan
+from kvquant.scoring import parallel
 from kvquant.errors import KVQuantError
 from kvquant.paths import resolve
 
@@ -331,9 +332,9 @@ def test_the_runner_refuses_few_shot_contexts_longer_than_the_model_before_it_lo
     # the bound is exact: at the context the message names, the same run passes the check
     from transformers import AutoTokenizer
 
-    from kvquant.config import load_config
-    from kvquant.fewshot import check_runner_fewshot
-    from kvquant.tasks import task_dir
+    from kvquant.runner.config import load_config
+    from kvquant.scoring.fewshot import check_runner_fewshot
+    from kvquant.scoring.tasks import task_dir
 
     cfg = load_config(str(config))
     tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL))
@@ -361,8 +362,8 @@ def test_lm_eval_refuses_more_shots_than_it_can_hold_before_the_model_loads(caps
 def test_the_kvquant_model_refuses_cut_few_shot_contexts_before_scoring_any(model, tokenizer, monkeypatch):
     from lm_eval.api.instance import Instance
 
-    from kvquant import fewshot
-    from kvquant.lm_eval_model import KVQuantLM
+    from kvquant.scoring import fewshot
+    from kvquant.scoring.lm_eval_model import KVQuantLM
 
     story = "Once upon a time there was a little girl who liked to play in the park with her dog. " * 4
     short = Instance("loglikelihood", {}, ("Once upon a", " time"), 0, ("short_task", 0, 1))
@@ -393,7 +394,7 @@ def test_lm_eval_refuses_few_shot_contexts_longer_than_the_model_right_after_it_
     # lm-eval's log handler may still hold an earlier test's captured (now closed) stderr; logging then prints
     # "--- Logging error --- Traceback ..." about itself, which is no traceback of kvquant's
     monkeypatch.setattr(logging, "raiseExceptions", False)
-    monkeypatch.setattr("kvquant.evaluate.Scorer.score_many", lambda *a, **k: pytest.fail("a request was scored"))
+    monkeypatch.setattr("kvquant.scoring.scorer.Scorer.score_many", lambda *a, **k: pytest.fail("a request was scored"))
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)},max_length=64",
                              "--tasks", "arc_easy_local", "--num_fewshot", "5", "--limit", "2"])
     err = capsys.readouterr().err  # lm-eval has started: its own log lines (timestamped) come before ours

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvquant
-from kvquant import kernels
-from kvquant.ops import sqnr_db
-from kvquant.quantizers import IntCodec
+from kvquant.cache import kernels
+from kvquant.formats.ops import sqnr_db
+from kvquant.formats.quantizers import IntCodec
 
 HEAD_DIMS = [64, 80, 96, 112, 128, 256]
 #: SQNR floors (dB) of int codes on Gaussian states with outlier channels, at every head_dim; measured minima
@@ -31,7 +31,7 @@ def states(head_dim, dtype=torch.float32, tokens=64):
 
 
 def codec(bits, axis, head_dim):
-    group = 32 if axis == "channel" else kvquant.quantizers.largest_divisor(head_dim, 32)
+    group = 32 if axis == "channel" else kvquant.formats.quantizers.largest_divisor(head_dim, 32)
     return IntCodec(bits=bits, axis=axis, group=group)
 
 
@@ -101,7 +101,7 @@ def test_a_left_over_build_lock_never_blocks_loading():
     lock = kernels.build_dir() / "lock"
     lock.touch()
     try:
-        code = "import kvquant.kernels as k; assert k.available()"
+        code = "import kvquant.cache.kernels as k; assert k.available()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     finally:
         lock.unlink(missing_ok=True)

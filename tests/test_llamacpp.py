@@ -1,4 +1,4 @@
-"""llama.cpp's KV cache types (``kvquant/llamacpp.py``) against references written from llama.cpp's C code.
+"""llama.cpp's KV cache types (``kvquant/formats/llamacpp.py``) against references written from llama.cpp's C code.
 
 The references (``tests/llamacpp_reference.py``) follow the C functions of the llama.cpp that llama-cpp-python 0.3.36
 vendors, one block at a time with numpy float32 scalars: ``quantize_row_*_ref`` and ``dequantize_row_*``
@@ -19,11 +19,13 @@ import yaml
 
 import kvquant
 import kvquant.run
-from kvquant import llamacpp, llamacpp_gguf, plan
+from kvquant import plan
+from kvquant.formats import llamacpp
+from kvquant.formats import llamacpp_gguf
 from kvquant.cache import simulate_memory
 from kvquant.errors import KVQuantError
-from llamacpp_reference import (F32, KVALUES, gen_hadamard, ref_block, ref_dequantize, ref_fwht, ref_iq4_nl,
-                                ref_q8_0, ref_query_row, ref_symmetric, reference_attention, reference_spec, rotated)
+from llamacpp_reference import (F32, KVALUES, gen_hadamard, ref_block, ref_dequantize, ref_fwht, ref_iq4_nl, ref_q8_0,
+    ref_query_row, ref_symmetric, reference_attention, reference_spec, rotated)
 from reference import FakeQuantReference
 
 TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
@@ -322,7 +324,7 @@ def test_sqnr_orders_the_types_as_their_bits_do_on_gaussian_data():
     sqnr = {}
     for kind in TYPES:
         codec = kvquant.get_quantizer(f"llamacpp_{kind}", attn_rot=False).codecs(128)[0]
-        sqnr[kind] = kvquant.ops.sqnr_db(x, encoded_and_read(codec, x)[1])
+        sqnr[kind] = kvquant.formats.ops.sqnr_db(x, encoded_and_read(codec, x)[1])
     assert sqnr["q8_0"] > sqnr["q5_1"] >= sqnr["q5_0"] > sqnr["q4_1"] >= sqnr["q4_0"], sqnr
     assert sqnr["q8_0"] - sqnr["q4_0"] > 20, sqnr  # about 6 dB per bit
 
@@ -334,7 +336,7 @@ def test_rotation_lowers_q4_0_error_on_states_with_outlier_channels():
     result = {}
     for attn_rot in (None, False):
         key, value = kvquant.get_quantizer("llamacpp_q4_0", attn_rot=attn_rot).codecs(128)
-        result[attn_rot] = [kvquant.ops.sqnr_db(x, encoded_and_read(c, x)[1]) for c in (key, value)]
+        result[attn_rot] = [kvquant.formats.ops.sqnr_db(x, encoded_and_read(c, x)[1]) for c in (key, value)]
     assert all(on > off + 3 for on, off in zip(result[None], result[False])), result
 
 

@@ -1,4 +1,5 @@
-"""llama.cpp itself against kvquant's emulation (``kvquant/llamacpp_engine.py``, ``experiments/llamacpp_compare.py``).
+"""llama.cpp itself against kvquant's emulation (``kvquant/integrations/llamacpp_engine.py``,
+``experiments/llamacpp_compare.py``).
 
 Bad input is refused in one line (exit 2) before any model loads, with or without llama-cpp-python; the statistics
 are checked by value on made-up data; the comparison itself runs on a slice of SmolLM2 wherever ``llama_cpp`` is
@@ -15,12 +16,12 @@ import pytest
 import torch
 from llamacpp_reference import F32
 
-import kvquant.models
-from kvquant import llamacpp_compare as comparison
-from kvquant import llamacpp_engine as engine
-from kvquant import llamacpp_gguf
+import kvquant.scoring.models
+from kvquant.integrations import llamacpp_compare as comparison
+from kvquant.integrations import llamacpp_engine as engine
+from kvquant.formats import llamacpp_gguf
 from kvquant.errors import KVQuantError
-from kvquant.llamacpp_engine import Setting
+from kvquant.integrations.llamacpp_engine import Setting
 from kvquant.paths import resolve
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "llamacpp_compare.py"
@@ -43,8 +44,8 @@ def nothing_loads(monkeypatch, tmp_path):
         raise AssertionError("a model was loaded for an input that should have been refused before")
 
     monkeypatch.setattr(comparison, "Engine", trap)
-    monkeypatch.setattr(kvquant.models, "load_model", trap)
-    monkeypatch.setattr(kvquant.models, "load_tokenizer", trap)
+    monkeypatch.setattr(kvquant.scoring.models, "load_model", trap)
+    monkeypatch.setattr(kvquant.scoring.models, "load_tokenizer", trap)
 
 
 def refused(capsys, argv) -> str:
@@ -275,7 +276,7 @@ def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
     spec, gguf = engine.model_spec("smollm2")
     run = engine.Engine(gguf, threads=2)
     try:
-        ids = engine.token_windows(kvquant.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 128)[0]
+        ids = engine.token_windows(kvquant.scoring.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 128)[0]
         f16 = run.logits(ids)
         assert torch.equal(run.logits(ids), f16)
         assert torch.equal(run.logits(ids, Setting("f32", True)), f16)
@@ -314,7 +315,7 @@ def test_the_cache_alone_does_not_predict_llama_cpp():
 def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypatch):
     """Each finished window is kept under a key of its tokens, settings and inputs: a rerun reads it back (no
     model called, the same numbers), other inputs measure it again, and an interruption keeps what was done."""
-    from kvquant import llamacpp_engine as engine_module
+    from kvquant.integrations import llamacpp_engine as engine_module
 
     calls = []
 

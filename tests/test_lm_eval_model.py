@@ -6,9 +6,9 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 
-from kvquant.lm_eval_model import KVQuantLM  # importing it registers the lm-eval model "kvquant"
+from kvquant.scoring.lm_eval_model import KVQuantLM  # importing it registers the lm-eval model "kvquant"
 from kvquant.paths import resolve
-from kvquant.tasks import LASTWORD, task_manager
+from kvquant.scoring.tasks import LASTWORD, task_manager
 
 
 def request(context, continuation, kind="loglikelihood"):
@@ -79,12 +79,12 @@ def test_simple_evaluate_by_name():
 
 def test_import_kvquant_does_not_import_lm_eval():
     """The library is usable without lm-eval's import cost (seconds) or its side effects; the lm-eval model is
-    registered where lm-eval is used (importing kvquant.lm_eval_model), with lm-eval's own models kept."""
+    registered where lm-eval is used (importing kvquant.scoring.lm_eval_model), with lm-eval's own models kept."""
     import subprocess
     import sys
 
     code = ("import sys, kvquant; assert 'lm_eval' not in sys.modules, 'lm_eval imported'; "
-            "import kvquant.lm_eval_model; from lm_eval.api.registry import model_registry; "
+            "import kvquant.scoring.lm_eval_model; from lm_eval.api.registry import model_registry; "
             "assert {'kvquant', 'hf', 'dummy'} <= set(model_registry), sorted(model_registry)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,9 +5,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvquant.config import ModelConfig
+from kvquant.runner.config import ModelConfig
 from kvquant.errors import KVQuantError
-from kvquant.models import check_model, load_model
+from kvquant.scoring.models import check_model, load_model
 from kvquant.paths import resolve
 
 GGUF_DIR = "local:models/stories260K"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvquant import ops
+from kvquant.formats import ops
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import kvquant
 from kvquant.plan import main
-from kvquant.planner import KNOWN_MODELS, ModelShape, Planner, parse_bytes, parse_setting, shape_from_config
+from kvquant.planner.shapes import KNOWN_MODELS, ModelShape, Planner, parse_bytes, parse_setting, shape_from_config
 from kvquant.paths import resolve
 
 GiB = 2**30

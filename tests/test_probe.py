@@ -8,15 +8,15 @@ import pytest
 
 import kvquant  # noqa: F401  (registers model "kvquant")
 from kvquant.errors import KVQuantError
-from kvquant.evaluate import Scorer
+from kvquant.scoring.scorer import Scorer
 from kvquant.cache import make_cache
-from kvquant.lm_eval_model import KVQuantLM
+from kvquant.scoring.lm_eval_model import KVQuantLM
 from kvquant.paths import resolve
-from kvquant.probe import probe_documents
-from kvquant.report import _probe_curve, _probe_table, wilson_interval
-from kvquant.results import MetricId, MetricRow
-from kvquant.tasks import (PROBE_DOCUMENTS, check_tasks, prepare_probe_tasks, probe_distance, probe_tasks, task_dir,
-                           task_manager)
+from kvquant.scoring.passkey import probe_documents
+from kvquant.runner.report import _probe_curve, _probe_table, wilson_interval
+from kvquant.runner.results import MetricId, MetricRow
+from kvquant.scoring.tasks import (PROBE_DOCUMENTS, check_tasks, prepare_probe_tasks, probe_distance, probe_tasks,
+    task_dir, task_manager)
 
 
 def tokens_after(tokenizer, context: str, char: int) -> int:

@@ -10,9 +10,9 @@ import math
 import pytest
 
 import kvquant
-from kvquant.config import PerplexitySet
-from kvquant.data import windows
-from kvquant.evaluate import Scorer, perplexity_samples
+from kvquant.runner.config import PerplexitySet
+from kvquant.scoring.data import windows
+from kvquant.scoring.scorer import Scorer, perplexity_samples
 
 REFERENCE = {"fp16": 3.60750, "fp8_e4m3": 3.64661, "fp8_e5m2": 3.79437, "int8": 3.60747, "int4": 3.69537,
              "int2": 9.834}

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import yaml
 
-from kvquant import report
-from kvquant.config import load_config
-from kvquant.reads import Reads
-from kvquant.report_facts import candidate_reports, stage_rows
-from kvquant.report_markdown import markdown
-from kvquant.results import (Decision, Exercise, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance,
-                             RunResult, Serving, Staged, Verdict)
+from kvquant.runner import report
+from kvquant.runner.config import load_config
+from kvquant.cache.reads import Reads
+from kvquant.runner.report_facts import candidate_reports, stage_rows
+from kvquant.runner.report_markdown import markdown
+from kvquant.runner.results import (Decision, Exercise, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance,
+    RunResult, Serving, Staged, Verdict)
 
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
 ENV = {"python": "3.x", "kvquant": "k", "torch": "t", "transformers": "tf", "lm_eval": "le", "datasets": "d",

@@ -9,8 +9,8 @@ from transformers import DynamicCache
 import kvquant
 from kvquant.cache import simulate_memory
 from kvquant.errors import KVQuantError
-from kvquant.ops import hadamard_rotation, rotate, sqnr_db
-from kvquant.quantizers import get_quantizer
+from kvquant.formats.ops import hadamard_rotation, rotate, sqnr_db
+from kvquant.formats.quantizers import get_quantizer
 
 
 @pytest.mark.parametrize("head_dim,block", [(64, 64), (80, 16), (96, 32), (112, 16), (128, 128), (256, 256)])
@@ -187,7 +187,7 @@ def test_rotated_16_bit_states_are_rounded_once(dtype):
 def test_seed_and_extension_point_are_guarded():
     with pytest.raises(KVQuantError, match="rotation_seed must be an integer <= 9223372036854775807"):
         get_quantizer("int4", rotation="hadamard", rotation_seed=2**64)
-    from kvquant.quantizers import IdentityCodec, Quantizer, register_quantizer
+    from kvquant.formats.quantizers import IdentityCodec, Quantizer, register_quantizer
     from dataclasses import dataclass
 
     with pytest.raises(KVQuantError, match="define _codecs"):

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvquant import report, run
-from kvquant.config import load_config
+from kvquant import run
+
+from kvquant.runner import report
+from kvquant.runner.config import load_config
 from kvquant.run import main
 
 ROOT = Path(__file__).parents[1]
@@ -237,10 +239,10 @@ def test_each_task_is_gated_on_its_standard_metric():
     """acc_norm for hellaswag and piqa (as their literature reports), acc elsewhere; both are reported."""
     from types import SimpleNamespace
 
-    from kvquant.config import Candidate, GateConfig
-    from kvquant.gate import metric_rows
-    from kvquant.results import Measured, task_outcomes
-    from kvquant.tasks import gated_metric
+    from kvquant.runner.config import Candidate, GateConfig
+    from kvquant.runner.gate import metric_rows
+    from kvquant.runner.results import Measured, task_outcomes
+    from kvquant.scoring.tasks import gated_metric
 
     outcome = {"acc": [1, 0, 1, 1], "acc_norm": [1, 1, 0, 1]}
     tasks = ("hellaswag", "lambada_openai", "piqa_local")  # the offline copy is gated as its task (was: on acc)
@@ -294,7 +296,7 @@ def test_the_model_digest_changes_with_its_config_tokenizer_or_weights(model, to
 
     import torch
 
-    from kvquant.measure import weights_digest
+    from kvquant.scoring.session import weights_digest
 
     base = weights_digest(model, tokenizer)
     assert weights_digest(model, tokenizer) == base

@@ -8,10 +8,10 @@ import torch
 import yaml
 
 import kvquant
-from kvquant import measure as measure_module
-from kvquant.config import Candidate, ConfigError, load_config
+from kvquant.scoring import session as measure_module
+from kvquant.runner.config import Candidate, ConfigError, load_config
 from kvquant.run import main
-from kvquant.search import first_passing, greedy_order, last_within, map_candidate
+from kvquant.runner.search import first_passing, greedy_order, last_within, map_candidate
 
 LADDER = [Candidate("int2", {"residual_length": 0}, "int2"), Candidate("int4", {"group_size": 8, "residual_length": 0},
                                                                           "int4"),
@@ -104,8 +104,8 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     found = doc["search"]
     # calibration read documents 20..35 only, and windows that evaluation never reads
     assert read_docs and all(d == list(range(20, 36)) for d in read_docs)
-    from kvquant import data
-    from kvquant.models import load_tokenizer
+    from kvquant.scoring import data
+    from kvquant.scoring.models import load_tokenizer
     cfg = load_config(path)
     tok = load_tokenizer(cfg.model)
     evaluation = {tuple(w.ids) for w in data.windows(cfg.eval.perplexity[0], tok, 2048)}
@@ -174,8 +174,8 @@ def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tm
     path.write_text(CONFIG.format(out=tmp_path))
     cfg = load_config(path)
     from kvquant.cache import simulate_memory
-    from kvquant.models import check_model
-    from kvquant.planner import shape_from_config
+    from kvquant.scoring.models import check_model
+    from kvquant.planner.shapes import shape_from_config
     shape = shape_from_config(check_model(cfg.model), cfg.model.path)
     low, high = (simulate_memory(shape.layout, {"quantizer": r.quantizer, **r.options}, batch=1,
                                  kv_heads=shape.kv_heads, head_dim=shape.head_dim, tokens=128,
@@ -266,9 +266,9 @@ def test_a_split_that_cannot_be_held_apart_is_refused_before_the_model_loads(tmp
 
 
 def test_calibration_starts_after_what_any_set_of_the_same_text_evaluates(tmp_path):
-    from kvquant.search import calibration_windows
-    from kvquant.models import load_tokenizer
-    from kvquant import data
+    from kvquant.runner.search import calibration_windows
+    from kvquant.scoring.models import load_tokenizer
+    from kvquant.scoring import data
     text = CONFIG.replace("  tasks: {{names: [tinystories_lastword], limit: 20}}",
                           "    - {{name: longer, source: local:text/tinystories/validation-first1000.jsonl, limit: 12, "
                           "max_length: 128}}\n  tasks: {{names: [tinystories_lastword], limit: 20}}")

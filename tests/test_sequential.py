@@ -4,15 +4,15 @@ chance of a wrong PASS above the configured error, and a candidate equal to the 
 Synthetic paired per-document outcomes (0/1, as lm-eval scores accuracy): the baseline is right with
 probability 0.5, the candidate disagrees on a few documents (as a quantized cache does), the disagreements
 set its true accuracy ratio. Each repetition runs the gate's own procedure: judge after ``limit`` documents,
-then after every look of :func:`kvquant.gate.looks` while the verdict is inconclusive.
+then after every look of :func:`kvquant.runner.gate.looks` while the verdict is inconclusive.
 """
 
 import numpy as np
 from scipy.stats import binom
 
-from kvquant.config import GateConfig
-from kvquant.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge, look_confidence, looks
-from kvquant.results import MetricId, MetricRow
+from kvquant.runner.config import GateConfig
+from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge, look_confidence, looks
+from kvquant.runner.results import MetricId, MetricRow
 
 SEED = 20261202
 BASE_RIGHT = 0.5
@@ -104,14 +104,14 @@ class FakeSession:
     recording which (label, range) it was asked to score."""
 
     def __init__(self, cfg, outcomes: dict[str, np.ndarray]):
-        from kvquant.parallel import ONE
+        from kvquant.scoring.parallel import ONE
 
         self.cfg, self.outcomes, self.tokenizer, self.maxlen = cfg, outcomes, FakeTokenizer(), 64
         self.processes = ONE
         self.scored: list[tuple[str, int, int]] = []
 
     def measure(self, candidate, split, label=None, tasks=True, probe=None):
-        from kvquant.results import Measured, Memory, Outcomes
+        from kvquant.runner.results import Measured, Memory, Outcomes
 
         label = label or candidate.label
         parts = [range(self.cfg.eval.tasks.limit), *split.more.get("task", ())]
@@ -128,7 +128,7 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
     scored while it is open, to the task's end; the clearly worse one fails at the first look and gets no more
     documents; the baseline is scored on every document a candidate is."""
     from kvquant import run
-    from kvquant.config import load_config
+    from kvquant.runner.config import load_config
 
     rng = np.random.default_rng(SEED)
     base, equal = paired(500, 0.0, 0.0, rng)

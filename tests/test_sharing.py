@@ -7,7 +7,7 @@ import transformers
 
 import kvquant
 from kvquant.cache import stack_rows
-from kvquant.planner import Planner, shape_from_config
+from kvquant.planner.shapes import Planner, shape_from_config
 
 ROWS, PREFIX, SUFFIX = 4, 37, 9
 

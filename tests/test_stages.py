@@ -8,9 +8,9 @@ import torch
 import transformers
 
 import kvquant
-from kvquant.config import ConfigError, ServingConfig, Stage, load_config
+from kvquant.runner.config import ConfigError, ServingConfig, Stage, load_config
 from kvquant.run import main
-from kvquant.stages import serve, serving_tokens, staged_decision
+from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 
 STAGES = [Stage("fp8_e4m3", {}, "a"), Stage("fp8_e4m3", {}, "b", True), Stage("int2", {}, "c", True)]
 
@@ -139,7 +139,7 @@ def test_a_serving_shape_beyond_the_model_or_its_text_is_refused_before_the_mode
 
 
 def test_a_simulated_scorer_refuses_an_evicting_cache():
-    from kvquant.evaluate import Scorer
+    from kvquant.scoring.scorer import Scorer
     model = tiny_model()
     with pytest.raises(kvquant.KVQuantError, match="use streaming mode"):
         Scorer(model, lambda: kvquant.make_cache(model, "fp8_e4m3", eviction="window", window=8), "simulated")

@@ -21,8 +21,8 @@ from kvquant.cache import build_cache, fused, triton_attend
 from kvquant.cache.roles import StorageRole, StreamKind, check_roles
 from kvquant.cache.streams import stream
 from kvquant.errors import KVQuantError
-from kvquant.planner import ModelShape, Planner
-from kvquant.quantizers import Codec, Fp8Codec, Quantizer
+from kvquant.planner.shapes import ModelShape, Planner
+from kvquant.formats.quantizers import Codec, Fp8Codec, Quantizer
 
 HEADS, HEAD_DIM, TOKENS, LAYERS = 2, 64, 300, 2
 DTYPE_BYTES = 2  # float16 states: what a full-precision token costs per element
@@ -175,7 +175,7 @@ def test_every_declared_role_is_a_storage_role():
 
 # -- the kernels' stream kinds ---------------------------------------------------------------------------------
 def test_the_cpp_kernel_numbers_the_stream_kinds_as_python_does():
-    source = (Path(kvquant.__file__).parent / "csrc" / "dequant.cpp").read_text()
+    source = (Path(kvquant.__file__).parent / "cache" / "csrc" / "dequant.cpp").read_text()
     body = re.search(r"enum Kind : int64_t \{([^}]*)\};", source).group(1)
     cpp = {name: int(value) for name, value in re.findall(r"KIND_(\w+) = (\d+)", body)}
     assert cpp == {kind.name: kind.value for kind in StreamKind}

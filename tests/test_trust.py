@@ -19,7 +19,7 @@ import kvquant.run
 from kvquant.errors import KVQuantError, write_error_log
 from kvquant.fs import private_dir, set_aside, write_together
 from kvquant.paths import data_dir
-from kvquant.store import LOCK, ResultStore, RunLock
+from kvquant.runner.store import LOCK, ResultStore, RunLock
 
 ROOT = Path(__file__).parents[1]
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
@@ -79,7 +79,7 @@ def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_l
     planted.mkdir(parents=True)
     planted.chmod(0o777)
     marker = plant_evil(planted, tmp_path)
-    script = ("from lm_eval.tasks import get_task_dict\nfrom kvquant.tasks import task_manager\n"
+    script = ("from lm_eval.tasks import get_task_dict\nfrom kvquant.scoring.tasks import task_manager\n"
               "get_task_dict(['tinystories_lastword'], task_manager())\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, **OFFLINE, "TMPDIR": str(shared_tmp)})
@@ -88,7 +88,8 @@ def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_l
 
 
 def test_the_default_task_folder_is_private_and_new_for_each_process(tmp_path):
-    script = "from kvquant.tasks import task_dir\nimport os\nd = task_dir()\nprint(d, oct(os.stat(d.parent).st_mode))"
+    script = ("from kvquant.scoring.tasks import task_dir\nimport os\nd = task_dir()\n"
+              "print(d, oct(os.stat(d.parent).st_mode))")
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "TMPDIR": str(tmp_path)}).stdout.split() for _ in range(2)]
     (first, mode), (second, _) = runs
@@ -143,7 +144,7 @@ def test_a_kernel_folder_others_can_write_is_not_loaded_from(tmp_path):
     shared = tmp_path / "kernels"
     shared.mkdir()
     shared.chmod(0o777)
-    script = "import kvquant.kernels as k\nprint(k.available())"
+    script = "import kvquant.cache.kernels as k\nprint(k.available())"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "KVQUANT_KERNEL_DIR": str(shared)})
     assert out.stdout.strip() == "False" and "refusing" in out.stderr
@@ -386,7 +387,7 @@ def test_a_fifo_or_a_device_as_the_config_is_refused_not_waited_on(tmp_path):
 
 
 def test_the_planner_refuses_an_option_set_twice():
-    from kvquant.planner import parse_setting
+    from kvquant.planner.shapes import parse_setting
 
     for text in ("int4:group_size=32,group_size=64", "{quantizer: int4, quantizer: int2}"):
         with pytest.raises(KVQuantError, match="twice"):

@@ -11,21 +11,19 @@ import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
 from transformers.configuration_utils import get_head_shapes
 
-from ..errors import KVQuantError, is_python_int
-from ..eviction import get_eviction
-from ..llamacpp_gguf import model_options
-from ..quantizers import QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer
-from .cache import KVQuantCache
-from .fused import is_fused
-from .query import enable_query_conversion
-from .checks import shown
-from .layer import KVQuantLayer, check_importance
-from .memory import summarize
-from .padding import Padding
+from kvquant.errors import KVQuantError, is_python_int
+from kvquant.formats.llamacpp_gguf import model_options
+from kvquant.formats.quantizers import QUANTIZERS, Quantizer, check_tokens, get_quantizer
+from kvquant.cache.cache import KVQuantCache
+from kvquant.cache.fused import is_fused
+from kvquant.cache.query import enable_query_conversion
+from kvquant.cache.checks import shown
+from kvquant.cache.layer import KVQuantLayer, check_importance
+from kvquant.cache.memory import summarize
+from kvquant.cache.padding import Padding
+from kvquant.cache.spec import CacheSpec, check_not_options
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
-#: make_cache's own options (the others are the quantizer's)
-CACHE_OPTIONS = ("budget", "eviction", "layers", "residual_length", "sink_tokens", "window")
 
 
 def attention_layout(model_or_config) -> list[int | None | str]:
@@ -228,35 +226,21 @@ def check_layout(layout) -> None:
 
 
 def build_cache(
-    layout: list[int | None | str], quantizer: str | Quantizer = "int4", *, residual_length: int | None = None,
-    sink_tokens: int = 0, head_dim: int | None = None, layers: dict | None = None, eviction: str | None = None,
-    window: int | None = None, budget: int | None = None, context: int | None = None, **options
+    layout: list[int | None | str], quantizer: str | Quantizer | CacheSpec = "int4", *, head_dim: int | None = None,
+    context: int | None = None, **options
 ) -> KVQuantCache:
-    """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments. With
-    ``head_dim`` the quantizer's settings are checked against it now rather than at the first forward; with
-    ``context`` (the model's positions) the sinks too. Every size (sinks, residual window, groups of tokens,
-    eviction window and budget) is at most :data:`~kvquant.quantizers.MAX_TOKENS`, checked before anything is
-    allocated."""
+    """A :class:`KVQuantCache` for an :func:`attention_layout`; see :func:`make_cache` for the arguments (or a
+    :class:`CacheSpec` alone). With ``head_dim`` the quantizer's settings are checked against it now rather than at
+    the first forward; with ``context`` (the model's positions) the sinks too. Every size (sinks, residual window,
+    groups of tokens, eviction window and budget) is at most :data:`~kvquant.formats.quantizers.MAX_TOKENS`,
+    checked before anything is allocated."""
     check_layout(layout)
-    if isinstance(quantizer, str):
-        QUANTIZERS.check_options(quantizer, options, also=CACHE_OPTIONS)
-        quantizer = get_quantizer(quantizer, **options)
-    elif not isinstance(quantizer, Quantizer):
-        raise KVQuantError(f"quantizer must be a name ({', '.join(available_quantizers())}) or a Quantizer, "
-                           f"got {type(quantizer).__name__} {quantizer!r}")
-    elif options:
-        raise KVQuantError(f"options {sorted(options)} given with a Quantizer instance; set them on the instance")
-    if residual_length is None:
-        residual_length = quantizer.default_residual_length
-    check_tokens("residual_length", residual_length)
-    check_tokens("sink_tokens", sink_tokens)
+    setting = CacheSpec.of(quantizer, options)
+    quantizer, residual_length, sink_tokens = setting.quantizer, setting.residual_length, setting.sink_tokens
+    policy = setting.eviction
     check_sinks("sink_tokens", sink_tokens, context)
-    policy = None
-    if eviction is not None:
-        policy = get_eviction(eviction, sink_tokens, window=window, **({} if budget is None else {"budget": budget}))
-    elif window is not None or budget is not None:
-        raise KVQuantError("window and budget are options of an eviction policy; set eviction= (e.g. 'sink_window')")
-    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, layers, head_dim, context)
+    plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, setting.layers, head_dim,
+                                      context)
     if policy:
         longest = max(spec[1] for spec in plan if spec is not None)
         if longest >= policy.window and not all(spec[0].name == "fp16" for spec in plan if spec is not None):
@@ -277,14 +261,6 @@ def build_cache(
     return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized, policy)
 
 
-def _check_not_options(where: str, options: dict) -> None:
-    """What make_cache reads from the model is no option of a cache."""
-    for name in ("layout", "head_dim", "context"):
-        if name in options:
-            raise KVQuantError(f"{where}: {name} is not an option, it is read from model_or_config; the options: "
-                               f"{', '.join(CACHE_OPTIONS)} and the quantizer's (kvquant.quantizer_options(name))")
-
-
 def _check_heads(layer: KVQuantLayer, shapes: Shapes) -> None:
     """The layer's codecs can store the KV heads the model writes there (e.g. one per-head scale each)."""
     for stream, name, shape in ((0, "keys", shapes[0]), (1, "values", shapes[1])):
@@ -295,22 +271,27 @@ def _check_heads(layer: KVQuantLayer, shapes: Shapes) -> None:
                 raise KVQuantError(f"make_cache: layer {layer.index}: {err}") from None
 
 
-def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) -> KVQuantCache:
+def make_cache(model_or_config, quantizer: str | Quantizer | CacheSpec = "int4", **options) -> KVQuantCache:
     """Build a quantized cache for a decoder model (or its config).
 
-    quantizer: a registered name (see ``kvquant.available_quantizers()``) or a :class:`Quantizer`.
+    quantizer: a registered name (see ``kvquant.available_quantizers()``), a :class:`Quantizer`, or a
+    :class:`CacheSpec` (a whole setting, no other options).
     residual_length: most recent tokens kept in full precision (default: the quantizer's, 128 for integers).
     sink_tokens: first tokens kept in full precision (full-attention layers only).
     eviction, window: an eviction policy for the full-attention layers (``"window"``, ``"sink_window"``: see
-    :mod:`kvquant.eviction`) and its window, e.g. ``eviction="sink_window", sink_tokens=4, window=1024``.
+    :mod:`kvquant.cache.eviction`) and its window, e.g. ``eviction="sink_window", sink_tokens=4, window=1024``.
     layers: per-layer settings, e.g. ``{"0-3": {"quantizer": "int8"}, 5: {"key_bits": 8}}``: a layer or inclusive
     range of layers and its options (see :func:`layer_settings`); the other layers use the arguments above.
     Other options are the quantizer's own, e.g. ``group_size=32``, ``key_bits=8``.
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
-    _check_not_options("make_cache", options)
+    check_not_options("make_cache", options)
     layout = attention_layout(model_or_config)  # first: refuses what is no model or config instance
+    if isinstance(quantizer, CacheSpec):
+        if options:
+            raise KVQuantError(f"options {sorted(options)} given with a CacheSpec; use spec.replace(...)")
+        quantizer, options = quantizer.make_cache_arguments()
     options = model_options(model_or_config, quantizer, options)  # llama.cpp's K channel order for this model
     cache = build_cache(layout, quantizer, head_dim=head_dim_of(model_or_config),
                         context=context_of(model_or_config), **options)
@@ -332,19 +313,21 @@ def make_cache(model_or_config, quantizer: str | Quantizer = "int4", **options) 
 
 
 def simulate_memory(
-    layout: list[int | None | str], settings: dict, *, batch: int, kv_heads: int, head_dim: int, tokens: int,
-    dtype: torch.dtype = torch.float16, context: int | None = None,
+    layout: list[int | None | str], settings: dict | CacheSpec, *, batch: int, kv_heads: int, head_dim: int,
+    tokens: int, dtype: torch.dtype = torch.float16, context: int | None = None,
 ) -> dict[str, float]:
     """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
     cache's own code on meta tensors (shapes only, no data, no compute) for one row; unshared rows each hold
     their own units, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
     ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included); ``context``: the model's positions,
-    which bound its sinks as in :func:`make_cache` (None: unknown)."""
-    settings = dict(settings)
-    quantizer = settings.pop("quantizer")
-    _check_not_options("settings", settings)
+    which bound its sinks as in :func:`make_cache` (None: unknown); or a :class:`CacheSpec`."""
+    if not isinstance(settings, CacheSpec):
+        settings = dict(settings)
+        quantizer = settings.pop("quantizer")
+        check_not_options("settings", settings)
+        settings = CacheSpec.of(quantizer, settings)
     states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
-    cache = build_cache(layout, quantizer, head_dim=head_dim, context=context, **settings)
+    cache = build_cache(layout, settings, head_dim=head_dim, context=context)
     parts, seen = {}, {}
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, KVQuantLayer):

@@ -9,16 +9,16 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import KVQuantError, one_line
-from ..eviction import Eviction
-from ..quantizers import Quantizer
-from ..reads import Reads
-from ..errors import is_int
-from .checks import check_layer_index, row_list, shown
-from .layer import KVQuantLayer
-from .memory import summarize
-from .padding import Padding
-from .storage import Store
+from kvquant.errors import KVQuantError, one_line
+from kvquant.cache.eviction import Eviction
+from kvquant.formats.quantizers import Quantizer
+from kvquant.cache.reads import Reads
+from kvquant.errors import is_int
+from kvquant.cache.checks import check_layer_index, row_list, shown
+from kvquant.cache.layer import KVQuantLayer
+from kvquant.cache.memory import summarize
+from kvquant.cache.padding import Padding
+from kvquant.cache.storage import Store
 
 
 class KVQuantCache(Cache):
@@ -50,7 +50,7 @@ class KVQuantCache(Cache):
 
     @property
     def reads(self) -> Reads | None:
-        """The counter of what attention read from this cache (:mod:`kvquant.reads`), if one was given."""
+        """The counter of what attention read from this cache (:mod:`kvquant.cache.reads`), if one was given."""
         return self._reads
 
     @reads.setter

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from ..errors import KVQuantError, NonFiniteKVError, is_int
+from kvquant.errors import KVQuantError, NonFiniteKVError, is_int
 
 STATES = "[batch, heads, tokens, head_dim]"
 

@@ -6,7 +6,7 @@ dequantized copy of the whole history.
 :class:`~kvquant.cache.KVQuantCache` made for such a model then answers a step of at most :data:`MAX_QUERY` tokens
 with placeholders (a NaN broadcast to ``[B, H, kv_len, D]``, holding no memory, keys and values carrying one
 :class:`Pending` read) instead of dequantized keys and values, and :func:`attention` runs a kernel over the
-stores: the C++ one (``kvquant/csrc/dequant.cpp`` ``attend_into``) on the CPU, the Triton one
+stores: the C++ one (``kvquant/cache/csrc/dequant.cpp`` ``attend_into``) on the CPU, the Triton one
 (:mod:`.triton_attend`) on a GPU. Every other call (prefill, other caches, a layout or attention option no kernel
 reads: soft-capping, attention sinks, dropout, autograd, ``output_attentions``) goes to the attention the model
 had before, with the dequantized copy, as without fused decode.
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
-from ..errors import KVQuantError
-from .roles import StreamKind
-from .storage import Store, _rank
-from .streams import Stream, stream
+from kvquant.cache import kernels
+from kvquant.errors import KVQuantError
+from kvquant.cache.roles import StreamKind
+from kvquant.cache.storage import Store, _rank
+from kvquant.cache.streams import Stream, stream
 
 NAME = "kvquant_fused"
 #: Longest step (query tokens) answered by the kernel; longer ones (prefill) read the dequantized copy.
@@ -179,7 +179,7 @@ def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, 
         kernels.attend_into(query, kt, ko, vt, vo, lo.contiguous(), hi.contiguous(), scaling, out)
         return out
     if query.device.type == "cuda":
-        from . import triton_attend
+        from kvquant.cache import triton_attend
 
         if triton_attend.available():
             return triton_attend.attend(query, keys, values, hi.to(query.device), scaling, lo=lo.to(query.device))

@@ -8,16 +8,16 @@ import math
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..errors import InternalError, KVQuantError
-from ..eviction import Eviction
-from ..quantizers import Codec, Quantizer
-from ..reads import Reads
-from . import fused, query
-from .checks import STATES, check_states, fits, shown
-from .padding import Padding
-from .roles import by_category
-from .storage import Store, left_align
-from .streams import fusable
+from kvquant.errors import InternalError, KVQuantError
+from kvquant.cache.eviction import Eviction
+from kvquant.formats.quantizers import Codec, Quantizer
+from kvquant.cache.reads import Reads
+from kvquant.cache import fused, query
+from kvquant.cache.checks import STATES, check_states, fits, shown
+from kvquant.cache.padding import Padding
+from kvquant.cache.roles import by_category
+from kvquant.cache.storage import Store, left_align
+from kvquant.cache.streams import fusable
 
 FP16_BYTES = 2
 
@@ -223,7 +223,7 @@ class KVQuantLayer(CacheLayerMixin):
 
     def _evict_least_important(self, row: int, keep: int) -> None:
         """Stop reading the tokens of row ``row`` the policy drops to keep ``keep`` (see
-        :meth:`kvquant.eviction.KeyNorm.choose`)."""
+        :meth:`kvquant.cache.eviction.KeyNorm.choose`)."""
         k, v = self.k, self.v
         visible = k.visible(row)
         excess = len(visible) - keep

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import KVQuantError
+from kvquant.errors import KVQuantError
 
 
 class Padding:

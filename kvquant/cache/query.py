@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops
-from ..quantizers import Codec, RotatedCodec
-from .fused import attention_before, is_fused
+from kvquant.formats import ops
+from kvquant.formats.quantizers import Codec, RotatedCodec
+from kvquant.cache.fused import attention_before, is_fused
 
 NAME = "kvquant_query"
 TAG = "_kvquant_query"

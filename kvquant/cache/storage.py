@@ -19,7 +19,7 @@ per-channel keys' payload ``[group, D/2]``):
 Units are aligned at position ``s`` of their row and only whole units are evicted, so every stored unit was
 encoded from all of its tokens and no unit is ever split: a key group that a sliding window has partly left stays
 stored whole, unread, until all of it has left (at most ``tokens_per_unit - 1`` tokens more than the window).
-Importance eviction (:mod:`kvquant.eviction`) also keeps, per row, the ordinal of every stored token, those no
+Importance eviction (:mod:`kvquant.cache.eviction`) also keeps, per row, the ordinal of every stored token, those no
 longer read (``hidden``) and a score per token; a unit none of whose tokens is read is freed.
 """
 
@@ -29,9 +29,9 @@ import itertools
 
 import torch
 
-from ..quantizers import Codec
-from ..reads import Run, last_runs
-from .roles import check_roles
+from kvquant.formats.quantizers import Codec
+from kvquant.cache.reads import Run, last_runs
+from kvquant.cache.roles import check_roles
 
 
 def _rank(real: torch.Tensor) -> torch.Tensor:

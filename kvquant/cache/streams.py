@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quantizers import Fp8Codec, IdentityCodec, IntCodec
-from .storage import Store
+from kvquant.formats.quantizers import Fp8Codec, IdentityCodec, IntCodec
+from kvquant.cache.storage import Store
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import types
 
 import torch
 
-from .roles import StreamKind
-from .streams import Stream
+from kvquant.cache.roles import StreamKind
+from kvquant.cache.streams import Stream
 
 tl = None  # triton.language, bound in the kernels' own namespace by _kernels()
 # The stream kinds the kernels compare KIND with (StreamKind's numbers), bound as tl.constexpr in their namespace

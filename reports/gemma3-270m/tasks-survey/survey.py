@@ -12,13 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from kvquant import report
-from kvquant.config import load_config
-from kvquant.measure import BASELINE, Session, Split
-from kvquant.models import load_model
-from kvquant.planner import shape_from_config
-from kvquant.store import ResultStore
-from kvquant.tasks import gated_metric
+from kvquant.runner import report
+from kvquant.runner.config import load_config
+from kvquant.scoring.session import BASELINE, Session, Split
+from kvquant.scoring.models import load_model
+from kvquant.planner.shapes import shape_from_config
+from kvquant.runner.store import ResultStore
+from kvquant.scoring.tasks import gated_metric
 
 #: chance: the share a uniform guess gets (BoolQ: the majority answer, "yes", is 62% of its validation set)
 CHANCE = {"arc_easy": 0.25, "hellaswag": 0.25, "piqa": 0.5, "winogrande": 0.5, "boolq": 0.622, "lambada_openai": 0.0}

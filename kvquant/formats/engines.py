@@ -1,0 +1,575 @@
+"""Serving engines' own KV-cache formats as quantizers: what ``--kv-cache-dtype X`` stores, value for value.
+
+Written from the engines' sources: vLLM 0.33.0 and SGLang 0.5.23 as published on PyPI (``file:line`` below are
+lines of those wheels). Every format stores each token's keys and values when they are written (one unit = one
+token), so nothing is kept at full precision unless ``residual_length`` or ``sink_tokens`` ask for it.
+
+Exact to the engine: codes, scales and their rounding (round-half-away where a Triton kernel adds ±0.5 and
+truncates, round-half-even where a hardware cast rounds, saturation), packing and stored bytes. Not exact: the
+engines' GPU kernels divide with Triton's approximate ``div.full.f32`` and NVIDIA's ``rcp.approx``, which can differ
+from IEEE division (used here) in the last bit of a scale and so move a code that sits on a rounding tie; and the
+engines fold scales into attention scores where kvquant returns dequantized states rounded to the model's dtype.
+
+Registered names (flag, stored bits per element at head_dim D): ``vllm_fp8`` (vLLM ``fp8`` with static per-tensor
+or per-head scales, 8), ``vllm_fp8_per_token_head`` (8 + 32/D), ``vllm_int8_per_token_head`` (8 + 32/D),
+``vllm_int4_per_token_head`` (4 + 32/D), ``vllm_nvfp4`` (4.5), ``vllm_turboquant_k8v4`` ((12 + 32/D) / 2),
+``vllm_turboquant_4bit_nc`` ((8 + 48/D) / 2), ``sglang_mxfp8`` (8.25); the table in ``docs/quantizers.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvquant.formats import ops
+from kvquant.cache.roles import StorageRole
+from kvquant.errors import KVQuantError
+from kvquant.formats.quantizers import F32_MAX, Codec, Quantizer, register_quantizer, short_repr
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
+#: The largest |state| of a format that computes in float32: a code rounded up (e4m3 by up to 1/16, an integer by
+#: half a step) must still dequantize to a finite float32.
+F32_HALF = F32_MAX / 2
+F32_HELD = "this format holds (it computes in float32, and a code rounded up must dequantize to a finite number)"
+#: e2m1 (fp4) magnitudes in code order: a code's low 3 bits index this table, bit 3 is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: where |x| rounds to the next e2m1 magnitude, and whether a tie there goes up (to the even mantissa)
+E2M1_TIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure tensor math (testable without a model)
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest integer, ties away from zero (a Triton kernel's ``x ± 0.5`` then truncation)."""
+    return torch.where(x >= 0, x + 0.5, x - 0.5).trunc()
+
+
+def e4m3_saturated(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) cast to e4m3 as CUDA's ``cvt.rn.satfinite`` does: round half to even, saturating at ±448."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp4 e2m1 codes (uint8, 0-15: sign bit 3, magnitude index bits 0-2) of fp32 ``x``: round half to even,
+    saturating at ±6 (``cvt.rn.satfinite.e2m1x2.f32``)."""
+    magnitude = x.abs()
+    index = torch.zeros_like(magnitude, dtype=torch.uint8)
+    for edge, up in E2M1_TIES:
+        index += (magnitude >= edge if up else magnitude > edge).to(torch.uint8)
+    return index | ((x < 0).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of e2m1 ``codes``."""
+    table = torch.tensor(E2M1_VALUES, device=codes.device)
+    magnitude = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim: element ``2i`` in the low nibble, ``2i + 1`` in the high."""
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """The unnormalized Sylvester-Hadamard transform ``H x`` along the last dim (a power of two), by the
+    butterfly vLLM runs on the CPU (``int4_per_token_head.py:1112-1120``): the same additions in the same order."""
+    d, h = x.shape[-1], 1
+    while h < d:
+        halves = x.unflatten(-1, (d // (2 * h), 2, h))
+        x = torch.stack([halves[..., 0, :] + halves[..., 1, :], halves[..., 0, :] - halves[..., 1, :]], -2)
+        x = x.flatten(-3)
+        h *= 2
+    return x
+
+
+def largest_power_of_two_divisor(n: int) -> int:
+    return n & -n
+
+
+@functools.lru_cache(maxsize=16)
+def rht_signs(block: int) -> torch.Tensor:
+    """vLLM's ±1 signs for the randomized Hadamard transform of ``block`` channels
+    (``int4_per_token_head.py:1132-1143``: a CPU generator seeded 0x9E3779B9, Bernoulli(1/2) draws)."""
+    generator = torch.Generator(device="cpu").manual_seed(0x9E3779B9)
+    return 2.0 * torch.bernoulli(torch.full((block,), 0.5), generator=generator) - 1.0
+
+
+def rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """vLLM's randomized Hadamard transform over blocks of the largest power-of-two divisor ``b`` of head_dim
+    (``int4_per_token_head.py:1146-1167``): ``H (s * x)``, or ``s * (H y)`` for ``inverse`` (unnormalized: the
+    inverse of the forward transform is ``inverse / b``)."""
+    d = x.shape[-1]
+    block = largest_power_of_two_divisor(d)
+    signs = rht_signs(block).to(x.device)
+    blocks = x.unflatten(-1, (d // block, block))
+    out = hadamard_transform(blocks) * signs if inverse else hadamard_transform(blocks * signs)
+    return out.flatten(-2)
+
+
+@functools.lru_cache(maxsize=16)
+def lloyd_max_centroids(d: int, bits: int) -> torch.Tensor:
+    """The ``2**bits`` centroids vLLM's TurboQuant uses for head_dim ``d`` (``turboquant/centroids.py:31-87``):
+    Lloyd-Max iterations for N(0, 1/d) from a uniform start on ±3.5 sigma, each region's moments integrated by
+    the trapezoid rule over 200 intervals (the outer regions end at ±10.5 sigma), at most 200 iterations or until
+    no centroid moves by 1e-10 (the centroids before that last update are kept); float64, then float32."""
+    levels, variance = 2**bits, 1.0 / d
+    sigma = math.sqrt(variance)
+
+    def density(x: float) -> float:
+        return math.exp(-x * x / (2 * variance)) / math.sqrt(2 * math.pi * variance)
+
+    def integral(f, a: float, b: float, n: int = 200) -> float:
+        step = (b - a) / n
+        total = 0.5 * (f(a) + f(b))
+        for i in range(1, n):
+            total += f(a + i * step)
+        return total * step
+
+    low, high = -3.5 * sigma, 3.5 * sigma
+    centroids = [low + (high - low) * (i + 0.5) / levels for i in range(levels)]
+    for _ in range(200):
+        edges = [3 * low, *[(centroids[i] + centroids[i + 1]) / 2.0 for i in range(levels - 1)], 3 * high]
+        moved = []
+        for i in range(levels):
+            mass = integral(density, edges[i], edges[i + 1])
+            mean = integral(lambda x: x * density(x), edges[i], edges[i + 1])
+            moved.append(mean / mass if mass > 1e-15 else centroids[i])
+        if max(abs(a - b) for a, b in zip(moved, centroids)) < 1e-10:
+            break
+        centroids = moved
+    return torch.tensor(centroids, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Codecs: states [B, H, T, D]; one unit = one token
+
+
+@dataclass(frozen=True, eq=False)
+class StaticFp8Codec(Codec):
+    """vLLM ``fp8``: ``e4m3_satfinite(x / scale)`` with a static fp32 scale for the whole tensor (``[]``) or per
+    KV head (``[H]``); read as ``code * scale`` (``quant_utils.cuh`` scaled_vec_conversion; per head:
+    ``cache_kernels.cu`` reshape_and_cache_flash_kernel with ``kv_scale_stride``)."""
+
+    scale: torch.Tensor
+    max_abs = F32_HALF
+    held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD}  # the static scale is the layer's, not stored per token
+
+    def check_heads(self, heads: int, name: str = "states") -> None:
+        """Per-head scales: one per KV head of the layer (``name``: keys or values)."""
+        if self.scale.dim() and self.scale.numel() != heads:
+            field = {"keys": "k_scale", "values": "v_scale"}.get(name, "scale")
+            raise KVQuantError(f"vllm_fp8: {field} has {self.scale.numel()} per-head scales for a layer of {heads} "
+                               f"KV heads; give one per KV head, or one number for the whole layer")
+
+    def check(self, x: torch.Tensor, name: str) -> None:
+        self.check_heads(x.shape[1], name)
+
+    def _scale(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_heads(x.shape[1])
+        scale = self.scale.to(x.device)
+        return scale.view(1, -1, 1, 1) if scale.dim() else scale
+
+    def encode(self, x):
+        return {"payload": e4m3_saturated(x.float() / self._scale(x))}
+
+    def decode_into(self, enc, out):
+        ops.store_clamped(out, enc["payload"].float() * self._scale(out))
+
+
+@dataclass(frozen=True)
+class PerTokenHeadCodec(Codec):
+    """vLLM ``int8_per_token_head`` / ``fp8_per_token_head`` (``triton_reshape_and_cache_flash.py:168-283``): per
+    token and head, ``scale = max(amax / qmax, 1e-6)`` (fp32, stored), ``q = x * (1 / scale)``; int8 rounds half
+    away from zero and clamps to [-128, 127] (so [-127, 127]), fp8 clamps to ±448 and casts (round half to even)."""
+
+    fp8: bool
+    max_abs = F32_HALF
+    held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}
+
+    def encode(self, x):
+        x = x.float()
+        qmax = E4M3_MAX if self.fp8 else 127.0
+        scale = (x.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-6)
+        q = x * (1.0 / scale)
+        if self.fp8:
+            payload = e4m3_saturated(q)
+        else:
+            payload = round_half_away(q).clamp(-128, 127).to(torch.int8)
+        return {"payload": payload, "scale": scale}
+
+    def decode_into(self, enc, out):
+        ops.store_clamped(out, enc["payload"].float() * enc["scale"])
+
+
+@dataclass(frozen=True)
+class Int4PerTokenHeadCodec(Codec):
+    """vLLM ``int4_per_token_head`` (``int4_per_token_head.py``): states rotated (:func:`rht`, ``:856-880``) and
+    rounded back to their dtype; per token and head, ``scale = max((max - min) / 15, 1e-6)``,
+    ``zp = clamp(round_half_away(-min / scale), 0, 15)``, ``q = clamp(round_half_away(x * (1 / scale) + zp), 0, 15)``
+    (``:120-160``), packed two per byte, low nibble first; the zero point replaces the 4 low mantissa bits of the
+    stored fp32 scale (``:158-170``), and reads use that scale with those bits cleared: ``(q - zp) * scale'``
+    (``:547-560``), rotated back (``/ b``, ``:919-920``)."""
+
+    channel_multiple = (2, "two codes per byte")
+    max_abs = F32_HALF
+    held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}  # the zero point in the scale's low bits
+
+    @staticmethod
+    def _rotated_limit(head_dim: int, dtype: torch.dtype) -> tuple[float, str]:
+        """The largest |y| the rotated states may reach, and what sets it: they are rounded to the states' dtype, and
+        the read sums ``b`` dequantized values of up to the group's range (``2 max|y|``) in float32."""
+        block = largest_power_of_two_divisor(head_dim)
+        back = F32_MAX / (2 * block)
+        if torch.finfo(dtype).max <= back:
+            return torch.finfo(dtype).max, f"of the states' dtype {dtype}"
+        return back, "whose range and rotation back stay within float32"
+
+    def checked_above(self, head_dim, dtype):
+        return self._rotated_limit(head_dim, dtype)[0] / largest_power_of_two_divisor(head_dim)  # |H(s x)| <= b max|x|
+
+    def check(self, x, name):
+        """States whose rotation (:func:`rht`, unnormalized: up to ``b`` times their largest |x|) overflows their dtype
+        or float32's room for the read are refused (vLLM would store inf or NaN)."""
+        if x.device.type == "meta" or not x.numel() or \
+                float(x.abs().amax()) <= self.checked_above(x.shape[-1], x.dtype):
+            return
+        limit, held = self._rotated_limit(x.shape[-1], x.dtype)
+        amax = float(rht(x.float()).to(x.dtype).abs().amax())
+        if not amax <= limit:
+            block = largest_power_of_two_divisor(x.shape[-1])
+            raise KVQuantError(f"{name} reach |y| = {amax:.4g} once rotated by vLLM's Hadamard transform "
+                               f"(unnormalized, blocks of {block}), beyond the ±{limit:.4g} {held}")
+
+    def encode(self, x):
+        rotated = rht(x.float()).to(x.dtype).float()
+        low, high = rotated.amin(-1, keepdim=True), rotated.amax(-1, keepdim=True)
+        scale = ((high - low) / 15.0).clamp(min=1e-6)
+        zero = round_half_away(-low / scale).clamp(0, 15)
+        q = round_half_away(rotated * (1.0 / scale) + zero).clamp(0, 15)
+        bits = (scale.view(torch.int32) & -16) | zero.to(torch.int32)
+        return {"payload": pack_nibbles(q), "scale": bits.view(torch.float32)}
+
+    def decode_into(self, enc, out):
+        bits = enc["scale"].view(torch.int32)
+        zero, scale = (bits & 0xF).float(), (bits & -16).view(torch.float32)
+        rotated = (unpack_nibbles(enc["payload"]).float() - zero) * scale
+        ops.store_clamped(out, rht(rotated, inverse=True) / largest_power_of_two_divisor(out.shape[-1]))
+
+
+@dataclass(frozen=True, eq=False)
+class Nvfp4Codec(Codec):
+    """vLLM ``nvfp4`` (``csrc/nvfp4_kv_cache_kernels.cu``, ``nvfp4_utils.cuh`` cvt_warp_fp16_to_fp4): per block of
+    16 channels, ``sf = e4m3_satfinite((1 / k_scale) * (amax * (1 / 6)))`` (stored), ``out_scale = 1 / (sf *
+    k_scale)`` (0 when sf is 0), ``code = e2m1(x * out_scale)``; read as ``e2m1 * sf * k_scale``. ``k_scale`` is
+    the layer's static global scale (1.0 when the checkpoint has none)."""
+
+    channel_multiple = (16, "blocks of 16 channels")
+    max_abs = F32_HALF
+    held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}  # one e4m3 block scale per 16 channels
+
+    global_scale: float
+
+    def encode(self, x):
+        blocks = x.float().unflatten(-1, (-1, 16))
+        amax = blocks.abs().amax(-1, keepdim=True)
+        sf = e4m3_saturated((1.0 / self.global_scale) * (amax * (1.0 / 6.0)))
+        factor = sf.float() * (1.0 / (1.0 / self.global_scale))
+        out_scale = torch.where(factor != 0, 1.0 / factor, torch.zeros_like(factor))
+        codes = e2m1_codes(blocks * out_scale).flatten(-2)
+        return {"payload": pack_nibbles(codes), "scale": sf.squeeze(-1)}
+
+    def decode_into(self, enc, out):
+        values = e2m1_values(unpack_nibbles(enc["payload"])).unflatten(-1, (-1, 16))
+        ops.store_clamped(out, (values * enc["scale"].float().unsqueeze(-1) * self.global_scale).flatten(-2))
+
+
+@dataclass(frozen=True)
+class MinMaxUint4Codec(Codec):
+    """TurboQuant's values (``triton_turboquant_store.py:97-136``): per token and head, ``scale = (max - min) / 15``
+    (at least 1e-8), ``q = clamp(trunc((x - min) / scale + 0.5), 0, 15)``, packed low nibble first; scale and
+    minimum stored as fp16 and read as ``q * fp16(scale) + fp16(min)`` (``triton_turboquant_decode.py:410-425``)."""
+
+    channel_multiple = (2, "two value codes per byte")
+    max_abs = FP16_MAX
+    roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE, "minimum": StorageRole.SCALE}
+    held = "TurboQuant's fp16 scale and minimum per token and head can hold"
+
+    def encode(self, x):
+        x = x.float()
+        low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        scale = (high - low) / 15.0
+        scale = torch.where(scale > 1e-8, scale, torch.full_like(scale, 1e-8))
+        q = ((x - low) / scale + 0.5).trunc().clamp(0, 15)
+        return {"payload": pack_nibbles(q), "scale": scale.half(), "minimum": low.half()}
+
+    def decode_into(self, enc, out):
+        q = unpack_nibbles(enc["payload"]).float()
+        ops.store_clamped(out, q * enc["scale"].float() + enc["minimum"].float())
+
+
+@dataclass(frozen=True)
+class UnscaledFp8Codec(Codec):
+    """TurboQuant k8v4's keys (``triton_turboquant_store.py:144-211``): cast to e4m3 with no scale (saturating)."""
+
+    roles = {"payload": StorageRole.PAYLOAD}
+
+    def encode(self, x):
+        return {"payload": e4m3_saturated(x.float())}
+
+    def decode_into(self, enc, out):
+        ops.store_clamped(out, enc["payload"].float())
+
+
+@dataclass(frozen=True, eq=False)
+class LloydMaxCodec(Codec):
+    """TurboQuant's MSE keys with norm correction (``triton_turboquant_store.py:412-447``, ``_tq_fused_store_mse``):
+    ``norm = ||k||`` (stored fp16), ``y = (k / (norm + 1e-8)) @ H/sqrt(D)``, code = how many fp32 midpoints of the
+    sorted centroids ``y`` reaches (ties go up), packed two per byte low nibble first. Read
+    (``triton_turboquant_decode.py:380-400``): centroids of the codes divided by their vector's norm
+    ``sqrt(sum c^2 + 1e-16)``, times fp16 norm, rotated back with ``H/sqrt(D)``."""
+
+    centroids: torch.Tensor
+    max_abs = FP16_MAX  # a norm is at least every |x| of its vector
+    roles = {"payload": StorageRole.PAYLOAD, "norm": StorageRole.SCALE}
+    held = "TurboQuant's fp16 key norm can hold"
+
+    def checked_above(self, head_dim, dtype):
+        return FP16_MAX / math.sqrt(head_dim)  # ||k|| <= sqrt(D) max|k|
+
+    def check(self, x, name):
+        """A vector's norm beyond fp16 (stored as inf: its keys read back NaN) is refused."""
+        if x.device.type == "meta" or not x.numel() or \
+                float(x.abs().amax()) <= self.checked_above(x.shape[-1], x.dtype):
+            return
+        norm = float(x.float().norm(dim=-1).amax())
+        if not norm <= FP16_MAX:
+            raise KVQuantError(f"{name} reach a norm of {norm:.4g} per token and head, beyond the ±{FP16_MAX:.0f} "
+                               f"{self.held}")
+
+    def _rotation(self, d: int, device) -> torch.Tensor:
+        return hadamard_transform(torch.eye(d)).to(device) / math.sqrt(d)
+
+    def encode(self, x):
+        k = x.float()
+        norm = k.norm(dim=-1, keepdim=True)
+        y = (k / (norm + 1e-8)) @ self._rotation(k.shape[-1], k.device)
+        c = self.centroids.to(k.device)
+        midpoints = (c[:-1] + c[1:]) / 2
+        codes = (y.unsqueeze(-1) >= midpoints).sum(-1)
+        return {"payload": pack_nibbles(codes), "norm": norm.half()}
+
+    def decode_into(self, enc, out):
+        c = self.centroids.to(out.device)[unpack_nibbles(enc["payload"]).long()]
+        c = c * (1.0 / torch.sqrt((c * c).sum(-1, keepdim=True) + 1e-16))
+        rotated = enc["norm"].float() * c
+        ops.store_clamped(out, rotated @ self._rotation(out.shape[-1], out.device))
+
+
+@dataclass(frozen=True)
+class Mxfp8Codec(Codec):
+    """SGLang ``mxfp8`` (``sglang/kernels/ops/quantization/mxfp8_quant.py:19-60``): per block of 32 channels,
+    ``e = clamp(ceil(log2(max(amax, 1e-30) / 448)) + 127, 0, 254)`` (stored as one byte, e8m0), codes
+    ``e4m3(clamp(x / 2**(e - 127), ±448))``; read as ``code * 2**(e - 127)``."""
+
+    channel_multiple = (32, "blocks of 32 channels")
+    max_abs = F32_HALF
+    held = F32_HELD
+    roles = {"payload": StorageRole.PAYLOAD, "exponent": StorageRole.SCALE}  # one e8m0 shared exponent per 32 channels
+
+    def encode(self, x):
+        blocks = x.float().unflatten(-1, (-1, 32))
+        amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+        exponent = (torch.ceil(torch.log2(amax / E4M3_MAX)) + 127).clamp(0, 254)
+        codes = e4m3_saturated(blocks / torch.exp2(exponent - 127))
+        return {"payload": codes.flatten(-2), "exponent": exponent.squeeze(-1).to(torch.uint8)}
+
+    def decode_into(self, enc, out):
+        scale = torch.exp2(enc["exponent"].float() - 127).unsqueeze(-1)
+        ops.store_clamped(out, (enc["payload"].float().unflatten(-1, (-1, 32)) * scale).flatten(-2))
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantizers (registered names say the engine and its flag)
+
+
+def _positive_scales(name: str, field: str, value, reciprocal: bool = False) -> torch.Tensor:
+    """A static scale option: a positive number, or a list of them (one per KV head), finite and positive once in
+    float32, where the engine keeps and applies it (with ``reciprocal``, for a format that divides by it, its
+    reciprocal too)."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    ok = values and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v != math.inf
+                        for v in values)  # (an int is finite, however long; NaN fails v > 0)
+    if not ok:
+        raise KVQuantError(f"{name}: {field} must be a positive number or a list of them (one per KV head), "
+                           f"got {short_repr(value)}")
+    scale = torch.tensor([_to_float(v) for v in values], dtype=torch.float32)
+    inverse = 1.0 / scale
+    for v, s, inv in zip(values, scale.tolist(), inverse.tolist()):
+        if s in (0.0, math.inf) or (reciprocal and inv == math.inf):
+            said = f"is {s:g} in float32" if s in (0.0, math.inf) else f"has 1 / {field} = inf in float32"
+            lowest = 1.0 / F32_MAX if reciprocal else float(torch.finfo(torch.float32).smallest_normal) * 2**-23
+            raise KVQuantError(f"{name}: {field} {short_repr(v)} {said}, the precision the engine applies it in; "
+                               f"give a scale in [{lowest:.4g}, {F32_MAX:.4g}]")
+    return scale if isinstance(value, (list, tuple)) else scale[0]
+
+
+def _to_float(v: int | float) -> float:
+    """``float(v)``; an integer beyond any float: inf."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
+
+
+#: What vLLM's turboquant formats need: it keeps boundary layers at model precision itself.
+TURBOQUANT_BOUNDARY = "vLLM keeps the first and last 2 layers of a dense model at full precision on its own"
+
+
+@register_quantizer("vllm_fp8")
+@dataclass(frozen=True)
+class VllmFp8(Quantizer):
+    """vLLM ``--kv-cache-dtype fp8`` with the checkpoint's static ``k_scale``/``v_scale``: one per layer, or one per
+    KV head (compressed-tensors ``strategy: attn_head``, FlashAttention 3). A checkpoint without scales runs at 1.0
+    (``kv_cache.py:117-169``), the default here; calibrated scales are ``amax / 448``."""
+
+    serving: ClassVar[tuple[str, str, str]] = (
+        "vLLM", "fp8", "static scales from the checkpoint (compressed-tensors k_scale/v_scale; per-head scales need "
+        "FlashAttention 3); none: 1.0")
+
+    #: calibrated scales are amax / 448 (``kvquant.scoring.calibrate``)
+    calibration_divisor: ClassVar[float] = E4M3_MAX
+    k_scale: float | tuple[float, ...] = 1.0
+    v_scale: float | tuple[float, ...] = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for field in ("k_scale", "v_scale"):
+            _positive_scales(self.name, field, getattr(self, field))
+            if isinstance(getattr(self, field), list):  # per-head scales, kept hashable
+                object.__setattr__(self, field, tuple(getattr(self, field)))
+
+    def _codecs(self, head_dim):
+        return (StaticFp8Codec(_positive_scales(self.name, "k_scale", self.k_scale)),
+                StaticFp8Codec(_positive_scales(self.name, "v_scale", self.v_scale)))
+
+
+#: What vLLM's per-token-head formats need.
+TRITON_BACKEND = "vLLM's Triton attention backend"
+
+
+@dataclass(frozen=True)
+class _Alike(Quantizer):
+    """A format of no options that stores keys and values alike, each with ``codec()``."""
+
+    codec: ClassVar[Callable[[], Codec]]
+
+    def _codecs(self, head_dim):
+        codec = type(self).codec  # from the class: on an instance a functools.partial binds it (Python >= 3.14)
+        return codec(), codec()
+
+
+@register_quantizer("vllm_fp8_per_token_head")
+@dataclass(frozen=True)
+class VllmFp8PerTokenHead(_Alike):
+    """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
+
+    serving = ("vLLM", "fp8_per_token_head", TRITON_BACKEND)
+    codec = functools.partial(PerTokenHeadCodec, fp8=True)
+
+
+@register_quantizer("vllm_int8_per_token_head")
+@dataclass(frozen=True)
+class VllmInt8PerTokenHead(_Alike):
+    """vLLM ``--kv-cache-dtype int8_per_token_head``: symmetric int8 with a dynamic fp32 scale per token and head."""
+
+    serving = ("vLLM", "int8_per_token_head", TRITON_BACKEND)
+    codec = functools.partial(PerTokenHeadCodec, fp8=False)
+
+
+@register_quantizer("vllm_int4_per_token_head")
+@dataclass(frozen=True)
+class VllmInt4PerTokenHead(_Alike):
+    """vLLM ``--kv-cache-dtype int4_per_token_head``: rotated, asymmetric uint4 per token and head."""
+
+    serving = ("vLLM", "int4_per_token_head", TRITON_BACKEND)
+    codec = Int4PerTokenHeadCodec
+
+
+@register_quantizer("vllm_nvfp4")
+@dataclass(frozen=True)
+class VllmNvfp4(Quantizer):
+    """vLLM ``--kv-cache-dtype nvfp4``: e2m1 in blocks of 16 with e4m3 block scales under a static global scale
+    per layer (``k_scale``/``v_scale``: 1.0 without checkpoint scales; ModelOpt's are ``amax / (6 * 448)``)."""
+
+    serving: ClassVar[tuple[str, str, str]] = (
+        "vLLM", "nvfp4", "a Blackwell GPU (FlashInfer); the global scale from the checkpoint, else 1.0")
+
+    #: calibrated global scales are amax / (6 x 448), as ModelOpt's (``kvquant.scoring.calibrate``)
+    calibration_divisor: ClassVar[float] = 6 * E4M3_MAX
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for field in ("k_scale", "v_scale"):
+            if isinstance(getattr(self, field), (list, tuple)):
+                raise KVQuantError(f"{self.name}: {field} is one global scale per layer, not a list")
+            _positive_scales(self.name, field, getattr(self, field), reciprocal=True)
+
+    def _codecs(self, head_dim):
+        return Nvfp4Codec(float(self.k_scale)), Nvfp4Codec(float(self.v_scale))
+
+
+@register_quantizer("vllm_turboquant_k8v4")
+@dataclass(frozen=True)
+class VllmTurboquantK8V4(Quantizer):
+    """vLLM ``--kv-cache-dtype turboquant_k8v4``: keys e4m3 without a scale, values uint4 min/max per token and
+    head. vLLM keeps the first and last 2 layers of a dense model at full precision (``turboquant/config.py:177-213``):
+    give those layers ``fp16`` through ``layers`` to match it."""
+
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_k8v4", TURBOQUANT_BOUNDARY)
+
+    def _codecs(self, head_dim):
+        return UnscaledFp8Codec(), MinMaxUint4Codec()
+
+
+@register_quantizer("vllm_turboquant_4bit_nc")
+@dataclass(frozen=True)
+class VllmTurboquant4BitNc(Quantizer):
+    """vLLM ``--kv-cache-dtype turboquant_4bit_nc``: keys Hadamard-rotated onto 4-bit Lloyd-Max centroids with an
+    fp16 norm and norm correction, values uint4 min/max per token and head."""
+
+    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_4bit_nc", TURBOQUANT_BOUNDARY)
+
+    def _codecs(self, head_dim):
+        if head_dim & (head_dim - 1):
+            raise KVQuantError(f"{self.name}: head_dim {head_dim} is not a power of two (the Hadamard rotation)")
+        return LloydMaxCodec(lloyd_max_centroids(head_dim, 4)), MinMaxUint4Codec()
+
+
+@register_quantizer("sglang_mxfp8")
+@dataclass(frozen=True)
+class SglangMxfp8(_Alike):
+    """SGLang ``--kv-cache-dtype mxfp8``: e4m3 in blocks of 32 channels with an e8m0 (power-of-two) scale."""
+
+    serving = ("SGLang", "mxfp8", "SGLang's FA4 attention backend")
+    codec = Mxfp8Codec

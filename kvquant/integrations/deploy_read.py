@@ -1,0 +1,272 @@
+"""``results.json`` as ``python -m kvquant.export`` reads it: only a file this user's own run wrote, and only a
+document whose every value export uses is what the runner writes.
+
+- **Whose file**: the report directory must be a real directory (not a symlink: the runner refuses one too) and
+  ``results.json`` a regular file (not a symlink, FIFO or device), both owned by this user, the file at most
+  :data:`MAX_BYTES`.
+- **Signed**: its signature must verify under this user's key (:mod:`kvquant.signing`), unless the caller trusts
+  an unsigned file (``--trust-unsigned``: a report of an older kvquant, or one copied from another machine).
+- **Well formed** (defence in depth, and for files of older kvquants): the types of every value export reads; a
+  chosen setting only under a PASS decision, with a PASS verdict, every gated metric passing at finite values;
+  per-layer keys ``N`` or ``N-M`` (``N <= M``) naming layers the model has (the report's per-layer memory says
+  how many, at most :data:`MAX_LAYERS`), no layer named twice; static scales finite and positive in float32.
+
+Every refusal is one :class:`KVQuantError` line naming the file, the key and the value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import stat
+from pathlib import Path
+
+import torch
+
+from kvquant.errors import KVQuantError, one_line
+from kvquant.signing import unverified
+
+MAX_BYTES = 256 * 2**20
+#: more layers than any model has (a bound, so that no edited file makes a DEPLOY.md of megabytes)
+MAX_LAYERS = 4096
+#: more KV heads per layer than any model has (per-head scales are one per KV head)
+MAX_HEADS = 4096
+#: more gated metrics than any report has (each is a row of DEPLOY.md's table, its name cut at 200 characters)
+MAX_GATED = 1024
+DECISIONS = ("pass", "fail", "inconclusive")
+SELECTOR = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7}))?")
+SCALES = ("k_scale", "v_scale")
+WROTE = "not a results.json this kvquant writes (rerun python -m kvquant.run)"
+
+
+def _own(info: os.stat_result, what: Path) -> None:
+    if info.st_uid != os.getuid():
+        raise KVQuantError(f"{what} belongs to another user (uid {info.st_uid}); kvquant exports only reports your "
+                           "own runs wrote")
+
+
+def _open_dir(report_dir: Path) -> int:
+    """A descriptor of ``report_dir``: a real directory of this user's, never reached through a symlink."""
+    try:
+        info = os.lstat(report_dir)
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{report_dir} is not a kvquant report directory ({getattr(err, 'strerror', None) or err})"
+                           ) from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise KVQuantError(f"{report_dir} is {kind}; kvquant exports only from a real report directory (the runner "
+                           "refuses a symlinked one too): name the directory itself")
+    _own(info, report_dir)
+    try:
+        fd = os.open(report_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        raise KVQuantError(f"cannot open {report_dir} ({err.strerror})") from None
+    if not os.path.samestat(info, os.fstat(fd)):
+        os.close(fd)
+        raise KVQuantError(f"{report_dir} was replaced while kvquant opened it; export it again")
+    return fd
+
+
+def read_results(report_dir: Path) -> bytes:
+    """The bytes of ``report_dir/results.json`` (see the module docstring: whose file, how large)."""
+    path, dir_fd = report_dir / "results.json", _open_dir(report_dir)
+    try:
+        fd = os.open("results.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as err:
+        why = "a symlink is refused" if os.path.islink(path) else err.strerror
+        raise KVQuantError(f"{report_dir} is not a kvquant report directory: cannot read {path.name} ({why})"
+                           ) from None
+    finally:
+        os.close(dir_fd)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a directory, FIFO or device (a directory opens, but cannot be read)
+        os.close(fd)
+        raise KVQuantError(f"{path} is not a regular file; kvquant exports only the results.json its runner wrote")
+    with os.fdopen(fd, "rb") as f:
+        _own(info, path)
+        if info.st_size > MAX_BYTES:
+            raise KVQuantError(f"{path} is {info.st_size:,} bytes, more than the {MAX_BYTES:,} a report holds; {WROTE}")
+        return f.read(MAX_BYTES + 1)
+
+
+def load_report(report_dir: Path, trust_unsigned: bool = False) -> dict:
+    """``results.json`` of a report directory, read, verified and checked (see the module docstring), or one line
+    naming what is wrong."""
+    path = report_dir / "results.json"
+    data = read_results(report_dir)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeError, ValueError, RecursionError) as err:
+        raise KVQuantError(f"{path} is not a kvquant results.json (not JSON: {one_line(err)[:80]})") from None
+    if not isinstance(doc, dict):
+        raise KVQuantError(f"{path} is not a kvquant results.json (not a JSON object but {type(doc).__name__})")
+    if not trust_unsigned:
+        try:
+            why = unverified(doc)
+        except RecursionError:
+            why = "it is nested too deep to verify"
+        if why:
+            raise KVQuantError(f"{path}: {why}; export deploys only what your own run decided: rerun python -m "
+                               "kvquant.run, or pass --trust-unsigned once you have checked this file")
+    check_document(doc, path)
+    return doc
+
+
+def quoted(text, limit: int = 80) -> str:
+    """A name from the file for a message: its ``repr`` (control characters escaped), cut at ``limit``."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}...'"
+
+
+def _shown(value) -> str:
+    with contextlib.suppress(Exception):
+        text = one_line(repr(value[:100] if isinstance(value, str | list) else value))
+        return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+    return type(value).__name__
+
+
+def need(ok: bool, path: Path, where: str, wanted: str, value) -> None:
+    """One line naming ``where`` in the file at ``path`` unless ``ok``."""
+    if not ok:
+        raise KVQuantError(f"{path}: {where} must be {wanted}, got {_shown(value)}; {WROTE}")
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite(value) -> bool:
+    """A number (not a bool) that is finite as a float (a JSON integer of 400 digits is not)."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def check_document(doc: dict, path: Path) -> None:
+    """The types of every value export reads, and the chosen setting (:func:`check_chosen`)."""
+    if not {"decision", "chosen", "candidates"} <= set(doc):
+        raise KVQuantError(f"{path} is not a kvquant results.json (no decision, chosen or candidates)")
+    need(doc["decision"] in DECISIONS, path, "decision", f"one of {', '.join(DECISIONS)}", doc["decision"])
+    for key in ("chosen", "reason", "command", "run_id"):
+        need(doc.get(key) is None or isinstance(doc[key], str), path, key, "a string", doc.get(key))
+    model = doc.get("config", {})
+    need(isinstance(model, dict), path, "config", "an object", model)
+    need(isinstance(model.get("model", {}), dict), path, "config.model", "an object", model.get("model"))
+    need(isinstance(model.get("model", {}).get("path", ""), str), path, "config.model.path", "a string",
+         model.get("model", {}).get("path"))
+    need(isinstance(doc["candidates"], list), path, "candidates", "a list", doc["candidates"])
+    for i, candidate in enumerate(doc["candidates"]):
+        check_candidate(candidate, path, f"candidates[{i}]")
+    if doc["chosen"] is not None:
+        check_chosen(doc, path)
+
+
+def check_candidate(candidate, path: Path, where: str) -> None:
+    """What export reads of every candidate (its name, settings, bits and verdict, its metrics' types)."""
+    need(isinstance(candidate, dict), path, where, "an object", candidate)
+    need(isinstance(candidate.get("name"), str), path, f"{where}.name", "a string", candidate.get("name"))
+    settings = candidate.get("settings")
+    need(isinstance(settings, dict), path, f"{where}.settings", "an object", settings)
+    need(isinstance(settings.get("quantizer"), str), path, f"{where}.settings.quantizer", "a string",
+         settings.get("quantizer"))
+    need(isinstance(settings.get("layers") or {}, dict), path, f"{where}.settings.layers", "an object",
+         settings.get("layers"))
+    bits = candidate.get("bits_per_element")
+    need(is_finite(bits) and bits >= 0, path, f"{where}.bits_per_element", "a finite number >= 0", bits)
+    need(isinstance(candidate.get("verdict"), str), path, f"{where}.verdict", "a string", candidate.get("verdict"))
+    metrics = candidate.get("metrics")
+    need(isinstance(metrics, dict), path, f"{where}.metrics", "an object", metrics)
+    for name, metric in metrics.items():
+        at = f"{where}.metrics[{quoted(name)}]"
+        need(isinstance(metric, dict), path, at, "an object", metric)
+        need(isinstance(metric.get("gated", False), bool), path, f"{at}.gated", "true or false", metric.get("gated"))
+        need(isinstance(metric.get("verdict"), str), path, f"{at}.verdict", "a string", metric.get("verdict"))
+        for key in ("value", "baseline"):  # NaN where nothing was measured; never a float's overflow
+            value = metric.get(key)
+            need(is_finite(value) or isinstance(value, float), path, f"{at}.{key}", "a number", value)
+
+
+def chosen_candidate(doc: dict) -> dict | None:
+    """The candidate the decision chose (the first of its name), else None."""
+    return next((c for c in doc["candidates"] if c["name"] == doc["chosen"]), None)
+
+
+def check_chosen(doc: dict, path: Path) -> None:
+    """A chosen setting only under a PASS decision, itself passed on every gated metric at finite values, its
+    per-layer settings naming layers the model has and its static scales usable."""
+    chosen, name = chosen_candidate(doc), doc["chosen"]
+    if chosen is None:
+        raise KVQuantError(f"{path}: the chosen setting {quoted(name)} is not among its candidates")
+    if doc["decision"] != "pass" or chosen["verdict"] != "pass" or chosen.get("passed", True) is not True:
+        raise KVQuantError(f"{path}: the decision is {doc['decision'].upper()} and {quoted(name)}'s verdict "
+                           f"{quoted(chosen['verdict'])}, yet it names {quoted(name)} as chosen: a setting is chosen "
+                           f"only under a PASS decision, with a pass verdict; {WROTE}")
+    gated = {k: m for k, m in chosen["metrics"].items() if m.get("gated")}
+    need(len(gated) <= MAX_GATED, path, f"{quoted(name)}'s gated metrics", f"at most {MAX_GATED:,}",
+         f"{len(gated):,} of them")
+    for metric, m in gated.items():
+        at = f"{quoted(name)}'s metric {quoted(metric)}"
+        need(m["verdict"] in ("pass", "not gated"), path, f"{at} verdict", "pass (the setting passed)", m["verdict"])
+        if m["verdict"] == "pass":
+            for key in ("value", "baseline"):
+                need(is_finite(m[key]), path, f"{at} {key}", "finite (it passed)", m[key])
+    if not any(m["verdict"] == "pass" for m in gated.values()):
+        raise KVQuantError(f"{path}: {quoted(name)} passed no gated metric, yet it is chosen; {WROTE}")
+    layers = model_layers(doc, chosen, path)
+    for candidate in doc["candidates"]:  # the chosen one's, and those export compares it with
+        layer_map(candidate["settings"], layers, path, candidate["name"])
+    check_scales(chosen["settings"], path, name)
+
+
+def model_layers(doc: dict, chosen: dict, path: Path) -> int:
+    """How many layers the model has: the chosen setting's (else the baseline's) per-layer memory entries."""
+    for owner in (chosen, doc.get("baseline")):
+        memory = owner.get("memory") if isinstance(owner, dict) else None
+        layers = memory.get("per_layer") if isinstance(memory, dict) else None
+        if layers is not None:
+            need(isinstance(layers, list) and 1 <= len(layers) <= MAX_LAYERS, path, "memory.per_layer",
+                 f"a list of 1 to {MAX_LAYERS} layers", layers if not isinstance(layers, list) else
+                 f"{len(layers)} entries")
+            return len(layers)
+    raise KVQuantError(f"{path}: no per-layer memory (memory.per_layer) says how many layers the model has; {WROTE}")
+
+
+def layer_map(settings: dict, layers: int, path: Path, name: str) -> dict[int, dict]:
+    """Each layer a ``layers`` key of candidate ``name``'s settings names (``N`` or ``N-M``, ``N <= M < layers``)
+    with its own settings; a layer named twice is refused."""
+    found: dict[int, dict] = {}
+    for selector, own in (settings.get("layers") or {}).items():
+        at = f"{quoted(name)}'s settings.layers[{quoted(selector)}]"
+        match = SELECTOR.fullmatch(selector)
+        need(match is not None, path, f"{at}'s key", "a layer N or a range N-M", selector)
+        low, high = int(match[1]), int(match[2] or match[1])
+        need(low <= high, path, f"{at}'s range", "low-high (low <= high)", selector)
+        need(high < layers, path, f"{at}'s layers", f"below {layers} (the model's layers)", selector)
+        need(isinstance(own, dict), path, at, "an object", own)
+        need(isinstance(own.get("quantizer", ""), str), path, f"{at}.quantizer", "a string", own.get("quantizer"))
+        twice = next((i for i in range(low, high + 1) if i in found), None)
+        need(twice is None, path, f"{at}", f"the only key naming layer {twice}", selector)
+        found.update(dict.fromkeys(range(low, high + 1), own))
+    return found
+
+
+def check_scales(settings: dict, path: Path, name: str) -> None:
+    """Every static scale (``k_scale``, ``v_scale``, at the top and per layer): a number, or one per KV head,
+    finite and positive as float32 (what the checkpoint stores)."""
+    layers = settings.get("layers") or {}
+    owners = [("settings", settings), *((f"settings.layers[{quoted(k)}]", v) for k, v in layers.items())]
+    for where, own in owners:
+        for key in SCALES:
+            if key not in own:
+                continue
+            value, at = own[key], f"{quoted(name)}'s {where}.{key}"
+            flat = value if isinstance(value, list) else [value]
+            need(1 <= len(flat) <= MAX_HEADS and all(is_finite(v) for v in flat), path, at,
+                 f"a finite number or a list of 1 to {MAX_HEADS} finite numbers", value)
+            as_stored = torch.tensor([float(v) for v in flat], dtype=torch.float64).to(torch.float32)
+            need(bool(torch.isfinite(as_stored).all() and (as_stored > 0).all()), path, at,
+                 "finite and > 0 in float32 (a scale divides the states)", value)

@@ -1,0 +1,252 @@
+"""The accuracy gate: pure functions over result tables (no model, no files). See ``docs/gate.md``.
+
+Each gated metric gets one of three verdicts from a paired test of non-inferiority. Its statistic: the relative
+score (candidate / baseline accuracy, baseline / candidate perplexity: higher is better, 1.0 is no loss), or the
+value itself for the divergence metrics (mean KL divergence from the baseline, lower is better; top-1 agreement,
+higher is better). The paired bootstrap interval of the statistic (documents or windows resampled, the baseline's
+and the candidate's outcome of each kept together) is compared with the threshold:
+
+- **pass**: the whole interval is on the good side (the candidate is shown to lose no more than the margin);
+- **fail**: the whole interval is on the bad side (shown to lose more);
+- **inconclusive**: it straddles the threshold; the verdict says about how many documents would decide it.
+
+A gated metric whose requests read less than ``gate.min_quantized_share`` of their keys or values quantized is
+**not exercised** (the accuracy says nothing about the quantizer) and cannot count toward a pass. With sequential
+documents (``gate.max_documents``), a task is looked at after ``limit``, ``2 limit``, ... documents; each look's
+interval is widened so that all looks together keep the chance of a wrong pass at ``(1 - confidence) / 2``
+(Bonferroni alpha-spending over the planned looks: valid whatever is decided at each look; tested by
+simulation). ``decide_on: point`` compares the point estimate alone: not a test; its verdicts say so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvquant.runner.config import ExperimentConfig, GateConfig
+from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, PERPLEXITY, Decision, Measured, MetricId,
+    MetricRow, Verdict, relative_score)
+
+__all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "Decision",
+           "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge", "looks", "metric_rows",
+           "quantile_interval", "relative_score", "threshold"]
+
+PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED = "pass", "fail", "inconclusive", "not exercised", "not gated"
+
+
+def threshold(kind: str, policy: GateConfig) -> float:
+    """The threshold of a metric kind (nan where the gate sets none, e.g. no ``max_kl_divergence``)."""
+    limit = {ACCURACY: policy.min_relative_accuracy, PERPLEXITY: 1.0 / policy.max_perplexity_ratio,
+             DIVERGENCE: policy.max_kl_divergence, AGREEMENT: policy.min_top1_agreement}[kind]
+    return math.nan if limit is None else float(limit)
+
+
+def lower_is_better(kind: str) -> bool:
+    return kind == DIVERGENCE
+
+
+def looks(limit: int, max_documents: int | None) -> list[int]:
+    """Documents scored at each look of a sequential task: ``limit``, doubling, up to ``max_documents``."""
+    if limit < 1:
+        raise ValueError(f"a task's first look needs documents, got limit {limit}")
+    counts = [limit]
+    while max_documents is not None and counts[-1] < max_documents:
+        counts.append(min(2 * counts[-1], max_documents))
+    return counts
+
+
+def look_confidence(policy: GateConfig, planned_looks: int) -> float:
+    """Two-sided confidence of each look's interval so that ``planned_looks`` looks together err with at most
+    ``1 - policy.confidence`` (half of it on each side: a wrong pass, a wrong fail)."""
+    return 1 - (1 - policy.confidence) / max(planned_looks, 1)
+
+
+#: Posterior draws behind an accuracy interval (its ends are quantiles as far out as 0.1%: many draws).
+RATIO_DRAWS = 20_000
+
+
+def ratio_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: float,
+                   seed: int = 0) -> tuple[float, float]:
+    """Interval of the ratio of paired accuracies ``mean(candidate) / mean(baseline)`` over 0/1 outcomes.
+
+    The four paired outcomes (both right, only the baseline, only the candidate, neither) are counted and their
+    probabilities drawn from the Dirichlet posterior with Jeffreys' half count on each (:data:`RATIO_DRAWS`
+    draws, seeded); the interval holds the central ``confidence`` of the ratio's draws. The half counts keep the
+    interval honest where the two rarely disagree (none of 100 documents flipped does not show that none of
+    10,000 would): tested by simulation to hold its error rate, over sequential looks too. Scores that are not
+    0/1 are resampled by a paired bootstrap of the documents instead."""
+    b, c = np.asarray(baseline, dtype=float), np.asarray(candidate, dtype=float)
+    n = len(b)
+    if n < 2 or len(c) != n:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    alpha = (1 - confidence) / 2
+    if np.all((b == 0) | (b == 1)) and np.all((c == 0) | (c == 1)):
+        cells = np.array([np.sum((b == 1) & (c == 1)), np.sum((b == 1) & (c == 0)), np.sum((b == 0) & (c == 1)),
+                          np.sum((b == 0) & (c == 0))], dtype=float)
+        p = rng.dirichlet(cells + 0.5, size=RATIO_DRAWS)
+        ratios = (p[:, 0] + p[:, 2]) / (p[:, 0] + p[:, 1])
+    else:
+        idx = rng.integers(0, n, size=(RATIO_DRAWS // 10, n))
+        sb, sc = b[idx].sum(1), c[idx].sum(1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(sb == 0, np.where(sc == 0, 1.0, np.inf), sc / sb)
+    low, high = np.quantile(ratios, [alpha, 1 - alpha], method="inverted_cdf")
+    return float(low), float(high)
+
+
+def paired_interval(
+    kind: str, baseline: np.ndarray | None, candidate: np.ndarray, iters: int, confidence: float, seed: int
+) -> tuple[float, float]:
+    """The paired interval of a metric's statistic at ``confidence`` (two-sided).
+
+    accuracy: ``baseline``/``candidate`` are per-document scores ``[n]`` (:func:`ratio_interval`). The others by a
+    paired bootstrap over windows (``iters`` resamples; at least 2 windows): perplexity from
+    per-window ``[n, 2]`` rows of (summed NLL, tokens) of both; divergence / agreement from the candidate's
+    per-window ``[n, 2]`` rows of (sum, positions) (``baseline`` unused).
+    """
+    candidate = np.asarray(candidate, dtype=float)
+    n = len(candidate)
+    if kind == ACCURACY:
+        return ratio_interval(baseline, candidate, confidence, seed)
+    if n < 2 or (kind == PERPLEXITY and len(baseline) != n):  # one window shows no spread at all
+        return math.nan, math.nan
+    idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
+    if kind == PERPLEXITY:
+        baseline = np.asarray(baseline, dtype=float)
+        stats = np.exp((baseline[idx, 0].sum(1) - candidate[idx, 0].sum(1)) / baseline[idx, 1].sum(1))
+    else:
+        stats = candidate[idx, 0].sum(1) / candidate[idx, 1].sum(1)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(stats, [alpha, 1 - alpha], method="inverted_cdf")
+    return float(low), float(high)
+
+
+def quantile_interval(windows: tuple[tuple[float, ...], ...], q: float, iters: int, confidence: float,
+                      seed: int) -> tuple[float, float]:
+    """Bootstrap interval of the ``q``-quantile of per-position values (KL divergence), resampling windows."""
+    if not windows:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    arrays = [np.asarray(w, dtype=float) for w in windows]
+    stats = np.array([np.quantile(np.concatenate([arrays[i] for i in rng.integers(0, len(arrays), len(arrays))]), q)
+                      for _ in range(min(iters, QUANTILE_RESAMPLES))])
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(stats, [alpha, 1 - alpha], method="inverted_cdf")
+    return float(low), float(high)
+
+
+#: Resamples for a quantile's interval (each sorts every position: fewer than a mean's).
+QUANTILE_RESAMPLES = 200
+
+
+def more_documents(row: MetricRow, limit: float) -> int | None:
+    """About how many more documents (windows) would decide an inconclusive row, were the estimate to stay: an
+    interval narrows as ``1 / sqrt(n)``, so it clears ``limit`` once its reach toward the limit is below the
+    distance of the estimate from it (None when the estimate sits on the threshold)."""
+    distance = abs(row.statistic - limit)
+    half = row.ci_high - row.statistic if row.statistic < limit else row.statistic - row.ci_low  # toward the limit
+    if not (distance > 0 and math.isfinite(half)):
+        return None
+    return max(math.ceil(row.n * (half / distance) ** 2) - row.n, 1)
+
+
+def judge(row: MetricRow, policy: GateConfig) -> Verdict:
+    """The verdict on one row (see the module docstring)."""
+    limit = threshold(row.kind, policy)
+    point = policy.decide_on == "point"
+    if not row.gated or math.isnan(limit):
+        return Verdict(row, limit, row.statistic, NOT_GATED)
+    good = (lambda x: x <= limit) if lower_is_better(row.kind) else (lambda x: x >= limit)
+    near, far = (row.ci_high, row.ci_low) if lower_is_better(row.kind) else (row.ci_low, row.ci_high)
+    if point:
+        verdict = Verdict(row, limit, row.statistic, PASS if good(row.statistic) else FAIL, point=True)
+    elif math.isnan(near) or math.isnan(far):
+        verdict = Verdict(row, limit, row.statistic, INCONCLUSIVE)
+    elif good(near):
+        verdict = Verdict(row, limit, row.statistic, PASS)
+    elif not good(far):
+        verdict = Verdict(row, limit, row.statistic, FAIL)
+    else:
+        verdict = Verdict(row, limit, row.statistic, INCONCLUSIVE, more=more_documents(row, limit))
+    # a loss shown through a mostly unquantized cache is still a loss; only a pass (or the hope of one) needs the
+    # quantizer to have been read
+    exercised = math.isnan(row.quantized_share) or row.quantized_share >= policy.min_quantized_share
+    if verdict.verdict != FAIL and not exercised:
+        return Verdict(row, limit, row.statistic, NOT_EXERCISED, point=point)
+    return verdict
+
+
+def status(verdicts: list[Verdict]) -> str:
+    """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is, else not exercised
+    if any is, else pass."""
+    found = {v.verdict for v in verdicts}
+    return next((s for s in (FAIL, INCONCLUSIVE, NOT_EXERCISED) if s in found), PASS)
+
+
+def _open(v: Verdict) -> str:
+    more = f", ~{v.more} more documents would decide it" if v.more else ""
+    if v.verdict == NOT_EXERCISED:
+        return (f"{v.row.metric.name} not exercised ({v.row.quantized_share:.0%} of what attention read was "
+                "quantized)")
+    return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{more}"
+
+
+def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig) -> Decision:
+    """Judge every row; per candidate a status (:func:`status`); the cheapest passing candidate is the answer,
+    else "fail" when every candidate fails, else "inconclusive", naming what would decide it."""
+    verdicts = [judge(r, policy) for r in rows]
+    statuses = {name: status([v for v in verdicts if v.row.candidate == name]) for name in bits_per_element}
+    passed = {name: s == PASS for name, s in statuses.items()}
+    winners = sorted((bits_per_element[n], n) for n, ok in passed.items() if ok)
+    basis = "point estimate, not a test" if policy.decide_on == "point" else \
+        f"paired {policy.confidence:.0%} intervals"
+    if winners:
+        chosen = winners[0][1]
+        cheaper = [n for n, s in statuses.items() if s != FAIL and bits_per_element[n] < winners[0][0]]
+        also = f"; cheaper and undecided: {', '.join(cheaper)}" if cheaper else ""
+        reason = (f"{chosen} is the cheapest setting ({winners[0][0]:.2f} bits/element) whose every gated metric "
+                  f"passes ({basis}){also}")
+        return Decision(PASS, chosen, passed, verdicts, reason, statuses)
+    if all(s == FAIL for s in statuses.values()):
+        failing = [f"{v.row.candidate}: {v.row.metric.name} {v.statistic:.4f} (interval {v.row.ci_low:.4f}.."
+                   f"{v.row.ci_high:.4f}) vs {v.threshold:.4f}" for v in verdicts if v.verdict == FAIL]
+        return Decision(FAIL, None, passed, verdicts, f"no setting passes ({basis}); " + "; ".join(failing),
+                        statuses)
+    undecided = [f"{v.row.candidate}: {_open(v)}" for v in verdicts if v.verdict in (INCONCLUSIVE, NOT_EXERCISED)
+                 and statuses[v.row.candidate] != FAIL]
+    return Decision(INCONCLUSIVE, None, passed, verdicts, f"no setting is shown to pass ({basis}); undecided: "
+                    + "; ".join(undecided), statuses)
+
+
+def is_gated(metric: MetricId, policy: GateConfig) -> bool:
+    """A task's standard metric or a perplexity set's metrics, named by ``gate.tasks``/``gate.perplexity`` (None:
+    all); divergence metrics only where the gate sets their threshold."""
+    names = policy.perplexity if metric.kind != ACCURACY else policy.tasks
+    return metric.standard and (names is None or metric.source in names) and not math.isnan(
+        threshold(metric.kind, policy))
+
+
+def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: list[str],
+                baseline: str = "baseline", planned_looks: dict[str, int] | None = None) -> list[MetricRow]:
+    """One row per candidate in ``labels`` x metric it measured, with the paired bootstrap interval of its
+    statistic against ``results[baseline]`` (the same samples, in the same order), gated as ``cfg.gate`` says;
+    ``planned_looks``: per task, the looks a sequential gate plans (its intervals are widened for them)."""
+    gate, base = cfg.gate, results[baseline]
+    planned_looks = planned_looks or {}
+    rows = []
+    for label in labels:
+        for outcomes in results[label].outcomes:
+            metric = outcomes.metric
+            ref = None if metric.kind in (DIVERGENCE, AGREEMENT) else base[metric]
+            if ref is not None and metric.kind == ACCURACY:
+                ref = ref.first(outcomes.n)  # the baseline may have scored more documents (sequential looks)
+            confidence = look_confidence(gate, planned_looks.get(metric.source, 1) if metric.kind == ACCURACY else 1)
+            low, high = paired_interval(metric.kind, None if ref is None else ref.samples(), outcomes.samples(),
+                                           gate.bootstrap, confidence, cfg.eval.seed)
+            reference = {DIVERGENCE: 0.0, AGREEMENT: 1.0}[metric.kind] if ref is None else ref.value
+            share = outcomes.exercise.quantized_share if outcomes.exercise else math.nan
+            rows.append(MetricRow(label, metric, outcomes.value, reference, outcomes.n, is_gated(metric, gate), low,
+                                  high, share, confidence))
+    return rows

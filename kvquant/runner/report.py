@@ -1,0 +1,207 @@
+"""Writing a run's report: results.json, results.csv, report.md, plot.png and config.resolved.yaml in
+``reports/<name>/``.
+
+All five are rendered first and then moved into place together, and share a run id, so they always describe
+the same run; nothing is written into the directory before that. This module holds the on-disk document
+(``results.json``, and ``results.csv`` from it), the code version and :func:`write`; ``report.md`` is
+:mod:`kvquant.runner.report_markdown`'s and the plots :mod:`kvquant.runner.report_plots`', both rendered from the typed
+:class:`~kvquant.runner.results.RunResult` and :mod:`kvquant.runner.report_facts` (which ``results.json`` is built
+from too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+import numpy as np
+import pandas as pd
+
+from kvquant.errors import ERROR_LOG
+from kvquant.fs import write_together
+from kvquant.paths import PROJECT_ROOT
+from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate_reports, probe_curve, stage_rows
+from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
+from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
+from kvquant.runner.results import DIVERGENCE, PERPLEXITY, Memory, RunResult
+from kvquant.signing import signed_json
+
+# names the tests and earlier callers import from here
+_probe_curve, _probe_table = probe_curve, probe_table
+__all__ = ["MEASURING", "REPORT_FILES", "code_version", "document", "environment", "wilson_interval", "write"]
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+#: Every file a run may leave in its report directory (besides ``partial/``): what a run does not regenerate
+#: is removed, so nothing there describes an earlier run.
+REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png", "config.resolved.yaml",
+                          "searched.yaml", "stages.png", "probe.png", "DEPLOY.md", "kv_cache_scheme.json",
+                          "kv_scales.safetensors", ERROR_LOG})
+
+#: The subpackages whose code computes measured values (the cache, the formats, scoring, the compatibility
+#: modules), hashed whole: a module added to one of them is part of the code version without anyone listing it.
+#: Everything else (the commands, runner, planner, report, integrations) orchestrates, checks or renders: it runs
+#: afresh every time and decides no measured value, so a change there keeps finished results reusable.
+MEASURING = ("cache", "compat", "formats", "scoring")
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict[str, str]:
+    """What measured a result: kvquant's version and a hash of every file in the :data:`MEASURING` subpackages
+    (their ``*.py`` and the C++ kernel's source), and the versions of torch, transformers and lm-eval. Part of
+    every resume key, so results of other code are recomputed."""
+    root = Path(__file__).parents[1]
+    digest = hashlib.sha256()
+    files = [path for package in MEASURING for path in (root / package).rglob("*")
+             if path.is_file() and path.suffix in (".py", ".cpp")]
+    for path in sorted(files):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"kvquant": _version("kvquant"), "kvquant_source_sha256": digest.hexdigest()[:16],
+            **{pkg: _version(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
+
+
+def environment() -> dict[str, str]:
+    versions = {pkg: _version(pkg) for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets")}
+    versions["kvquant_source_sha256"] = code_version()["kvquant_source_sha256"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    return {"python": platform.python_version(), **versions, "git_commit": commit,
+            "machine": f"{platform.platform()}, {device}",
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _metric_entry(m: MetricReport) -> dict:
+    """A metric as results.json records it: the gate's row and verdict, what attention read, the summed NLL and
+    tokens (perplexity), the KL quantiles (divergence)."""
+    row, verdict, outcomes = m.row, m.verdict, m.outcomes
+    entry = {"kind": row.kind, "value": row.value, "baseline": row.baseline, "relative": row.relative,
+             "statistic": row.statistic, "ci_low": row.ci_low, "ci_high": row.ci_high, "confidence": row.confidence,
+             "threshold": verdict.threshold, "gated": row.gated, "verdict": verdict.verdict,
+             "point_estimate_only": verdict.point, "more_documents": verdict.more, "passed": verdict.passed,
+             "n": row.n, "quantized_share": row.quantized_share}
+    exercise = outcomes.exercise
+    if exercise is not None:
+        entry.update(key_share=exercise.reads.share("keys"), value_share=exercise.reads.share("values"),
+                     reads=exercise.reads.to_dict(), median_length=m.length(0.5), p90_length=m.length(0.9),
+                     bits_per_element_at_median=m.bits_at_median)
+    if row.kind == PERPLEXITY:
+        entry.update(nll_sum=float(np.sum(outcomes.scores)), tokens=int(np.sum(outcomes.tokens)),
+                     baseline_nll_sum=float(np.sum(m.baseline.scores)), baseline_tokens=int(np.sum(m.baseline.tokens)))
+    if row.kind == DIVERGENCE:
+        for name, quantile in m.quantiles:
+            entry[name] = quantile.value
+            entry[f"{name}_ci"] = [quantile.low, quantile.high]
+    return entry
+
+
+def _memory_entry(memory: Memory) -> dict:
+    return {**memory.measured, "long": memory.long}
+
+
+def _candidate_entry(c: CandidateReport) -> dict:
+    memory = c.memory
+    return {"name": c.label, "settings": memory.settings, "bits_per_element": memory.bits_per_element,
+            "memory_ratio": memory.measured["ratio"], "memory_ratio_long": memory.long["ratio"],
+            "bits_per_element_long": memory.long["bits_per_element"], "memory": _memory_entry(memory),
+            "passed": c.passed, "verdict": c.status,
+            "metrics": {name: _metric_entry(m) for name, m in c.metrics.items()}}
+
+
+def document(run: RunResult, run_id: str, env: dict[str, str] | None = None,
+             candidates: tuple[CandidateReport, ...] | None = None) -> dict:
+    """What results.json holds: the decision, every candidate's settings, memory and metrics, provenance
+    (``env``: :func:`environment`, taken now when not given; ``candidates``: :func:`~kvquant.runner.report_facts.
+    candidate_reports` of ``run``, computed when not given)."""
+    cfg, decision, provenance = run.config, run.decision, run.provenance
+    baseline = run.results["baseline"].memory
+    candidates = candidate_reports(run) if candidates is None else candidates
+    return {
+        "run_id": run_id, "decision": decision.decision, "chosen": decision.chosen, "reason": decision.reason,
+        "decide_on": cfg.gate.decide_on, "mode": cfg.eval.mode,
+        "chunk_size": cfg.eval.chunk_size if cfg.eval.mode == "streaming" else None,
+        "command": run.command, "environment": environment() if env is None else env, "config": cfg.to_dict(),
+        "results": {"computed": provenance.computed, "reused_from_partial": provenance.reused,
+                    "set_aside": list(provenance.set_aside), "processes": provenance.processes,
+                    "seconds": provenance.seconds},
+        "warnings": list(provenance.warnings),
+        "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
+        "candidates": [_candidate_entry(c) for c in candidates],
+        **({"plan": {**dataclasses.asdict(run.plan), "steps": run.plan.steps()}} if run.plan else {}),
+        **({"calibration": run.calibration} if run.calibration else {}),
+        **({"search": run.search.to_dict()} if run.search else {}),
+        **({"staged": run.staged.to_dict()} if run.staged else {}),
+    }
+
+
+def _csv(doc: dict) -> str:
+    """results.csv: one row per candidate x metric, results.json's metric entries flattened."""
+    frame = pd.DataFrame([{"candidate": c["name"], "bits_per_element": c["bits_per_element"],
+                           "memory_ratio": c["memory_ratio"], "metric": m, **e}
+                          for c in doc["candidates"] for m, e in c["metrics"].items()])
+    return frame.to_csv(index=False)
+
+
+def _searched(run: RunResult, run_id: str, out_dir: Path) -> str:
+    """searched.yaml: the map a search found, as a config that evaluates it alone (no search) on the same data."""
+    cfg = run.config
+    found = next(c for c in run.candidates if c.label == run.search.name)
+    rerun = {**cfg.to_dict(), "name": f"{cfg.name}-{found.label}", "candidates": [dataclasses.asdict(found)],
+             "search": None}
+    return (f"# the per-layer map searched by run {run_id}; rerun with\n# python -m kvquant.run "
+            f"{out_dir / 'searched.yaml'}\n" + yaml.safe_dump(rerun, sort_keys=False))
+
+
+def render(out_dir: Path, run: RunResult, run_id: str, env: dict[str, str]) -> dict[str, str | bytes]:
+    """Every report file of ``run`` by name, as text or bytes (``out_dir``: where they will be, which
+    searched.yaml names)."""
+    cfg = run.config
+    candidates = candidate_reports(run)
+    doc = document(run, run_id, env, candidates)
+    curve = probe_curve(run.rows)
+    files = {"results.json": signed_json(doc), "results.csv": _csv(doc), "plot.png": quality_plot(candidates, cfg),
+             "config.resolved.yaml": (f"# run {run_id}: the config of the run that results.json and report.md "
+                                      "describe\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
+             "report.md": markdown(run, candidates, run_id, env)}
+    if run.search:
+        files["searched.yaml"] = _searched(run, run_id, out_dir)
+    if run.staged:
+        files["stages.png"] = stages_plot(stage_rows(run, candidates), cfg)
+    if curve:
+        files["probe.png"] = probe_plot(curve, cfg)
+    return files
+
+
+def write(out_dir: Path, run: RunResult) -> dict[str, Path]:
+    """Render one run's report files together (``results.json``, ``results.csv``, ``report.md``, plots,
+    ``config.resolved.yaml``, a search's ``searched.yaml``) into ``out_dir``, and remove what an earlier run
+    left there that this one does not regenerate."""
+    files = render(out_dir, run, uuid.uuid4().hex[:12], environment())
+    write_together(out_dir, files)
+    for name in REPORT_FILES - set(files):  # an earlier run's, which this report does not describe
+        (out_dir / name).unlink(missing_ok=True)
+    return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}

@@ -1,0 +1,248 @@
+"""What a run keeps on disk between restarts: its partial results (:class:`ResultStore`, one signed JSON file per
+(candidate, metric), checked before a model loads by :func:`check_partial`) and its lock (:class:`RunLock`); and its
+warnings (:func:`warn`), printed once and kept for the report."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import stat
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvquant.scoring import parallel
+from kvquant.errors import KVQuantError, one_line
+from kvquant.fs import cache_dir, fresh_dir, read_file, real_dir, set_aside, write_file
+
+LOCK = ".lock"
+
+
+def warn(warnings: list[str], message: str) -> None:
+    """Print a warning now (process 0 of several) and keep it for the report."""
+    if parallel.current().main:
+        print(f"kvquant: warning: {message}", file=sys.stderr)
+    warnings.append(message)
+
+
+class ResultStore:
+    """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code
+    version (:func:`kvquant.runner.report.code_version`) are unchanged and its signature verifies: an HMAC of the key
+    and the result under this user's private key (:func:`result_key`), so a result edited by hand or written
+    by another user or machine is recomputed, never trusted. The key names the result's own candidate and metric,
+    so a file copied from another (``ppl/x`` to ``kl/x``) is never reused. An unreadable, unverified or copied
+    file is named in a warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. A
+    finished result of other inputs or code is not deleted when this run replaces it: it is moved to
+    ``<directory>.old-<time>/`` (:meth:`note_retired` warns once how many, and where). Counts what it reused and
+    computed. Under several processes, process 0 alone reads and writes the files: it hands every process the
+    saved result, or all of them compute it together (``compute`` shares its scoring out)."""
+
+    def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE):
+        self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
+        self.reused, self.computed, self.set_aside = 0, 0, []
+        self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
+        self.secret = result_key() if processes.main else b""
+
+    def _path(self, candidate: str, metric: str) -> Path:
+        return self.directory / candidate / (metric.replace("/", "__") + ".json")
+
+    def _sign(self, digest: str, result) -> str:
+        text = digest + json.dumps(result, sort_keys=True, default=str)
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
+        path = self._path(candidate, metric)
+        inputs = {**key, "code": self.code, "result_of": [candidate, metric]}
+        digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+        saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
+                                         else None)
+        if saved is not None:
+            self.reused += 1
+            return saved["result"]
+        result = compute()
+        self.computed += 1
+        if not self.processes.main:
+            return result
+        real_dir(self.directory, "partial results")
+        real_dir(path.parent, "partial results")
+        stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
+        if os.path.lexists(path) and path not in self.written:  # of other inputs or code: kept, not replaced
+            self._retire(path)
+        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
+                                     "signature": self._sign(digest, stored)}, default=str))
+        self.written.add(path)
+        return result
+
+    def _retire(self, path: Path) -> None:
+        """Move a finished result of other inputs or code into this run's ``<directory>.old-<time>/``."""
+        if self.retired_dir is None:
+            self.retired_dir = fresh_dir(self.directory.parent,
+                                         f"{self.directory.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        set_aside(path, "", real_dir(self.retired_dir / path.parent.name, "partial results"))
+        self.retired += 1
+
+    def note_retired(self) -> None:
+        """Warn (once) how many finished results of other inputs or code this run replaced, and where they are."""
+        if self.retired and not self.noted:
+            self.noted = True
+            many = f"{self.retired} finished partial results" if self.retired > 1 else "1 finished partial result"
+            warn(self.warnings, f"{many} of other inputs or code (config, data or kvquant version) replaced by this "
+                 f"run's; the earlier ones are kept in {self.retired_dir}")
+
+    def _read(self, path: Path, digest: str, owner: list[str]) -> dict | None:
+        """The saved result of ``digest`` at ``path``, else None (absent, of other inputs, or set aside);
+        ``owner``: the (candidate, metric) it must be the result of."""
+        if not os.path.lexists(path):
+            return None
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            raise KVQuantError(f"partial result {path} is a folder, not a file kvquant wrote; move it away")
+        try:
+            saved = json.loads(read_file(path).decode("utf-8"))
+            if not isinstance(saved, dict) or "result" not in saved:
+                raise ValueError("holds no result")
+            if saved.get("key") != digest:
+                inputs = saved.get("inputs")
+                of = inputs.get("result_of") if isinstance(inputs, dict) else None
+                if of is not None and of != owner:
+                    raise ValueError(f"it is the result of {' '.join(map(str, of))[:80]}, copied here")
+                return None  # measured with other inputs or code: recomputed, and retired when replaced
+            if not hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"])):
+                raise ValueError("its signature does not verify: edited, or written by another user or machine")
+            return saved
+        except (OSError, ValueError, RecursionError) as err:
+            aside = set_aside(path)
+            self.set_aside.append(str(path.relative_to(self.directory)))
+            warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
+                 f"{aside.name} and recomputed")
+            return None
+
+
+def check_partial(directory: Path) -> None:
+    """Before a model loads, what a run would read, set aside or replace under ``directory`` (``partial/``): a
+    real folder of real candidate folders this user can enter and write, each ``*.json`` in them a file (or a
+    symlink, which is set aside, never followed); else :class:`KVQuantError` naming it (was: an internal error
+    once the first measurement was done). A name starting with ``.`` is none kvquant writes or reads there (its
+    candidates, metrics and results start with a letter or digit): a stray ``.DS_Store``, ``.nfs…`` file or an
+    editor's swap file is left alone."""
+    if not os.path.lexists(directory):
+        return
+    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+        raise KVQuantError(f"partial results: {directory} is not a folder; move it away or write elsewhere "
+                           "(--set name=... or --set output_dir=...)")
+    candidates = [Path(e.path) for e in os.scandir(directory) if not e.name.startswith(".")]
+    for folder in [directory, *candidates]:
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode):
+            raise KVQuantError(f"partial results: {folder} is {'a symlink' if stat.S_ISLNK(info.st_mode) else 'a file'}"
+                               f"; {directory} holds one folder per candidate, so move it away")
+        if not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+            raise KVQuantError(f"partial results: cannot read and write {folder}; give yourself access or move it")
+    for entry in (e for folder in candidates for e in os.scandir(folder) if not e.name.startswith(".")):
+        if entry.name.endswith(".json") and not (entry.is_symlink() or entry.is_file(follow_symlinks=False)):
+            raise KVQuantError(f"partial results: {entry.path} is {'a folder' if entry.is_dir() else 'not a file'}, "
+                               "not a result kvquant wrote; move it away")
+
+
+def result_key() -> bytes:
+    """This user's secret for signing partial results (``partial-results.key`` in kvquant's private cache, made
+    once: written to a temporary file and linked into place, so racing runs agree on one)."""
+    path = cache_dir("keys") / "partial-results.key"
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        info = os.lstat(path)
+        key = read_file(path)
+    except OSError as err:
+        raise KVQuantError(f"cannot read {path} ({err.strerror or err}); remove it to make a new one") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise KVQuantError(f"{path} is not a key only you can read (mode {stat.S_IMODE(info.st_mode):o}, uid "
+                           f"{info.st_uid}): whoever reads it can sign results as you; remove it to make a new one")
+    if len(key) != 64:
+        raise KVQuantError(f"{path} is not a key kvquant wrote; remove it to make a new one")
+    return key
+
+
+class RunLock:
+    """``<report dir>/.lock``, held with ``fcntl.flock`` while the run lives: a second run into the same directory
+    is refused. The kernel releases the lock when its process ends, however it ends, so a lock left by a dead
+    process is taken over in the same single step that takes a free one (no read-unlink-link race). The file
+    names its holder's process id, for the message. A report directory this run created and left empty is
+    removed again (except after an internal error: it receives the error log)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.path = directory, directory / LOCK
+        self.created, self.fd = False, None
+
+    def __enter__(self) -> RunLock:
+        self.created = not os.path.lexists(self.directory)
+        try:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise KVQuantError(f"output_dir: cannot create {self.directory.parent} ({err.strerror or err})") from None
+        real_dir(self.directory, "output_dir/name")
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as err:
+                self._cleanup()
+                raise KVQuantError(f"cannot open the lock {self.path} ({err.strerror}); a symlink there is refused"
+                                   ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _lock_owner(fd)
+                os.close(fd)
+                self._cleanup()
+                raise KVQuantError(
+                    f"{self.directory} is in use by another run (process {owner or 'starting'}, lock {self.path}); "
+                    "wait for it to finish or write elsewhere (--set name=... or --set output_dir=...)") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it between our open and our lock: take the new one
+        owner = _lock_owner(fd)
+        if owner and owner != os.getpid():
+            print(f"kvquant: note: taking over {self.path} from process {owner}, which is no longer running",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.fd is not None:
+            self.path.unlink(missing_ok=True)  # while still holding it: a waiting run retries on the new file
+            os.close(self.fd)
+            self.fd = None
+        if exc_type is None or issubclass(exc_type, (KVQuantError, KeyboardInterrupt)):
+            self._cleanup()  # after an internal error the directory stays, for its error.log
+
+    def _cleanup(self) -> None:
+        if self.created and self.directory.is_dir() and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
+
+def _lock_owner(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False

@@ -1,0 +1,125 @@
+"""Static KV scales observed on a calibration split, as llm-compressor observes the scales a checkpoint ships.
+
+Per layer, every calibration window is one forward; each forward's minimum and maximum of the post-RoPE keys
+(and values) are taken over all tokens, heads and channels (``tensor``) or per KV head (``head``), and a running
+minimum and maximum move from the first forward's by ``averaging`` per forward (llm-compressor's minmax observer,
+constant 0.01: ``llmcompressor/observers/min_max.py:44-74``). The range is widened to hold 0 and its absolute
+maximum ``amax`` divided by the format's divisor (``compressed_tensors/quantization/utils/helpers.py:52-127``:
+448 for fp8 e4m3, so ``x / scale`` spans e4m3's range; ModelOpt's nvfp4 global scale: 6 x 448). float32 here;
+llm-compressor computes in the model's dtype (bf16 on a GPU).
+
+A moving average sits below the largest value seen, so some calibration values can lie beyond the format's range at
+the scale chosen: each layer's largest ``|x| / scale`` is kept and the runner warns where it passes the divisor
+(they saturate). Under several processes, process 0 observes and hands the result to the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from kvquant.cache import ObservingCache
+from kvquant.runner.config import Candidate
+from kvquant.errors import KVQuantError
+from kvquant.formats.quantizers import QUANTIZERS
+from kvquant.runner.search import calibration_windows
+
+
+
+@torch.inference_mode()
+def observe(model, windows: list[list[int]], per_head: bool, averaging: float) -> dict[int, dict[str, list[float]]]:
+    """Per layer: ``k_amax``/``v_amax`` (the averaged range's absolute maximum, one value or one per KV head) and
+    ``k_peak``/``v_peak`` (the largest ``|x|`` seen), over one forward per window of token ids."""
+    running: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def seen(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for role, x in (("k", keys), ("v", values)):
+            x = x.detach().float()
+            dims = (0, 2, 3) if per_head else (0, 1, 2, 3)
+            low, high, peak = x.amin(dims), x.amax(dims), x.abs().amax(dims)
+            if (layer, role) not in running:
+                running[layer, role] = [low, high, peak]
+                continue
+            old_low, old_high, old_peak = running[layer, role]
+            running[layer, role] = [old_low * (1 - averaging) + low * averaging,
+                                    old_high * (1 - averaging) + high * averaging, torch.maximum(old_peak, peak)]
+
+    device = model.get_input_embeddings().weight.device
+    for ids in windows:
+        model(torch.tensor([ids], device=device), cache=ObservingCache(model, seen), use_cache=True)
+    out: dict[int, dict[str, list[float]]] = {}
+    for (layer, role), (low, high, peak) in sorted(running.items()):
+        amax = torch.maximum(low.clamp(max=0).abs(), high.clamp(min=0))
+        out.setdefault(layer, {})[f"{role}_amax"] = amax.reshape(-1).tolist()
+        out[layer][f"{role}_peak"] = peak.reshape(-1).tolist()
+    return out
+
+
+def scales(observed: dict, divisor: float, per_head: bool) -> dict[str, dict[str, float | list[float]]]:
+    """The ``layers`` option of a calibrated candidate: per layer ``k_scale``/``v_scale`` = amax / divisor (a zero
+    range: float32's eps), one number per tensor or a list per KV head (one KV head: a list of one)."""
+    eps = torch.finfo(torch.float32).eps
+
+    def scale(amax: list[float]) -> float | list[float]:
+        values = [a / divisor if a > 0 else eps for a in amax]
+        return values if per_head else values[0]
+
+    return {str(layer): {"k_scale": scale(entry["k_amax"]), "v_scale": scale(entry["v_amax"])}
+            for layer, entry in sorted(observed.items(), key=lambda item: int(item[0]))}
+
+
+def saturating(observed: dict, layers: dict, divisor: float) -> list[str]:
+    """Per layer and stream whose calibration values reach past the format's range at the chosen scale: beyond
+    ``divisor`` times it (fp8: 448; nvfp4's global scale: 6 x 448, where a block scale saturates)."""
+    out = []
+    for layer, entry in sorted(observed.items(), key=lambda item: int(item[0])):
+        for role, name in (("k", "keys"), ("v", "values")):
+            chosen = layers[str(layer)][f"{role}_scale"]
+            chosen = chosen if isinstance(chosen, list) else [chosen] * len(entry[f"{role}_peak"])
+            worst = max(p / s for p, s in zip(entry[f"{role}_peak"], chosen))
+            if worst > divisor:
+                out.append(f"layer {layer} {name} reach {worst:.0f}x their scale on the calibration split, beyond "
+                           f"the {divisor:.0f}x the format holds: they saturate")
+    return out
+
+
+def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
+    """Before the model loads: every gated perplexity set holds ``calibration.windows`` windows after what
+    evaluation reads (asking for more would calibrate, for as long as it takes, on whatever text is left)."""
+    asked = cfg.calibration.windows
+    for name, (start, windows) in calibration_windows(cfg, tokenizer, maxlen, rows, asked, "calibrate").items():
+        if len(windows) < asked:
+            raise KVQuantError(f"calibration.windows: {asked:,} asked, but perplexity set {name!r} holds only "
+                               f"{len(windows):,} windows after the {start:,} evaluation reads; set "
+                               f"calibration.windows to at most {len(windows):,} or use a longer text")
+
+
+def calibrated(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
+    """``candidate`` with per-layer static scales observed on the calibration split (kept in the result store
+    like any measurement), and what the report shows of them."""
+    cfg = session.cfg
+    found = calibration_windows(cfg, session.tokenizer, session.maxlen, rows, cfg.calibration.windows,
+                                f"{candidate.label}: calibrate")
+    windows = [w.ids for _, ws in found.values() for w in ws]
+    key = {"model": dataclasses.asdict(cfg.model), "weights": session.weights, "calibrate": candidate.calibrate,
+           "averaging": cfg.calibration.averaging,
+           "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
+    per_head, processes = candidate.calibrate == "head", session.processes
+    observed = session.store.get_or_compute(candidate.label, "calibration", key, lambda: processes.broadcast(
+        observe(session.model, windows, per_head, cfg.calibration.averaging) if processes.main else None))
+    divisor = QUANTIZERS.get(candidate.quantizer).calibration_divisor
+    layers = scales(observed, divisor, per_head)
+    summary = {"granularity": candidate.calibrate, "windows": len(windows), "divisor": divisor,
+               "averaging": cfg.calibration.averaging, "layers": layers,
+               "saturating": saturating(observed, layers, divisor)}
+    return with_scales(candidate, layers), summary
+
+
+def with_scales(candidate: Candidate, layers: dict) -> Candidate:
+    """``candidate`` measured with these per-layer scales, under its own label (an unnamed candidate's label is
+    derived from its options, which the scales would change)."""
+    return dataclasses.replace(candidate, name=candidate.label, options={**candidate.options, "layers": layers},
+                               calibrate=None)

@@ -1,0 +1,292 @@
+"""What a run measures: the baseline and every candidate of a config, each (candidate, metric) result through
+the run's :class:`kvquant.runner.store.ResultStore` so finished results are kept and reused.
+
+Everything that decides a measured value lives here or below (cache, quantizers, scoring, data, tasks); the
+runner, config, gate and report code only orchestrate and render, so they are not part of a result's code version
+(:func:`kvquant.runner.report.code_version`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import dataclasses
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvquant.scoring import data
+
+from kvquant.scoring import parallel
+from kvquant.runner.config import Candidate, ExperimentConfig
+from kvquant.errors import KVQuantError
+from kvquant.scoring.scorer import Scorer, divergences, memory_probe, perplexity_samples
+from kvquant.scoring.models import max_length
+from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, perplexity_outcomes,
+    task_outcomes)
+from kvquant.scoring.tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks,
+    resolve_task, task_data_digest, task_manager)
+
+BASELINE = Candidate(quantizer="fp16", name="baseline")
+#: Candidates compared with the baseline's next-token distributions in one pass of it over the windows: the baseline
+#: is scored once for them all, not once per candidate (an interrupted run recomputes at most one such group).
+SHARED_BASELINE = 4
+
+
+def shares_prefix(candidate: Candidate) -> bool:
+    """Whether requests sharing a context read it from one prefilled, forked cache (a stage says; plain
+    candidates always do, which scores exactly as prefilling each request: tested)."""
+    return getattr(candidate, "prefix_sharing", True)
+
+
+def described(cache) -> dict:
+    """A cache's options and what it derived from the model (the groups actually used), per-layer settings last:
+    resume keys and reports."""
+    settings = cache.settings()
+    layers = settings.pop("layers", None)
+    return {**settings, **cache.derived(), **({"layers": layers} if layers else {})}
+
+
+def check_baseline_finite(scores: list[float], cfg: ExperimentConfig, what: str) -> None:
+    """Scores that are not finite through the identity cache mean the model is broken, not the quantizer."""
+    bad = sum(1 for x in scores if not math.isfinite(float(x)))
+    if bad:
+        raise KVQuantError(f"model {cfg.model.path!r}: {what} scores NaN or Inf through the identity cache (the fp16 "
+                           f"baseline; {bad} of {len(scores)} scores), so the model itself is broken, not a quantizer")
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """``os.environ`` with ``values`` set inside the block, as it was after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
+             folder: str, documents: list[int] | None = None) -> dict:
+    """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
+    task files (:func:`kvquant.scoring.tasks.task_dir`); ``documents``: these document indices instead of the first
+    ``limit``."""
+    import lm_eval
+
+    from kvquant.scoring.lm_eval_model import KVQuantLM
+
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.spec, mode=cfg.eval.mode,
+                   chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
+                   share_prefix=shares_prefix(candidate), share_out="requests")
+    name = resolve_task(task)
+    seed = cfg.eval.seed
+    limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
+    with _environ(LOCAL_RANK="0"):  # lm-eval returns results only where it is 0;
+        # under several processes here, every one builds every request and holds every score (share_out)
+        out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
+                                      limit=None if documents else limit,
+                                      samples={name: list(documents)} if documents else None,
+                                      task_manager=task_manager(folder), log_samples=True,
+                                      bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+    samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
+    if candidate is BASELINE:
+        scores = [r[0] for s in samples for r in s["filtered_resps"] if isinstance(r, (list, tuple))]
+        check_baseline_finite(scores, cfg, f"task {task!r}")
+    metrics = [m for m in ("acc", "acc_norm") if f"{m},none" in out["results"][name]]
+    return {"task": name, **{m: [float(s[m]) for s in samples] for m in metrics},
+            "reads": lm.scorer.reads.to_dict(), "lengths": lm.scorer.lengths}
+
+
+def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
+    """Documents each ``passkey_<D>`` task needs written: its evaluation documents, plus the calibration
+    documents after them when the search gates it."""
+    counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    if cfg.search:
+        for task in cfg.gated_tasks():
+            if probe_distance(task) is not None:
+                counts[task] = cfg.eval.tasks.limit_for(task) + cfg.search.documents
+    return counts
+
+
+@torch.no_grad()
+def weights_digest(model, tokenizer) -> str:
+    """A digest of what the model computes with: its config, its tokenizer (vocabulary, merges, special tokens)
+    and its weights (per tensor: name, shape, sum and sum of squares), so a result is never reused for another
+    model behind the same path; one pass over the weights, far cheaper than any evaluation."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
+    for name, p in model.named_parameters():
+        if p.device.type != "meta":
+            x = p.detach().double()
+            digest.update(f"{name}{tuple(p.shape)}{float(x.sum())!r}{float((x * x).sum())!r}".encode())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a measurement reads: ``name`` (``evaluation`` or ``calibration``, part of every resume key), the
+    token windows of each perplexity set, and each task's documents (None: the first ``eval.tasks.limit``), then
+    ``more`` of them: further ranges of documents, each measured and kept on its own and appended in order (a
+    sequential gate adds documents this way, and every document scored stays scored)."""
+
+    name: str
+    windows: dict[str, list[data.Window]]
+    documents: dict[str, range | None]
+    progress: bool = True  # a progress bar per perplexity set
+    more: dict[str, tuple[range, ...]] = dataclasses.field(default_factory=dict)
+
+
+def evaluation_split(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[str, list[str]]) -> Split:
+    """The windows and documents every candidate is evaluated on; ``rows``: each perplexity set's text."""
+    return Split("evaluation", {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity},
+                 dict.fromkeys(cfg.eval.tasks.names))
+
+
+class Session:
+    """One model, tokenizer, config and result store: measures any candidate on any split, each (candidate,
+    metric) result through the store (kept and reused, keyed by everything that decides it)."""
+
+    def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape):
+        self.cfg, self.model, self.tokenizer, self.store, self.shape = cfg, model, tokenizer, store, shape
+        self.processes = parallel.current()  # several share out every measurement's scoring
+        self.maxlen = max_length(model, cfg.model)
+        self.weights = weights_digest(model, tokenizer)
+        probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
+        self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
+                                                                      "eval.tasks.names")))
+        #: the candidates :func:`measure` will measure, in order (divergences share the baseline's scoring), and
+        #: the divergence results computed ahead of their candidate's turn: (label, metric/windows) -> result
+        self.ahead: list[Candidate] = []
+        self.waiting: dict[tuple[str, str], dict] = {}
+
+    def measure(self, candidate: Candidate, split: Split, label: str | None = None, tasks: bool = True,
+                probe: list[int] | None = None, divergence: bool | None = None) -> Measured:
+        """``candidate``'s outcomes on ``split`` (its tasks too unless ``tasks`` is False; its KL divergence from
+        the baseline when ``divergence``, by default on the evaluation split only) and, given ``probe`` tokens,
+        its memory; stored under ``label`` (default: the candidate's)."""
+        cfg, label = self.cfg, label or candidate.label
+        make = lambda c=candidate: c.spec.build(self.model)  # noqa: E731
+        settings = described(make())  # what the cache really uses, defaults filled in
+        key = {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
+               "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
+               "max_length": self.maxlen, "split": split.name, "settings": settings,
+               **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
+        divergent = candidate is not BASELINE and (split.name == "evaluation" if divergence is None else divergence)
+        outcomes, compared = [], []
+        for name, ws in split.windows.items():
+            raw = self._divergence(candidate, label, key, name, ws, split.progress) if divergent else None
+            outcomes.append(self._perplexity(candidate, label, key, name, ws, split.progress, raw))
+            if raw is not None:
+                compared += divergence_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in ws]))
+        outcomes += compared
+        for task, documents in (split.documents.items() if tasks else ()):
+            chunks = [self._task(candidate, label, key, task, documents)]
+            chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
+                       for more in split.more.get(task, ())]
+            outcomes += [Outcomes.joined(parts) for parts in zip(*chunks)]
+        memory = self._memory(candidate, label, key, make, settings, probe) if probe else None
+        return Measured(label, tuple(outcomes), memory)
+
+    def _perplexity(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool,
+                    compared: dict | None = None) -> Outcomes:
+        """Perplexity of a set, window by window; from the scoring that ``compared`` it with the baseline (a
+        :func:`divergences` result) where there is one, else scored for itself."""
+        ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
+        desc = f"{label} {name}" if progress else None
+        if compared is not None and "nll" in compared:
+            compute = lambda: {k: compared[k] for k in ("nll", "tokens", "reads", "lengths")}  # noqa: E731
+        else:
+            compute = lambda: perplexity_samples(self._scorer(candidate), windows, desc=desc)  # noqa: E731
+        raw = self.store.get_or_compute(label, f"ppl/{name}", {**key, "windows": ids}, compute)
+        if candidate is BASELINE:
+            check_baseline_finite(raw["nll"], self.cfg, f"perplexity {name!r}")
+        return perplexity_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in windows]))
+
+    def _scorer(self, candidate: Candidate) -> Scorer:
+        """A scorer of its own (so what it counts is one measurement's) reading through ``candidate``'s caches."""
+        cfg = self.cfg
+        return Scorer(self.model, lambda: candidate.spec.build(self.model),
+                      cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
+                      share_prefix=shares_prefix(candidate), processes=self.processes)
+
+    def _divergence(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool) -> dict:
+        """KL divergence from the baseline's next-token distributions on a perplexity set, window by window (and
+        the candidate's log-likelihood from the same scoring): the raw result."""
+        ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
+        desc = f"{label} {name} divergence" if progress else None
+        return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
+                                         lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc))
+
+    def _compared(self, candidate, label, what: str, windows: list[data.Window], desc: str | None) -> dict:
+        """``candidate``'s divergence result on ``windows``: computed beside up to :data:`SHARED_BASELINE` - 1
+        of the candidates :attr:`ahead` of it, which share the baseline's scoring (each result waits in
+        :attr:`waiting` until its candidate is measured), or taken from there."""
+        if (label, what) in self.waiting:
+            return self.waiting.pop((label, what))
+        later = [c for c in self.ahead[self.ahead.index(candidate) + 1 :] if (c.label, what) not in self.waiting] \
+            if label == candidate.label and candidate in self.ahead else []
+        group = [candidate, *later[: SHARED_BASELINE - 1]]
+        raws = divergences(self._scorer(BASELINE), [self._scorer(c) for c in group], windows, desc)
+        for other, raw in zip(group[1:], raws[1:]):
+            self.waiting[(other.label, what)] = raw
+        return raws[0]
+
+    def _bits(self, candidate, lengths: list[int]) -> float:
+        """Bits per element this cache stores at the median of ``lengths`` tokens (its own code, shapes only)."""
+        if not lengths:
+            return math.nan
+        tokens = max(1, int(sorted(lengths)[len(lengths) // 2]))
+        return candidate.spec.memory(self.shape, tokens=tokens, dtype=self.model.dtype)["bits_per_element"]
+
+    def _task(self, candidate, label, key, task: str, documents: range | None, part: str = "") -> list[Outcomes]:
+        cfg = self.cfg
+        which = ({"documents": [documents.start, documents.stop]} if documents is not None
+                 else {"limit": cfg.eval.tasks.limit_for(task)})
+        raw = self.store.get_or_compute(
+            label, f"task/{task}{part}", {**key, "task": task, **which,
+                                          "num_fewshot": cfg.eval.tasks.fewshot_for(task),
+                                          "data": task_data_digest(task)},
+            lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
+                             list(documents) if documents is not None else None))
+        outcomes = task_outcomes(task, raw, gated_metric(task), self._bits(candidate, raw.get("lengths", [])))
+        if task in cfg.gated_tasks() and not any(o.metric.standard for o in outcomes):
+            raise KVQuantError(f"gate.tasks: task {task!r} reports no {gated_metric(task)} (what it is gated on), "
+                               "so the gate could not judge it; gate other tasks")
+        return outcomes
+
+    def _memory(self, candidate, label, key, make, settings: dict, probe: list[int]) -> Memory:
+        measured = self.store.get_or_compute(label, "memory", {**key, "probe": probe},
+                                             lambda: memory_probe(self.model, make, probe))
+        # the planner's arithmetic at a long context, by the cache's own code
+        long = candidate.spec.memory(self.shape, tokens=LONG_CONTEXT, dtype=self.model.dtype)
+        return Memory(settings, measured, long)
+
+
+def probe_tokens(cfg: ExperimentConfig, split: Split, tokenizer, maxlen: int) -> list[int]:
+    """The tokens every cache's memory is measured after: ``eval.memory_probe_tokens`` of the perplexity text
+    (without any, a phrase repeated: bytes do not depend on which tokens)."""
+    size = min(cfg.eval.memory_probe_tokens, maxlen)
+    probe = [t for ws in split.windows.values() for w in ws for t in w.ids] or tokenizer("Once upon a time").input_ids
+    return (probe * -(-size // len(probe)))[:size]
+
+
+def measure(session: Session, candidates: list[Candidate], rows: dict[str, list[str]]) -> dict[str, Measured]:
+    """The baseline and every candidate on the evaluation split, with memory: ``{label: Measured}``.
+    ``rows``: the text of every perplexity set, read by preflight."""
+    split = evaluation_split(session.cfg, session.tokenizer, session.maxlen, rows)
+    probe = probe_tokens(session.cfg, split, session.tokenizer, session.maxlen)
+    session.ahead = list(candidates)
+    try:
+        return {c.label: session.measure(c, split, probe=probe) for c in [BASELINE, *candidates]}
+    finally:
+        session.ahead, session.waiting = [], {}
