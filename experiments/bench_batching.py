@@ -51,7 +51,7 @@ def plain(model, reqs, batch: int) -> float:
 
 def scored(model, reqs, batch: int, quantizer: str) -> float:
     """Seconds for kvquant's Scorer (simulated mode, every token quantized) to score every request."""
-    scorer = Scorer(model, lambda: kvquant.make_cache(model, quantizer, residual_length=0), "simulated",
+    scorer = Scorer(model, kvquant.CacheSpec.of(quantizer, {"residual_length": 0}), "simulated",
                     batch_size=batch)
     start = time.perf_counter()
     scorer.score_many(reqs)

@@ -16,7 +16,8 @@ from kvquant.cache.fused import enable_fused_decode
 from kvquant.errors import KVQuantError, NonFiniteKVError
 from kvquant.formats.quantizers import (Quantizer, available_quantizers, get_quantizer, quantizer_options,
     register_quantizer)
-from kvquant.formats import engines  # noqa: F401  (registers the serving engines' formats)
+from kvquant.formats import research  # noqa: F401  (registers kvquant's own formats)
+from kvquant.formats import sglang, vllm  # noqa: F401  (register the serving engines' formats)
 from kvquant.formats import llamacpp  # noqa: F401  (registers llama.cpp's cache types)
 
 

@@ -32,6 +32,10 @@ class KVQuantError(ValueError):
     """A setting or an input kvquant cannot honour; the message says what to change."""
 
 
+class ConfigError(KVQuantError):
+    """A config file or override that does not validate."""
+
+
 def is_int(value) -> bool:
     """An integer (Python's or numpy's), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

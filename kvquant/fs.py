@@ -16,6 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from kvquant.compat.lm_eval import yaml_base_loader
 from kvquant.errors import KVQuantError
 
 
@@ -51,12 +52,11 @@ def _task_file_refs(path: Path, what: str) -> tuple[list[Path], list[Path]]:
     the whole file, any encoding it accepts) but without running anything: each ``include:`` (any file, relative
     to this file's folder) and the module file of each ``!function`` (:func:`_function_module`)."""
     import yaml
-    from lm_eval.tasks._yaml_loader import _Base
 
     includes: list[Path] = []
     functions: list[str] = []
 
-    class Recording(_Base):
+    class Recording(yaml_base_loader()):
         pass
 
     def function(loader, node):

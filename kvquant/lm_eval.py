@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
-from kvquant.runner.config import (MAX_SEED, Candidate, ConfigError, EvalConfig, ModelConfig, build, check_device,
-    load_yaml, read_text_file)
+from kvquant.compat.lm_eval import int_or_none_list, parser_actions, run_parser
+from kvquant.runner.binding import build
+from kvquant.runner.config import MAX_SEED, Candidate, EvalConfig, ModelConfig, check_device
+from kvquant.yaml_reader import load_yaml, read_text_file
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel
-from kvquant.errors import EXIT_PASS, KVQuantError, guarded
+from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, guarded
 from kvquant.fs import check_env_dirs, check_trusted
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number
@@ -99,15 +101,13 @@ RAW_FLAGS = ("limit", "num_fewshot", "max_batch_size", "seed")
 def _run_parser():
     """lm-eval's own ``run`` parser (so abbreviations, aliases and unknown flags resolve exactly as lm-eval
     resolves them), its errors raised as :class:`KVQuantError`, and the flags of :data:`RAW_FLAGS` kept as text."""
-    from lm_eval._cli.harness import HarnessCLI
-
-    parser = HarnessCLI()._subparsers.choices["run"]
+    parser = run_parser()
 
     def error(message: str):
         raise KVQuantError(message)
 
     parser.error = error
-    for action in parser._actions:
+    for action in parser_actions(parser):
         if action.dest in RAW_FLAGS:
             action.type = None
     return parser
@@ -145,10 +145,8 @@ def check_limit(value) -> None:
 
 def check_seed(value) -> None:
     """``--seed``: one integer or None for all four generators, or 3-4 comma-separated, each in numpy's range."""
-    from lm_eval._cli.utils import _int_or_none_list_arg_type
-
     try:
-        seeds = (_int_or_none_list_arg_type(3, 4, "0,1234,1234,1234", value) if isinstance(value, str)
+        seeds = (int_or_none_list(3, 4, "0,1234,1234,1234", value) if isinstance(value, str)
                  else list(value) if isinstance(value, list) else [value])
     except ValueError as err:
         raise KVQuantError(f"--seed: {err} (one integer, or 4 comma-separated integers or None)") from None

@@ -118,22 +118,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     check_processes(cfg, parallel.current().world)
     model_config = check_model(cfg.model)
     shape = shape_from_config(model_config, cfg.model.path)
-    for i, candidate in enumerate(cfg.candidates):
-        where = f"candidates[{i}] ({candidate.label})"
-        check_candidate(placeholder_scales(candidate, shape, where), shape, where)
-    for i, stage in enumerate(cfg.stages):
-        where = f"stages[{i}] ({stage.label})"
-        check_candidate(placeholder_scales(stage, shape, where), shape, where)
-        if stage.offload:
-            raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
-                               f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see docs/staged.md, "
-                               "'Offloading'")
-    evicting = [c for c in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]
-                if c.options.get("eviction")]
-    if evicting and cfg.eval.mode != "streaming":
-        raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
-                           "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
-                           "chunk_size below the window)")
+    evicting = check_settings(cfg, shape)
     context = context_length(cfg, model_config)
     if cfg.serving:
         parse_bytes(cfg.serving.memory_budget, "serving.memory_budget")
@@ -161,6 +146,35 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
         check_search(cfg, shape, model_dtype(cfg.model), tokenizer, context, rows, folder)
+    return plan_steps(cfg), rows, preflight_warnings(cfg, model_config, evicting)
+
+
+def check_settings(cfg: ExperimentConfig, shape) -> list[Candidate]:
+    """Every candidate's and stage's quantizer options on the model's ``shape`` (a calibrating one with placeholder
+    scales), no stage offloaded, eviction only in streaming mode; returns the settings that evict (the search's
+    ladder included)."""
+    for i, candidate in enumerate(cfg.candidates):
+        where = f"candidates[{i}] ({candidate.label})"
+        check_candidate(placeholder_scales(candidate, shape, where), shape, where)
+    for i, stage in enumerate(cfg.stages):
+        where = f"stages[{i}] ({stage.label})"
+        check_candidate(placeholder_scales(stage, shape, where), shape, where)
+        if stage.offload:
+            raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
+                               f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see docs/staged.md, "
+                               "'Offloading'")
+    evicting = [c for c in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]
+                if c.options.get("eviction")]
+    if evicting and cfg.eval.mode != "streaming":
+        raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
+                           "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
+                           "chunk_size below the window)")
+    return evicting
+
+
+def preflight_warnings(cfg: ExperimentConfig, model_config, evicting: list[Candidate]) -> list[str]:
+    """What preflight warns of (each also printed): the model's context against the config's lengths, and a chunk
+    wider than an evicting setting's window."""
     warnings = []
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)
@@ -169,7 +183,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
         if isinstance(window, int) and cfg.eval.chunk_size > window:
             warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
                  "reads up to chunk_size - 1 tokens beyond the window")
-    return plan_steps(cfg), rows, warnings
+    return warnings
 
 
 def placeholder_scales(candidate: Candidate, shape, where: str) -> Candidate:

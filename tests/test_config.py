@@ -5,7 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvquant.runner.config import ConfigError, TaskSet, build, load_config
+from kvquant.errors import ConfigError
+from kvquant.runner.binding import build
+from kvquant.runner.config import TaskSet, load_config
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))

@@ -1,5 +1,5 @@
-"""Serving engines' KV formats (``kvquant/formats/engines.py``) against references written here from the published
-formats.
+"""Serving engines' KV formats (``kvquant/formats/vllm.py``, ``kvquant/formats/sglang.py``) against references written
+here from the published formats.
 
 The references compute with numpy float32 scalars per (token, head) or per block, and search the e2m1 grid by
 distance, so they share no code with the quantizers. Codes, scales and dequantized states are compared exactly;
@@ -16,7 +16,10 @@ import torch
 import transformers
 
 import kvquant
-from kvquant.formats import engines
+from kvquant.formats import engine_math
+from kvquant.formats.quantizers import Alike
+from kvquant.formats.sglang import Mxfp8Codec
+from kvquant.formats.vllm import VllmFp8PerTokenHead
 from kvquant.cache import simulate_memory
 from kvquant.errors import KVQuantError
 from reference import FakeQuantReference, Spec
@@ -189,10 +192,10 @@ def test_nvfp4_equals_the_reference(d, global_scale):
 
 def test_e2m1_rounds_half_to_even_and_saturates():
     grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -100.0, 0.2, 2.6])
-    got = engines.e2m1_values(engines.e2m1_codes(grid))
+    got = engine_math.e2m1_values(engine_math.e2m1_codes(grid))
     assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -6.0, 0.0, 3.0]
     assert [e2m1_nearest(float(v)) for v in grid] == got.tolist()
-    assert engines.e2m1_codes(torch.tensor([-0.1, 0.1])).tolist() == [8, 0]  # -0 keeps its sign bit
+    assert engine_math.e2m1_codes(torch.tensor([-0.1, 0.1])).tolist() == [8, 0]  # -0 keeps its sign bit
 
 
 # --- SGLang mxfp8 (mxfp8_quant.py:19-60): e4m3 in blocks of 32, e8m0 scale ----------------------------------
@@ -224,9 +227,9 @@ CENTROIDS_128_4BIT = ["0x1.73f75cp-7", "0x1.190ab2p-5", "0x1.dba1c2p-5", "0x1.55
 
 def test_lloyd_max_centroids_are_vllms_and_scale_with_the_head_dim():
     positive = [float.fromhex(h) for h in CENTROIDS_128_4BIT]
-    assert engines.lloyd_max_centroids(128, 4).tolist() == [-c for c in positive[::-1]] + positive
+    assert engine_math.lloyd_max_centroids(128, 4).tolist() == [-c for c in positive[::-1]] + positive
     # N(0, 1/d): the d = 256 centroids are the d = 64 ones halved, exactly (both solves run the same steps)
-    assert torch.equal(engines.lloyd_max_centroids(256, 4) * 2, engines.lloyd_max_centroids(64, 4))
+    assert torch.equal(engine_math.lloyd_max_centroids(256, 4) * 2, engine_math.lloyd_max_centroids(64, 4))
 
 
 def uint4_minmax_reference(v: np.ndarray):
@@ -257,7 +260,7 @@ def test_turboquant_presets_equal_the_reference(d):
     while h.shape[0] < d:
         h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
     rotation = torch.tensor(h / math.sqrt(d), dtype=torch.float32)
-    centroids = engines.lloyd_max_centroids(d, 4)
+    centroids = engine_math.lloyd_max_centroids(d, 4)
     midpoints = ((centroids[:-1] + centroids[1:]) / 2).numpy()
     flat = x.reshape(-1, d)
     norms = flat.norm(dim=-1, keepdim=True)
@@ -318,16 +321,16 @@ def test_head_dims_a_format_cannot_store_are_refused(name, d, message):
 
 def test_a_format_codec_that_binds_like_a_method_is_still_called_bare():
     """From Python 3.14 a ``functools.partial`` class attribute binds to the instance as a method does (as a plain
-    function always has): ``_Alike`` must call its ``codec`` without the quantizer as a first argument."""
+    function always has): ``Alike`` must call its ``codec`` without the quantizer as a first argument."""
 
     @dataclasses.dataclass(frozen=True)
-    class Bare(engines._Alike):
+    class Bare(Alike):
         name = "bare"
 
         def codec():  # a method descriptor taking no argument: called with self, it raises TypeError
-            return engines.Mxfp8Codec()
+            return Mxfp8Codec()
 
-    assert Bare().codecs(64) == (engines.Mxfp8Codec(), engines.Mxfp8Codec())
+    assert Bare().codecs(64) == (Mxfp8Codec(), Mxfp8Codec())
 
 
 @pytest.mark.parametrize("options, message", [
@@ -404,7 +407,7 @@ def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do
 
     @kvquant.register_quantizer("my_fp8_variant")
     @dataclasses.dataclass(frozen=True)
-    class MyVariant(engines.VllmFp8PerTokenHead):
+    class MyVariant(VllmFp8PerTokenHead):
         """A research variant of an engine format."""
 
     try:

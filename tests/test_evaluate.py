@@ -32,7 +32,7 @@ def requests(tokenizer, stories):
 
 def scores(model, name, requests, **kwargs):
     options = {"residual_length": 0, "group_size": 8} if name.startswith("int") else {}
-    scorer = Scorer(model, lambda: kvquant.make_cache(model, name, **options), **kwargs)
+    scorer = Scorer(model, kvquant.CacheSpec.of(name, options), **kwargs)
     return scorer.score_many(requests)
 
 

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from kvquant.cache import build_cache, make_cache
+from kvquant.cache import CacheSpec, build_cache, make_cache
 from kvquant.scoring.data import Window
 from kvquant.scoring.scorer import Scorer, divergence_samples
 from kvquant.cache.reads import Reads, causal_counts
@@ -99,13 +99,13 @@ def test_padding_is_neither_a_query_nor_a_read_token():
 def test_scorer_counts_every_cache_it_used(model, tokenizer, stories):
     """Prefix sharing forks rows into new caches; their reads land in the one counter."""
     ids = tokenizer(stories[0]).input_ids[:60]
-    scorer = Scorer(model, lambda: make_cache(model, "fp8_e4m3", residual_length=0), "streaming", 16)
+    scorer = Scorer(model, CacheSpec.of("fp8_e4m3", {"residual_length": 0}), "streaming", 16)
     scorer.score_many([(ids[:50], ids[50:]), (ids[:50], ids[50:55])])
     assert scorer.lengths == [60, 55]
     # fp8, no residual window: everything read is quantized; every query of every layer counted
     layers = model.config.num_hidden_layers
     assert scorer.reads.keys_quantized == scorer.reads.keys > 0
-    single = Scorer(model, lambda: make_cache(model, "fp8_e4m3", residual_length=0), "simulated")
+    single = Scorer(model, CacheSpec.of("fp8_e4m3", {"residual_length": 0}), "simulated")
     single.score(ids, 50)
     assert single.reads.keys == layers * sum(range(1, 61))
 
@@ -113,14 +113,14 @@ def test_scorer_counts_every_cache_it_used(model, tokenizer, stories):
 def test_divergence_equals_an_independent_computation(model, tokenizer, stories):
     ids = tokenizer(stories[1]).input_ids[:80]
     windows = [Window(ids[:64], 1), Window(ids[16:80], 1)]
-    make = {"fp16": lambda: make_cache(model, "fp16", residual_length=0),
-            "int2": lambda: make_cache(model, "int2", group_size=8, residual_length=0)}
+    make = {"fp16": CacheSpec.of("fp16", {"residual_length": 0}),
+            "int2": CacheSpec.of("int2", {"group_size": 8, "residual_length": 0})}
     out = divergence_samples(Scorer(model, make["fp16"]), Scorer(model, make["int2"]), windows)
     for w, kl, top1, tokens in zip(windows, out["kl"], out["top1"], out["tokens"]):
         x = torch.tensor([w.ids])
         with torch.no_grad():
             p = model(x).logits[0, :-1].double().log_softmax(-1)  # no cache: the model's own attention
-            q = model(x, cache=make["int2"](), use_cache=True).logits[0, :-1].double().log_softmax(-1)
+            q = model(x, cache=make_cache(model, make["int2"]), use_cache=True).logits[0, :-1].double().log_softmax(-1)
         expected = torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1)
         assert tokens == len(w.ids) - 1
         assert torch.allclose(torch.tensor(kl, dtype=torch.double), expected, rtol=1e-4, atol=1e-7)

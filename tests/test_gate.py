@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from kvquant.runner.config import GateConfig
+from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.gate import (FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, paired_interval, decide, judge,
     looks)
 from kvquant.runner.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score

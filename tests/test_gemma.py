@@ -267,7 +267,7 @@ def windows(count: int, length: int, seed: int = 4) -> list[Window]:
 
 def scorer(model, name: str, **kwargs) -> Scorer:
     options = {"group_size": 4, "residual_length": 0} if name.startswith("int") else {}
-    return Scorer(model, lambda: kvquant.make_cache(model, name, **options), "streaming", **kwargs)
+    return Scorer(model, kvquant.CacheSpec.of(name, options), "streaming", **kwargs)
 
 
 def test_scoring_a_window_longer_than_the_sliding_window_is_dynamic_cache_bit_for_bit():
@@ -313,7 +313,7 @@ def test_the_memory_probe_projects_one_position():
     projected = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.shape[:-1].numel()))
     try:
-        report = evaluate.memory_probe(model, lambda: kvquant.make_cache(model, "int8"), list(range(40)))
+        report = evaluate.memory_probe(model, kvquant.CacheSpec.of("int8"), list(range(40)))
     finally:
         hook.remove()
     assert projected == [1] and report["tokens"] == 40

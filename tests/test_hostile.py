@@ -22,7 +22,8 @@ import kvquant.cache.kernels
 import kvquant.run
 from kvquant import lm_eval as lm_eval_cli
 from kvquant import plan
-from kvquant.runner.config import GateConfig, ModelConfig, PerplexitySet
+from kvquant.runner.config import ModelConfig, PerplexitySet
+from kvquant.runner.gate_config import GateConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.scorer import Scorer
 from kvquant.paths import data_dir, resolve
@@ -383,7 +384,7 @@ def test_api_refuses(env, tiny_config, call, needle):
                          ids=["mode-typo", "chunk-size-0"])
 def test_api_scorer_refuses(model, mode, chunk_size, needle):
     with pytest.raises(KVQuantError, match=needle):
-        Scorer(model, lambda: kvquant.make_cache(model, "int4"), mode, chunk_size)
+        Scorer(model, kvquant.CacheSpec.of("int4"), mode, chunk_size)
 
 
 def test_api_kvquant_lm_refuses_a_bad_quantizer(model, tokenizer):

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 import kvquant.run
-from kvquant.runner.config import ConfigError, load_config
+from kvquant.errors import ConfigError
+from kvquant.runner.config import load_config
 from kvquant.runner.store import ResultStore
 
 ROOT = Path(__file__).parents[1]

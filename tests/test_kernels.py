@@ -8,10 +8,9 @@ import sys
 import pytest
 import torch
 
-import kvquant
 from kvquant.cache import kernels
 from kvquant.formats.ops import sqnr_db
-from kvquant.formats.quantizers import IntCodec
+from kvquant.formats.research import IntCodec, largest_divisor
 
 HEAD_DIMS = [64, 80, 96, 112, 128, 256]
 #: SQNR floors (dB) of int codes on Gaussian states with outlier channels, at every head_dim; measured minima
@@ -31,7 +30,7 @@ def states(head_dim, dtype=torch.float32, tokens=64):
 
 
 def codec(bits, axis, head_dim):
-    group = 32 if axis == "channel" else kvquant.formats.quantizers.largest_divisor(head_dim, 32)
+    group = 32 if axis == "channel" else largest_divisor(head_dim, 32)
     return IntCodec(bits=bits, axis=axis, group=group)
 
 

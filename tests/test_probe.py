@@ -9,7 +9,7 @@ import pytest
 import kvquant  # noqa: F401  (registers model "kvquant")
 from kvquant.errors import KVQuantError
 from kvquant.scoring.scorer import Scorer
-from kvquant.cache import make_cache
+from kvquant.cache import CacheSpec
 from kvquant.scoring.lm_eval_model import KVQuantLM
 from kvquant.paths import resolve
 from kvquant.scoring.passkey import probe_documents
@@ -112,7 +112,7 @@ def test_lm_eval_task_scores_the_documents_like_the_scorer(model, tokenizer, tmp
     samples = sorted(out["samples"]["passkey_120"], key=lambda s: s["doc_id"])
     docs = probe_documents(tokenizer, [120], 3)
     assert [s["doc"]["context"] for s in samples] == [d["context"] for d in docs]
-    scorer = Scorer(model, lambda: make_cache(model, "int4", residual_length=0), "streaming", 32)
+    scorer = Scorer(model, CacheSpec.of("int4", {"residual_length": 0}), "streaming", 32)
     for sample, doc in zip(samples, docs):
         ids = tokenizer(doc["context"]).input_ids
         scored = scorer.score_many([(ids, tokenizer(doc["target"], add_special_tokens=False).input_ids)])[0]

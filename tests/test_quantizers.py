@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 import kvquant
 from kvquant.formats.ops import sqnr_db
-from kvquant.formats.quantizers import QUANTIZERS, IdentityCodec, Quantizer, RotatedCodec, register_quantizer
+from kvquant.formats.quantizers import QUANTIZERS, Quantizer, RotatedCodec, register_quantizer
+from kvquant.formats.research import IdentityCodec
 
 #: SQNR floors in dB on the real keys and values of stories260K (measured minima: int8 54/50, int4 29/26,
 #: int2 15/12, fp8_e4m3 36/34, fp8_e5m2 30/25 for keys/values).

@@ -31,7 +31,7 @@ def test_simulated_perplexity_matches_reference(model, stories_200, name):
         options["scale_dtype"] = "float32"
     if name.startswith("int"):
         options["group_size"] = 32
-    scorer = Scorer(model, lambda: kvquant.make_cache(model, name, **options), "simulated")
+    scorer = Scorer(model, kvquant.CacheSpec.of(name, options), "simulated")
     result = perplexity_samples(scorer, stories_200)
     assert sum(result["tokens"]) == 68_476
     ppl = math.exp(sum(result["nll"]) / sum(result["tokens"]))

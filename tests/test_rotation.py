@@ -187,7 +187,8 @@ def test_rotated_16_bit_states_are_rounded_once(dtype):
 def test_seed_and_extension_point_are_guarded():
     with pytest.raises(KVQuantError, match="rotation_seed must be an integer <= 9223372036854775807"):
         get_quantizer("int4", rotation="hadamard", rotation_seed=2**64)
-    from kvquant.formats.quantizers import IdentityCodec, Quantizer, register_quantizer
+    from kvquant.formats.quantizers import Quantizer, register_quantizer
+    from kvquant.formats.research import IdentityCodec
     from dataclasses import dataclass
 
     with pytest.raises(KVQuantError, match="define _codecs"):

@@ -239,7 +239,8 @@ def test_each_task_is_gated_on_its_standard_metric():
     """acc_norm for hellaswag and piqa (as their literature reports), acc elsewhere; both are reported."""
     from types import SimpleNamespace
 
-    from kvquant.runner.config import Candidate, GateConfig
+    from kvquant.runner.config import Candidate
+    from kvquant.runner.gate_config import GateConfig
     from kvquant.runner.gate import metric_rows
     from kvquant.runner.results import Measured, task_outcomes
     from kvquant.scoring.tasks import gated_metric

@@ -9,7 +9,8 @@ import yaml
 
 import kvquant
 from kvquant.scoring import session as measure_module
-from kvquant.runner.config import Candidate, ConfigError, load_config
+from kvquant.errors import ConfigError
+from kvquant.runner.config import Candidate, load_config
 from kvquant.run import main
 from kvquant.runner.search import first_passing, greedy_order, last_within, map_candidate
 

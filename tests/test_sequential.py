@@ -10,7 +10,7 @@ then after every look of :func:`kvquant.runner.gate.looks` while the verdict is 
 import numpy as np
 from scipy.stats import binom
 
-from kvquant.runner.config import GateConfig
+from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge, look_confidence, looks
 from kvquant.runner.results import MetricId, MetricRow
 

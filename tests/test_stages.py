@@ -8,7 +8,8 @@ import torch
 import transformers
 
 import kvquant
-from kvquant.runner.config import ConfigError, ServingConfig, Stage, load_config
+from kvquant.errors import ConfigError
+from kvquant.runner.config import ServingConfig, Stage, load_config
 from kvquant.run import main
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 
@@ -142,7 +143,7 @@ def test_a_simulated_scorer_refuses_an_evicting_cache():
     from kvquant.scoring.scorer import Scorer
     model = tiny_model()
     with pytest.raises(kvquant.KVQuantError, match="use streaming mode"):
-        Scorer(model, lambda: kvquant.make_cache(model, "fp8_e4m3", eviction="window", window=8), "simulated")
+        Scorer(model, kvquant.CacheSpec.of("fp8_e4m3", {"eviction": "window", "window": 8}), "simulated")
 
 
 def test_a_first_stage_that_is_only_inconclusive_is_not_said_to_fail():

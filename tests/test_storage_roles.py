@@ -22,7 +22,8 @@ from kvquant.cache.roles import StorageRole, StreamKind, check_roles
 from kvquant.cache.streams import stream
 from kvquant.errors import KVQuantError
 from kvquant.planner.shapes import ModelShape, Planner
-from kvquant.formats.quantizers import Codec, Fp8Codec, Quantizer
+from kvquant.formats.quantizers import Codec, Quantizer
+from kvquant.formats.research import Fp8Codec
 
 HEADS, HEAD_DIM, TOKENS, LAYERS = 2, 64, 300, 2
 DTYPE_BYTES = 2  # float16 states: what a full-precision token costs per element

@@ -10,7 +10,8 @@ token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
 - :mod:`.layer` :class:`KVQuantLayer`, the transformers layer contract over two stores; eviction executed
 - :mod:`.cache` :class:`KVQuantCache` and :func:`stack_rows`
 - :mod:`.spec` :class:`CacheSpec`, one cache setting, typed and validated once
-- :mod:`.build` :func:`make_cache`, :func:`build_cache`, per-layer settings, :func:`simulate_memory`
+- :mod:`.build` :func:`make_cache`, :func:`build_cache`, per-layer settings, :func:`simulate_memory`,
+  :func:`spec_memory`
 - :mod:`.memory` ``memory_report()`` sums and :func:`stored_bytes`; :mod:`.padding`, :mod:`.checks`
 - :mod:`.roles` the storage roles codecs declare for what they store, and the fused kernels' stream kinds
 - :mod:`.observe` :class:`ObservingCache`, which hands every layer's new states to a callback (calibration)
@@ -20,7 +21,7 @@ from transformers.cache_utils import DummyLayer
 
 from kvquant.cache.spec import CACHE_OPTIONS, CacheSpec
 from kvquant.cache.build import (SLIDING_TYPES, attention_layout, build_cache, head_dim_of, layer_range,
-    layer_settings, make_cache, simulate_memory)
+    layer_settings, make_cache, simulate_memory, spec_memory)
 from kvquant.cache.cache import KVQuantCache, stack_rows
 from kvquant.cache.layer import FP16_BYTES, KVQuantLayer, check_importance
 from kvquant.cache.memory import stored_bytes
@@ -29,6 +30,6 @@ from kvquant.cache.padding import Padding
 from kvquant.cache.storage import Store
 
 __all__ = ["CACHE_OPTIONS", "FP16_BYTES", "SLIDING_TYPES", "CacheSpec", "DummyLayer", "KVQuantCache",
-           "KVQuantLayer",
-           "ObservingCache", "Padding", "Store", "attention_layout", "build_cache", "check_importance", "head_dim_of",
-           "layer_range", "layer_settings", "make_cache", "simulate_memory", "stack_rows", "stored_bytes"]
+           "KVQuantLayer", "ObservingCache", "Padding", "Store", "attention_layout", "build_cache", "check_importance",
+           "head_dim_of", "layer_range", "layer_settings", "make_cache", "simulate_memory", "spec_memory",
+           "stack_rows", "stored_bytes"]

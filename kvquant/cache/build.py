@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
 from transformers.configuration_utils import get_head_shapes
 
+from kvquant.compat.transformers import tensor_parallel_size
 from kvquant.errors import KVQuantError, is_python_int
 from kvquant.formats.llamacpp_gguf import model_options
 from kvquant.formats.quantizers import QUANTIZERS, Quantizer, check_tokens, get_quantizer
@@ -101,7 +102,7 @@ def written_shapes(model) -> dict[int, Shapes]:
     ``v_proj`` agree on it. Layers without such projections (fused QKV, MLA, shared KV), with a key or value size
     of their own (``qk_head_dim``, ``v_head_dim``), a model split by tensor parallelism, or a config alone: not
     known (nothing to check against)."""
-    if not isinstance(model, torch.nn.Module) or (getattr(model, "_tp_size", None) or 1) > 1:
+    if not isinstance(model, torch.nn.Module) or tensor_parallel_size(model) > 1:
         return {}
     if model not in _WRITTEN:
         _WRITTEN[model] = _read_shapes(model)
@@ -338,3 +339,11 @@ def simulate_memory(
             seen[kind] = {key: nbytes * batch for key, nbytes in layer.memory().items()}
         parts[i] = seen[kind]
     return summarize(parts, tokens)
+
+
+def spec_memory(spec: CacheSpec, shape, *, tokens: int, dtype: torch.dtype, batch: int = 1,
+                context: int | None = None) -> dict[str, float]:
+    """:func:`simulate_memory` of ``spec`` on a model of ``shape`` (its ``layout``, ``kv_heads`` and ``head_dim``: a
+    :class:`kvquant.planner.shapes.Shape` or a session's) after ``tokens`` tokens of one row, times ``batch``."""
+    return simulate_memory(shape.layout, spec, batch=batch, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                           tokens=tokens, dtype=dtype, context=context)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.cache import kernels
+from kvquant.compat.transformers import attn_implementation, recording_attentions
 from kvquant.errors import KVQuantError
 from kvquant.cache.roles import StreamKind
 from kvquant.cache.storage import Store, _rank
@@ -202,15 +203,6 @@ def attention_before(module, attribute: str):
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _recording_attentions() -> bool:
-    """Whether transformers collects attention weights in this forward (``output_attentions``)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without it: fused steps return no weights
-        return False
-    return "attentions" in (_active_collector.get() or {})
-
-
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function contract (``AttentionInterface``): ``query`` ``[B, Hq, n, D]``, ``key`` /
     ``value`` ``[B, H, kv_len, D]`` (or a kvquant placeholder); returns ``([B, n, Hq, D], None)``."""
@@ -225,7 +217,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     out = None
     # the kernels compute no gradients, soft-capping, sinks, dropout or attention weights: those calls read the copy
     if not dropout and not query.requires_grad and not any(kwargs.get(n) is not None for n in UNSUPPORTED) \
-            and not _recording_attentions():
+            and not recording_attentions():
         ranges = pending.ranges(attention_mask, query.shape[2])
         if ranges is not None:
             out = attend(query, stream(pending.keys, pending.counts), stream(pending.values, pending.counts),
@@ -280,7 +272,7 @@ def enable_fused_decode(model) -> None:
     if kind not in VERIFIED:
         raise KVQuantError(f"fused decode is verified for model types {', '.join(sorted(VERIFIED))}; this model is "
                            f"{kind!r}, whose attention may change keys and values after the cache")
-    previous = model.config._attn_implementation or "eager"
+    previous = attn_implementation(model.config) or "eager"
     if is_fused(model.config):
         return
     for module in model.modules():
@@ -290,9 +282,9 @@ def enable_fused_decode(model) -> None:
     model.set_attn_implementation(register(previous))
     if not is_fused(model.config):
         raise KVQuantError(f"{type(model).__name__} did not accept kvquant's attention function (transformers kept "
-                           f"{model.config._attn_implementation!r}); fused decode is not available for it")
+                           f"{attn_implementation(model.config)!r}); fused decode is not available for it")
 
 
 def is_fused(config) -> bool:
     """Whether a model of this config has fused decode enabled."""
-    return str(getattr(config, "_attn_implementation", None)).startswith(NAME)
+    return str(attn_implementation(config)).startswith(NAME)

@@ -3,7 +3,7 @@ tooling (needs a C++ compiler; about 30 s once).
 
 It turns packed codes into the model's dtype in one pass where eager PyTorch needs four (unpack, convert,
 scale, shift), which is most of a quantized cache's decode overhead on the CPU. Where it cannot be built, or
-with ``KVQUANT_KERNELS=0``, the eager path in :mod:`kvquant.formats.quantizers` is used: same codes, same results up
+with ``KVQUANT_KERNELS=0``, the eager path in :mod:`kvquant.formats.research` is used: same codes, same results up
 to float rounding.
 
 The build lands in ``$KVQUANT_KERNEL_DIR`` (default ``~/.cache/kvquant/kernels``; it must be a folder only this

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from kvquant.compat.transformers import quantized_tensors
+
 
 def summarize(parts: dict[int, dict[str, int]], tokens: int, devices: dict[int, str] | None = None
               ) -> dict[str, float]:
@@ -57,5 +59,5 @@ def stored_bytes(cache: Cache) -> int:
             return sum(walk(getattr(obj, name)) for name in names)
         return obj.numel() * obj.element_size()
 
-    names = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(walk(getattr(layer, name, None)) for layer in cache.layers for name in names)
+    return sum(walk((getattr(layer, "keys", None), getattr(layer, "values", None), *quantized_tensors(layer)))
+               for layer in cache.layers)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvquant.compat.transformers import attn_implementation
 from kvquant.formats import ops
 from kvquant.formats.quantizers import Codec, RotatedCodec
 from kvquant.cache.fused import attention_before, is_fused
@@ -79,7 +80,7 @@ def enable_query_conversion(model) -> None:
             for m in modules:
                 m._kvquant_query_previous, m._kvquant_fallback = previous, f"{NAME}_{previous}"
         return
-    previous = model.config._attn_implementation or "eager"
+    previous = attn_implementation(model.config) or "eager"
     if previous.startswith(NAME):
         return
     for m in modules:

@@ -3,9 +3,9 @@
 A candidate's ``quantizer`` and ``options`` (as a config writes them, or ``make_cache(model, "int4",
 group_size=32, residual_length=0)``) become one :class:`CacheSpec` when they are read: the quantizer instance
 with its own options, and the cache's options as fields (residual window, sinks, eviction policy, per-layer
-overrides). It is validated once, on construction, and it is what builds the cache (:meth:`CacheSpec.build`),
-sizes it (:meth:`CacheSpec.memory`) and names it (:meth:`CacheSpec.options`, the resume keys and labels) for the
-measuring session, search, calibration, stages and deploy alike.
+overrides). It is validated once, on construction, and it is what builds the cache (``make_cache(model, spec)``),
+sizes it (:func:`kvquant.cache.build.spec_memory`) and names it (``options``, the resume keys and labels) for the
+measuring session, search, calibration and stages alike.
 
 >>> spec = CacheSpec.of("int4", {"group_size": 32, "residual_length": 0})
 >>> spec.quantizer.group_size, spec.residual_length
@@ -86,21 +86,6 @@ class CacheSpec:
         if self.name is not None:
             return self.name, dict(self.options)
         return self.quantizer, dict(self.options)
-
-    def build(self, model_or_config):
-        """The cache for ``model_or_config`` (:func:`kvquant.make_cache`)."""
-        from kvquant.cache.build import make_cache
-
-        return make_cache(model_or_config, self)
-
-    def memory(self, shape, *, tokens: int, dtype, batch: int = 1, context: int | None = None) -> dict[str, float]:
-        """``memory_report()`` after ``tokens`` tokens of one row (times ``batch``) on a model of ``shape`` (its
-        ``layout``, ``kv_heads`` and ``head_dim``: a :class:`kvquant.planner.shapes.Shape` or a session's), by the
-        cache's own code on shapes only (:func:`kvquant.cache.simulate_memory`)."""
-        from kvquant.cache.build import simulate_memory
-
-        return simulate_memory(shape.layout, self, batch=batch, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                               tokens=tokens, dtype=dtype, context=context)
 
 
 def check_not_options(where: str, options: dict) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.formats.quantizers import Fp8Codec, IdentityCodec, IntCodec
+from kvquant.formats.research import Fp8Codec, IdentityCodec, IntCodec
 from kvquant.cache.storage import Store
 
 

@@ -62,7 +62,7 @@ import torch
 
 from kvquant.formats import ops
 from kvquant.cache.roles import StorageRole
-from kvquant.formats.engines import hadamard_transform, round_half_away
+from kvquant.formats.engine_math import hadamard_transform, round_half_away
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import Codec, Quantizer, register_quantizer
 

@@ -1,7 +1,7 @@
 """A report's decision as what a serving engine is started with (``python -m kvquant.export REPORT_DIR``).
 
 Reads ``REPORT_DIR/results.json``; when the chosen setting is a serving engine's own format
-(``kvquant/formats/engines.py``,
+(``kvquant/formats/vllm.py``, ``kvquant/formats/sglang.py``,
 every token stored quantized, no rotation, sinks, window or eviction of kvquant's own) or one of llama.cpp's cache
 types (``kvquant/formats/llamacpp.py``, one type for every layer: :mod:`kvquant.integrations.deploy_llamacpp`), writes
 ``REPORT_DIR/DEPLOY.md``: the engine's command-line flags and Python keyword arguments, what was measured (the

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from kvquant.cache import attention_layout
+from kvquant.cache.build import spec_memory
 from kvquant.cache.memory import summarize
-from kvquant.runner.config import load_yaml
+from kvquant.yaml_reader import load_yaml
 from kvquant.errors import InternalError, KVQuantError, check_int, is_python_int, one_line
 from kvquant.planner.cost import MEMORY_KEYS, layer_costs, written
 from kvquant.formats.quantizers import available_quantizers
@@ -336,6 +337,6 @@ def check_candidate(candidate, shape: ModelShape, key: str) -> None:
     if "quantizer" in candidate.options:
         raise KVQuantError(f"{key}.options: 'quantizer' is not an option; set {key}.quantizer")
     try:
-        candidate.spec.memory(shape, tokens=1, dtype=torch.float16, context=shape.max_positions)
+        spec_memory(candidate.spec, shape, tokens=1, dtype=torch.float16, context=shape.max_positions)
     except KVQuantError as err:
         raise KVQuantError(f"{key}: {one_line(err)}") from None

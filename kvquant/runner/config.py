@@ -6,6 +6,10 @@ valid choices (and the file). ``--set a.b=value`` overrides a key before validat
 YAML, list items are addressed by index: ``candidates.0.quantizer``). What needs the filesystem, the model or
 lm-eval (data files, quantizer options on the model's shapes, task names) is checked by ``kvquant.run``'s
 preflight, still before any model loads.
+
+The schema is here (the ``gate:`` section in :mod:`kvquant.runner.gate_config`); binding a mapping to it is
+:mod:`kvquant.runner.binding`, ``--set`` is :mod:`kvquant.runner.overrides`, and the file is read by
+:mod:`kvquant.yaml_reader`.
 """
 
 from __future__ import annotations
@@ -14,43 +18,30 @@ import dataclasses
 import functools
 import math
 import re
-import stat
-import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 
-from kvquant.errors import KVQuantError, is_python_int
+from kvquant.errors import ConfigError, is_python_int
+from kvquant.paths import MAX_NAME_BYTES, folder_problem
+from kvquant.runner.binding import at_least, build, require
+from kvquant.runner.gate_config import GateConfig
+from kvquant.runner.overrides import apply_override
+from kvquant.yaml_reader import load_yaml, read_text_file
 
 if typing.TYPE_CHECKING:
     from kvquant.cache.spec import CacheSpec
-from kvquant.paths import MAX_NAME_BYTES, folder_problem
 
 #: Names that become file or directory names (report name, candidate and perplexity set names).
 PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 #: accelerate's device map strategies (``model.device_map``).
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-MAX_BOOTSTRAP = 100_000
-#: A run's bootstrap: at least this many resamples, and at least :data:`MIN_TAIL_RESAMPLES` beyond each end of an
-#: interval (a percentile interval's end is the resample at rank ``bootstrap * (1 - confidence) / 2``; with a
-#: handful beyond it, the end is noise, and one resample is a zero-width interval that passes anything). 1,000 at
-#: 95% (25 beyond each end) is the least Efron and Tibshirani advise for percentile intervals.
-MIN_BOOTSTRAP, MIN_TAIL_RESAMPLES = 1000, 25
-#: A gated metric needs at least this share of what attention read quantized to count toward a pass: below half,
-#: most of what attention read was stored at full precision, and the metric shows the unquantized cache.
-MIN_QUANTIZED_SHARE = 0.5
 MAX_SEED = 2**32 - 1
 MAX_FEWSHOT = 100
-MAX_DOCUMENTS = 1_000_000
-MAX_KL_DIVERGENCE = 1.0
-#: The loosest gate that is still a gate: half the accuracy kept, perplexity doubled.
-MIN_ACCURACY_RATIO, MAX_PERPLEXITY_RATIO = 0.5, 2.0
 MAX_CALIBRATION = 100_000
 #: Result labels the search uses for its own measurements.
 SEARCH_PREFIX = "search-"
@@ -58,37 +49,20 @@ SEARCH_PREFIX = "search-"
 CALIBRATE = ("tensor", "head")
 
 
-class ConfigError(KVQuantError):
-    """A config file or override that does not validate."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _at_least(key: str, value, low: int, nullable: bool = False) -> None:
-    """``value >= low`` (or None when ``nullable``)."""
-    if value is None and nullable:
-        return
-    _require(value is not None and value >= low,
-             f"{key} must be >= {low}{' or null' if nullable else ''}, got {value!r}")
-
-
 def check_plain_name(key: str, value: str) -> None:
     """A name used as a file or directory name: letters, digits, ``_ . + = -``; no path separators, no ``..``;
     at most :data:`kvquant.paths.MAX_NAME_BYTES` characters."""
     check_name_length(key, value)
-    _require(bool(PLAIN_NAME.fullmatch(value)) and ".." not in value,
-             f"{key} {value!r} must be a plain name (letters, digits, _ . + = -; no '/' or '..'), since it names "
-             "a directory")
+    require(bool(PLAIN_NAME.fullmatch(value)) and ".." not in value,
+            f"{key} {value!r} must be a plain name (letters, digits, _ . + = -; no '/' or '..'), since it names "
+            "a directory")
 
 
 def check_name_length(key: str, value: str) -> None:
     """A name kvquant puts into file names fits one (:data:`kvquant.paths.MAX_NAME_BYTES`)."""
     size = len(value.encode("utf-8", "surrogatepass"))
-    _require(size <= MAX_NAME_BYTES, f"{key} {value[:24]!r}... is {size} bytes long; it becomes part of a file or "
-             f"folder name, so at most {MAX_NAME_BYTES}")
+    require(size <= MAX_NAME_BYTES, f"{key} {value[:24]!r}... is {size} bytes long; it becomes part of a file or "
+            f"folder name, so at most {MAX_NAME_BYTES}")
 
 
 def check_device(key: str, device: str) -> None:
@@ -101,13 +75,13 @@ def check_device(key: str, device: str) -> None:
         parsed = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"{key} {device!r} is not a device; {valid}") from None
-    _require(parsed.type in DEVICE_TYPES, f"{key} {device!r} is not a device to run a model on; {valid}")
+    require(parsed.type in DEVICE_TYPES, f"{key} {device!r} is not a device to run a model on; {valid}")
 
 
 def map_device(device: str | int) -> str:
     """A device map's entry as a device name (a GPU index ``N`` is ``cuda:N``)."""
     if is_python_int(device):
-        _require(device >= 0, f"a GPU index must be >= 0, got {device}")
+        require(device >= 0, f"a GPU index must be >= 0, got {device}")
         return f"cuda:{device}"
     return device
 
@@ -140,16 +114,16 @@ class ModelConfig:
     max_length: int | None = None
 
     def __post_init__(self):
-        _require(bool(self.path), "path must name a model (local:REL, a directory or a hub id)")
-        _require(self.gguf_file is None or bool(self.gguf_file), "gguf_file must be a file name or null")
+        require(bool(self.path), "path must name a model (local:REL, a directory or a hub id)")
+        require(self.gguf_file is None or bool(self.gguf_file), "gguf_file must be a file name or null")
         from kvquant.packaged import gguf_file_problem  # imported here: packaged's command line imports little
 
         problem = gguf_file_problem(self.path, self.gguf_file)
-        _require(problem is None, problem or "")
-        _at_least("max_length", self.max_length, 2, nullable=True)
+        require(problem is None, problem or "")
+        at_least("max_length", self.max_length, 2, nullable=True)
         check_device("device", self.device)
         if isinstance(self.device_map, dict):
-            _require(bool(self.device_map), "device_map: an explicit map names at least one module")
+            require(bool(self.device_map), "device_map: an explicit map names at least one module")
             for name, device in self.device_map.items():
                 check_device(f"device_map.{name}", map_device(device))
         elif self.device_map is not None and self.device_map not in DEVICE_MAPS:
@@ -169,10 +143,10 @@ class Candidate:
     calibrate: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
-        _require(bool(self.quantizer), "quantizer must name a quantizer, got ''")
+        require(bool(self.quantizer), "quantizer must name a quantizer, got ''")
         check_plain_name("name" if self.name else "label (derived from quantizer and options; set name)", self.label)
-        _require(self.calibrate in (None, *CALIBRATE), f"calibrate must be one of {list(CALIBRATE)} or null, got "
-                 f"{self.calibrate!r}")
+        require(self.calibrate in (None, *CALIBRATE), f"calibrate must be one of {list(CALIBRATE)} or null, got "
+                f"{self.calibrate!r}")
 
     @property
     def label(self) -> str:
@@ -216,7 +190,7 @@ class ServingConfig:
 
     def __post_init__(self):
         for key in ("requests", "prefix", "suffix", "decode_steps"):
-            _require(1 <= getattr(self, key) <= 1_000_000, f"{key} must be in 1..1000000, got {getattr(self, key)!r}")
+            require(1 <= getattr(self, key) <= 1_000_000, f"{key} must be in 1..1000000, got {getattr(self, key)!r}")
 
 
 @dataclass(frozen=True)
@@ -241,12 +215,12 @@ class PerplexitySet:
 
     def __post_init__(self):
         check_plain_name("name", self.name)
-        _require(bool(self.source or self.hub), "source or hub: a perplexity set needs a file or a datasets id")
-        _at_least("limit", self.limit, 1, nullable=True)
-        _at_least("max_length", self.max_length, 2)
-        _require(self.stride is None or 1 <= self.stride <= self.max_length,
-                 f"stride must be in 1..max_length ({self.max_length}) or null, got {self.stride!r}")
-        _require(bool(self.text_field), "text_field must name a field, got ''")
+        require(bool(self.source or self.hub), "source or hub: a perplexity set needs a file or a datasets id")
+        at_least("limit", self.limit, 1, nullable=True)
+        at_least("max_length", self.max_length, 2)
+        require(self.stride is None or 1 <= self.stride <= self.max_length,
+                f"stride must be in 1..max_length ({self.max_length}) or null, got {self.stride!r}")
+        require(bool(self.text_field), "text_field must name a field, got ''")
 
 
 @dataclass(frozen=True)
@@ -263,25 +237,25 @@ class TaskSet:
     num_fewshot: Any = 0
 
     def __post_init__(self):
-        _require(all(self.names), "names must be task names, got an empty name")
+        require(all(self.names), "names must be task names, got an empty name")
         for name in self.names:  # partial results are named after the task
             check_name_length("names: task", name)
         if isinstance(self.num_fewshot, dict):
             for task, shots in self.num_fewshot.items():
-                _require(task in self.names, f"num_fewshot: {task!r} is not among names "
-                         f"({', '.join(self.names) or 'none'})")
-                _require(is_python_int(shots) and 0 <= shots <= MAX_FEWSHOT,
-                         f"num_fewshot.{task} must be an integer in 0..{MAX_FEWSHOT}, got {shots!r}")
+                require(task in self.names, f"num_fewshot: {task!r} is not among names "
+                        f"({', '.join(self.names) or 'none'})")
+                require(is_python_int(shots) and 0 <= shots <= MAX_FEWSHOT,
+                        f"num_fewshot.{task} must be an integer in 0..{MAX_FEWSHOT}, got {shots!r}")
         else:
-            _require(is_python_int(self.num_fewshot) and 0 <= self.num_fewshot <= MAX_FEWSHOT,
-                     f"num_fewshot must be an integer in 0..{MAX_FEWSHOT} or a mapping of task names to such integers, "
-                     f"got {self.num_fewshot!r}")
-        _require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
-        _at_least("limit", self.limit, 1, nullable=True)
+            require(is_python_int(self.num_fewshot) and 0 <= self.num_fewshot <= MAX_FEWSHOT,
+                    f"num_fewshot must be an integer in 0..{MAX_FEWSHOT} or a mapping of task names to such integers, "
+                    f"got {self.num_fewshot!r}")
+        require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
+        at_least("limit", self.limit, 1, nullable=True)
         for task, limit in self.limits.items():
-            _require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")
-            _require(limit is None or (is_python_int(limit) and limit >= 1),
-                     f"limits.{task} must be an integer >= 1 or null, got {limit!r}")
+            require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")
+            require(limit is None or (is_python_int(limit) and limit >= 1),
+                    f"limits.{task} must be an integer >= 1 or null, got {limit!r}")
 
     def limit_for(self, task: str) -> int | None:
         return self.limits[task] if task in self.limits else self.limit
@@ -307,87 +281,12 @@ class EvalConfig:
     memory_probe_tokens: int = 512
 
     def __post_init__(self):
-        _at_least("chunk_size", self.chunk_size, 1)
-        _at_least("batch_size", self.batch_size, 1)
-        _at_least("memory_probe_tokens", self.memory_probe_tokens, 2)
-        _require(0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed!r}")
+        at_least("chunk_size", self.chunk_size, 1)
+        at_least("batch_size", self.batch_size, 1)
+        at_least("memory_probe_tokens", self.memory_probe_tokens, 2)
+        require(0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed!r}")
         names = [p.name for p in self.perplexity]
-        _require(len(set(names)) == len(names), f"perplexity: set names must be unique, got {names}")
-
-
-@dataclass(frozen=True)
-class GateConfig:
-    #: Minimum candidate/baseline accuracy on every gated task.
-    min_relative_accuracy: float = 0.97
-    #: Maximum candidate/baseline perplexity on every gated perplexity set.
-    max_perplexity_ratio: float = 1.05
-    #: ``interval``: pass / fail / inconclusive from the paired bootstrap interval (see ``kvquant.runner.gate``);
-    #: ``point``: on the point estimate alone (not a test: its verdicts say so).
-    decide_on: Literal["interval", "point"] = "interval"
-    #: Two-sided confidence of the intervals: a wrong pass (or a wrong fail) has at most half of 1 - confidence.
-    confidence: float = 0.95
-    bootstrap: int = 1000
-    #: Sequential documents: per task, score up to this many (doubling from ``eval.tasks.limit``) while a
-    #: candidate's verdict on it is open (null: the first ``limit`` only).
-    max_documents: int | None = None
-    #: A gated metric counts only when at least this share of the keys and of the values attention read was
-    #: quantized (else: not exercised).
-    min_quantized_share: float = 0.9
-    #: Gate the perplexity sets on the mean KL divergence from the baseline (nats per token) and on the share
-    #: of positions whose most likely token is the baseline's (null: reported, not gated).
-    max_kl_divergence: float | None = None
-    min_top1_agreement: float | None = None
-    #: Gated tasks and perplexity sets (null = all of them); the others are reported only.
-    tasks: list[str] | None = None
-    perplexity: list[str] | None = None
-
-    def __post_init__(self):
-        _require(0 < self.min_relative_accuracy <= 1,
-                 f"min_relative_accuracy must be in (0, 1], got {self.min_relative_accuracy!r}")
-        _require(math.isfinite(self.max_perplexity_ratio),
-                 f"max_perplexity_ratio must be a finite number, got {self.max_perplexity_ratio!r}")
-        _require(self.max_perplexity_ratio >= 1,
-                 f"max_perplexity_ratio must be a finite number >= 1, got {self.max_perplexity_ratio!r}")
-        _require(0 < self.confidence < 1, f"confidence must be in (0, 1), got {self.confidence!r}")
-        _require(1 <= self.bootstrap <= MAX_BOOTSTRAP,
-                 f"bootstrap must be in 1..{MAX_BOOTSTRAP} resamples, got {self.bootstrap!r}")
-        _at_least("max_documents", self.max_documents, 1, nullable=True)
-        _require(self.max_documents is None or self.max_documents <= MAX_DOCUMENTS,
-                 f"max_documents must be at most {MAX_DOCUMENTS}, got {self.max_documents!r}")
-        _require(0 <= self.min_quantized_share <= 1,
-                 f"min_quantized_share must be in [0, 1], got {self.min_quantized_share!r}")
-        _require(self.max_kl_divergence is None or 0 < self.max_kl_divergence <= MAX_KL_DIVERGENCE,
-                 f"max_kl_divergence must be in (0, {MAX_KL_DIVERGENCE}] nats per token or null, got "
-                 f"{self.max_kl_divergence!r}")
-        _require(self.min_top1_agreement is None or 0.5 <= self.min_top1_agreement <= 1,
-                 f"min_top1_agreement must be in [0.5, 1] or null, got {self.min_top1_agreement!r}")
-
-    def check_is_a_gate(self) -> None:
-        """The run's gate must be one: thresholds looser than these pass any cache (the search's calibration
-        target is the search's own affair, so this is checked on the config's gate only)."""
-        off = "a looser gate passes any cache, int2 included: it is switched off, not a gate"
-        _require(MIN_ACCURACY_RATIO <= self.min_relative_accuracy,
-                 f"gate.min_relative_accuracy must be in [{MIN_ACCURACY_RATIO}, 1], got "
-                 f"{self.min_relative_accuracy!r}; {off}")
-        _require(self.max_perplexity_ratio <= MAX_PERPLEXITY_RATIO,
-                 f"gate.max_perplexity_ratio must be in [1, {MAX_PERPLEXITY_RATIO}], got "
-                 f"{self.max_perplexity_ratio!r}; {off}")
-        _require(self.min_quantized_share >= MIN_QUANTIZED_SHARE,
-                 f"gate.min_quantized_share must be in [{MIN_QUANTIZED_SHARE}, 1], got {self.min_quantized_share!r}: "
-                 "below half, most of what attention read was not quantized, so a pass would show the full-precision "
-                 "cache, not the quantizer")
-        self._check_bootstrap()
-
-    def _check_bootstrap(self) -> None:
-        """Enough resamples for the interval's ends (:data:`MIN_BOOTSTRAP`, :data:`MIN_TAIL_RESAMPLES`)."""
-        tail = (1 - self.confidence) / 2
-        least = max(MIN_BOOTSTRAP, math.ceil(round(MIN_TAIL_RESAMPLES / tail, 6)))
-        _require(least <= MAX_BOOTSTRAP, f"gate.confidence {self.confidence!r} needs more than {MAX_BOOTSTRAP} "
-                 f"bootstrap resamples ({least}) for {MIN_TAIL_RESAMPLES} beyond each end of an interval; lower it")
-        _require(self.bootstrap >= least,
-                 f"gate.bootstrap must be at least {least} resamples for {self.confidence:.4g} intervals, got "
-                 f"{self.bootstrap!r}: each end is read from the {tail:.4g} of resamples beyond it, so fewer leave "
-                 f"noise there (1 gives a zero-width interval that passes anything)")
+        require(len(set(names)) == len(names), f"perplexity: set names must be unique, got {names}")
 
 
 @dataclass(frozen=True)
@@ -414,21 +313,21 @@ class SearchConfig:
 
     def __post_init__(self):
         check_plain_name("name", self.name)
-        _require(len(self.ladder) >= 2, f"ladder needs at least two settings to choose between, got {len(self.ladder)}")
+        require(len(self.ladder) >= 2, f"ladder needs at least two settings to choose between, got {len(self.ladder)}")
         labels = [rung.label for rung in self.ladder]
-        _require(len(set(labels)) == len(labels), f"ladder: names must be unique, got {labels}")
+        require(len(set(labels)) == len(labels), f"ladder: names must be unique, got {labels}")
         for i, rung in enumerate(self.ladder):
-            _require("layers" not in rung.options, f"ladder[{i}].options: 'layers' is what the search decides")
-        _require(1 <= self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
-        _require(0 <= self.documents <= MAX_CALIBRATION,
-                 f"documents must be in 0..{MAX_CALIBRATION}, got {self.documents!r}")
-        _require(self.max_perplexity_ratio is None or (math.isfinite(self.max_perplexity_ratio)
+            require("layers" not in rung.options, f"ladder[{i}].options: 'layers' is what the search decides")
+        require(1 <= self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
+        require(0 <= self.documents <= MAX_CALIBRATION,
+                f"documents must be in 0..{MAX_CALIBRATION}, got {self.documents!r}")
+        require(self.max_perplexity_ratio is None or (math.isfinite(self.max_perplexity_ratio)
                                                         and self.max_perplexity_ratio >= 1.0),
                  f"max_perplexity_ratio must be a finite number of at least 1.0, got {self.max_perplexity_ratio!r}")
-        _require(self.max_bits is None or (math.isfinite(self.max_bits) and self.max_bits > 0),
-                 f"max_bits must be a finite number above 0, got {self.max_bits!r}")
-        _require(self.max_bits is None or self.max_perplexity_ratio is None,
-                 "max_bits and max_perplexity_ratio choose the map two ways; set one")
+        require(self.max_bits is None or (math.isfinite(self.max_bits) and self.max_bits > 0),
+                f"max_bits must be a finite number above 0, got {self.max_bits!r}")
+        require(self.max_bits is None or self.max_perplexity_ratio is None,
+                "max_bits and max_perplexity_ratio choose the map two ways; set one")
 
 
 @dataclass(frozen=True)
@@ -441,9 +340,9 @@ class CalibrationConfig:
     averaging: float = 0.01
 
     def __post_init__(self):
-        _at_least("windows", self.windows, 1)
-        _require(self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
-        _require(0 < self.averaging <= 1, f"averaging must be in (0, 1], got {self.averaging!r}")
+        at_least("windows", self.windows, 1)
+        require(self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
+        require(0 < self.averaging <= 1, f"averaging must be in (0, 1], got {self.averaging!r}")
 
 
 @dataclass(frozen=True)
@@ -466,24 +365,24 @@ class ExperimentConfig:
 
     def __post_init__(self):
         check_plain_name("name", self.name)
-        _require(bool(self.output_dir), "output_dir must name a directory, got ''")
+        require(bool(self.output_dir), "output_dir must name a directory, got ''")
         problem = folder_problem(self.output_dir)
-        _require(problem is None, f"output_dir: {problem}")
+        require(problem is None, f"output_dir: {problem}")
         self.gate.check_is_a_gate()
         if self.stages:
-            _require(not self.candidates and not self.search, "stages: a staged run measures its stages only; remove "
-                     "candidates and search")
+            require(not self.candidates and not self.search, "stages: a staged run measures its stages only; remove "
+                    "candidates and search")
             object.__setattr__(self, "serving", self.serving or ServingConfig())
             if self.serving.text is not None:
-                _require(self.serving.text in [p.name for p in self.eval.perplexity], f"serving.text: "
-                         f"{self.serving.text!r} is not among eval.perplexity")
+                require(self.serving.text in [p.name for p in self.eval.perplexity], f"serving.text: "
+                        f"{self.serving.text!r} is not among eval.perplexity")
             else:
-                _require(bool(self.eval.perplexity), "serving: the requests are cut from a perplexity set's text; "
-                         "list one under eval.perplexity")
+                require(bool(self.eval.perplexity), "serving: the requests are cut from a perplexity set's text; "
+                        "list one under eval.perplexity")
         else:
-            _require(self.serving is None, "serving: only a staged run (stages:) measures serving")
-        _require(bool(self.candidates or self.search or self.stages),
-                 "candidates: at least one cache setting (or a search) is needed")
+            require(self.serving is None, "serving: only a staged run (stages:) measures serving")
+        require(bool(self.candidates or self.search or self.stages),
+                "candidates: at least one cache setting (or a search) is needed")
         labels = [c.label for c in [*self.candidates, *self.stages]] + ([self.search.name] if self.search else [])
         if len(set(labels)) != len(labels) or "baseline" in labels:
             raise ConfigError(f"candidates: names must be unique and not 'baseline', got {labels}"
@@ -492,23 +391,23 @@ class ExperimentConfig:
         if reserved:
             raise ConfigError(f"candidates: names starting with {SEARCH_PREFIX!r} are the search's own, got "
                               f"{reserved[0]!r}")
-        _require(bool(self.eval.perplexity or self.eval.tasks.names),
-                 "eval: nothing to measure; list perplexity sets and/or tasks")
+        require(bool(self.eval.perplexity or self.eval.tasks.names),
+                "eval: nothing to measure; list perplexity sets and/or tasks")
         gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
                                                                               [p.name for p in self.eval.perplexity])]
-        _require(bool(gated), "gate: nothing is gated (gate.tasks and gate.perplexity select no task and no "
-                 "perplexity set), so every candidate would pass; gate at least one")
+        require(bool(gated), "gate: nothing is gated (gate.tasks and gate.perplexity select no task and no "
+                "perplexity set), so every candidate would pass; gate at least one")
         for key in ("max_kl_divergence", "min_top1_agreement"):
-            _require(getattr(self.gate, key) is None or bool(self.gated_perplexity()),
-                     f"gate.{key}: divergence from the baseline is measured on perplexity sets, and none is gated; "
-                     "add one to eval.perplexity (and gate.perplexity)")
+            require(getattr(self.gate, key) is None or bool(self.gated_perplexity()),
+                    f"gate.{key}: divergence from the baseline is measured on perplexity sets, and none is gated; "
+                    "add one to eval.perplexity (and gate.perplexity)")
         if self.gate.max_documents is not None:
             for task in self.gated_tasks():
                 limit = self.eval.tasks.limit_for(task)
-                _require(limit is not None and limit <= self.gate.max_documents,
-                         f"gate.max_documents {self.gate.max_documents} is where sequential documents stop, and "
-                         f"task {task!r} starts at {limit if limit is not None else 'all its documents'}; set "
-                         "eval.tasks.limit (where each task starts) at or below it")
+                require(limit is not None and limit <= self.gate.max_documents,
+                        f"gate.max_documents {self.gate.max_documents} is where sequential documents stop, and "
+                        f"task {task!r} starts at {limit if limit is not None else 'all its documents'}; set "
+                        "eval.tasks.limit (where each task starts) at or below it")
         if self.search:
             self._check_split()
             check_name_length("name and search.name (searched.yaml reruns the map as <name>-<search.name>)",
@@ -522,31 +421,31 @@ class ExperimentConfig:
                        for i, c in enumerate(listed) if c.calibrate]
         if not calibrating:
             return
-        _require(self.calibration is not None, f"{calibrating[0]}: calibrate needs a calibration split held apart "
-                 "from evaluation; add calibration: {windows: 8} (windows after each gated perplexity set's limit)")
+        require(self.calibration is not None, f"{calibrating[0]}: calibrate needs a calibration split held apart "
+                "from evaluation; add calibration: {windows: 8} (windows after each gated perplexity set's limit)")
         sets = self.gated_perplexity()
-        _require(bool(sets), f"{calibrating[0]}: calibration windows come from the gated perplexity sets, and none "
-                 "is gated; add one to eval.perplexity (and gate.perplexity)")
+        require(bool(sets), f"{calibrating[0]}: calibration windows come from the gated perplexity sets, and none "
+                "is gated; add one to eval.perplexity (and gate.perplexity)")
         for pset in sets:
-            _require(pset.limit is not None, f"calibration: perplexity set {pset.name!r} has no limit, so no windows "
-                     "are left to calibrate on apart from evaluation; set eval.perplexity[].limit")
+            require(pset.limit is not None, f"calibration: perplexity set {pset.name!r} has no limit, so no windows "
+                    "are left to calibrate on apart from evaluation; set eval.perplexity[].limit")
 
     def _check_split(self) -> None:
         """A search calibrates on data held apart from evaluation: after each gated set's and task's limit."""
         sets = self.gated_perplexity()
-        _require(bool(sets), "search: its layer sensitivities are perplexity increases; gate at least one "
-                 "perplexity set (gate.perplexity)")
+        require(bool(sets), "search: its layer sensitivities are perplexity increases; gate at least one "
+                "perplexity set (gate.perplexity)")
         for pset in sets:
-            _require(pset.limit is not None, f"search: perplexity set {pset.name!r} has no limit, so no windows are "
-                     "left to calibrate on apart from evaluation; set eval.perplexity[].limit")
+            require(pset.limit is not None, f"search: perplexity set {pset.name!r} has no limit, so no windows are "
+                    "left to calibrate on apart from evaluation; set eval.perplexity[].limit")
         if not self.search.documents:  # calibration reads no task document
             return
         for task in self.gated_tasks():
-            _require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
-                     "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")
-        _require(not any(map(self.eval.tasks.fewshot_for, self.eval.tasks.names)),
-                 "search: num_fewshot must be 0, since few-shot examples may be drawn from the documents evaluation "
-                 "reads, and calibration would see them")
+            require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
+                    "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")
+        require(not any(map(self.eval.tasks.fewshot_for, self.eval.tasks.names)),
+                "search: num_fewshot must be 0, since few-shot examples may be drawn from the documents evaluation "
+                "reads, and calibration would see them")
 
     def gated_perplexity(self) -> list[PerplexitySet]:
         names = self._gated("perplexity", [p.name for p in self.eval.perplexity])
@@ -562,233 +461,12 @@ class ExperimentConfig:
             return measured
         where = "eval.tasks.names" if kind == "tasks" else "eval.perplexity"
         for name in listed:
-            _require(name in measured, f"gate.{kind}: {name!r} is not measured, so it would never be gated; "
-                     f"{where} has: {', '.join(measured) or 'nothing'}")
+            require(name in measured, f"gate.{kind}: {name!r} is not measured, so it would never be gated; "
+                    f"{where} has: {', '.join(measured) or 'nothing'}")
         return list(listed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; build nested dataclasses."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, arg, where)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0])
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where} must be one of {list(args)}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where} must be a list, got {type(value).__name__} {value!r}")
-        return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping, got {type(value).__name__} {value!r}")
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            raise ConfigError(f"{where}: keys must be names, got {bad[0]!r}")
-        return dict(value)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float and is_python_int(value):
-        value = float(value)
-    if not isinstance(value, tp) or (tp in (int, float) and isinstance(value, bool)):
-        raise ConfigError(f"{where} must be {tp.__name__}, got {type(value).__name__} {value!r}")
-    if tp is float and not math.isfinite(value):
-        raise ConfigError(f"{where} must be a finite number, got {value!r}")
-    if tp is str:
-        check_string(where, value)
-    return value
-
-
-def check_string(where: str, value: str) -> None:
-    """A config's text: no NUL and no lone surrogate, which no name, path or text holds (and a path with either
-    cannot even be asked about)."""
-    _require("\0" not in value, f"{where} {value!r:.60} holds a NUL character, which no name, path or text may hold")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ConfigError(f"{where} {value!r:.60} holds a lone surrogate (character {err.start}), which is not "
-                          "text") from None
-
-
-def _build(cls, data: Any, where: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown key {prefix}{unknown[0]} (valid keys: {', '.join(fields)})")
-    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"missing key {where + '.' if where else ''}{missing[0]}")
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:  # the dataclass names its own key; say where it sits
-        raise ConfigError(f"{where}.{err}" if where else str(err)) from None
-
-
-def build(cls, data: Any, where: str = ""):
-    """Validate a mapping into config dataclass ``cls`` (types, ranges); errors name the key under ``where``."""
-    return _build(cls, data, where)
-
-
-def apply_override(data: dict, assignment: str) -> None:
-    """Apply ``a.b.c=value`` to the raw config mapping (value parsed as YAML)."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set expects key=value, got {assignment!r}")
-    key, raw = assignment.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"--set {key[:60]!r}: not a key (write e.g. eval.tasks.limit=50)")
-    if len(parts) > MAX_YAML_DEPTH:
-        raise ConfigError(f"--set {key[:60]}...: {len(parts)} keys deep; a config is at most {MAX_YAML_DEPTH} levels "
-                          "deep")
-    node: Any = data
-    for i, part in enumerate(parts[:-1]):
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"--set {key}: {'.'.join(parts[:i]) or 'list'} has no item {part}")
-            node = node[int(part)]
-        elif isinstance(node, dict):
-            node = node.setdefault(part, {})
-        else:
-            raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is {type(node).__name__} {node!r}, which has no "
-                              f"key {part!r}")
-    last = parts[-1]
-    value = load_yaml(raw, f"--set {key}", f"{raw!r} is not a YAML value")
-    if len(parts) - 1 + _depth(value, {}) > MAX_YAML_DEPTH:
-        raise ConfigError(f"--set {key}: the value at this key is nested deeper than {MAX_YAML_DEPTH} levels")
-    if not isinstance(node, (list, dict)):
-        raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is {type(node).__name__} {node!r}, which has no "
-                          f"key {last!r}")
-    if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
-            raise ConfigError(f"--set {key}: no list item {last}")
-        node[int(last)] = value
-    else:
-        node[last] = value
-
-
-def _first_line(err: Exception) -> str:
-    return " ".join(str(err).split())
-
-
-#: Bounds of any YAML kvquant reads: nesting depth, nodes after aliases expand (an alias "bomb" of a few hundred
-#: bytes expands to billions), and text size.
-MAX_YAML_DEPTH, MAX_YAML_NODES, MAX_TEXT_BYTES = 64, 1_000_000, 16 << 20
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (last-wins would drop, e.g., a whole ``candidates:`` list) and YAML
-    nested deeper than :data:`MAX_YAML_DEPTH`."""
-
-    def compose_node(self, parent, index):
-        self._depth = getattr(self, "_depth", 0) + 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                raise ConfigError(f"nested deeper than {MAX_YAML_DEPTH} levels")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def construct_object(self, node, deep=False):
-        """A scalar Python cannot hold (an integer past its digit limit, a date that does not exist) is an error
-        naming its line, not an internal error."""
-        try:
-            return super().construct_object(node, deep)
-        except ConfigError:
-            raise
-        except (ValueError, OverflowError) as err:
-            line, text = node.start_mark.line + 1, str(node.value)
-            if node.tag.endswith(":int") and len(text) > sys.get_int_max_str_digits():
-                raise ConfigError(f"line {line}: an integer of {len(text):,} digits, beyond the "
-                                  f"{sys.get_int_max_str_digits():,} Python reads; no setting takes one") from None
-            raise ConfigError(f"line {line}: {text[:40]!r} cannot be read as {node.tag.rpartition(':')[2]} "
-                              f"({_first_line(err)[:80]})") from None
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) or key is None:
-                if key in seen:
-                    raise ConfigError(f"key {key!r} appears twice in one mapping (line {key_node.start_mark.line + 1})")
-                seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _depth(value, memo: dict) -> int:
-    """Levels of nesting of ``value`` (a scalar: 0), each shared (aliased) part counted once."""
-    if not isinstance(value, (dict, list)):
-        return 0
-    if id(value) not in memo:
-        children = value.values() if isinstance(value, dict) else value
-        memo[id(value)] = 1 + max((_depth(child, memo) for child in children), default=0)
-    return memo[id(value)]
-
-
-def _expanded_nodes(value, memo: dict) -> int:
-    """Nodes of ``value`` with every shared (aliased) part counted each time it appears, without expanding it."""
-    if id(value) in memo:
-        return memo[id(value)]
-    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    memo[id(value)] = count = 1 + sum(_expanded_nodes(child, memo) for child in children)
-    return count
-
-
-def load_yaml(text: str, what: str, invalid: str = "not valid YAML"):
-    """``text`` parsed as YAML (safe types only), refusing duplicate keys, deep nesting and alias bombs with one
-    line naming ``what`` (``invalid``: what to call text that does not parse)."""
-    try:
-        value = yaml.load(text, Loader=_StrictLoader)  # noqa: S506  (a SafeLoader subclass)
-    except ConfigError as err:
-        raise ConfigError(f"{what}: {err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{what}: {invalid}: {_first_line(err)}") from None
-    except RecursionError:
-        raise ConfigError(f"{what}: nested too deeply") from None
-    if _expanded_nodes(value, {}) > MAX_YAML_NODES:
-        raise ConfigError(f"{what}: expands to more than {MAX_YAML_NODES:,} values (YAML aliases); write it out")
-    return value
-
-
-def read_text_file(path: Path, what: str) -> str:
-    """The UTF-8 text of ``path``; a missing, unreadable, binary or non-UTF-8 file is an error naming it."""
-    if not path.exists():
-        raise ConfigError(f"{path}: no such {what}")
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a {what}")
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block or never end
-            raise ConfigError(f"{path}: not a regular file, so not a {what}")
-        if path.stat().st_size > MAX_TEXT_BYTES:
-            raise ConfigError(f"{path}: larger than {MAX_TEXT_BYTES >> 20} MiB, too large for a {what}")
-        raw = path.read_bytes()
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read the {what} ({err.strerror or err})") from None
-    if b"\0" in raw:
-        raise ConfigError(f"{path}: a binary file (holds NUL bytes), not a {what}")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the {what} as UTF-8") from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
@@ -801,6 +479,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig
     try:
         for assignment in overrides:
             apply_override(data, assignment)
-        return _build(ExperimentConfig, data, "")
+        return build(ExperimentConfig, data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None

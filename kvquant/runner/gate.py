@@ -24,7 +24,8 @@ import math
 
 import numpy as np
 
-from kvquant.runner.config import ExperimentConfig, GateConfig
+from kvquant.runner.config import ExperimentConfig
+from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, PERPLEXITY, Decision, Measured, MetricId,
     MetricRow, Verdict, relative_score)
 

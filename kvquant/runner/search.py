@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
+from kvquant.cache.build import spec_memory
 from kvquant.scoring import data
 from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
@@ -163,7 +164,7 @@ def last_within(bits: list[float], budget: float) -> int | None:
 
 def candidate_bits(candidate: Candidate, shape, dtype, tokens: int) -> float:
     """Bits per element of ``candidate``'s cache after ``tokens`` tokens, simulated on the model's shape."""
-    return candidate.spec.memory(shape, tokens=tokens, dtype=dtype)["bits_per_element"]
+    return spec_memory(candidate.spec, shape, tokens=tokens, dtype=dtype)["bits_per_element"]
 
 
 def ladder_bits(cfg: ExperimentConfig, shape, dtype, tokens: int) -> list[float]:

@@ -25,9 +25,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from kvquant.cache import CacheSpec
-from kvquant.runner.config import ConfigError, ModelConfig, load_yaml
-from kvquant.errors import KVQuantError, check_int, is_int
+from kvquant.cache import CacheSpec, make_cache
+from kvquant.compat.lm_eval import set_rank
+from kvquant.runner.config import ModelConfig
+from kvquant.yaml_reader import load_yaml
+from kvquant.errors import ConfigError, KVQuantError, check_int, is_int
 from kvquant.scoring.scorer import Scorer, check_mode
 from kvquant.scoring.models import load_model, max_length as model_max_length
 from kvquant.scoring import fewshot
@@ -130,7 +132,7 @@ class KVQuantLM(TemplateLM):
                                    "data-parallel processes (launch one process, or drop device_map)")
             device = parallel.device() or device  # one GPU per process
             if share_out == "documents":
-                self._rank, self._world_size = group.rank, group.world
+                set_rank(self, group.rank, group.world)
         if isinstance(pretrained, str):
             spec = ModelConfig(path=pretrained, tokenizer=tokenizer, dtype=dtype, device=device or "auto",
                                device_map=device_map, gguf_file=gguf_file, max_length=max_length)
@@ -142,12 +144,9 @@ class KVQuantLM(TemplateLM):
         self.shots = fewshot.expected()  # kvquant.lm_eval's --num_fewshot: requests are checked to fit, never cut
         options = {k: parse_value(v) for k, v in cache_options.items()}
         self.spec = CacheSpec.of(quantizer, options)
-        self.spec.build(self.model)  # validate the settings on this model now, not at the first request
+        make_cache(self.model, self.spec)  # validate the settings on this model now, not at the first request
         self.processes = group if share_out == "requests" else parallel.ONE
-        self.scorer = Scorer(self.model, self.new_cache, mode, chunk_size, batch_size, share_prefix, self.processes)
-
-    def new_cache(self):
-        return self.spec.build(self.model)
+        self.scorer = Scorer(self.model, self.spec, mode, chunk_size, batch_size, share_prefix, self.processes)
 
     # lm-eval's data-parallel protocol (lm_eval.api.model.LM): with world_size > 1 its evaluator gives each rank
     # its share of every task's documents, then gathers the scored samples on rank 0
@@ -234,7 +233,7 @@ class KVQuantLM(TemplateLM):
             ids = self.tok_encode(context)[-max(self.max_length - max_new, 1) :]
             inputs = torch.tensor([ids], device=self.scorer.device)
             with torch.inference_mode():
-                generated = self.model.generate(inputs, cache=self.new_cache(), max_new_tokens=max_new,
+                generated = self.model.generate(inputs, cache=make_cache(self.model, self.spec), max_new_tokens=max_new,
                                                 pad_token_id=self.eot_token_id, **kwargs)
             text = self.tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)
             for stop in until:

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from kvquant.cache import KVQuantCache, stack_rows
+from kvquant.cache import CacheSpec, KVQuantCache, make_cache, stack_rows
 from kvquant.scoring.data import Window
 from kvquant.errors import InternalError, KVQuantError, check_int
 from kvquant.scoring.parallel import ONE, Processes
@@ -167,18 +166,18 @@ class _Batch:
 
 
 class Scorer:
-    """Scores token sequences with ``model``, reading K/V through a fresh ``make_cache()`` per batch.
+    """Scores token sequences with ``model``, reading K/V through a fresh cache of ``spec`` per batch.
 
     ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.cache.reads`) and ``lengths``
     holds every scored request's length (context + continuation tokens), in scoring order. With
     ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline).
     ``processes``: the run's processes, which share every call's requests (``reads`` then counts all of theirs)."""
 
-    def __init__(self, model, make_cache: Callable[[], KVQuantCache], mode: str = "simulated", chunk_size: int = 64,
+    def __init__(self, model, spec: CacheSpec, mode: str = "simulated", chunk_size: int = 64,
                  batch_size: int = 1, share_prefix: bool = True, processes: Processes = ONE):
         check_mode(mode, chunk_size)
         check_int("batch_size", batch_size, minimum=1)
-        self.model, self.make_cache, self.mode, self.chunk_size = model, make_cache, mode, chunk_size
+        self.model, self.spec, self.mode, self.chunk_size = model, CacheSpec.of(spec), mode, chunk_size
         self.batch_size, self.share_prefix, self.processes = batch_size, share_prefix, processes
         self.reads, self.lengths, self.distributions = Reads(), [], False
         if mode == "simulated" and self.evicts:
@@ -188,7 +187,7 @@ class Scorer:
     @functools.cached_property
     def evicts(self) -> bool:
         """Whether the caches evict tokens (an eviction policy)."""
-        return self.make_cache().eviction is not None
+        return make_cache(self.model, self.spec).eviction is not None
 
     @property
     def device(self) -> torch.device:
@@ -205,7 +204,7 @@ class Scorer:
         return max(1, min(self.batch_size, LOGIT_ELEMENTS // max(1, scored * self.vocab)))
 
     def _new_cache(self) -> KVQuantCache:
-        cache = self.make_cache()
+        cache = make_cache(self.model, self.spec)
         cache.reads = self.reads
         return cache
 
@@ -438,9 +437,9 @@ def _compare(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], i
 
 
 @torch.inference_mode()
-def memory_probe(model, make_cache: Callable[[], KVQuantCache], ids: list[int]) -> dict[str, float]:
-    """``memory_report()`` of a cache after ``ids`` went through it."""
-    cache = make_cache()
+def memory_probe(model, spec: CacheSpec, ids: list[int]) -> dict[str, float]:
+    """``memory_report()`` of a cache of ``spec`` after ``ids`` went through it."""
+    cache = make_cache(model, spec)
     device = model.get_input_embeddings().weight.device
     model(torch.tensor([ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)  # the last position only
     return cache.memory_report()

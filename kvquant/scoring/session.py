@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvquant.cache import make_cache, spec_memory
 from kvquant.scoring import data
 
 from kvquant.scoring import parallel
@@ -175,8 +176,7 @@ class Session:
         the baseline when ``divergence``, by default on the evaluation split only) and, given ``probe`` tokens,
         its memory; stored under ``label`` (default: the candidate's)."""
         cfg, label = self.cfg, label or candidate.label
-        make = lambda c=candidate: c.spec.build(self.model)  # noqa: E731
-        settings = described(make())  # what the cache really uses, defaults filled in
+        settings = described(make_cache(self.model, candidate.spec))  # what the cache really uses, defaults filled in
         key = {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
                "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
                "max_length": self.maxlen, "split": split.name, "settings": settings,
@@ -194,7 +194,7 @@ class Session:
             chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
                        for more in split.more.get(task, ())]
             outcomes += [Outcomes.joined(parts) for parts in zip(*chunks)]
-        memory = self._memory(candidate, label, key, make, settings, probe) if probe else None
+        memory = self._memory(candidate, label, key, settings, probe) if probe else None
         return Measured(label, tuple(outcomes), memory)
 
     def _perplexity(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool,
@@ -215,7 +215,7 @@ class Session:
     def _scorer(self, candidate: Candidate) -> Scorer:
         """A scorer of its own (so what it counts is one measurement's) reading through ``candidate``'s caches."""
         cfg = self.cfg
-        return Scorer(self.model, lambda: candidate.spec.build(self.model),
+        return Scorer(self.model, candidate.spec,
                       cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
                       share_prefix=shares_prefix(candidate), processes=self.processes)
 
@@ -246,7 +246,7 @@ class Session:
         if not lengths:
             return math.nan
         tokens = max(1, int(sorted(lengths)[len(lengths) // 2]))
-        return candidate.spec.memory(self.shape, tokens=tokens, dtype=self.model.dtype)["bits_per_element"]
+        return spec_memory(candidate.spec, self.shape, tokens=tokens, dtype=self.model.dtype)["bits_per_element"]
 
     def _task(self, candidate, label, key, task: str, documents: range | None, part: str = "") -> list[Outcomes]:
         cfg = self.cfg
@@ -264,11 +264,11 @@ class Session:
                                "so the gate could not judge it; gate other tasks")
         return outcomes
 
-    def _memory(self, candidate, label, key, make, settings: dict, probe: list[int]) -> Memory:
+    def _memory(self, candidate, label, key, settings: dict, probe: list[int]) -> Memory:
         measured = self.store.get_or_compute(label, "memory", {**key, "probe": probe},
-                                             lambda: memory_probe(self.model, make, probe))
+                                             lambda: memory_probe(self.model, candidate.spec, probe))
         # the planner's arithmetic at a long context, by the cache's own code
-        long = candidate.spec.memory(self.shape, tokens=LONG_CONTEXT, dtype=self.model.dtype)
+        long = spec_memory(candidate.spec, self.shape, tokens=LONG_CONTEXT, dtype=self.model.dtype)
         return Memory(settings, measured, long)
 
 

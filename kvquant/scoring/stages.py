@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from kvquant.cache import stack_rows
+from kvquant.cache import make_cache, stack_rows
 from kvquant.runner.config import ServingConfig, Stage
 from kvquant.errors import KVQuantError
 from kvquant.runner.results import Serving
@@ -37,14 +37,13 @@ def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffix
     """Bytes and decode latency of one stage on the serving shape."""
     device = model.get_input_embeddings().weight.device
     n = len(suffixes)
-    make = lambda: stage.spec.build(model)  # noqa: E731
     if stage.prefix_sharing:  # prefill once, fork the rows
-        first = make()
+        first = make_cache(model, stage.spec)
         model(torch.tensor([prefix], device=device), cache=first)
         cache = stack_rows([(first, 0)] * n)
         del first
     else:
-        cache = make()
+        cache = make_cache(model, stage.spec)
         model(torch.tensor([prefix] * n, device=device), cache=cache)
     logits = model(torch.tensor(suffixes, device=device), cache=cache).logits[:, -1]
     steps = []
