@@ -11,7 +11,10 @@ head_dim 80 and 256), in bfloat16 on the GPU:
 3. **codes**: K/V written to a cache on the GPU read back as on the CPU (same float32 tensors);
 4. **memory**: what the CUDA allocator holds for each cache after a long prefill, against ``memory_report()``;
 5. **decode speed**: single-token steps per second at long contexts, against ``DynamicCache``, measured in the
-   same run.
+   same run, also with ``enable_fused_decode`` (the Triton kernel reading the codes);
+6. **fused decode**: decode logits through the Triton kernel against the same cache read through its dequantized
+   copy (float32: equal to rounding; the kernel's calls counted, so a silent fallback shows);
+7. **the kernel's own tests** (tests/test_triton_attend.py) compiled on the GPU instead of Triton's interpreter.
 
 Writes ``results.json`` and ``report.md`` (command, machine, date) to ``--out``. Every check records its error
 instead of stopping the run.
@@ -137,6 +140,68 @@ def check_logits(name, cls, config, device, prompt_len=600, chunk=256, steps=16)
 
 
 @torch.inference_mode()
+def check_fused(name, cls, config, device, prompt_len=600, chunk=256, steps=16) -> dict:
+    """Check 6 on one shape: decode steps through the Triton kernel (``enable_fused_decode``, reading the codes)
+    against the same cache read through its dequantized copy and the model's SDPA, in float32 (where both paths
+    should agree to float rounding: the kernel's dots are IEEE fp32) and in bfloat16 (recorded). Counts the
+    kernel's calls, so a run that silently fell back to the copy shows up."""
+    from kvquant.cache import triton_attend
+
+    calls = {"n": 0}
+    original = triton_attend.attend
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    prompt = torch.randint(0, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(4))
+    prompt = prompt.to(device)
+    out = {}
+    triton_attend.attend = counted
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            eager = build(cls, config, device, dtype)
+            fused = build(cls, config, device, dtype)
+            kvquant.enable_fused_decode(fused)
+            ref = logits_run(eager, DynamicCache(config=config), prompt, chunk, steps)[-steps:]
+            for q in FUSED:
+                key = f"{q}-{str(dtype).removeprefix('torch.')}"
+                try:
+                    calls["n"] = 0
+                    a = logits_run(eager, kvquant.make_cache(eager, q, residual_length=0), prompt, chunk,
+                                   steps)[-steps:]
+                    eager_calls = calls["n"]
+                    b = logits_run(fused, kvquant.make_cache(fused, q, residual_length=0), prompt, chunk,
+                                   steps)[-steps:]
+                    out[key] = {"rel_diff_fused_vs_copy": rel_error(b, a), "max_abs_diff": float((b - a).abs().max()),
+                                "rel_error_vs_dynamic": rel_error(a, ref), "finite": bool(torch.isfinite(b).all()),
+                                "kernel_calls": calls["n"] - eager_calls, "expected_calls":
+                                    steps * config.num_hidden_layers}
+                except Exception:  # noqa: BLE001
+                    out[key] = {"error": traceback.format_exc(limit=4)}
+            del eager, fused
+            torch.cuda.empty_cache()
+    finally:
+        triton_attend.attend = original
+    return out
+
+
+def run_kernel_tests(device) -> dict:
+    """Check 7: tests/test_triton_attend.py compiled on the GPU (``KVQUANT_TEST_DEVICE``) instead of under Triton's
+    interpreter: the kernel against float64 attention written in the test, over hand-built streams."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, KVQUANT_TEST_DEVICE=device)
+    env.pop("TRITON_INTERPRET", None)
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_attend.py"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    tail = (done.stdout + done.stderr).strip().splitlines()
+    return {"returncode": done.returncode, "summary": tail[-1] if tail else "", "output_tail": "\n".join(tail[-60:])}
+
+
+@torch.inference_mode()
 def check_codes(device) -> dict:
     """Check 3: the same float32 K/V written to a cache on the GPU and on the CPU read back alike."""
     out = {}
@@ -176,11 +241,13 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
     factories.update({f"kvquant-{n}-fused": (fused, lambda q=q, o=o: kvquant.make_cache(fused, q, **o))
                       for n, (q, o) in QUANTIZERS.items() if n in FUSED})
     rows = []
+    cache = None
     for context in contexts:
         prompt = torch.randint(0, config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(3))
         prompt = prompt.to(device)
         for name, (runner, make) in factories.items():
             row = {"cache": name, "context": context, "batch": batch}
+            cache = None  # the last row's, also when it failed: not counted in this row's "before"
             try:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
@@ -191,6 +258,7 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
                 torch.cuda.synchronize()
                 row["allocated_bytes"] = torch.cuda.memory_allocated() - before
                 row["reported_bytes"] = stored_bytes(cache)
+                row["held_bytes"] = held_bytes(cache)
                 token = prompt[:, -1:]
                 for _ in range(4):
                     runner(token, cache=cache, use_cache=True)
@@ -214,6 +282,21 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
         if f and "error" not in r:
             r["speed_vs_kvquant_fp16"] = r["steps_per_s"] / f["steps_per_s"]
     return {"rows": rows}
+
+
+def held_bytes(cache) -> int | None:
+    """Bytes of every tensor a kvquant cache's stores hold: what ``memory_report()`` counts as stored plus the pool
+    slots reserved for later writes (a full pool grows by ``Store.GROWTH``) and the block tables; None for others."""
+    total, seen = 0, set()
+    for layer in getattr(cache, "layers", []):
+        for store in (getattr(layer, "k", None), getattr(layer, "v", None)):
+            if store is None or not hasattr(store, "pool"):
+                continue
+            for t in (*store.pool.values(), store.sinks, store.tail, store.table):
+                if t.device.type != "cpu" and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+    return total if seen else None
 
 
 def verdicts(results: dict) -> list[str]:
@@ -257,6 +340,28 @@ def verdicts(results: dict) -> list[str]:
         lines.append(f"{'PASS' if good else 'FAIL'} codes {q}: GPU reads equal the CPU's for "
                      f"{r['keys_equal_fraction']:.4%} of keys, {r['values_equal_fraction']:.4%} of values "
                      f"(at least 95% each; max |diff| {r['max_abs_diff']:.3g}, at most {r['bound']:.3g})")
+    for shape, per_q in results.get("fused", {}).items():
+        if "error" in per_q:
+            lines.append(f"FAIL fused {shape}: {per_q['error'].strip().splitlines()[-1]}")
+            continue
+        for key, r in per_q.items():
+            if "error" in r:
+                lines.append(f"FAIL fused {shape} {key}: {r['error'].strip().splitlines()[-1]}")
+                continue
+            # The kernel's difference from the copy must be negligible beside what is measured, the quantizer's own
+            # error: float32 at most 1% of it (1e-5 for the identity), bfloat16 at most 10% (identity: recorded)
+            diff, err = r["rel_diff_fused_vs_copy"], r["rel_error_vs_dynamic"]
+            f32 = key.endswith("float32")
+            bound = max(1e-5, 0.01 * err) if f32 else (None if key.startswith("fp16") else 0.1 * err)
+            good = r["kernel_calls"] >= r["expected_calls"] and r["finite"] and (bound is None or diff <= bound)
+            lines.append(f"{'PASS' if good else 'FAIL'} fused {shape} {key}: the Triton kernel ran "
+                         f"{r['kernel_calls']} times (at least {r['expected_calls']}); decode logits differ from the "
+                         f"dequantized copy's by {diff:.2e} relative"
+                         f"{'' if bound is None else f' (at most {bound:.2e})'}; the quantizer's own error {err:.2e}")
+    if "kernel_tests" in results:
+        t = results["kernel_tests"]
+        lines.append(f"{'PASS' if t['returncode'] == 0 else 'FAIL'} tests/test_triton_attend.py compiled on the GPU: "
+                     f"{t['summary']}")
     speed = results["speed"]
     if "error" in speed:
         lines.append(f"FAIL memory and speed: {speed['error'].strip().splitlines()[-1]}")
@@ -265,8 +370,16 @@ def verdicts(results: dict) -> list[str]:
             lines.append(f"FAIL memory {r['cache']} at {r['context']}: {r['error'].strip().splitlines()[-1]}")
         elif r["cache"].startswith("kvquant-"):
             excess = r["allocated_bytes"] / r["reported_bytes"] - 1
-            lines.append(f"{'PASS' if abs(excess) <= 0.05 else 'FAIL'} memory {r['cache']} at {r['context']} tokens: "
-                         f"the allocator holds {excess:+.2%} of memory_report() (at most 5% either way)")
+            held = r.get("held_bytes")
+            if held is None:  # results of runs before held_bytes was recorded
+                lines.append(f"{'PASS' if abs(excess) <= 0.05 else 'FAIL'} memory {r['cache']} at {r['context']} "
+                             f"tokens: the allocator holds {excess:+.2%} of memory_report() (at most 5% either way)")
+                continue
+            off = r["allocated_bytes"] / held - 1
+            lines.append(f"{'PASS' if abs(off) <= 0.05 else 'FAIL'} memory {r['cache']} at {r['context']} tokens: "
+                         f"the allocator holds {off:+.2%} of the cache's own tensors (at most 5% either way); those "
+                         f"are {held / r['reported_bytes'] - 1:+.2%} over memory_report()'s stored bytes (pool slots "
+                         f"reserved for later writes)")
     return lines
 
 
@@ -280,6 +393,10 @@ def render(results: dict, args, command: str | None = None) -> str:
              "prompts (prefill in chunks of 256, the last 16 tokens one at a time), batch 2, float32 on both devices "
              "(identity also in bfloat16 on the GPU); memory and speed in bfloat16 with the quantizers' defaults",
              "", "## Checks", ""]
+    for check, run in results.get("taken_from", {}).items():
+        lines.append(f"- *{check}*: taken from an earlier run ({run}); this run did not repeat it")
+    if results.get("taken_from"):
+        lines.append("")
     lines += [f"- {v}" for v in verdicts(results)]
     lines += ["", f"## Memory and decode speed (Llama-3-8B attention shape, 4 layers, batch {args.batch}, "
               f"{args.steps} steps)", "",
@@ -296,12 +413,61 @@ def render(results: dict, args, command: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stage_logits(args, results):
+    for name, (cls, config) in shapes().items():
+        print(f"gpu_check: logits on {name}", flush=True)
+        try:
+            results["logits"][name] = check_logits(name, cls, config, args.device)
+        except Exception:  # noqa: BLE001
+            results["logits"][name] = {"error": traceback.format_exc(limit=4)}
+
+
+def stage_fused(args, results):
+    for name in ("smollm2-135m", "mistral-sliding256", "head_dim80", "head_dim256"):
+        print(f"gpu_check: fused decode on {name}", flush=True)
+        cls, config = shapes()[name]
+        try:
+            results["fused"][name] = check_fused(name, cls, config, args.device)
+        except Exception:  # noqa: BLE001
+            results["fused"][name] = {"error": traceback.format_exc(limit=4)}
+
+
+def stage_kernel_tests(args, results):
+    print("gpu_check: the Triton kernel's tests, compiled", flush=True)
+    try:
+        results["kernel_tests"] = run_kernel_tests(args.device)
+    except Exception:  # noqa: BLE001
+        results["kernel_tests"] = {"returncode": -1, "summary": traceback.format_exc(limit=2).splitlines()[-1]}
+
+
+def stage_codes(args, results):
+    print("gpu_check: codes", flush=True)
+    results["codes"] = check_codes(args.device)
+
+
+def stage_speed(args, results):
+    print("gpu_check: memory and speed", flush=True)
+    try:
+        results["speed"] = check_memory_and_speed(args.device, args.contexts, args.batch, args.steps)
+    except Exception:  # noqa: BLE001
+        results["speed"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+
+
+#: check name -> stage, in the default order
+STAGES = {"logits": stage_logits, "fused": stage_fused, "kernel_tests": stage_kernel_tests, "codes": stage_codes,
+          "speed": stage_speed}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--checks", nargs="+", choices=list(STAGES), default=list(STAGES),
+                        help="which checks to run, in this order (default: all)")
+    parser.add_argument("--keep-from", type=Path, help="an earlier run's results.json: the checks not run now are "
+                        "taken from it, and the report says so (one lease may not fit every check)")
     parser.add_argument("--out", type=Path, default=Path("reports/gpu_check"))
     parser.add_argument("--render", action="store_true", help="rewrite report.md from --out's results.json only")
     args = parser.parse_args(argv)
@@ -311,23 +477,20 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here")
-    results = {"command": f"python {' '.join(sys.argv)}", "environment": environment(), "logits": {}, "codes": {},
-               "speed": {"rows": []}}
-    for name, (cls, config) in shapes().items():
-        print(f"gpu_check: logits on {name}", flush=True)
-        try:
-            results["logits"][name] = check_logits(name, cls, config, args.device)
-        except Exception:  # noqa: BLE001
-            results["logits"][name] = {"error": traceback.format_exc(limit=4)}
-    print("gpu_check: codes", flush=True)
-    results["codes"] = check_codes(args.device)
-    print("gpu_check: memory and speed", flush=True)
-    try:
-        results["speed"] = check_memory_and_speed(args.device, args.contexts, args.batch, args.steps)
-    except Exception:  # noqa: BLE001
-        results["speed"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+    results = {"command": f"python {' '.join(sys.argv)}", "environment": environment(), "logits": {}, "fused": {},
+               "codes": {}, "speed": {"rows": []}}
+    if args.keep_from:
+        earlier = json.loads(args.keep_from.read_text())
+        env = earlier["environment"]
+        for check in STAGES:
+            if check not in args.checks and check in earlier:
+                results[check] = earlier[check]
+                results.setdefault("taken_from", {})[check] = f"{env['date']}, git {env['git_commit']}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    for check in args.checks:
+        STAGES[check](args, results)
+        # after each check, so a run stopped at its time limit keeps what it measured
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
     report = render(results, args, results["command"])
     (args.out / "report.md").write_text(report)
     print(report)

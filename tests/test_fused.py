@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import kvquant
 from kvquant.cache import kernels
@@ -163,6 +163,33 @@ def tiny_llama(head_dim=80, groups=2):
                          max_position_embeddings=256)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_models_built_from_one_config_object_each_read_the_codes(monkeypatch):
+    """``LlamaForCausalLM(config)`` keeps the config object itself, so a second model built from it finds the config
+    already switched to kvquant's attention. Each model's decode steps must still run the kernel (failed before: the
+    second ``enable_fused_decode`` returned early and left the model's attention modules unhooked, so its steps read
+    the dequantized copy without a word; found on a GPU by experiments/gpu_check.py)."""
+    config = LlamaConfig(vocab_size=97, hidden_size=320, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=80, max_position_embeddings=256)
+    ids = torch.randint(3, 97, (1, 33), generator=torch.Generator().manual_seed(4))
+    calls, kernel = [], fused.attend
+    monkeypatch.setattr(fused, "attend", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        assert model.config is config
+        kvquant.enable_fused_decode(model)
+        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        calls.clear()
+        with torch.no_grad():
+            model(ids[:, :32], cache=cache)  # prefill: the attention the model had before (not kvquant's again)
+            fused_logits = model(ids[:, 32:], cache=cache).logits
+        assert len(calls) == config.num_hidden_layers, f"model {seed}: the kernel ran {len(calls)} times"
+        copy = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        with torch.no_grad(), fused.reading_codes(False):
+            model(ids[:, :32], cache=copy)
+            torch.testing.assert_close(model(ids[:, 32:], cache=copy).logits, fused_logits, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name,options", [("fp16", {}), ("int4", {"group_size": 16, "residual_length": 8})])

@@ -17,15 +17,21 @@ A query that sees a single token must return its decoded value bit for bit (chec
 import dataclasses
 import os
 
-# Before triton_attend is imported: triton.jit picks the interpreter from this variable when it wraps a function.
-# Under pytest triton is imported earlier anyway (conftest -> transformers imports it), so its standard library's
-# @jit helpers are already compiled-mode functions; triton_attend uses none of them and wraps its own kernels on
-# first use, once per value of this variable, so the interpreter runs them whatever imported triton (or
-# triton_attend) first.
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+#: Where the kernels run: the CPU under Triton's interpreter (the default), or ``KVQUANT_TEST_DEVICE=cuda``: the same
+#: tests compiled on a GPU (experiments/gpu_check.py runs them so). Streams and queries are built on the CPU either
+#: way and moved by :func:`attend`.
+DEVICE = torch.device(os.environ.get("KVQUANT_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cpu":
+    # Before triton_attend is imported: triton.jit picks the interpreter from this variable when it wraps a
+    # function. Under pytest triton is imported earlier anyway (conftest -> transformers imports it), so its
+    # standard library's @jit helpers are already compiled-mode functions; triton_attend uses none of them and wraps
+    # its own kernels on first use, once per value of this variable, so the interpreter runs them whatever imported
+    # triton (or triton_attend) first.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -38,6 +44,17 @@ torch.utils.deterministic.fill_uninitialized_memory = True  # as conftest: torch
 
 NAN = float("nan")
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 2.0**-8), torch.float16: (1e-5, 2.0**-10)}
+
+
+def attend(query: torch.Tensor, key: Stream, value: Stream, hi: torch.Tensor, scaling: float, **kwargs):
+    """``triton_attend.attend`` on :data:`DEVICE` (query and stream tensors moved there; the table, per-row counts,
+    ``hi`` and ``lo`` stay on the CPU, as a Store keeps them), the output back on the CPU."""
+    moved = [dataclasses.replace(s, **{f: getattr(s, f).to(DEVICE) for f in STREAM_TENSORS
+                                       if getattr(s, f) is not None}) for s in (key, value)]
+    return triton_attend.attend(query.to(DEVICE), *moved, hi, scaling, **kwargs).cpu()
+
+
+STREAM_TENSORS = ("payload", "scale", "zero", "sinks", "tail")
 
 
 # -- streams built by hand --------------------------------------------------------------------------------------
@@ -232,7 +249,7 @@ def test_matches_float64_attention_over_the_dequantized_tokens(key_layout, value
     query = torch.randn(len(ROWS), heads * group, n, head_dim, generator=gen).to(dtype)
     hi = queries(key.counts().tolist(), n, gen)
     scaling = head_dim**-0.5
-    out = triton_attend.attend(query, key, value, hi, scaling, splits=splits)
+    out = attend(query, key, value, hi, scaling, splits=splits)
     assert out.shape == query.shape and out.dtype == dtype
     check(out, reference(query, keys, values, hi, scaling))
     assert torch.equal(out[-1, :, 0], torch.zeros_like(out[-1, :, 0]))  # hi == 0
@@ -252,7 +269,7 @@ def test_half_dtypes_round_the_dequantized_tokens_to_the_model_dtype(dtype, key_
     value, values, _ = build(value_layout, ROWS, heads, head_dim, dtype, gen)
     query = torch.randn(len(ROWS), heads * group, n, head_dim, generator=gen).to(dtype)
     hi = queries(key.counts().tolist(), n, gen)
-    out = triton_attend.attend(query, key, value, hi, 0.1, splits=2)
+    out = attend(query, key, value, hi, 0.1, splits=2)
     assert out.dtype == dtype
     check(out, reference(query, keys, values, hi, 0.1))
     check_first(out, values, group)
@@ -265,7 +282,7 @@ def test_split_k_merges_to_the_single_pass_result():
     value, values, _ = build(INT4_V, rows, 1, 64, torch.float32, gen)
     query = torch.randn(2, 2, 2, 64, generator=gen)
     hi = torch.tensor([[148, 40], [0, 100]])
-    outs = [triton_attend.attend(query, key, value, hi, 0.125, splits=s) for s in (1, 3, 5)]
+    outs = [attend(query, key, value, hi, 0.125, splits=s) for s in (1, 3, 5)]
     ref = reference(query, keys, values, hi, 0.125)
     for out in outs:
         check(out, ref)
@@ -281,7 +298,7 @@ def test_sliding_windows_read_from_lo_to_hi(splits):
     query = torch.randn(2, 4, 4, 64, generator=gen)
     hi = torch.tensor([[87, 80, 40, 3], [60, 60, 10, 60]])
     lo = torch.tensor([[80, 1, 39, 0], [0, 60, 2, 33]])  # a window inside one block, across blocks, empty, ...
-    out = triton_attend.attend(query, key, value, hi, 0.125, lo=lo, splits=splits)
+    out = attend(query, key, value, hi, 0.125, lo=lo, splits=splits)
     check(out, reference(query, keys, values, hi, 0.125, lo))
     assert torch.equal(out[1, :, 1], torch.zeros_like(out[1, :, 1]))  # lo == hi
 
@@ -295,7 +312,7 @@ def test_the_codes_are_read_not_the_unquantized_states():
     value, values, raw_values = build(Layout("int", 2, "token", 16), rows, 2, 64, torch.float32, gen)
     query = torch.randn(2, 2, 3, 64, generator=gen) * 3
     hi = torch.tensor([[48, 30, 17], [35, 35, 9]])
-    out = triton_attend.attend(query, key, value, hi, 0.125)
+    out = attend(query, key, value, hi, 0.125)
     check(out, reference(query, keys, values, hi, 0.125))
     unquantized = reference(query, raw_keys, raw_values, hi, 0.125)
     assert (out.double() - unquantized).abs().max() > 0.05
@@ -303,7 +320,7 @@ def test_the_codes_are_read_not_the_unquantized_states():
     slot = int(value.table[0, 10])
     payload = value.payload.clone()
     payload[slot, 0, 0, 0] ^= 0b11
-    flipped = triton_attend.attend(query, key, dataclasses.replace(value, payload=payload), hi, 0.125)
+    flipped = attend(query, key, dataclasses.replace(value, payload=payload), hi, 0.125)
     assert not torch.equal(flipped[0, 0], out[0, 0]) and torch.equal(flipped[:, 1], out[:, 1])
 
 
@@ -318,7 +335,7 @@ def test_streams_with_no_pool():
     seen = [torch.cat([sinks[0], tail[0]], 1).double(), tail[1, :, 1:4].double()]
     query = torch.randn(2, 1, 2, 64, generator=gen)
     hi = torch.tensor([[7, 1], [3, 0]])
-    check(triton_attend.attend(query, st, st, hi, 0.125), reference(query, seen, seen, hi, 0.125))
+    check(attend(query, st, st, hi, 0.125), reference(query, seen, seen, hi, 0.125))
 
 
 def test_decoded_values_beyond_the_model_dtype_are_clamped_to_its_range():
@@ -336,7 +353,7 @@ def test_decoded_values_beyond_the_model_dtype_are_clamped_to_its_range():
                  group=1, token_axis=True, table=torch.empty(1, 0, dtype=torch.long), sinks=none,
                  tail=torch.randn(1, 1, 1, 64).half(), n_sinks=torch.tensor([0]), skip=torch.tensor([0]),
                  units=torch.tensor([0]), n_tail=torch.tensor([1]))
-    out = triton_attend.attend(torch.randn(1, 1, 1, 64).half(), key, value, torch.tensor([[1]]), 0.125)
+    out = attend(torch.randn(1, 1, 1, 64).half(), key, value, torch.tensor([[1]]), 0.125)
     assert torch.equal(out[0, 0, 0], deq.half()) and out.isfinite().all()
 
 
@@ -345,7 +362,7 @@ def test_rejects_streams_of_different_counts():
     key, _, _ = build(INT4_K, [(0, 20, 0)], 1, 64, torch.float32, gen)
     value, _, _ = build(INT4_V, [(0, 21, 0)], 1, 64, torch.float32, gen)
     with pytest.raises(ValueError, match="tokens per row"):
-        triton_attend.attend(torch.randn(1, 1, 1, 64), key, value, torch.tensor([[5]]), 1.0)
+        attend(torch.randn(1, 1, 1, 64), key, value, torch.tensor([[5]]), 1.0)
 
 
 # -- through kvquant's own Store ----------------------------------------------------------------------------------
@@ -383,5 +400,5 @@ def test_matches_store_read_then_eager_attention(name, options, head_dim, dtype)
         seen.append([out[r, :, :c].double() for r, c in enumerate(counts)])
     query = torch.randn(rows, heads * group, n, head_dim, generator=gen).to(dtype)
     hi = queries(counts, n, gen)
-    out = triton_attend.attend(query, key, value, hi, head_dim**-0.5, splits=2)
+    out = attend(query, key, value, hi, head_dim**-0.5, splits=2)
     check(out, reference(query, seen[0], seen[1], hi, head_dim**-0.5))

@@ -272,13 +272,16 @@ def enable_fused_decode(model) -> None:
     if kind not in VERIFIED:
         raise KVQuantError(f"fused decode is verified for model types {', '.join(sorted(VERIFIED))}; this model is "
                            f"{kind!r}, whose attention may change keys and values after the cache")
-    previous = attn_implementation(model.config) or "eager"
-    if is_fused(model.config):
-        return
+    current = attn_implementation(model.config) or "eager"
+    # a config already switched (another model built from the same config object, or this one again): its
+    # attention is kvquant's; this model's modules still need the hooks, or its decode steps never read the codes
+    previous = current.removeprefix(f"{NAME}_") if is_fused(model.config) else current
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             module._kvquant_fallback = previous
             _hook(module, model.config)
+    if is_fused(model.config):
+        return
     model.set_attn_implementation(register(previous))
     if not is_fused(model.config):
         raise KVQuantError(f"{type(model).__name__} did not accept kvquant's attention function (transformers kept "

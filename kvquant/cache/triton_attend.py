@@ -370,7 +370,7 @@ def _stream_args(s: Stream, dtype: torch.dtype, head_dim: int, heads: int, rows:
         if payload.dtype != dtype or payload.shape[2:] != (1, head_dim):
             raise ValueError(f"full payload is {payload.dtype} {tuple(payload.shape)}, expected {dtype} "
                              f"[..., 1, {head_dim}]")
-    for t in (payload, s.scale, s.zero, s.table, s.sinks, s.tail):
+    for t in (payload, s.scale, s.zero, s.sinks, s.tail):  # the table may be on the CPU (a Store's is): moved below
         if t is not None and t.numel() and t.device != device:
             raise ValueError(f"stream tensors on {t.device}, the query on {device}")
 
@@ -458,7 +458,7 @@ def attend(query: torch.Tensor, key: Stream, value: Stream, hi: torch.Tensor, sc
         query, *query.stride(), lo_dev, *lo_dev.stride(), hi_dev, *hi_dev.stride(), out, *out.stride(),
         part_m, part_l, part_acc, *k_args, *v_args, float(scaling), chunk, splits,
         head_dim, group, n, m_tiles, splits > 1, block_m, block_n, block_d, *k_const, *v_const, limit,
-        num_warps=warps)
+        num_warps=warps, enable_fp_fusion=False)  # no fused multiply-add: codes decode as the copy's mul then add
     if splits > 1:
         kernels.combine[(rows, heads * m_tiles)](
             part_m, part_l, part_acc, out, *out.stride(), splits, head_dim, group, n, m_tiles, block_m, block_d,
