@@ -299,17 +299,20 @@ def held_bytes(cache) -> int | None:
     return total if seen else None
 
 
+def failed(lines: list[str], label: str, r: dict) -> bool:
+    """Whether a check recorded an error instead of numbers (then a FAIL line with its last line is added)."""
+    if "error" in r:
+        lines.append(f"FAIL {label}: {r['error'].strip().splitlines()[-1]}")
+    return "error" in r
+
+
 def verdicts(results: dict) -> list[str]:
     """The properties the checks stand for, each PASS/FAIL with its numbers."""
     lines = []
     for shape, per_q in results["logits"].items():
-        if "error" in per_q:
-            lines.append(f"FAIL {shape}: {per_q['error'].splitlines()[-1]}")
+        if failed(lines, shape, per_q):
             continue
-        for q, r in per_q.items():
-            if "error" in r:
-                lines.append(f"FAIL {shape} {q}: {r['error'].strip().splitlines()[-1]}")
-        ok = {q: r for q, r in per_q.items() if "error" not in r}
+        ok = {q: r for q, r in per_q.items() if not failed(lines, f"{shape} {q}", r)}
         for q in ("fp16-bfloat16", "fp16"):
             if q in ok:
                 r = ok[q]
@@ -332,8 +335,7 @@ def verdicts(results: dict) -> list[str]:
             a, b = ok["int2"]["rel_error_gpu"], ok["int8"]["rel_error_gpu"]
             lines.append(f"{'PASS' if a > b else 'FAIL'} {shape}: int2 error {a:.4f} > int8 error {b:.4f}")
     for q, r in results["codes"].items():
-        if "error" in r:
-            lines.append(f"FAIL codes {q}: {r['error'].strip().splitlines()[-1]}")
+        if failed(lines, f"codes {q}", r):
             continue
         # a code flipped at a rounding boundary is fine; a read that is not the CPU's is not
         good = min(r["keys_equal_fraction"], r["values_equal_fraction"]) >= 0.95 and r["max_abs_diff"] <= r["bound"]
@@ -341,12 +343,10 @@ def verdicts(results: dict) -> list[str]:
                      f"{r['keys_equal_fraction']:.4%} of keys, {r['values_equal_fraction']:.4%} of values "
                      f"(at least 95% each; max |diff| {r['max_abs_diff']:.3g}, at most {r['bound']:.3g})")
     for shape, per_q in results.get("fused", {}).items():
-        if "error" in per_q:
-            lines.append(f"FAIL fused {shape}: {per_q['error'].strip().splitlines()[-1]}")
+        if failed(lines, f"fused {shape}", per_q):
             continue
         for key, r in per_q.items():
-            if "error" in r:
-                lines.append(f"FAIL fused {shape} {key}: {r['error'].strip().splitlines()[-1]}")
+            if failed(lines, f"fused {shape} {key}", r):
                 continue
             # The kernel's difference from the copy must be negligible beside what is measured, the quantizer's own
             # error: float32 at most 1% of it (1e-5 for the identity), bfloat16 at most 10% (identity: recorded)
@@ -363,12 +363,9 @@ def verdicts(results: dict) -> list[str]:
         lines.append(f"{'PASS' if t['returncode'] == 0 else 'FAIL'} tests/test_triton_attend.py compiled on the GPU: "
                      f"{t['summary']}")
     speed = results["speed"]
-    if "error" in speed:
-        lines.append(f"FAIL memory and speed: {speed['error'].strip().splitlines()[-1]}")
+    failed(lines, "memory and speed", speed)
     for r in speed["rows"]:
-        if "error" in r:
-            lines.append(f"FAIL memory {r['cache']} at {r['context']}: {r['error'].strip().splitlines()[-1]}")
-        elif r["cache"].startswith("kvquant-"):
+        if not failed(lines, f"memory {r['cache']} at {r['context']}", r) and r["cache"].startswith("kvquant-"):
             excess = r["allocated_bytes"] / r["reported_bytes"] - 1
             held = r.get("held_bytes")
             if held is None:  # results of runs before held_bytes was recorded

@@ -278,14 +278,20 @@ def test_left_padded_short_prompt_without_declared_padding(attn, declared, model
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=0)
 
 
+def int4_model(fused_decode: bool):
+    """:func:`tiny_llama`, with fused decode on or off, and an int4 cache for it (groups of 16, every token read
+    quantized)."""
+    model = tiny_llama()
+    if fused_decode:
+        kvquant.enable_fused_decode(model)
+    return model, kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+
+
 def test_gradients_flow_through_a_fused_step():
     """The kernels compute no gradients: a step recorded by autograd reads the copy (failed before: no gradient)."""
     grads = []
     for on in (False, True):
-        model = tiny_llama()
-        if on:
-            kvquant.enable_fused_decode(model)
-        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        model, cache = int4_model(fused_decode=on)
         ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             model(ids[:, :32], cache=cache)
@@ -303,10 +309,7 @@ def test_a_fused_cache_read_by_another_attention_reads_the_dequantized_copy():
     ids = torch.randint(3, 97, (1, 33), generator=torch.Generator().manual_seed(4))
     logits = []
     for on in (True, False):
-        model = tiny_llama()
-        if on:
-            kvquant.enable_fused_decode(model)
-        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        model, cache = int4_model(fused_decode=on)
         with torch.no_grad():
             model(ids[:, :32], cache=cache)
             model.set_attn_implementation("sdpa")
