@@ -425,15 +425,22 @@ def vocabulary(model) -> int:
 
 def _compare(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], int, int]:
     """Per-position KL divergence of ``got`` from ``reference`` (logits ``[positions, vocab]``), how many positions
-    keep the reference's most likely token, and the positions; :data:`SOFTMAX_ROWS` positions at a time."""
-    kl, same = [], 0
+    keep the reference's most likely token, and the positions."""
+    kl, top1 = position_terms(reference, got)
+    return kl, sum(top1), len(kl)
+
+
+def position_terms(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], list[int]]:
+    """Per position of logits ``[positions, vocab]``: ``KL(softmax(reference) || softmax(got))`` in nats (float64),
+    and 1 where ``got``'s most likely token is ``reference``'s (else 0); :data:`SOFTMAX_ROWS` positions at a time."""
+    kl, top1 = [], []
     for ref, new in zip(reference.split(SOFTMAX_ROWS), got.split(SOFTMAX_ROWS)):
         p = ref.double().log_softmax(-1)
         q = new.double().log_softmax(-1)
         terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
         kl += terms.sum(-1).clamp(min=0).tolist()  # >= 0 in exact arithmetic; rounding may dip below
-        same += int((p.argmax(-1) == q.argmax(-1)).sum())
-    return kl, same, len(kl)
+        top1 += (p.argmax(-1) == q.argmax(-1)).int().tolist()
+    return kl, top1
 
 
 @torch.inference_mode()
