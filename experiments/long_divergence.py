@@ -1,0 +1,139 @@
+"""How the divergence grows with position, on long documents (issue 40 item 1; the runner's gate does not read it
+yet).
+
+    python experiments/long_divergence.py configs/smollm2-long.yaml --out reports/smollm2-long
+
+The config's model, candidates (baseline: fp16 through the same cache), ``eval.chunk_size``, ``eval.batch_size``
+and its first perplexity set (a ``stream`` set: the text joined and cut into non-overlapping windows of
+``max_length`` tokens, ``limit`` of them) are used as a run would; every window is fed through every cache chunk by
+chunk, and each candidate's per-position KL divergence and top-1 agreement against the baseline are bucketed by
+position with intervals over documents and a trend test (:mod:`kvquant.runner.positions`).
+
+Resumable: each document's numbers are kept in ``OUT/partial/doc-N.json`` (with the inputs they came from; a file
+of other inputs is measured again), so an interrupted run goes on where it stopped. Writes ``OUT/results.json``
+and ``OUT/report.md`` (command, machine, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvquant.runner.config import load_config
+from kvquant.runner.positions import EDGES, bucket_means, buckets, trend
+from kvquant.runner.report import code_version, environment
+from kvquant.scoring.data import windows
+from kvquant.scoring.longctx import position_divergences
+from kvquant.scoring.models import load_model, load_tokenizer
+from kvquant.scoring.scorer import Scorer
+from kvquant.scoring.session import BASELINE
+
+
+def inputs(cfg, window) -> dict:
+    """What one document's numbers depend on (a partial file of other inputs is not reused)."""
+    return {"model": cfg.model.path, "gguf": cfg.model.gguf_file, "dtype": cfg.model.dtype,
+            "chunk_size": cfg.eval.chunk_size, "candidates": [c.label for c in cfg.candidates],
+            "settings": [repr(c.spec) for c in cfg.candidates], "tokens": window.ids, "code": code_version()}
+
+
+def measure(cfg, args) -> list[dict]:
+    """Per document: ``{candidate label: {"kl": [...], "top1": [...]}}``, measured or read from ``partial/``."""
+    tokenizer = load_tokenizer(cfg.model)
+    docs = windows(cfg.eval.perplexity[0], tokenizer)
+    partial = args.out / "partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    scorers: dict[str, Scorer] = {}  # made once the first document needs measuring (the model loads then)
+
+    def make(label: str, spec) -> Scorer:
+        if label not in scorers:
+            model = next(iter(scorers.values())).model if scorers else load_model(cfg.model)[0]
+            scorers[label] = Scorer(model, spec, mode="streaming", chunk_size=cfg.eval.chunk_size,
+                                    batch_size=cfg.eval.batch_size)
+        return scorers[label]
+
+    out = []
+    for d, window in enumerate(docs):
+        path, key = partial / f"doc-{d}.json", inputs(cfg, window)
+        if path.exists() and json.loads(path.read_text())["inputs"] == key:
+            out.append(json.loads(path.read_text())["result"])
+            continue
+        start = time.perf_counter()
+        got = position_divergences(make("baseline", BASELINE.spec), [make(c.label, c.spec) for c in cfg.candidates],
+                                   [window.ids],
+                                   desc=f"document {d + 1}/{len(docs)}")
+        result = {c.label: {"kl": [float(f"{x:.6g}") for x in g["kl"][0]], "top1": g["top1"][0],
+                            "keys_quantized": g["reads"]["keys_quantized"], "keys": g["reads"]["keys"]}
+                  for c, g in zip(cfg.candidates, got)}
+        result["_seconds"] = time.perf_counter() - start
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"inputs": key, "result": result}))
+        tmp.replace(path)
+        print(f"long_divergence: document {d + 1}/{len(docs)} ({len(window.ids)} tokens) in "
+              f"{result['_seconds']:.0f} s", flush=True)
+        out.append(result)
+    return out
+
+
+def summarise(cfg, per_doc: list[dict], edges) -> dict:
+    out = {}
+    for c in cfg.candidates:
+        kl = [d[c.label]["kl"] for d in per_doc]
+        top1 = [d[c.label]["top1"] for d in per_doc]
+        t = trend(kl, edges)
+        out[c.label] = {"kl": [vars(b) for b in buckets(kl, edges)], "top1": [vars(b) for b in buckets(top1, edges)],
+                        "trend": vars(t), "per_document_kl": bucket_means(kl, edges).tolist(),
+                        "quantized_key_share": sum(d[c.label]["keys_quantized"] for d in per_doc)
+                        / max(1, sum(d[c.label]["keys"] for d in per_doc))}
+    return out
+
+
+def render(doc: dict) -> str:
+    env = doc["environment"]
+    lines = ["# KL divergence by position", "", f"- command: `{doc['command']}`",
+             f"- date: {env['date']}; git {env['git_commit']}; measuring sources {env['kvquant_source_sha256']}",
+             f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}",
+             f"- documents: {doc['documents']} windows of up to {doc['max_length']} tokens ({doc['source']}), fed "
+             f"{doc['chunk_size']} tokens at a time; {doc['seconds']:.0f} s of measuring in all (sittings added up)",
+             "- statistic: per bucket, the mean over documents of each document's mean KL (nats) over its positions "
+             "there, 95% bootstrap interval over documents; trend: the factor by which KL grows per doubling of the "
+             "position (ln KL on log2 position), with its interval", ""]
+    for label, r in doc["candidates"].items():
+        t = r["trend"]
+        lines += [f"## {label}", "", f"Trend: x{t['factor']:.3f} per doubling [{t['low']:.3f}, {t['high']:.3f}]: "
+                  f"**{t['verdict']}**; quantized share of keys read {r['quantized_key_share']:.3f}.", "",
+                  "| positions | documents | mean KL | 95% interval | top-1 agreement | 95% interval |",
+                  "|---|---:|---:|---|---:|---|"]
+        for k, a in zip(r["kl"], r["top1"]):
+            lines.append(f"| {k['start']}-{k['stop']} | {k['documents']} | {k['mean']:.5f} | "
+                         f"[{k['low']:.5f}, {k['high']:.5f}] | {a['mean']:.4f} | [{a['low']:.4f}, {a['high']:.4f}] |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", type=Path)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="as kvquant.run's --set")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    torch.set_grad_enabled(False)
+    per_doc = measure(cfg, args)
+    spec = cfg.eval.perplexity[0]
+    edges = tuple(e for e in EDGES if e < spec.max_length) + (spec.max_length,)
+    doc = {"command": "python " + " ".join(sys.argv), "environment": environment(), "documents": len(per_doc),
+           "max_length": spec.max_length, "source": spec.source or spec.hub, "chunk_size": cfg.eval.chunk_size,
+           "seconds": sum(d["_seconds"] for d in per_doc), "edges": list(edges),
+           "candidates": summarise(cfg, per_doc, edges)}
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    (args.out / "report.md").write_text(render(doc))
+    print(render(doc))
+
+
+if __name__ == "__main__":
+    main()

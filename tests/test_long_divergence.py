@@ -1,0 +1,58 @@
+"""experiments/long_divergence.py on stories260K: the report's buckets are computed from the per-position numbers
+it kept, a rerun measures nothing (reads partial/, loads no model) and writes the same numbers, and a document of
+other inputs is measured again."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvquant.runner.positions import buckets
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "long_divergence.py"
+CONFIG = """
+name: tiny-long
+candidates:
+  - {quantizer: int8, name: int8, options: {group_size: 32, residual_length: 0}}
+  - {quantizer: int2, name: int2, options: {group_size: 32, residual_length: 0}}
+eval:
+  mode: streaming
+  chunk_size: 64
+  perplexity:
+    - {name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, layout: stream, limit: 2,
+       max_length: 300}
+"""
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("long_divergence", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
+    config = tmp_path / "long.yaml"
+    config.write_text(CONFIG)
+    out = tmp_path / "out"
+    script.main([str(config), "--out", str(out)])
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["edges"] == [0, 300] and doc["documents"] == 2
+    kept = [json.loads((out / "partial" / f"doc-{d}.json").read_text())["result"] for d in range(2)]
+    for label in ("int8", "int2"):
+        assert [len(k[label]["kl"]) for k in kept] == [299, 299]
+        want = buckets([k[label]["kl"] for k in kept], (0, 300))[0]
+        assert doc["candidates"][label]["kl"][0]["mean"] == pytest.approx(want.mean, rel=1e-12)
+    assert 0 < doc["candidates"]["int8"]["kl"][0]["mean"] < doc["candidates"]["int2"]["kl"][0]["mean"]
+    assert "| 0-300 | 2 |" in (out / "report.md").read_text()
+
+    monkeypatch.setattr(script, "load_model", lambda *a: pytest.fail("a rerun loaded the model"))
+    script.main([str(config), "--out", str(out)])
+    again = json.loads((out / "results.json").read_text())
+    assert again["candidates"] == doc["candidates"]
+
+    # other inputs (a longer window): measured again, so the model loads
+    with pytest.raises(pytest.fail.Exception, match="loaded the model"):
+        script.main([str(config), "--set", "eval.perplexity.0.max_length=310", "--out", str(out)])
