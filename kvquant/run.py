@@ -407,8 +407,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
                             round(time.monotonic() - start, 1))
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
                     calibration, plan)
-    paths = report.write(out_dir, run)
-    deployed, undeployed = deploy_beside(out_dir)  # nothing to deploy is no bad input: the exit is the gate's
+    paths, document = report.write(out_dir, run)
+    deployed, undeployed = deploy_beside(out_dir, document)  # nothing to deploy is no bad input: the exit is the gate's
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
     print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}"
           + (f", by {processes.world} processes" if processes.world > 1 else ""))

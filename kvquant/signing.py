@@ -25,10 +25,16 @@ def _signature(doc: dict, key: bytes) -> str:
     return hmac.new(key, DOMAIN + text.encode("ascii"), hashlib.sha256).hexdigest()
 
 
+def recorded(doc: dict) -> dict:
+    """``doc`` as ``results.json`` records it and a reader parses it back: JSON's types (lists for tuples, string
+    keys), values JSON cannot hold written as floats."""
+    return json.loads(json.dumps(doc, default=float))
+
+
 def signed_json(doc: dict) -> str:
     """``results.json``'s text: ``doc`` as JSON (indented, values JSON cannot hold written as floats) with its
     signature under this user's key as its last key."""
-    plain = json.loads(json.dumps(doc, default=float))  # as a reader parses it back
+    plain = recorded(doc)
     if SIGNATURE in plain:
         raise ValueError(f"a report document has no key {SIGNATURE!r} of its own")
     return json.dumps({**plain, SIGNATURE: _signature(plain, result_key())}, indent=2)

@@ -3,6 +3,7 @@ line and exit 2."""
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -122,6 +123,7 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     import kvquant
     from kvquant.runner.config import Candidate
     from kvquant.integrations.deploy import native
+    from kvquant.integrations.deploy_read import Setting
     from kvquant.scoring.session import described
     from kvquant.runner.search import map_candidate
 
@@ -130,4 +132,6 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     ladder = [Candidate("vllm_int4_per_token_head"), Candidate("fp16")]
     found = map_candidate(ladder, {0: 1, 1: 0, 2: 1, 3: 1}, "searched")
     settings = described(kvquant.make_cache(config, found.quantizer, **found.options))
-    assert native(settings) == ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend", [0, 2, 3])
+    entry = {"name": "searched", "settings": settings, "bits_per_element": 4.0, "verdict": "pass", "metrics": {}}
+    setting = Setting.read(entry, 4, Path("results.json"))
+    assert native(setting) == ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend", [0, 2, 3])

@@ -252,14 +252,16 @@ def test_report_text_stays_inert_beside_the_llamacpp_commands(tmp_path):
 
 def test_the_runner_step_writes_deploy_md_for_a_llamacpp_decision(tmp_path):
     from kvquant.integrations.deploy import deploy_beside
+    from kvquant.signing import recorded as as_written
 
     folder = tmp_path / "report"
     folder.mkdir()
-    (folder / "results.json").write_text(signed_json(document(recorded("llamacpp_q5_0"))))
-    assert deploy_beside(folder) == (folder / "DEPLOY.md", None)
+    doc = document(recorded("llamacpp_q5_0"))
+    (folder / "results.json").write_text(signed_json(doc))
+    assert deploy_beside(folder, as_written(doc)) == (folder / "DEPLOY.md", None)
     assert "-ctk q5_0 -ctv q5_0 -fa on" in (folder / "DEPLOY.md").read_text()
     doc = document({**recorded("llamacpp_q5_0"), "residual_length": 16})
     (folder / "results.json").write_text(signed_json(doc))
-    written, why = deploy_beside(folder)
+    written, why = deploy_beside(folder, as_written(doc))
     assert written is None and why.startswith("research setting: llama.cpp does not run llama-q8 (llamacpp_q5_0)")
     assert json.loads((folder / "results.json").read_text())["chosen"] == "llama-q8"

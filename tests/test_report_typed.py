@@ -126,8 +126,9 @@ def test_candidates_and_divergence_tables_read_the_typed_run(config):
 def test_results_json_is_rendered_from_the_same_reports(config, tmp_path):
     """The document keeps its format: per candidate the metrics by name, perplexity sums, KL quantiles."""
     run = hand_built_run(config)
-    files = report.render(tmp_path, run, "run-1", ENV)
+    files, written = report.render(tmp_path, run, "run-1", ENV)
     doc = json.loads(files["results.json"])
+    assert written == {k: v for k, v in doc.items() if k != "signature"}  # what the runner deploys
     int8, int4 = doc["candidates"]
     assert list(int8["metrics"]) == ["acc/tinystories_lastword", "ppl/tinystories"]
     assert int8["metrics"]["ppl/tinystories"]["nll_sum"] == 12.0 and int8["metrics"]["ppl/tinystories"][

@@ -141,15 +141,22 @@ def _with_options(quantizer: Quantizer, options: dict) -> Quantizer:
     return dataclasses.replace(quantizer, **options) if options else quantizer
 
 
-def layer_range(selector, count: int) -> range:
-    """Layers named by a ``layers=`` key: ``5``, ``"5"`` or the inclusive range ``"0-3"``, within ``count``."""
-    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", selector) if isinstance(selector, str) else None
+def layer_bounds(selector) -> tuple[int, int] | None:
+    """The first and last layer a ``layers=`` key names: ``5``, ``"5"`` or the inclusive range ``"0-3"`` (spaces
+    around the numbers allowed); None for anything else. The one reading of a layer selector: make_cache's
+    (:func:`layer_range`) and export's of a report's keys (:func:`kvquant.integrations.deploy_read.layer_map`)."""
     if is_python_int(selector):
-        low = high = selector
-    elif match:
-        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
-    else:
+        return selector, selector
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", selector) if isinstance(selector, str) else None
+    return (int(match.group(1)), int(match.group(2) or match.group(1))) if match else None
+
+
+def layer_range(selector, count: int) -> range:
+    """Layers named by a ``layers=`` key (:func:`layer_bounds`), within ``count``."""
+    bounds = layer_bounds(selector)
+    if bounds is None:
         raise KVQuantError(f"layers: {selector!r} is not a layer or a layer range (write 5 or '0-3')")
+    low, high = bounds
     if not 0 <= low <= high < count:
         raise KVQuantError(f"layers: {selector!r} is outside the model's layers 0-{count - 1}" if low <= high else
                            f"layers: {selector!r} runs backwards (write low-high)")
@@ -172,7 +179,7 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
     if not isinstance(layers, dict):
         raise KVQuantError(f"layers must map layers or ranges ('0-3') to options, got {type(layers).__name__}")
     owner: dict[int, object] = {}
-    normalized = {}
+    normalized: dict[int, tuple[str, dict]] = {}  # by the entry's first layer: (its key, its options)
     for selector, options in layers.items():
         span = layer_range(selector, len(layout))
         if not isinstance(options, dict):
@@ -205,8 +212,8 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
             if plan[i] is not None:
                 plan[i] = (chosen, residual, sinks)
         key = f"{span.start}-{span.stop - 1}" if len(span) > 1 else str(span.start)
-        normalized[key] = {**chosen.describe(), "residual_length": residual, "sink_tokens": sinks}
-    return plan, dict(sorted(normalized.items(), key=lambda item: int(item[0].split("-")[0])))
+        normalized[span.start] = key, {**chosen.describe(), "residual_length": residual, "sink_tokens": sinks}
+    return plan, dict(entry for _, entry in sorted(normalized.items()))
 
 
 def check_sinks(name: str, sinks: int, context: int | None) -> None:

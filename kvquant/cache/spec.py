@@ -22,8 +22,11 @@ from kvquant.cache.eviction import Eviction, get_eviction
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer
 
-#: make_cache's own options (the others are the quantizer's)
-CACHE_OPTIONS = ("budget", "eviction", "layers", "residual_length", "sink_tokens", "window")
+#: make_cache's options of which tokens a cache keeps at full precision or drops: the residual window, the sinks and
+#: an eviction policy with its window and budget (kvquant's own: no serving engine has them)
+TOKEN_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction")
+#: make_cache's own options (the others are the quantizer's): the token options and per-layer overrides, alphabetical
+CACHE_OPTIONS = tuple(sorted((*TOKEN_OPTIONS, "layers")))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A report's decision as what a serving engine is started with (``python -m kvquant.export REPORT_DIR``).
 
-Reads ``REPORT_DIR/results.json``; when the chosen setting is a serving engine's own format
+Reads the report (``REPORT_DIR/results.json``, or the document the runner has just written there), checked and
+typed by :mod:`kvquant.integrations.deploy_read`; when the chosen setting is a serving engine's own format
 (``kvquant/formats/vllm.py``, ``kvquant/formats/sglang.py``,
 every token stored quantized, no rotation, sinks, window or eviction of kvquant's own) or one of llama.cpp's cache
 types (``kvquant/formats/llamacpp.py``, one type for every layer: :mod:`kvquant.integrations.deploy_llamacpp`), writes
@@ -26,9 +27,10 @@ from pathlib import Path
 
 import torch
 
+from kvquant.cache.spec import TOKEN_OPTIONS
 from kvquant.integrations import deploy_llamacpp
 from kvquant.integrations.deploy_llamacpp import CacheTypes
-from kvquant.integrations.deploy_read import chosen_candidate, layer_map, load_report, model_layers
+from kvquant.integrations.deploy_read import Report, Setting, checked_report, load_report, open_results
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import write_together
 from kvquant.formats.quantizers import QUANTIZERS
@@ -73,93 +75,86 @@ def engine_flags(quantizer) -> tuple[str, str, str] | None:
     return cls.__dict__.get("serving") if cls is not None else None
 
 
-#: kvquant cache options that no engine has: a setting using any of them is a research setting
-RESEARCH_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction", "rotation")
-
-
-def layer_indices(selector) -> range:
-    """The layers a per-layer settings key names: ``5``, ``"5"`` or ``"0-3"``."""
-    low, _, high = str(selector).partition("-")
-    return range(int(low), int(high or low) + 1)
-
+#: kvquant's own options, which no engine has (the cache's token options and the quantizer's ``rotation``): a setting
+#: using any of them is a research setting
+RESEARCH_OPTIONS = (*TOKEN_OPTIONS, "rotation")
 
 #: per-layer options an engine takes from the checkpoint (exported as scales), not from a flag
 CHECKPOINT_OPTIONS = ("k_scale", "v_scale")
 
 
-def skipped_layers(settings: dict) -> list[int] | None:
+def skipped_layers(setting: Setting) -> list[int] | None:
     """The layers a per-layer setting keeps at model precision (fp16), [] when it has no per-layer settings, or
     None when its layers differ in a way no engine expresses (static scales differ per layer in a checkpoint)."""
-    skipped = []
-    for selector, own in (settings.get("layers") or {}).items():
+    settings, skipped = setting.settings, []
+    for layer, own in setting.layers.items():
         if own.get("quantizer") == "fp16":
-            skipped += layer_indices(selector)
-        elif own.get("quantizer", settings["quantizer"]) != settings["quantizer"] or any(
+            skipped.append(layer)
+        elif own.get("quantizer", setting.quantizer) != setting.quantizer or any(
                 own[k] != settings.get(k) for k in own if k not in ("quantizer", *CHECKPOINT_OPTIONS)):
             return None
     return sorted(skipped)
 
 
-def native(settings: dict) -> tuple[str, str, str, list[int]] | None:
+def native(setting: Setting) -> tuple[str, str, str, list[int]] | None:
     """(engine, flag value, needs, skipped layers) when a cache setting is an engine's own format, else None."""
-    flags = engine_flags(settings.get("quantizer"))
+    flags = engine_flags(setting.quantizer)
     if flags is None:
         return None
-    if any(settings.get(k) for k in RESEARCH_OPTIONS):
+    if any(setting.settings.get(k) for k in RESEARCH_OPTIONS):
         return None
-    skipped = skipped_layers(settings)
+    skipped = skipped_layers(setting)
     return None if skipped is None else (*flags, skipped)
 
 
-def llamacpp_research(settings: dict) -> str | None:
+def llamacpp_research(setting: Setting) -> str | None:
     """Why llama.cpp does not run a ``llamacpp_*`` setting (kvquant's own options, layers apart), else None."""
-    own = [k for k in RESEARCH_OPTIONS if settings.get(k)]
+    own = [k for k in RESEARCH_OPTIONS if setting.settings.get(k)]
     if own:
         return (f"it uses kvquant's own {', '.join(own)} (llama.cpp stores every token in the cache type, with no "
                 "residual tokens, sinks, window, eviction or rotation of kvquant's)")
-    if skipped_layers(settings) != []:
+    if skipped_layers(setting) != []:
         return ("its layers differ (llama.cpp has one -ctk/-ctv for every layer and keeps none at full precision: a "
                 "per-layer map is kvquant's)")
     return None
 
 
-def deployable(settings: dict) -> bool:
+def deployable(setting: Setting) -> bool:
     """Whether a setting is an engine format export writes ``DEPLOY.md`` for (a vLLM/SGLang format or a llama.cpp
     cache type)."""
-    if deploy_llamacpp.is_llamacpp(settings):
-        return llamacpp_research(settings) is None
-    return native(settings) is not None
+    if deploy_llamacpp.is_llamacpp(setting):
+        return llamacpp_research(setting) is None
+    return native(setting) is not None
 
 
-def nearest_engine_format(doc: dict, chosen: dict) -> str:
+def nearest_engine_format(report: Report, chosen: Setting) -> str:
     """The engine format measured in this report nearest the chosen setting's bits, with its verdict."""
-    measured = [c for c in doc["candidates"] if deployable(c["settings"])]
+    measured = [c for c in report.candidates if deployable(c)]
     if not measured:
         return "no engine format was measured in this report (configs/smollm2-engines.yaml measures them)"
-    near = min(measured, key=lambda c: abs(c["bits_per_element"] - chosen["bits_per_element"]))
-    return (f"the nearest engine format measured here is {near['settings']['quantizer']} ({visible(near['name'])}, "
-            f"{near['bits_per_element']:.2f} bits/element): {near['verdict'].upper()}")
+    near = min(measured, key=lambda c: abs(c.bits_per_element - chosen.bits_per_element))
+    return (f"the nearest engine format measured here is {near.quantizer} ({visible(near.name)}, "
+            f"{near.bits_per_element:.2f} bits/element): {near.verdict.upper()}")
 
 
-def checkpoint_scales(settings: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
+def checkpoint_scales(setting: Setting) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """For static fp8 with per-layer scales (calibrated): the compressed-tensors ``quantization_config`` that
     declares them (``kv_cache_scheme``: 8-bit float, symmetric, static, per ``tensor`` or ``attn_head``) and the
     tensors as compressed-tensors names them (``model.layers.N.self_attn.k_scale``: ``[1]`` per tensor,
     ``[kv_heads, 1, 1]`` per head), float32 as measured; None when there are none to ship."""
-    layers = settings.get("layers") or {}
-    if settings.get("quantizer") != "vllm_fp8" or not layers:
+    settings = setting.settings
+    if setting.quantizer != "vllm_fp8" or not setting.layers:
         return None
     tensors, per_head = {}, False
-    for selector, own in layers.items():
+    for layer, own in setting.layers.items():
         if own.get("quantizer") == "fp16":
             continue  # kept at full precision: a skipped layer, no scales
-        for layer in layer_indices(selector):
-            for role in ("k_scale", "v_scale"):
-                value = own.get(role, settings.get(role, 1.0))
-                per_head = per_head or isinstance(value, list)
-                scale = torch.tensor(value, dtype=torch.float32)
-                tensors[f"model.layers.{layer}.self_attn.{role}"] = scale.reshape(-1, 1, 1) if scale.dim() else \
-                    scale.reshape(1)
+        for role in ("k_scale", "v_scale"):
+            value = own.get(role, settings.get(role, 1.0))
+            per_head = per_head or isinstance(value, list)
+            scale = torch.tensor(value, dtype=torch.float32)
+            tensors[f"model.layers.{layer}.self_attn.{role}"] = scale.reshape(-1, 1, 1) if scale.dim() else \
+                scale.reshape(1)
     if len({t.shape for t in tensors.values()}) > 1:
         raise KVQuantError(f"the static scales mix shapes {sorted({tuple(t.shape) for t in tensors.values()})} "
                            "(one per tensor and one per KV head, or per-head lists of other lengths): one checkpoint "
@@ -170,16 +165,16 @@ def checkpoint_scales(settings: dict) -> tuple[dict, dict[str, torch.Tensor]] | 
             "kv_cache_scheme": scheme}, tensors
 
 
-def unshippable_scales(settings: dict) -> str | None:
+def unshippable_scales(setting: Setting) -> str | None:
     """Why static scales that were measured (anything but 1.0, at the top or in any layer) cannot be exported, else
     None: kvquant writes them for vllm_fp8 per layer (``layers``), not yet for one scale for all layers nor for
     nvfp4's global scales, and no other format takes any."""
     def measured(values: list) -> bool:
         return any(v not in (None, 1.0) for v in values)
 
-    top = [settings.get(k) for k in CHECKPOINT_OPTIONS]
-    per_layer = [own.get(k) for own in (settings.get("layers") or {}).values() for k in CHECKPOINT_OPTIONS]
-    quantizer = settings["quantizer"]
+    top = [setting.settings.get(k) for k in CHECKPOINT_OPTIONS]
+    per_layer = [own.get(k) for own in setting.layers.values() for k in CHECKPOINT_OPTIONS]
+    quantizer = setting.quantizer
     if quantizer == "vllm_fp8":
         return ("one k_scale/v_scale for all layers is not exported (calibrate: tensor gives per-layer scales, which "
                 "are)") if measured(top) else None
@@ -191,10 +186,10 @@ def unshippable_scales(settings: dict) -> str | None:
             "some other than 1.0")
 
 
-def engine_own_skips(chosen: dict, skipped: list[int], layers: int) -> str:
+def engine_own_skips(chosen: Setting, skipped: list[int], layers: int) -> str:
     """For TurboQuant: the boundary layers vLLM keeps at model precision on its own that the measured setting
     stored in the format (what vLLM runs then stores more there than was measured); ``layers``: the model's."""
-    if not chosen["settings"]["quantizer"].startswith("vllm_turboquant") or layers < 4:
+    if not chosen.quantizer.startswith("vllm_turboquant") or layers < 4:
         return ""
     own = sorted({0, 1, layers - 2, layers - 1} - set(skipped))
     return (f" kvquant measured layers {', '.join(map(str, own))} in the format, which vLLM keeps at model precision "
@@ -202,24 +197,24 @@ def engine_own_skips(chosen: dict, skipped: list[int], layers: int) -> str:
             if own else "")
 
 
-def verdict_table(chosen: dict) -> str:
+def verdict_table(chosen: Setting) -> str:
     """The chosen setting's gated metrics as a Markdown table (names rendered inert)."""
-    rows = "\n".join(f"| {prose(name, 200)} | {m['value']:.4g} (baseline {m['baseline']:.4g}) | "
-                     f"{prose(m['verdict'], 40)} |" for name, m in chosen["metrics"].items() if m.get("gated"))
+    rows = "\n".join(f"| {prose(m.name, 200)} | {m.value:.4g} (baseline {m.baseline:.4g}) | "
+                     f"{prose(m.verdict, 40)} |" for m in chosen.metrics if m.gated)
     return f"| metric | value | verdict |\n|---|---:|---|\n{rows}"
 
 
-def provenance(doc: dict) -> str:
+def provenance(report: Report) -> str:
     """Which run decided (its id and command, as code spans)."""
-    return f"Report: {code(doc.get('run_id'), 40)}, command {code(doc.get('command'), 2000)}."
+    return f"Report: {code(report.run_id, 40)}, command {code(report.command, 2000)}."
 
 
-def measured_on(doc: dict) -> str:
+def measured_on(report: Report) -> str:
     """The model the report measured, as a code span."""
-    return code(doc.get("config", {}).get("model", {}).get("path", "?"), 500)
+    return code(report.model, 500)
 
 
-def deploy_text(doc: dict, chosen: dict, found: tuple[str, str, str, list[int]], layers: int) -> str:
+def deploy_text(report: Report, chosen: Setting, found: tuple[str, str, str, list[int]], layers: int) -> str:
     """``DEPLOY.md``: what to run, what was measured, the verdicts, what was not measured."""
     engine, flag, needs, skipped = found
     cli = f"--kv-cache-dtype {flag}" + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}"
@@ -228,56 +223,56 @@ def deploy_text(doc: dict, chosen: dict, found: tuple[str, str, str, list[int]],
               + (f", kv_cache_dtype_skip_layers={[str(i) for i in skipped]!r}" if skipped else "") + ")")
     if engine == "SGLang":
         python = f"sglang.Engine(model_path=..., kv_cache_dtype={flag!r})"
-    return f"""# Deploying {code(chosen['name'], 200)} ({engine} `--kv-cache-dtype {flag}`)
+    return f"""# Deploying {code(chosen.name, 200)} ({engine} `--kv-cache-dtype {flag}`)
 
 Run {engine} with {code(cli, 100_000)} (Python: {code(python, 100_000)}). Needs: {needs}.\
 {engine_own_skips(chosen, skipped, layers)}
-kvquant measured this format ({code(chosen['settings']['quantizer'], 100)}, {chosen['bits_per_element']:.3f} bits per
-element as the engine stores it) on {measured_on(doc)} against the fp16 baseline through the same cache, with
-attention reading the stored K/V, and the gate decided **PASS**: {prose(doc.get('reason'))}
+kvquant measured this format ({code(chosen.quantizer, 100)}, {chosen.bits_per_element:.3f} bits per
+element as the engine stores it) on {measured_on(report)} against the fp16 baseline through the same cache, with
+attention reading the stored K/V, and the gate decided **PASS**: {prose(report.reason)}
 
 {verdict_table(chosen)}
 
 Not measured: the engine itself (kvquant emulates its numerics; see docs/quantizers.md for where an engine's GPU
 arithmetic may differ by an ulp), speed, other models, tasks or lengths than the report's, and the engine's
-prefill, which may attend to unquantized states where kvquant quantizes on write. {provenance(doc)}
+prefill, which may attend to unquantized states where kvquant quantizes on write. {provenance(report)}
 """
 
 
-def llamacpp_text(doc: dict, chosen: dict, types: CacheTypes) -> str:
+def llamacpp_text(report: Report, chosen: Setting, types: CacheTypes) -> str:
     """``DEPLOY.md`` for a llama.cpp cache type: llama.cpp's flags, Ollama's line (or why none), llama-cpp-python's
     keyword arguments, what was measured, the verdicts, what was not measured."""
-    return f"""# Deploying {code(chosen['name'], 200)} (llama.cpp `-ctk {types.key} -ctv {types.value}`)
+    return f"""# Deploying {code(chosen.name, 200)} (llama.cpp `-ctk {types.key} -ctv {types.value}`)
 
 {deploy_llamacpp.run_text(types)}
 
-kvquant measured this cache ({code(chosen['settings']['quantizer'], 100)}, {chosen['bits_per_element']:.3f} bits per
-element as llama.cpp stores it) on {measured_on(doc)} against the fp16 baseline through the same cache, emulating
+kvquant measured this cache ({code(chosen.quantizer, 100)}, {chosen.bits_per_element:.3f} bits per
+element as llama.cpp stores it) on {measured_on(report)} against the fp16 baseline through the same cache, emulating
 llama.cpp's arithmetic (ggml's blocks and rounding, the rotation as above, the query converted to K's dot-product type),
-and the gate decided **PASS**: {prose(doc.get('reason'))}
+and the gate decided **PASS**: {prose(report.reason)}
 
 {verdict_table(chosen)}
 
 Not measured: llama.cpp itself in this run (kvquant emulates it; the order of its float32 sums is not
 reproduced).{deploy_llamacpp.cpu_text(types)} Nor speed, other models, tasks or lengths than the report's, nor the
-GGUF's own weights where the report measured another file of the model (llama.cpp runs the GGUF). {provenance(doc)}
+GGUF's own weights where the report measured another file of the model (llama.cpp runs the GGUF). {provenance(report)}
 """
 
 
-def keeps_model_precision(settings: dict, layer_settings: dict[int, dict], layers: int) -> bool:
-    """Whether a setting quantizes nothing: fp16 for every one of the model's ``layers`` (its own, or each layer's
-    in ``layer_settings``), with none of kvquant's own cache options (:data:`RESEARCH_OPTIONS`)."""
+def keeps_model_precision(setting: Setting, layers: int) -> bool:
+    """Whether a setting quantizes nothing: fp16 for every one of the model's ``layers`` (its own, or a layer's
+    own), with none of kvquant's own cache options (:data:`RESEARCH_OPTIONS`)."""
+    settings = setting.settings
     if any(settings.get(k) for k in RESEARCH_OPTIONS):
         return False
-    return all(own.get("quantizer", settings["quantizer"]) == "fp16" and not any(own.get(k) for k in RESEARCH_OPTIONS)
-               for own in (layer_settings.get(i, settings) for i in range(layers)))
+    return all(own.get("quantizer", setting.quantizer) == "fp16" and not any(own.get(k) for k in RESEARCH_OPTIONS)
+               for own in (setting.layers.get(i, settings) for i in range(layers)))
 
 
-def keep_text(doc: dict, chosen: dict, layers: int) -> str:
+def keep_text(report: Report, chosen: Setting, layers: int) -> str:
     """``DEPLOY.md`` for a setting that quantizes nothing: keep the engine's default, model-precision cache."""
-    kept = (f"a per-layer setting that keeps all {layers} layers at fp16" if chosen["settings"].get("layers")
-            else "fp16")
-    return f"""# Deploying {code(chosen['name'], 200)}: keep the model-precision KV cache
+    kept = f"a per-layer setting that keeps all {layers} layers at fp16" if chosen.layers else "fp16"
+    return f"""# Deploying {code(chosen.name, 200)}: keep the model-precision KV cache
 
 The gate decided **PASS** for a setting that quantizes nothing ({kept}): every layer's keys and values stay at the
 model's precision, so there is no KV-cache format to turn on and no scales to ship. Start the engine with its
@@ -285,12 +280,12 @@ default cache: vLLM and SGLang without `--kv-cache-dtype` (or with `--kv-cache-d
 in the model's dtype (fp16 or bf16). llama.cpp (`llama-server`, `llama-cli`), Ollama and llama-cpp-python keep
 their default f16 cache (`-ctk f16 -ctv f16`, no flag needed; `OLLAMA_KV_CACHE_TYPE` unset or `f16`; `type_k` and
 `type_v` unset): the model's precision for an fp16 model, while for a bf16 or float32 model llama.cpp rounds K and V
-to f16, which `llamacpp_f16` measures and this setting did not. Measured on {measured_on(doc)}:
-{prose(doc.get('reason'))}
+to f16, which `llamacpp_f16` measures and this setting did not. Measured on {measured_on(report)}:
+{prose(report.reason)}
 
 {verdict_table(chosen)}
 
-Not measured: the engine itself, speed, other models, tasks or lengths than the report's. {provenance(doc)}
+Not measured: the engine itself, speed, other models, tasks or lengths than the report's. {provenance(report)}
 """
 
 
@@ -319,33 +314,32 @@ def sglang_text(config: dict) -> str:
             "(flashattention_backend.py:1434), which a float does not have. Use the checkpoint scales above.\n")
 
 
-def deploy_files(report_dir: Path, doc: dict) -> dict[str, str | bytes]:
-    """The files that deploy a checked report's decision (:func:`kvquant.integrations.deploy_read.load_report`), or
-    one line
-    saying why there are none."""
-    chosen, path = chosen_candidate(doc), report_dir / "results.json"
+def deploy_files(report_dir: Path, report: Report) -> dict[str, str | bytes]:
+    """The files that deploy a checked report's decision (:func:`kvquant.integrations.deploy_read.checked_report`),
+    or one line saying why there are none."""
+    chosen = report.chosen
     if chosen is None:
-        raise KVQuantError(f"{report_dir}: the decision is {doc['decision'].upper()}, with no setting chosen; "
+        raise KVQuantError(f"{report_dir}: the decision is {report.decision.upper()}, with no setting chosen; "
                            "nothing to deploy")
-    settings, name, layers = chosen["settings"], visible(doc["chosen"]), model_layers(doc, chosen, path)
-    if keeps_model_precision(settings, layer_map(settings, layers, path, name), layers):
-        return {"DEPLOY.md": keep_text(doc, chosen, layers)}
-    if deploy_llamacpp.is_llamacpp(settings):
-        why = llamacpp_research(settings)
+    name, layers = visible(chosen.name), report.layers
+    if keeps_model_precision(chosen, layers):
+        return {"DEPLOY.md": keep_text(report, chosen, layers)}
+    if deploy_llamacpp.is_llamacpp(chosen):
+        why = llamacpp_research(chosen)
         if why:
-            raise KVQuantError(f"research setting: llama.cpp does not run {name} ({visible(settings['quantizer'])}): "
-                               f"{why}; {nearest_engine_format(doc, chosen)}")
-        return {"DEPLOY.md": llamacpp_text(doc, chosen, deploy_llamacpp.read(settings, path, doc["chosen"]))}
-    found = native(settings)
+            raise KVQuantError(f"research setting: llama.cpp does not run {name} ({visible(chosen.quantizer)}): "
+                               f"{why}; {nearest_engine_format(report, chosen)}")
+        return {"DEPLOY.md": llamacpp_text(report, chosen, deploy_llamacpp.read(chosen, report.path))}
+    found = native(chosen)
     if found is None:
-        raise KVQuantError(f"research setting: no serving engine runs {name} ({visible(settings['quantizer'])}); "
-                           f"{nearest_engine_format(doc, chosen)}")
-    unshipped = unshippable_scales(settings)
+        raise KVQuantError(f"research setting: no serving engine runs {name} ({visible(chosen.quantizer)}); "
+                           f"{nearest_engine_format(report, chosen)}")
+    unshipped = unshippable_scales(chosen)
     if unshipped:
         raise KVQuantError(f"{name}: {unshipped}; the engine would run at 1.0, not at the scales the gate "
                            "measured, so there is nothing honest to deploy")
-    text, files = deploy_text(doc, chosen, found, layers), {}
-    shipped = checkpoint_scales(settings)
+    text, files = deploy_text(report, chosen, found, layers), {}
+    shipped = checkpoint_scales(chosen)
     if shipped is not None and shipped[1]:
         from safetensors.torch import save
 
@@ -392,14 +386,18 @@ def export(report_dir: Path, trust_unsigned: bool = False) -> Path:
     return report_dir / "DEPLOY.md"
 
 
-def deploy_beside(report_dir: Path) -> tuple[Path | None, str | None]:
+def deploy_beside(report_dir: Path, document: dict) -> tuple[Path | None, str | None]:
     """The runner's step after writing a report: (``DEPLOY.md``, None) when its decision chose a setting that
-    deploys, (None, why not: one line) when it chose one that does not, (None, None) when it chose none."""
+    deploys, (None, why not: one line) when it chose one that does not, (None, None) when it chose none.
+    ``document``: what the run has just written to ``report_dir/results.json``, as a reader parses it
+    (:func:`kvquant.runner.report.write`), checked as export checks it; the directory and the file are checked as
+    export checks them (whose, how large), and the file is not read back."""
     try:
-        doc = load_report(report_dir)
-        if doc["chosen"] is None:
+        os.close(open_results(report_dir))
+        report = checked_report(document, report_dir / "results.json")
+        if report.chosen is None:
             return None, None
-        write_set(report_dir, deploy_files(report_dir, doc))
+        write_set(report_dir, deploy_files(report_dir, report))
     except KVQuantError as err:
         return None, one_line(err)
     return report_dir / "DEPLOY.md", None

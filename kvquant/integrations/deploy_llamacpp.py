@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.integrations.deploy_read import need, quoted
+from kvquant.integrations.deploy_read import Setting, need, quoted
 from kvquant.formats.llamacpp import CACHE_TYPES, CPU_PATHS, FLOAT_TYPES, LlamaCppQuantizer
 from kvquant.formats.quantizers import QUANTIZERS
 
@@ -110,17 +110,19 @@ class CacheTypes:
         return f"OLLAMA_FLASH_ATTENTION=1 OLLAMA_KV_CACHE_TYPE={self.key} ollama serve"
 
 
-def is_llamacpp(settings: dict) -> bool:
+def is_llamacpp(setting: Setting) -> bool:
     """Whether a setting's quantizer is one of llama.cpp's cache types (``llamacpp_*``)."""
-    cls = QUANTIZERS.classes.get(settings.get("quantizer"))
+    cls = QUANTIZERS.classes.get(setting.quantizer)
     return isinstance(cls, type) and issubclass(cls, LlamaCppQuantizer)
 
 
-def read(settings: dict, path: Path, name: str) -> CacheTypes:
-    """The llama.cpp cache a ``llamacpp_*`` setting measured, every value checked as the runner writes it."""
+def read(setting: Setting, path: Path) -> CacheTypes:
+    """The llama.cpp cache a ``llamacpp_*`` setting measured, every value checked as the runner writes it (``path``:
+    the results.json it is in, for the messages)."""
+    settings = setting.settings
     own = {k: settings.get(k) for k in SETTINGS}
-    default = QUANTIZERS.classes[settings["quantizer"]].cache_type
-    at = f"{quoted(name)}'s settings"
+    default = QUANTIZERS.classes[setting.quantizer].cache_type
+    at = f"{quoted(setting.name)}'s settings"
     for key in ("key_type", "value_type"):
         own[key] = own[key] if key in settings else default
         need(isinstance(own[key], str) and own[key] in CACHE_TYPES, path, f"{at}.{key}",

@@ -11,7 +11,8 @@ document whose every value export uses is what the runner writes.
   per-layer keys ``N`` or ``N-M`` (``N <= M``) naming layers the model has (the report's per-layer memory says
   how many, at most :data:`MAX_LAYERS`), no layer named twice; static scales finite and positive in float32.
 
-Every refusal is one :class:`KVQuantError` line naming the file, the key and the value.
+Every refusal is one :class:`KVQuantError` line naming the file, the key and the value. What passes is typed
+(:class:`Report`, :class:`Setting`, :class:`Metric`): the renderers read nothing else.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import math
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvquant.cache.build import layer_bounds
 from kvquant.errors import KVQuantError, one_line
 from kvquant.signing import unverified
 
@@ -37,7 +40,9 @@ MAX_HEADS = 4096
 #: more gated metrics than any report has (each is a row of DEPLOY.md's table, its name cut at 200 characters)
 MAX_GATED = 1024
 DECISIONS = ("pass", "fail", "inconclusive")
-SELECTOR = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7}))?")
+#: the form of a per-layer key the runner writes (``N`` or ``N-M``, ASCII digits, no spaces): export refuses any other
+#: key a config could spell (``" 5"``, ``"0 - 3"``); :func:`kvquant.cache.build.layer_bounds` reads the layers
+SELECTOR = re.compile(r"[0-9]{1,7}(?:-[0-9]{1,7})?")
 SCALES = ("k_scale", "v_scale")
 WROTE = "not a results.json this kvquant writes (rerun python -m kvquant.run)"
 
@@ -70,8 +75,9 @@ def _open_dir(report_dir: Path) -> int:
     return fd
 
 
-def read_results(report_dir: Path) -> bytes:
-    """The bytes of ``report_dir/results.json`` (see the module docstring: whose file, how large)."""
+def open_results(report_dir: Path) -> int:
+    """A descriptor of ``report_dir/results.json``, opened for reading once the directory and the file are checked
+    (see the module docstring: whose file, how large)."""
     path, dir_fd = report_dir / "results.json", _open_dir(report_dir)
     try:
         fd = os.open("results.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -82,19 +88,28 @@ def read_results(report_dir: Path) -> bytes:
     finally:
         os.close(dir_fd)
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):  # a directory, FIFO or device (a directory opens, but cannot be read)
-        os.close(fd)
-        raise KVQuantError(f"{path} is not a regular file; kvquant exports only the results.json its runner wrote")
-    with os.fdopen(fd, "rb") as f:
+    try:
+        if not stat.S_ISREG(info.st_mode):  # a directory, FIFO or device (a directory opens, but cannot be read)
+            raise KVQuantError(f"{path} is not a regular file; kvquant exports only the results.json its runner "
+                               "wrote")
         _own(info, path)
         if info.st_size > MAX_BYTES:
             raise KVQuantError(f"{path} is {info.st_size:,} bytes, more than the {MAX_BYTES:,} a report holds; {WROTE}")
+    except KVQuantError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_results(report_dir: Path) -> bytes:
+    """The bytes of ``report_dir/results.json`` (:func:`open_results`)."""
+    with os.fdopen(open_results(report_dir), "rb") as f:
         return f.read(MAX_BYTES + 1)
 
 
-def load_report(report_dir: Path, trust_unsigned: bool = False) -> dict:
-    """``results.json`` of a report directory, read, verified and checked (see the module docstring), or one line
-    naming what is wrong."""
+def load_report(report_dir: Path, trust_unsigned: bool = False) -> Report:
+    """``results.json`` of a report directory, read, verified, checked and typed (see the module docstring), or one
+    line naming what is wrong."""
     path = report_dir / "results.json"
     data = read_results(report_dir)
     try:
@@ -111,8 +126,7 @@ def load_report(report_dir: Path, trust_unsigned: bool = False) -> dict:
         if why:
             raise KVQuantError(f"{path}: {why}; export deploys only what your own run decided: rerun python -m "
                                "kvquant.run, or pass --trust-unsigned once you have checked this file")
-    check_document(doc, path)
-    return doc
+    return checked_report(doc, path)
 
 
 def quoted(text, limit: int = 80) -> str:
@@ -241,9 +255,8 @@ def layer_map(settings: dict, layers: int, path: Path, name: str) -> dict[int, d
     found: dict[int, dict] = {}
     for selector, own in (settings.get("layers") or {}).items():
         at = f"{quoted(name)}'s settings.layers[{quoted(selector)}]"
-        match = SELECTOR.fullmatch(selector)
-        need(match is not None, path, f"{at}'s key", "a layer N or a range N-M", selector)
-        low, high = int(match[1]), int(match[2] or match[1])
+        need(SELECTOR.fullmatch(selector) is not None, path, f"{at}'s key", "a layer N or a range N-M", selector)
+        low, high = layer_bounds(selector)
         need(low <= high, path, f"{at}'s range", "low-high (low <= high)", selector)
         need(high < layers, path, f"{at}'s layers", f"below {layers} (the model's layers)", selector)
         need(isinstance(own, dict), path, at, "an object", own)
@@ -270,3 +283,73 @@ def check_scales(settings: dict, path: Path, name: str) -> None:
             as_stored = torch.tensor([float(v) for v in flat], dtype=torch.float64).to(torch.float32)
             need(bool(torch.isfinite(as_stored).all() and (as_stored > 0).all()), path, at,
                  "finite and > 0 in float32 (a scale divides the states)", value)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A candidate's metric as results.json records it: its name (as the report names it), value, the baseline's,
+    the gate's verdict and whether it was gated."""
+
+    name: str
+    value: float
+    baseline: float
+    verdict: str
+    gated: bool
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A candidate as results.json records it: its name, its cache settings as the runner records them (the
+    quantizer's and the cache's options, what they derived, per-layer ``layers``), bits per element as stored, the
+    gate's verdict, its metrics in the report's order, and each layer a ``layers`` key names with its own settings
+    (:func:`layer_map`)."""
+
+    name: str
+    settings: dict
+    bits_per_element: float
+    verdict: str
+    metrics: tuple[Metric, ...]
+    layers: dict[int, dict]
+
+    @property
+    def quantizer(self) -> str:
+        return self.settings["quantizer"]
+
+    @classmethod
+    def read(cls, candidate: dict, layers: int, path: Path) -> Setting:
+        """A candidate of a checked document (:func:`check_document`) on a model of ``layers`` layers."""
+        metrics = tuple(Metric(name, m["value"], m["baseline"], m["verdict"], m.get("gated", False))
+                        for name, m in candidate["metrics"].items())
+        return cls(candidate["name"], candidate["settings"], candidate["bits_per_element"], candidate["verdict"],
+                   metrics, layer_map(candidate["settings"], layers, path, candidate["name"]))
+
+
+@dataclass(frozen=True)
+class Report:
+    """A checked results.json (at ``path``) as export reads it: the decision, the setting it chose (None: none),
+    and where it chose one, every candidate (the chosen one among them, first of its name) and the model's layers;
+    the run's id, the gate's reason, the command and the model's path (None, None, None and ``?`` where the file
+    has none)."""
+
+    path: Path
+    decision: str
+    chosen: Setting | None
+    candidates: tuple[Setting, ...]
+    layers: int | None
+    run_id: str | None
+    reason: str | None
+    command: str | None
+    model: str
+
+
+def checked_report(doc: dict, path: Path) -> Report:
+    """A parsed results.json (``path``: where it is, for the messages), checked (:func:`check_document`) and
+    typed."""
+    check_document(doc, path)
+    chosen, candidates, layers = chosen_candidate(doc), (), None
+    if chosen is not None:
+        layers = model_layers(doc, chosen, path)
+        candidates = tuple(Setting.read(candidate, layers, path) for candidate in doc["candidates"])
+    return Report(path, doc["decision"], next((c for c in candidates if c.name == doc["chosen"]), None), candidates,
+                  layers, doc.get("run_id"), doc.get("reason"), doc.get("command"),
+                  doc.get("config", {}).get("model", {}).get("path", "?"))

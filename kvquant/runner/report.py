@@ -34,7 +34,7 @@ from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate
 from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
 from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
 from kvquant.runner.results import DIVERGENCE, PERPLEXITY, Memory, RunResult
-from kvquant.signing import signed_json
+from kvquant.signing import recorded, signed_json
 
 # names the tests and earlier callers import from here
 _probe_curve, _probe_table = probe_curve, probe_table
@@ -176,14 +176,18 @@ def _searched(run: RunResult, run_id: str, out_dir: Path) -> str:
             f"{out_dir / 'searched.yaml'}\n" + yaml.safe_dump(rerun, sort_keys=False))
 
 
-def render(out_dir: Path, run: RunResult, run_id: str, env: dict[str, str]) -> dict[str, str | bytes]:
+def render(out_dir: Path, run: RunResult, run_id: str,
+           env: dict[str, str]) -> tuple[dict[str, str | bytes], dict]:
     """Every report file of ``run`` by name, as text or bytes (``out_dir``: where they will be, which
-    searched.yaml names)."""
+    searched.yaml names), and the document results.json holds as a reader parses it back
+    (:func:`kvquant.signing.recorded`, without its signature)."""
     cfg = run.config
     candidates = candidate_reports(run)
     doc = document(run, run_id, env, candidates)
+    written = recorded(doc)
     curve = probe_curve(run.rows)
-    files = {"results.json": signed_json(doc), "results.csv": _csv(doc), "plot.png": quality_plot(candidates, cfg),
+    files = {"results.json": signed_json(written), "results.csv": _csv(doc),
+             "plot.png": quality_plot(candidates, cfg),
              "config.resolved.yaml": (f"# run {run_id}: the config of the run that results.json and report.md "
                                       "describe\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
              "report.md": markdown(run, candidates, run_id, env)}
@@ -193,15 +197,16 @@ def render(out_dir: Path, run: RunResult, run_id: str, env: dict[str, str]) -> d
         files["stages.png"] = stages_plot(stage_rows(run, candidates), cfg)
     if curve:
         files["probe.png"] = probe_plot(curve, cfg)
-    return files
+    return files, written
 
 
-def write(out_dir: Path, run: RunResult) -> dict[str, Path]:
+def write(out_dir: Path, run: RunResult) -> tuple[dict[str, Path], dict]:
     """Render one run's report files together (``results.json``, ``results.csv``, ``report.md``, plots,
     ``config.resolved.yaml``, a search's ``searched.yaml``) into ``out_dir``, and remove what an earlier run
-    left there that this one does not regenerate."""
-    files = render(out_dir, run, uuid.uuid4().hex[:12], environment())
+    left there that this one does not regenerate. Returns their paths and the document results.json holds, as a
+    reader parses it (what the runner deploys: :func:`kvquant.integrations.deploy.deploy_beside`)."""
+    files, written = render(out_dir, run, uuid.uuid4().hex[:12], environment())
     write_together(out_dir, files)
     for name in REPORT_FILES - set(files):  # an earlier run's, which this report does not describe
         (out_dir / name).unlink(missing_ok=True)
-    return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}
+    return {"report": out_dir / "report.md", "json": out_dir / "results.json", "plot": out_dir / "plot.png"}, written
