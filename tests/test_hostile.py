@@ -27,21 +27,13 @@ from kvquant.runner.gate_config import GateConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.scorer import Scorer
 from kvquant.paths import data_dir, resolve
+from hostile_helpers import MODEL, set_args, tiny_run
 
 ROOT = Path(__file__).parents[1]
-MODEL = "local:models/stories260K/hf"
 GGUF_DIR = "local:models/stories260K"
-STORIES = "local:text/tinystories/validation-first1000.jsonl"
 NO_GPU = not torch.cuda.is_available()
 
-BASE = {
-    "name": "finished",
-    "model": {"path": MODEL},
-    "candidates": [{"quantizer": "int4", "name": "int4", "options": {"residual_length": 0}}],
-    "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
-             "tasks": {"names": ["tinystories_lastword"], "limit": 5}},
-    "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 1000},
-}
+BASE = tiny_run("finished", "int4", tasks_limit=5, bootstrap=1000)
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -93,7 +85,7 @@ def assert_one_clear_line(code: int, out: str, err: str, needle: str, prog: str)
 
 def S(*overrides: str) -> list[str]:
     """The base config with ``--set`` overrides."""
-    return ["{cfg}", *(a for o in overrides for a in ("--set", o))]
+    return ["{cfg}", *set_args(*overrides)]
 
 
 def only_task(name: str, *overrides: str) -> list[str]:

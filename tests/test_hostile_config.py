@@ -15,6 +15,7 @@ import kvquant.run
 from kvquant.errors import ConfigError
 from kvquant.runner.config import load_config
 from kvquant.runner.store import ResultStore
+from hostile_helpers import set_args as S
 
 ROOT = Path(__file__).parents[1]
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
@@ -47,41 +48,37 @@ def refused(capsys, argv: list[str], needle: str) -> str:
     return lines[0]
 
 
-def S(*overrides: str) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
-
-
-CONFIG_CASES = [
+CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
     # the gate's keys: a zero-width interval turned INCONCLUSIVE into PASS; 0% quantized reads passed int2
-    ("bootstrap-1", S("gate.bootstrap=1"), "gate.bootstrap must be at least 1000 resamples for 0.95 intervals"),
-    ("bootstrap-999", S("gate.bootstrap=999"), "gate.bootstrap must be at least 1000"),
-    ("bootstrap-for-confidence", S("gate.confidence=0.99"), "gate.bootstrap must be at least 5000 resamples"),
-    ("confidence-beyond-bootstrap", S("gate.confidence=0.9999", "gate.bootstrap=100000"),
+    ("bootstrap-1", ["gate.bootstrap=1"], "gate.bootstrap must be at least 1000 resamples for 0.95 intervals"),
+    ("bootstrap-999", ["gate.bootstrap=999"], "gate.bootstrap must be at least 1000"),
+    ("bootstrap-for-confidence", ["gate.confidence=0.99"], "gate.bootstrap must be at least 5000 resamples"),
+    ("confidence-beyond-bootstrap", ["gate.confidence=0.9999", "gate.bootstrap=100000"],
      "gate.confidence 0.9999 needs more than 100000 bootstrap resamples"),
-    ("share-zero", S("gate.min_quantized_share=0"), "gate.min_quantized_share must be in [0.5, 1], got 0.0"),
-    ("share-below-half", S("gate.min_quantized_share=0.49"), "gate.min_quantized_share must be in [0.5, 1]"),
+    ("share-zero", ["gate.min_quantized_share=0"], "gate.min_quantized_share must be in [0.5, 1], got 0.0"),
+    ("share-below-half", ["gate.min_quantized_share=0.49"], "gate.min_quantized_share must be in [0.5, 1]"),
     # names that become file names: were OSError "File name too long" (exit 3, the set's after a measurement)
-    ("run-name-long", S(f"name={LONG}"), "name 'aaaaaaaaaaaaaaaaaaaaaaaa'... is 300 bytes long"),
-    ("set-name-long", S(f"eval.perplexity.0.name={LONG}"), "eval.perplexity[0].name 'aaaa"),
-    ("candidate-name-long", S("candidates.0.name=" + "b" * 129), "is 129 bytes long; it becomes part of a file"),
-    ("task-name-long", S(f"eval.tasks.names=[{LONG}]"), "eval.tasks.names: task 'aaaa"),
-    ("output-dir-nul", S('output_dir="/tmp/a\\0b"'), "output_dir '/tmp/a\\x00b' holds a NUL character"),
-    ("output-dir-surrogate", S('output_dir="/tmp/\\ud800"'), "holds a lone surrogate"),
-    ("output-dir-component", S(f"output_dir=/tmp/{LONG}"), "is 300 bytes long; a file or folder name holds at most"),
-    ("output-dir-path", S("output_dir=" + "/abcdefgh" * 300), "a report folder's path holds at most 2048"),
-    ("gguf-file-nul", S('model.gguf_file="a\\0b"'), "model.gguf_file 'a\\x00b' holds a NUL character"),
+    ("run-name-long", [f"name={LONG}"], "name 'aaaaaaaaaaaaaaaaaaaaaaaa'... is 300 bytes long"),
+    ("set-name-long", [f"eval.perplexity.0.name={LONG}"], "eval.perplexity[0].name 'aaaa"),
+    ("candidate-name-long", ["candidates.0.name=" + "b" * 129], "is 129 bytes long; it becomes part of a file"),
+    ("task-name-long", [f"eval.tasks.names=[{LONG}]"], "eval.tasks.names: task 'aaaa"),
+    ("output-dir-nul", ['output_dir="/tmp/a\\0b"'], "output_dir '/tmp/a\\x00b' holds a NUL character"),
+    ("output-dir-surrogate", ['output_dir="/tmp/\\ud800"'], "holds a lone surrogate"),
+    ("output-dir-component", [f"output_dir=/tmp/{LONG}"], "is 300 bytes long; a file or folder name holds at most"),
+    ("output-dir-path", ["output_dir=" + "/abcdefgh" * 300], "a report folder's path holds at most 2048"),
+    ("gguf-file-nul", ['model.gguf_file="a\\0b"'], "model.gguf_file 'a\\x00b' holds a NUL character"),
     # numbers and nesting Python cannot read: were ValueError / RecursionError (exit 3)
-    ("integer-5000-digits", S("gate.bootstrap=" + "7" * 5000), "an integer of 5,000 digits, beyond the 4,300"),
-    ("date-that-is-not", S("gate.bootstrap=2024-99-99"), "'2024-99-99' cannot be read as timestamp"),
-    ("set-key-thousands-deep", S(".".join(["model.device_map", *["a"] * 5000]) + "=1"), "5002 keys deep"),
-    ("set-key-and-value-deep", S(".".join(["candidates.0.options", *["a"] * 60]) + "=" + "[" * 10 + "]" * 10),
+    ("integer-5000-digits", ["gate.bootstrap=" + "7" * 5000], "an integer of 5,000 digits, beyond the 4,300"),
+    ("date-that-is-not", ["gate.bootstrap=2024-99-99"], "'2024-99-99' cannot be read as timestamp"),
+    ("set-key-thousands-deep", [".".join(["model.device_map", *["a"] * 5000]) + "=1"], "5002 keys deep"),
+    ("set-key-and-value-deep", [".".join(["candidates.0.options", *["a"] * 60]) + "=" + "[" * 10 + "]" * 10],
      "nested deeper than 64 levels"),
 ]
 
 
-@pytest.mark.parametrize("argv, needle", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
-def test_config_refused_when_read(base, no_model_load, capsys, argv, needle):
-    refused(capsys, [base, *argv], needle)
+@pytest.mark.parametrize("overrides, needle", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_config_refused_when_read(base, no_model_load, capsys, overrides, needle):
+    refused(capsys, [base, *S(*overrides)], needle)
     assert not (base.parent / "reports").exists()
 
 

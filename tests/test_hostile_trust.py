@@ -26,18 +26,10 @@ from kvquant import plan
 from kvquant.scoring import parallel
 from kvquant.errors import KVQuantError
 from kvquant.paths import resolve
+from hostile_helpers import MODEL, tiny_run
 
-MODEL = "local:models/stories260K/hf"
-STORIES = "local:text/tinystories/validation-first1000.jsonl"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-CONFIG = {
-    "name": "trust",
-    "model": {"path": MODEL},
-    "candidates": [{"quantizer": "int4", "name": "q", "options": {"residual_length": 0}}],
-    "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
-             "tasks": {"names": ["tinystories_lastword"], "limit": 4}},
-    "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"]},
-}
+CONFIG = tiny_run("trust", "q", tasks_limit=4)
 
 
 def one_line(code: int, err: str, prog: str, *needles: str) -> str:

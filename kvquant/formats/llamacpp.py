@@ -64,7 +64,7 @@ from kvquant.formats import ops
 from kvquant.cache.roles import StorageRole
 from kvquant.formats.engine_math import hadamard_transform, round_half_away
 from kvquant.errors import KVQuantError
-from kvquant.formats.quantizers import Codec, Quantizer, register_quantizer
+from kvquant.formats.quantizers import Codec, Quantizer, WrappingCodec, register_quantizer
 
 BLOCK = 32
 FP16_MAX = 65504.0
@@ -337,7 +337,7 @@ class GgmlCodec(Codec):
 
 
 @dataclass(frozen=True)
-class AttnRotCodec(Codec):
+class AttnRotCodec(WrappingCodec):
     """llama.cpp's automatic rotation around a quantized type: states stored as ``fwht(x, block)`` and read back
     through the same transform (its own inverse), float32 then rounded once to the output's dtype."""
 
@@ -345,22 +345,10 @@ class AttnRotCodec(Codec):
     block: int
 
     @property
-    def roles(self):
-        return self.inner.roles
-
-    @property
     def max_abs(self) -> float:
         """Beyond this no state fits once rotated (a rotated block keeps its norm: some |y| >= |x| / sqrt(block));
         states below it are rotated and checked in :meth:`check`."""
         return self.inner.max_abs * math.sqrt(self.block)
-
-    @property
-    def held(self) -> str:
-        return self.inner.held
-
-    @property
-    def channel_multiple(self) -> tuple[int, str]:
-        return self.inner.channel_multiple
 
     def check(self, x, name):
         """States within ``inner.max_abs / sqrt(block)`` fit once rotated (``|y| <= sqrt(block) max|x|``); others

@@ -39,7 +39,7 @@ import torch
 from kvquant.formats import ops
 from kvquant.errors import KVQuantError
 from kvquant.formats.llamacpp import BLOCK, _signed_absmax, quantize_q8
-from kvquant.formats.quantizers import Codec
+from kvquant.formats.quantizers import WrappingCodec
 
 # --------------------------------------------------------------------------------------------------
 # K's channel order
@@ -57,28 +57,11 @@ def gguf_order(head_dim: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class GgufOrderCodec(Codec):
+class GgufOrderCodec(WrappingCodec):
     """K in llama.cpp's channel order (:func:`gguf_order`) around ``inner``: its blocks of 32 and its rotation see
     the channels llama.cpp's do; read back, and the query converted, in the model's order."""
 
-    inner: Codec
     head_dim: int
-
-    @property
-    def roles(self):
-        return self.inner.roles
-
-    @property
-    def max_abs(self) -> float:
-        return self.inner.max_abs
-
-    @property
-    def held(self) -> str:
-        return self.inner.held
-
-    @property
-    def channel_multiple(self) -> tuple[int, str]:
-        return self.inner.channel_multiple
 
     def _orders(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         order = gguf_order(self.head_dim).to(device)

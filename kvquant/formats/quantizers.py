@@ -9,7 +9,8 @@ turns a block of states ``[B, H, T, D]`` into a dict of stored tensors whose dim
 Appending units never touches those already stored.
 
 Adding a quantizer is one class (its codecs in ``_codecs``) plus ``@register_quantizer("name")``; every
-quantizer takes ``rotation="hadamard"`` (:class:`RotatedCodec` around its codecs) without code of its own.
+quantizer takes ``rotation="hadamard"`` (:class:`RotatedCodec` around its codecs) without code of its own. A codec
+around another (:class:`WrappingCodec`) forwards what it does not change to it.
 """
 
 from __future__ import annotations
@@ -109,23 +110,37 @@ class Codec:
         self.decode_into(enc, out)
 
 
+def _inner_attribute(name: str) -> property:
+    """A read-only attribute that is ``self.inner``'s of the same name."""
+    return property(lambda self: getattr(self.inner, name), doc=f"``inner.{name}``.")
+
+
 @dataclass(frozen=True, eq=False)
-class RotatedCodec(Codec):
+class WrappingCodec(Codec):
+    """A codec around another, ``inner``, that stores what ``inner`` stores: its units, storage roles, bound and what
+    sets it (``held``), and channel multiple are ``inner``'s unless a subclass says otherwise. ``eq=False``: equality
+    and hashing are each subclass's own dataclass choice (identity here)."""
+
+    inner: Codec
+    tokens_per_unit = _inner_attribute("tokens_per_unit")
+    roles = _inner_attribute("roles")
+    max_abs = _inner_attribute("max_abs")
+    held = _inner_attribute("held")
+    channel_multiple = _inner_attribute("channel_multiple")
+
+
+@dataclass(frozen=True, eq=False)
+class RotatedCodec(WrappingCodec):
     """Another codec applied to the states rotated along head_dim (``x @ R``, R orthonormal: see
     :func:`kvquant.formats.ops.hadamard_rotation`); reads rotate back (``y @ R.T``). Same stored tensors and bytes as
     the
     inner codec. Shapes as :class:`Codec`; ``matrix`` ``[D, D]``."""
 
-    inner: Codec
     matrix: torch.Tensor
-
-    @property
-    def tokens_per_unit(self) -> int:
-        return self.inner.tokens_per_unit
-
-    @property
-    def roles(self) -> Mapping[str, StorageRole]:
-        return self.inner.roles
+    #: :class:`Codec`'s, not forwarded to ``inner``: the rotated states' bound and its words are :meth:`_limit`'s, and
+    #: :meth:`Quantizer.codecs` checks the inner codecs' channel multiple before rotating
+    held = Codec.held
+    channel_multiple = Codec.channel_multiple
 
     @property
     def max_abs(self) -> float:

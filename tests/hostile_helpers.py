@@ -1,0 +1,24 @@
+"""What the hostile-input tests (tests/test_hostile*.py) share: the small run config they start from and the ``--set``
+arguments of their overrides."""
+
+MODEL = "local:models/stories260K/hf"
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+
+
+def tiny_run(name: str, candidate: str, tasks_limit: int, **gate) -> dict:
+    """A run config on stories260K: one int4 candidate named ``candidate`` (no residual window), 4 tinystories
+    documents of 64 tokens and ``tasks_limit`` of tinystories_lastword, both gated (``gate``: more of the gate's
+    keys)."""
+    return {
+        "name": name,
+        "model": {"path": MODEL},
+        "candidates": [{"quantizer": "int4", "name": candidate, "options": {"residual_length": 0}}],
+        "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
+                 "tasks": {"names": ["tinystories_lastword"], "limit": tasks_limit}},
+        "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], **gate},
+    }
+
+
+def set_args(*overrides: str) -> list[str]:
+    """``--set`` before each override, as kvquant.run and kvquant.plan take them."""
+    return [a for o in overrides for a in ("--set", o)]
