@@ -4,9 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvquant.paths import resolve
+from kvquant.runner.config import load_config
 
 # Poison unwritten memory for the whole session: torch.empty (and new_empty) return NaN for floats and 255 for
 # uint8, so a cache that hands attention memory nobody wrote fails loudly instead of by chance.
@@ -26,6 +28,17 @@ def pytest_collection_modifyitems(items):
 
 MODEL = "local:models/stories260K/hf"
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    """``tiny_config(name, **sections)``: an experiment config on stories260K with these sections, written to a
+    fresh folder and loaded."""
+    def make(name: str, **sections):
+        path = tmp_path_factory.mktemp("cfg") / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"name": name, "model": {"path": MODEL}, **sections}))
+        return load_config(path)
+    return make
 
 
 @pytest.fixture(scope="session")

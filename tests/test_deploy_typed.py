@@ -8,12 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvquant.integrations.deploy import deploy_beside, export
 from kvquant.integrations.deploy_read import checked_report, load_report
 from kvquant.runner import report
-from kvquant.runner.config import load_config
 from kvquant.runner.results import Decision, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance, RunResult, \
     Verdict
 
@@ -55,14 +53,12 @@ def test_a_committed_report_loads_typed_with_the_values_it_records(tmp_path, nam
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "deploy.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "deploy", "model": {"path": "local:models/stories260K/hf"},
-        "candidates": [{"quantizer": "vllm_fp8", "name": "fp8-head"}, {"quantizer": "int4", "name": "int4"}],
-        "eval": {"tasks": {"names": ["tinystories_lastword"], "limit": 50}},
-        "gate": {"tasks": ["tinystories_lastword"], "bootstrap": 1000}}))
-    return load_config(path)
+def config(tiny_config):
+    return tiny_config("deploy",
+                       candidates=[{"quantizer": "vllm_fp8", "name": "fp8-head"},
+                                   {"quantizer": "int4", "name": "int4"}],
+                       eval={"tasks": {"names": ["tinystories_lastword"], "limit": 50}},
+                       gate={"tasks": ["tinystories_lastword"], "bootstrap": 1000})
 
 
 def memory(settings: dict, bits: float) -> Memory:

@@ -8,10 +8,8 @@ import math
 
 import numpy as np
 import pytest
-import yaml
 
 from kvquant.runner import report
-from kvquant.runner.config import load_config
 from kvquant.cache.reads import Reads
 from kvquant.runner.report_facts import candidate_reports, stage_rows
 from kvquant.runner.report_markdown import markdown
@@ -28,16 +26,13 @@ KL_WINDOWS = ((0.1, 0.2, 0.3), (0.4, 0.5))  # per position, two windows: the med
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "typed.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "typed", "model": {"path": "local:models/stories260K/hf"},
-        "candidates": [{"quantizer": "int8", "name": "int8"}, {"quantizer": "int4", "name": "int4"}],
-        "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
-                 "tasks": {"names": ["tinystories_lastword"], "limit": 50}},
-        "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 1000,
-                 "max_kl_divergence": 0.05}}))
-    return load_config(path)
+def config(tiny_config):
+    return tiny_config("typed",
+                       candidates=[{"quantizer": "int8", "name": "int8"}, {"quantizer": "int4", "name": "int4"}],
+                       eval={"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 4, "max_length": 64}],
+                             "tasks": {"names": ["tinystories_lastword"], "limit": 50}},
+                       gate={"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], "bootstrap": 1000,
+                             "max_kl_divergence": 0.05})
 
 
 def memory(bits: float, ratio: float) -> Memory:
