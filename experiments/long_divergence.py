@@ -9,7 +9,7 @@ and its first perplexity set (a ``stream`` set: the text joined and cut into non
 chunk, and each candidate's per-position KL divergence and top-1 agreement against the baseline are bucketed by
 position with intervals over documents and a trend test (:mod:`kvquant.runner.positions`).
 
-Resumable: each document's numbers are kept in ``OUT/partial/doc-N.json`` (with the inputs they came from; a file
+Resumable: each document's numbers are kept in ``OUT/documents/doc-N.json`` (with the inputs they came from; a file
 of other inputs is measured again), so an interrupted run goes on where it stopped. Writes ``OUT/results.json``
 and ``OUT/report.md`` (command, machine, date).
 """
@@ -42,10 +42,10 @@ def inputs(cfg, window) -> dict:
 
 
 def measure(cfg, args) -> list[dict]:
-    """Per document: ``{candidate label: {"kl": [...], "top1": [...]}}``, measured or read from ``partial/``."""
+    """Per document: ``{candidate label: {"kl": [...], "top1": [...]}}``, measured or read from ``documents/``."""
     tokenizer = load_tokenizer(cfg.model)
     docs = windows(cfg.eval.perplexity[0], tokenizer)
-    partial = args.out / "partial"
+    partial = args.out / "documents"  # committed (reports/**/partial/ is ignored): a long run goes on next sitting
     partial.mkdir(parents=True, exist_ok=True)
     scorers: dict[str, Scorer] = {}  # made once the first document needs measuring (the model loads then)
 

@@ -1,5 +1,5 @@
 """experiments/long_divergence.py on stories260K: the report's buckets are computed from the per-position numbers
-it kept, a rerun measures nothing (reads partial/, loads no model) and writes the same numbers, and a document of
+it kept, a rerun measures nothing (reads documents/, loads no model) and writes the same numbers, and a document of
 other inputs is measured again."""
 
 import importlib.util
@@ -40,7 +40,7 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     script.main([str(config), "--out", str(out)])
     doc = json.loads((out / "results.json").read_text())
     assert doc["edges"] == [0, 300] and doc["documents"] == 2
-    kept = [json.loads((out / "partial" / f"doc-{d}.json").read_text())["result"] for d in range(2)]
+    kept = [json.loads((out / "documents" / f"doc-{d}.json").read_text())["result"] for d in range(2)]
     for label in ("int8", "int2"):
         assert [len(k[label]["kl"]) for k in kept] == [299, 299]
         want = buckets([k[label]["kl"] for k in kept], (0, 300))[0]
