@@ -147,3 +147,20 @@ def test_stage_rows_read_the_serving_figures_and_the_gate(config):
         ("baseline", 2, 1.0, True, False),  # (3000 - 1000) // 750
         ("int8", 8, 0.8, False, False),  # the lowest gated relative score: perplexity's 10 / 12.5
         ("int4", 16, 0.8 / 0.82, False, True)]  # the not-gated perplexity row does not count
+
+
+def test_flips_table_counts_the_answers_changed_each_way(config):
+    """Baseline right on documents 0, 1, 4 of 5; int4 right on 1, 2, 4: one right-to-wrong (0), one wrong-to-right
+    (2), the same accuracy. int8 answers as the baseline does. Exact intervals (Clopper-Pearson) at 95%."""
+    run = hand_built_run(config)
+    scores = {"baseline": (1.0, 1.0, 0.0, 0.0, 1.0), "int8": (1.0, 1.0, 0.0, 0.0, 1.0),
+              "int4": (0.0, 1.0, 1.0, 0.0, 1.0)}
+    run = dataclasses.replace(run, results={
+        label: dataclasses.replace(m, outcomes=tuple(dataclasses.replace(o, scores=scores[label]) if o.metric == ACC
+                                                     else o for o in m.outcomes))
+        for label, m in run.results.items()})
+    text = markdown(run, candidate_reports(run), "run-1", ENV)
+    assert "| int4 | acc/tinystories_lastword | 5 | 1 (20.0% [0.5%, 71.6%]) | 1 (20.0% [0.5%, 71.6%]) | " \
+           "2 (40.0% [5.3%, 85.3%]) |" in text
+    assert "| int8 | acc/tinystories_lastword | 5 | 0 (0.0% [0.0%, 52.2%]) | 0 (0.0% [0.0%, 52.2%]) | " \
+           "0 (0.0% [0.0%, 52.2%]) |" in text

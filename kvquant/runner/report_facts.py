@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvquant.runner.flips import Flips, flips
 from kvquant.runner.gate import quantile_interval
-from kvquant.runner.results import DIVERGENCE, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes, RunResult, Verdict
+from kvquant.runner.results import (ACCURACY, DIVERGENCE, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes, RunResult,
+    Verdict)
 from kvquant.scoring.tasks import probe_distance
 
 #: The KL divergence quantiles a divergence metric reports, by name.
@@ -32,13 +34,15 @@ class Quantile:
 @dataclass(frozen=True)
 class MetricReport:
     """One candidate x metric as reported: the gate's verdict (and through it the row), the candidate's outcomes,
-    the baseline's (perplexity only: its summed NLL and tokens are reported) and, for a divergence metric, the KL
-    quantiles of :data:`QUANTILES` by name."""
+    the baseline's (perplexity only: its summed NLL and tokens are reported), for a divergence metric the KL
+    quantiles of :data:`QUANTILES` by name, and for an accuracy metric of right-or-wrong documents its
+    :class:`~kvquant.runner.flips.Flips` against the baseline."""
 
     verdict: Verdict
     outcomes: Outcomes
     baseline: Outcomes | None = None
     quantiles: tuple[tuple[str, Quantile], ...] = ()
+    flips: Flips | None = None
 
     @property
     def row(self):
@@ -89,7 +93,19 @@ def metric_report(verdict: Verdict, run: RunResult) -> MetricReport:
     outcomes = run.results[row.candidate][row.metric]
     baseline = run.results["baseline"][row.metric] if row.kind == PERPLEXITY else None
     quantiles = _quantiles(outcomes, run) if row.kind == DIVERGENCE else ()
-    return MetricReport(verdict, outcomes, baseline, quantiles)
+    return MetricReport(verdict, outcomes, baseline, quantiles, _flips(row, run))
+
+
+def _flips(row: MetricRow, run: RunResult) -> Flips | None:
+    """The documents whose correctness the candidate changed, for an accuracy metric scored right or wrong per
+    document (None for others)."""
+    if row.kind != ACCURACY:
+        return None
+    base = run.results["baseline"][row.metric].scores
+    own = run.results[row.candidate][row.metric].scores
+    if not all(s in (0, 1) for s in (*base, *own)):
+        return None
+    return flips(base, own, run.config.gate.confidence)
 
 
 def candidate_reports(run: RunResult) -> tuple[CandidateReport, ...]:

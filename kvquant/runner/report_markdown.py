@@ -18,7 +18,7 @@ def markdown(run: RunResult, candidates: tuple[CandidateReport, ...], run_id: st
     baseline = run.results["baseline"].memory
     curve = probe_curve(run.rows)
     lines = [*_header(run, run_id, env), "", *_candidates_section(candidates, baseline),
-             *_metrics_section(candidates, baseline), *_divergence_table(candidates),
+             *_metrics_section(candidates, baseline), *_divergence_table(candidates), *_flips_table(candidates),
              "![quality vs bits](plot.png)", ""]
     if curve:
         lines += probe_table(curve)
@@ -170,6 +170,26 @@ def _divergence_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
         quantiles = [_interval(q.value, q.low, q.high, 5) for _, q in m.quantiles]
         lines.append(f"| {c.label} | {source} | {_interval(m.row.value, m.row.ci_low, m.row.ci_high, 5)} | "
                      + " | ".join(quantiles) + f" | {agreement} |")
+    return [*lines, ""]
+
+
+def _flips_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
+    """Per candidate and task: the documents whose answer went from right to wrong and from wrong to right."""
+    rows = [(c.label, name, m.flips) for c in candidates for name, m in c.metrics.items() if m.flips is not None]
+    if not rows:
+        return []
+
+    def share(k: int, n: int, interval: tuple[float, float]) -> str:
+        return f"{k} ({k / n:.1%} [{interval[0]:.1%}, {interval[1]:.1%}])" if n else "-"
+
+    lines = ["## Flips", "", "Documents the candidate answers differently from the baseline, paired by document: "
+             "the same accuracy can hide answers changed both ways. Shares with exact (Clopper-Pearson) intervals "
+             "at the gate's confidence; not gated.", "",
+             "| candidate | metric | n | right to wrong | wrong to right | flip rate |", "|---|---|---:|---|---|---|"]
+    for label, name, f in rows:
+        lines.append(f"| {label} | {name} | {f.n} | {share(f.right_to_wrong, f.n, f.right_to_wrong_interval)} | "
+                     f"{share(f.wrong_to_right, f.n, f.wrong_to_right_interval)} | "
+                     f"{share(f.right_to_wrong + f.wrong_to_right, f.n, f.rate_interval)} |")
     return [*lines, ""]
 
 
