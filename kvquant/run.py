@@ -52,7 +52,7 @@ from kvquant.scoring.session import BASELINE, Session, evaluation_split, measure
 from kvquant.scoring.models import (DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype,
     trained_context)
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
-from kvquant.runner.results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.runner.search import check_search, search
 from kvquant.runner.store import ResultStore, RunLock, check_partial, warn
@@ -305,12 +305,13 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         wanted: dict[str, set[str]] = {}
         hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
         for v in decision.verdicts:
-            if v.verdict == INCONCLUSIVE and v.row.kind == ACCURACY and v.row.metric.source in planned and \
+            if v.verdict == INCONCLUSIVE and v.row.kind in (ACCURACY, FLIPS) and v.row.metric.source in planned and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
         grown = {}
         for task, labels in wanted.items():
-            scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated)].n
+            scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated
+                                                  and r.kind == ACCURACY)].n
             if task not in sizes:
                 sizes[task] = task_size(session, task)
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)

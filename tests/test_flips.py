@@ -51,3 +51,41 @@ def test_no_documents_and_non_binary_scores():
     assert empty.n == 0 and math.isnan(empty.rate) and math.isnan(empty.rate_interval[0])
     with pytest.raises(ValueError, match="0/1 outcomes"):
         flips((0.5, 1.0), (1.0, 1.0))
+
+
+def gated_rows(tiny_config, max_flip_rate, baseline, candidate):
+    """metric_rows of one candidate whose tinystories_lastword answers are ``candidate`` against ``baseline``."""
+    from kvquant.runner.gate import judge, metric_rows
+    from kvquant.runner.results import Measured, MetricId, Outcomes
+
+    cfg = tiny_config("flips", candidates=[{"quantizer": "int4", "name": "int4"}],
+                      eval={"tasks": {"names": ["tinystories_lastword"], "limit": 100}},
+                      gate={"tasks": ["tinystories_lastword"], "bootstrap": 1000, "max_flip_rate": max_flip_rate})
+    acc = MetricId("acc", "tinystories_lastword")
+    results = {"baseline": Measured("baseline", (Outcomes(acc, tuple(map(float, baseline))),)),
+               "int4": Measured("int4", (Outcomes(acc, tuple(map(float, candidate))),))}
+    rows = metric_rows(cfg, results, ["int4"])
+    return rows, [judge(r, cfg.gate) for r in rows]
+
+
+@pytest.mark.parametrize("flipped, verdict", [(1, "pass"), (10, "inconclusive"), (30, "fail")])
+def test_the_flip_rate_is_gated_beside_the_accuracy(tiny_config, flipped, verdict):
+    """100 documents, half right; the candidate flips ``flipped`` of them, half each way (accuracy unchanged when
+    even). Gate: at most 10% flipped. 1 flip: upper end 5.4% (pass); 10: [4.9%, 17.6%] straddles (inconclusive);
+    30: lower end 21.2% (fail)."""
+    baseline = [1] * 50 + [0] * 50
+    candidate = list(baseline)
+    for i in range(flipped):
+        j = i // 2 if i % 2 == 0 else 50 + i // 2  # right -> wrong from the front, wrong -> right from the middle
+        candidate[j] = 1 - candidate[j]
+    rows, verdicts = gated_rows(tiny_config, 0.1, baseline, candidate)
+    assert [r.metric.name for r in rows] == ["acc/tinystories_lastword", "flips/tinystories_lastword"]
+    row = rows[1]
+    assert row.value == flipped / 100 and row.n == 100 and row.gated
+    assert (row.ci_low, row.ci_high) == exact_interval(flipped, 100, 0.95)
+    assert verdicts[1].verdict == verdict
+
+
+def test_no_flip_rows_without_max_flip_rate(tiny_config):
+    rows, _ = gated_rows(tiny_config, None, [1, 0] * 10, [0, 1] * 10)
+    assert [r.metric.name for r in rows] == ["acc/tinystories_lastword"]

@@ -57,6 +57,10 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
      "gate.confidence 0.9999 needs more than 100000 bootstrap resamples"),
     ("share-zero", ["gate.min_quantized_share=0"], "gate.min_quantized_share must be in [0.5, 1], got 0.0"),
     ("share-below-half", ["gate.min_quantized_share=0.49"], "gate.min_quantized_share must be in [0.5, 1]"),
+    # flips need a task's right-or-wrong answers (issue 39)
+    ("flips-without-tasks", ["gate.max_flip_rate=0.1"], "gate.max_flip_rate: flips are counted on the documents of "
+                                                        "gated tasks"),
+    ("flips-rate-beyond-one", ["gate.max_flip_rate=1.5"], "gate.max_flip_rate must be in (0, 1)"),
     # names that become file names: were OSError "File name too long" (exit 3, the set's after a measurement)
     ("run-name-long", [f"name={LONG}"], "name 'aaaaaaaaaaaaaaaaaaaaaaaa'... is 300 bytes long"),
     ("set-name-long", [f"eval.perplexity.0.name={LONG}"], "eval.perplexity[0].name 'aaaa"),

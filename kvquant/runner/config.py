@@ -401,6 +401,9 @@ class ExperimentConfig:
             require(getattr(self.gate, key) is None or bool(self.gated_perplexity()),
                     f"gate.{key}: divergence from the baseline is measured on perplexity sets, and none is gated; "
                     "add one to eval.perplexity (and gate.perplexity)")
+        require(self.gate.max_flip_rate is None or bool(self.gated_tasks()),
+                "gate.max_flip_rate: flips are counted on the documents of gated tasks (a right or wrong answer "
+                "each), and none is gated; gate a task (gate.tasks) or drop max_flip_rate")
         if self.gate.max_documents is not None:
             for task in self.gated_tasks():
                 limit = self.eval.tasks.limit_for(task)

@@ -29,7 +29,8 @@ import numpy as np
 from kvquant.errors import is_python_int
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, PERPLEXITY, Decision, Measured, MetricId,
+from kvquant.runner.flips import flips
+from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY, Decision, Measured, MetricId,
     MetricRow, Verdict, relative_score)
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "Decision",
@@ -42,12 +43,13 @@ PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED = "pass", "fail", "inconclusi
 def threshold(kind: str, policy: GateConfig) -> float:
     """The threshold of a metric kind (nan where the gate sets none, e.g. no ``max_kl_divergence``)."""
     limit = {ACCURACY: policy.min_relative_accuracy, PERPLEXITY: 1.0 / policy.max_perplexity_ratio,
-             DIVERGENCE: policy.max_kl_divergence, AGREEMENT: policy.min_top1_agreement}[kind]
+             DIVERGENCE: policy.max_kl_divergence, AGREEMENT: policy.min_top1_agreement,
+             FLIPS: policy.max_flip_rate}[kind]
     return math.nan if limit is None else float(limit)
 
 
 def lower_is_better(kind: str) -> bool:
-    return kind == DIVERGENCE
+    return kind in (DIVERGENCE, FLIPS)
 
 
 def looks(limit: int, max_documents: int | None) -> list[int]:
@@ -227,7 +229,7 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
 def is_gated(metric: MetricId, policy: GateConfig) -> bool:
     """A task's standard metric or a perplexity set's metrics, named by ``gate.tasks``/``gate.perplexity`` (None:
     all); divergence metrics only where the gate sets their threshold."""
-    names = policy.perplexity if metric.kind != ACCURACY else policy.tasks
+    names = policy.tasks if metric.kind in (ACCURACY, FLIPS) else policy.perplexity
     return metric.standard and (names is None or metric.source in names) and not math.isnan(
         threshold(metric.kind, policy))
 
@@ -253,7 +255,18 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
             share = outcomes.exercise.quantized_share if outcomes.exercise else math.nan
             rows.append(MetricRow(label, metric, outcomes.value, reference, outcomes.n, is_gated(metric, gate), low,
                                   high, share, confidence))
+            if metric.kind == ACCURACY and gate.max_flip_rate is not None and rows[-1].gated:
+                rows.append(flip_row(rows[-1], ref.scores, outcomes.scores))
     return rows
+
+
+def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[float, ...]) -> MetricRow:
+    """The gated flip rate of a task (``flips/<task>``) beside its accuracy row: the share of documents whose
+    correctness the candidate changed, with its exact interval at the accuracy row's confidence."""
+    found = flips(baseline, candidate, accuracy.confidence)
+    low, high = found.rate_interval
+    return MetricRow(accuracy.candidate, MetricId("flips", accuracy.metric.source), found.rate, 0.0, found.n, True,
+                     low, high, accuracy.quantized_share, accuracy.confidence)
 
 
 def _length(tokens: int) -> str:

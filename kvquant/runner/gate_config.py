@@ -47,6 +47,9 @@ class GateConfig:
     #: of positions whose most likely token is the baseline's (null: reported, not gated).
     max_kl_divergence: float | None = None
     min_top1_agreement: float | None = None
+    #: The largest share of a gated task's documents a candidate may turn from right to wrong or from wrong to
+    #: right (both together; exact interval), or null: flips are reported, not gated.
+    max_flip_rate: float | None = None
     #: Gated tasks and perplexity sets (null = all of them); the others are reported only.
     tasks: list[str] | None = None
     perplexity: list[str] | None = None
@@ -71,6 +74,8 @@ class GateConfig:
                 f"{self.max_kl_divergence!r}")
         require(self.min_top1_agreement is None or 0.5 <= self.min_top1_agreement <= 1,
                 f"min_top1_agreement must be in [0.5, 1] or null, got {self.min_top1_agreement!r}")
+        require(self.max_flip_rate is None or 0 < self.max_flip_rate < 1,
+                f"max_flip_rate must be in (0, 1) (a share of documents) or null, got {self.max_flip_rate!r}")
 
     def check_is_a_gate(self) -> None:
         """The run's gate must be one: thresholds looser than these pass any cache (the search's calibration

@@ -14,8 +14,8 @@ import numpy as np
 
 from kvquant.runner.flips import Flips, flips
 from kvquant.runner.gate import quantile_interval
-from kvquant.runner.results import (ACCURACY, DIVERGENCE, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes, RunResult,
-    Verdict)
+from kvquant.runner.results import (ACCURACY, DIVERGENCE, FLIPS, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes,
+    RunResult, Verdict)
 from kvquant.scoring.tasks import probe_distance
 
 #: The KL divergence quantiles a divergence metric reports, by name.
@@ -90,10 +90,16 @@ def _quantiles(outcomes: Outcomes, run: RunResult) -> tuple[tuple[str, Quantile]
 
 def metric_report(verdict: Verdict, run: RunResult) -> MetricReport:
     row = verdict.row
-    outcomes = run.results[row.candidate][row.metric]
+    outcomes = _accuracy_outcomes(run, row) if row.kind == FLIPS else run.results[row.candidate][row.metric]
     baseline = run.results["baseline"][row.metric] if row.kind == PERPLEXITY else None
     quantiles = _quantiles(outcomes, run) if row.kind == DIVERGENCE else ()
     return MetricReport(verdict, outcomes, baseline, quantiles, _flips(row, run))
+
+
+def _accuracy_outcomes(run: RunResult, row: MetricRow) -> Outcomes:
+    """The outcomes a flip-rate row was derived from: its task's standard (gated) accuracy."""
+    return next(o for o in run.results[row.candidate].outcomes
+                if o.metric.kind == ACCURACY and o.metric.source == row.metric.source and o.metric.standard)
 
 
 def _flips(row: MetricRow, run: RunResult) -> Flips | None:

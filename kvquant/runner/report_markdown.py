@@ -142,10 +142,11 @@ def _metrics_section(candidates: tuple[CandidateReport, ...], baseline: Memory) 
         "", "Statistic: the relative score (candidate / baseline accuracy, baseline / candidate perplexity; "
         "1.0 = no loss), or the value of `kl/` (mean KL divergence of the candidate's next-token distribution "
         "from the baseline's, nats per position) and `top1/` (share of positions whose most likely token is "
-        "the baseline's). Interval: paired bootstrap over documents (tasks) or windows (perplexity sets), at "
-        "the confidence shown. Quantized share: of the keys and of the values attention read (per query, "
-        "causally, over every layer), the smaller share stored quantized; bits at median: the cache's bits "
-        "per element at the median request length (the bits column of the candidates is at "
+        "the baseline's) and `flips/` (share of a task's documents whose answer went from right to wrong or from "
+        "wrong to right; exact interval). Interval: paired bootstrap over documents (tasks) or windows "
+        "(perplexity sets), at the confidence shown. Quantized share: of the keys and of the values attention "
+        "read (per query, causally, over every layer), the smaller share stored quantized; bits at median: the "
+        "cache's bits per element at the median request length (the bits column of the candidates is at "
         f"{baseline.measured['tokens']} tokens). Perplexity rows: summed NLL and token counts are in results.json.",
         ""]
 
@@ -184,7 +185,7 @@ def _flips_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
 
     lines = ["## Flips", "", "Documents the candidate answers differently from the baseline, paired by document: "
              "the same accuracy can hide answers changed both ways. Shares with exact (Clopper-Pearson) intervals "
-             "at the gate's confidence; not gated.", "",
+             "at the gate's confidence; gated (the `flips/` rows above) where `gate.max_flip_rate` is set.", "",
              "| candidate | metric | n | right to wrong | wrong to right | flip rate |", "|---|---|---:|---|---|---|"]
     for label, name, f in rows:
         lines.append(f"| {label} | {name} | {f.n} | {share(f.right_to_wrong, f.n, f.right_to_wrong_interval)} | "

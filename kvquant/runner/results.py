@@ -25,9 +25,13 @@ import numpy as np
 from kvquant.cache.reads import Reads
 
 ACCURACY, PERPLEXITY, DIVERGENCE, AGREEMENT = "accuracy", "perplexity", "divergence", "agreement"
+FLIPS = "flips"
 #: What each measure is a kind of: accuracy of a task; perplexity, KL divergence from the baseline's next-token
-#: distribution and top-1 agreement with it, of a perplexity set.
-KINDS = {"acc": ACCURACY, "acc_norm": ACCURACY, "ppl": PERPLEXITY, "kl": DIVERGENCE, "top1": AGREEMENT}
+#: distribution and top-1 agreement with it, of a perplexity set; the flip rate of a task (the share of documents
+#: whose correctness the candidate changed, :mod:`kvquant.runner.flips`; a row of the gate, derived from the
+#: task's accuracy outcomes, not measured on its own).
+KINDS = {"acc": ACCURACY, "acc_norm": ACCURACY, "ppl": PERPLEXITY, "kl": DIVERGENCE, "top1": AGREEMENT,
+         "flips": FLIPS}
 #: Kinds measured per window as (a sum, positions): their value is the token-weighted mean.
 WINDOWED = (PERPLEXITY, DIVERGENCE, AGREEMENT)
 
@@ -217,13 +221,13 @@ class MetricRow:
     @property
     def statistic(self) -> float:
         """What the gate compares with its threshold: the relative score, or the value of a divergence metric."""
-        return self.value if self.kind in (DIVERGENCE, AGREEMENT) else self.relative
+        return self.value if self.kind in (DIVERGENCE, AGREEMENT, FLIPS) else self.relative
 
 
 def relative_score(kind: str, value: float, baseline: float) -> float:
     """candidate/baseline for accuracy (and agreement), baseline/candidate for perplexity: 1.0 = no loss."""
-    if kind == DIVERGENCE:
-        return math.nan  # the baseline's divergence from itself is 0: no ratio; the gate reads the value
+    if kind in (DIVERGENCE, FLIPS):
+        return math.nan  # the baseline's divergence from itself (or flips against itself) is 0: no ratio
     num, den = (baseline, value) if kind == PERPLEXITY else (value, baseline)
     if den == 0:
         return 1.0 if num == 0 else math.inf
