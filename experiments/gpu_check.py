@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import sys
 import time
@@ -143,7 +144,8 @@ def check_logits(name, cls, config, device, prompt_len=600, chunk=256, steps=16)
 def check_fused(name, cls, config, device, prompt_len=600, chunk=256, steps=16) -> dict:
     """Check 6 on one shape: decode steps through the Triton kernel (``enable_fused_decode``, reading the codes)
     against the same cache read through its dequantized copy and the model's SDPA, in float32 (where both paths
-    should agree to float rounding: the kernel's dots are IEEE fp32) and in bfloat16 (recorded). Counts the
+    should agree to float rounding: the kernel's dots are IEEE fp32) and in bfloat16, where both are also held
+    against the same weights and cache setting computed in float32 (which of the two is nearer it). Counts the
     kernel's calls, so a run that silently fell back to the copy shows up."""
     from kvquant.cache import triton_attend
 
@@ -177,6 +179,12 @@ def check_fused(name, cls, config, device, prompt_len=600, chunk=256, steps=16) 
                                 "rel_error_vs_dynamic": rel_error(a, ref), "finite": bool(torch.isfinite(b).all()),
                                 "kernel_calls": calls["n"] - eager_calls, "expected_calls":
                                     steps * config.num_hidden_layers}
+                    if dtype != torch.float32:  # the same weights and setting in float32, through the copy
+                        exact = copy.deepcopy(eager).float()
+                        c = logits_run(exact, kvquant.make_cache(exact, q, residual_length=0), prompt, chunk,
+                                       steps)[-steps:]
+                        out[key].update(copy_vs_float32=rel_error(a, c), fused_vs_float32=rel_error(b, c))
+                        del exact
                 except Exception:  # noqa: BLE001
                     out[key] = {"error": traceback.format_exc(limit=4)}
             del eager, fused
@@ -358,6 +366,10 @@ def verdicts(results: dict) -> list[str]:
                          f"{r['kernel_calls']} times (at least {r['expected_calls']}); decode logits differ from the "
                          f"dequantized copy's by {diff:.2e} relative"
                          f"{'' if bound is None else f' (at most {bound:.2e})'}; the quantizer's own error {err:.2e}")
+            if "fused_vs_float32" in r:  # which is nearer the same computation in float32 (at most 25% farther)
+                f, c = r["fused_vs_float32"], r["copy_vs_float32"]
+                lines.append(f"{'PASS' if f <= 1.25 * c else 'FAIL'} fused {shape} {key} against float32: the "
+                             f"kernel's logits are {f:.2e} from the float32 computation, the copy's {c:.2e}")
     if "kernel_tests" in results:
         t = results["kernel_tests"]
         lines.append(f"{'PASS' if t['returncode'] == 0 else 'FAIL'} tests/test_triton_attend.py compiled on the GPU: "
