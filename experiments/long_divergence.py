@@ -9,6 +9,10 @@ and its first perplexity set (a ``stream`` set: the text joined and cut into non
 chunk, and each candidate's per-position KL divergence and top-1 agreement against the baseline are bucketed by
 position with intervals over documents and a trend test (:mod:`kvquant.runner.positions`).
 
+``--max-kl-divergence NATS`` also states each candidate's longest context whose every bucket's mean KL is shown at
+or below NATS (the gate's rule); ``--render-only`` renders the report again from ``OUT/results.json`` without
+measuring (the measuring code may have changed since: the documents' keys hold its version).
+
 Resumable: each document's numbers are kept in ``OUT/documents/doc-N.json`` (with the inputs they came from; a file
 of other inputs is measured again), so an interrupted run goes on where it stopped. Writes ``OUT/results.json``
 and ``OUT/report.md`` (command, machine, date).
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvquant.runner.config import load_config
+from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
 from kvquant.runner.positions import EDGES, bucket_means, buckets, trend
 from kvquant.runner.report import code_version, environment
 from kvquant.scoring.data import windows
@@ -92,9 +97,21 @@ def summarise(cfg, per_doc: list[dict], edges) -> dict:
     return out
 
 
+def length_verdicts(doc: dict, limit: float) -> dict[str, str]:
+    """Per candidate, the longest context whose every position bucket's mean KL is shown at or below ``limit``
+    (the gate's rule, :func:`kvquant.runner.gate.longest_passing`, on the buckets' 95% intervals)."""
+    out = {}
+    for label, r in doc["candidates"].items():
+        found = [(k["stop"], {"kl": PASS if k["high"] <= limit else FAIL if k["low"] > limit else INCONCLUSIVE})
+                 for k in r["kl"]]
+        out[label] = longest_passing(found).describe()
+    return out
+
+
 def render(doc: dict) -> str:
     env = doc["environment"]
     lines = ["# KL divergence by position", "", f"- command: `{doc['command']}`",
+             *([f"- rendered again (nothing measured): `{doc['rendered']}`"] if doc.get("rendered") else []),
              f"- date: {env['date']}; git {env['git_commit']}; measuring sources {env['kvquant_source_sha256']}",
              f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}",
              f"- documents: {doc['documents']} windows of up to {doc['max_length']} tokens ({doc['source']}), fed "
@@ -102,6 +119,11 @@ def render(doc: dict) -> str:
              "- statistic: per bucket, the mean over documents of each document's mean KL (nats) over its positions "
              "there, 95% bootstrap interval over documents; trend: the factor by which KL grows per doubling of the "
              "position (ln KL on log2 position), with its interval", ""]
+    if doc.get("max_kl_divergence"):
+        limit = doc["max_kl_divergence"]
+        lines += [f"Longest context shown safe at mean KL <= {limit} nats per position (every bucket up to it, 95% "
+                  "interval; the gate's rule):", "", "| candidate | longest context |", "|---|---|",
+                  *(f"| {label} | {text} |" for label, text in length_verdicts(doc, limit).items()), ""]
     for label, r in doc["candidates"].items():
         t = r["trend"]
         lines += [f"## {label}", "", f"Trend: x{t['factor']:.3f} per doubling [{t['low']:.3f}, {t['high']:.3f}]: "
@@ -120,7 +142,19 @@ def main(argv=None):
     parser.add_argument("config", type=Path)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="as kvquant.run's --set")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-kl-divergence", type=float, default=None, metavar="NATS",
+                        help="also state each candidate's longest context whose buckets' KL is shown at or below this")
+    parser.add_argument("--render-only", action="store_true",
+                        help="measure nothing: render OUT/report.md again from OUT/results.json (e.g. with another "
+                             "--max-kl-divergence), keeping its command and environment")
     args = parser.parse_args(argv)
+    if args.render_only:
+        doc = {**json.loads((args.out / "results.json").read_text()), "max_kl_divergence": args.max_kl_divergence,
+               "rendered": "python " + " ".join(sys.argv)}
+        (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "report.md").write_text(render(doc))
+        print(render(doc))
+        return
     cfg = load_config(args.config, args.set)
     torch.set_grad_enabled(False)
     per_doc = measure(cfg, args)
@@ -129,7 +163,7 @@ def main(argv=None):
     doc = {"command": "python " + " ".join(sys.argv), "environment": environment(), "documents": len(per_doc),
            "max_length": spec.max_length, "source": spec.source or spec.hub, "chunk_size": cfg.eval.chunk_size,
            "seconds": sum(d["_seconds"] for d in per_doc), "edges": list(edges),
-           "candidates": summarise(cfg, per_doc, edges)}
+           "candidates": summarise(cfg, per_doc, edges), "max_kl_divergence": args.max_kl_divergence}
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))
     (args.out / "report.md").write_text(render(doc))
     print(render(doc))

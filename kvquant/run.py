@@ -48,7 +48,8 @@ from kvquant.scoring.fewshot import check_runner_fewshot
 from kvquant.importpath import drop_working_dir
 from kvquant.fs import check_env_dirs
 from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
-from kvquant.scoring.session import BASELINE, Session, evaluation_split, measure, probe_counts, probe_tokens
+from kvquant.scoring.session import (BASELINE, Session, check_long_documents, evaluation_split, measure, probe_counts,
+    probe_tokens)
 from kvquant.scoring.models import (DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype,
     trained_context)
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
@@ -132,7 +133,10 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     if cfg.eval.tasks.names:
         task_dir()  # the folder lm-eval will load task files from: private, or refused now
     probes = probe_counts(cfg)
-    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving or cfg.calibration else None
+    tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving or cfg.calibration or \
+        cfg.eval.long_context else None
+    if cfg.eval.long_context:
+        check_long_documents(cfg, tokenizer, context, rows)
     if cfg.serving:  # the requests' text is long enough
         serving_text(cfg, tokenizer, rows)
     folder = None

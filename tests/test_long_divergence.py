@@ -49,9 +49,17 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     assert "| 0-300 | 2 |" in (out / "report.md").read_text()
 
     monkeypatch.setattr(script, "load_model", lambda *a: pytest.fail("a rerun loaded the model"))
-    script.main([str(config), "--out", str(out)])
+    script.main([str(config), "--out", str(out), "--max-kl-divergence", "0.05"])
     again = json.loads((out / "results.json").read_text())
     assert again["candidates"] == doc["candidates"]
+    int8, int2 = (doc["candidates"][c]["kl"][0] for c in ("int8", "int2"))
+    assert int8["high"] <= 0.05 < int2["low"]  # so the one bucket passes for int8 and fails for int2
+    assert script.length_verdicts(again, 0.05) == {"int8": "passes up to 300", "int2": "passes at no length, fails "
+                                                   "from 300"}
+    assert "| int2 | passes at no length, fails from 300 |" in (out / "report.md").read_text()
+    script.main([str(config), "--out", str(out), "--render-only", "--max-kl-divergence", "1e-9"])  # no model: rendered
+    assert "| int8 | passes at no length, fails from 300 |" in (out / "report.md").read_text()
+    assert json.loads((out / "results.json").read_text())["candidates"] == doc["candidates"]
 
     # other inputs (a longer window): measured again, so the model loads
     with pytest.raises(pytest.fail.Exception, match="loaded the model"):

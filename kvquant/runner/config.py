@@ -29,6 +29,7 @@ from kvquant.errors import ConfigError, is_python_int
 from kvquant.paths import MAX_NAME_BYTES, folder_problem
 from kvquant.runner.binding import at_least, build, require
 from kvquant.runner.gate_config import GateConfig
+from kvquant.runner.long_config import LongContextConfig, check_long_context
 from kvquant.runner.overrides import apply_override
 from kvquant.yaml_reader import load_yaml, read_text_file
 
@@ -279,6 +280,8 @@ class EvalConfig:
     #: Tokens of perplexity text (windows joined, capped at the model's length) put through each cache to
     #: read ``memory_report()``.
     memory_probe_tokens: int = 512
+    #: Divergence by position on long documents (null: none), :mod:`kvquant.runner.long_config`.
+    long_context: LongContextConfig | None = None
 
     def __post_init__(self):
         at_least("chunk_size", self.chunk_size, 1)
@@ -395,12 +398,14 @@ class ExperimentConfig:
                 "eval: nothing to measure; list perplexity sets and/or tasks")
         gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
                                                                               [p.name for p in self.eval.perplexity])]
-        require(bool(gated), "gate: nothing is gated (gate.tasks and gate.perplexity select no task and no "
-                "perplexity set), so every candidate would pass; gate at least one")
+        require(bool(gated) or self.gate.min_context is not None, "gate: nothing is gated (gate.tasks and "
+                "gate.perplexity select no task and no perplexity set), so every candidate would pass; gate at least "
+                "one")
         for key in ("max_kl_divergence", "min_top1_agreement"):
-            require(getattr(self.gate, key) is None or bool(self.gated_perplexity()),
-                    f"gate.{key}: divergence from the baseline is measured on perplexity sets, and none is gated; "
-                    "add one to eval.perplexity (and gate.perplexity)")
+            require(getattr(self.gate, key) is None or bool(self.gated_perplexity()) or bool(self.eval.long_context),
+                    f"gate.{key}: divergence from the baseline is measured on perplexity sets (or long documents), "
+                    "and none is gated; add one to eval.perplexity (and gate.perplexity) or eval.long_context")
+        check_long_context(self)
         require(self.gate.max_flip_rate is None or bool(self.gated_tasks()),
                 "gate.max_flip_rate: flips are counted on the documents of gated tasks (a right or wrong answer "
                 "each), and none is gated; gate a task (gate.tasks) or drop max_flip_rate")

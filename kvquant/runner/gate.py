@@ -20,6 +20,7 @@ simulation). ``decide_on: point`` compares the point estimate alone: not a test;
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.flips import flips
 from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY, Decision, Measured, MetricId,
-    MetricRow, Verdict, relative_score)
+    MetricRow, Verdict, BUCKET, bucket_end, relative_score)
+from kvquant.scoring.needles import needle_chance, needle_task
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "Decision",
            "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
@@ -226,12 +228,63 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
                     + "; ".join(undecided), statuses)
 
 
+def metric_length(metric: MetricId) -> int | None:
+    """The context length a long-context metric stands for: a position bucket's end (``kl/wikitext2@4096``) or a
+    needle task's length (``acc/needle_single_4096``, and its flips); None for any other metric."""
+    end = bucket_end(metric)
+    if end is not None or metric.kind not in (ACCURACY, FLIPS):
+        return end
+    found = needle_task(metric.source)
+    return found[1] if found else None
+
+
 def is_gated(metric: MetricId, policy: GateConfig) -> bool:
     """A task's standard metric or a perplexity set's metrics, named by ``gate.tasks``/``gate.perplexity`` (None:
-    all); divergence metrics only where the gate sets their threshold."""
+    all); divergence metrics only where the gate sets their threshold. A long-context metric (a position bucket,
+    a needle task) only at a length up to ``gate.min_context`` (none without it): longer ones are reported, and
+    judged for the longest context that passes."""
+    length = metric_length(metric)
+    return selected(metric, policy) and (length is None or (policy.min_context is not None
+                                                            and length <= policy.min_context))
+
+
+def selected(metric: MetricId, policy: GateConfig) -> bool:
+    """Whether the gate judges ``metric`` at any length: a standard metric with a threshold, among
+    ``gate.tasks``/``gate.perplexity`` (None: all; every position bucket of the long documents)."""
     names = policy.tasks if metric.kind in (ACCURACY, FLIPS) else policy.perplexity
-    return metric.standard and (names is None or metric.source in names) and not math.isnan(
-        threshold(metric.kind, policy))
+    listed = names is None or metric.source in names or bucket_end(metric) is not None
+    return metric.standard and listed and not math.isnan(threshold(metric.kind, policy))
+
+
+def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig) -> dict[str, LengthVerdict]:
+    """Per candidate with long-context metrics, the longest context they show it safe at (:func:`longest_passing`):
+    every :func:`selected` long-context row judged as if gated (also beyond ``gate.min_context``), grouped by its
+    length; a needle task whose baseline is not shown above chance at its length is left out (it says nothing of
+    a cache there)."""
+    buckets: dict[str, dict[int, dict[str, str]]] = {}
+    for row in rows:
+        length = metric_length(row.metric)
+        if length is None or not selected(row.metric, policy) or not at_least_chance(row):
+            continue
+        verdict = judge(dataclasses.replace(row, gated=True), policy).verdict
+        family = f"{row.metric.measure}/{row.metric.source.rpartition(BUCKET)[0] or row.metric.source}"
+        buckets.setdefault(row.candidate, {}).setdefault(length, {})[family] = verdict
+    return {label: longest_passing(sorted(found.items())) for label, found in buckets.items()}
+
+
+def at_least_chance(row: MetricRow) -> bool:
+    """False for a needle task's accuracy row whose baseline is not shown above chance; True for any other row."""
+    return not (row.kind == ACCURACY and needle_task(row.metric.source)
+                and not above_chance(row, needle_chance(row.metric.source)))
+
+
+def above_chance(row: MetricRow, chance: float) -> bool:
+    """Whether the baseline's accuracy in ``row`` (0/1 per document, over ``row.n``) is shown above ``chance``:
+    one-sided exact binomial test at half of ``1 - row.confidence`` (the error a gated interval allows on a side)."""
+    from scipy.stats import binom
+
+    right = round(row.baseline * row.n)
+    return row.n > 0 and float(binom.sf(right - 1, row.n, chance)) < (1 - row.confidence) / 2
 
 
 def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: list[str],
@@ -253,8 +306,11 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
                                            gate.bootstrap, confidence, cfg.eval.seed)
             reference = {DIVERGENCE: 0.0, AGREEMENT: 1.0}[metric.kind] if ref is None else ref.value
             share = outcomes.exercise.quantized_share if outcomes.exercise else math.nan
-            rows.append(MetricRow(label, metric, outcomes.value, reference, outcomes.n, is_gated(metric, gate), low,
-                                  high, share, confidence))
+            gated = is_gated(metric, gate)
+            row = MetricRow(label, metric, outcomes.value, reference, outcomes.n, gated, low, high, share, confidence)
+            if gated and not at_least_chance(row):
+                row = dataclasses.replace(row, gated=False)  # the baseline cannot do it here: says nothing of a cache
+            rows.append(row)
             if metric.kind == ACCURACY and gate.max_flip_rate is not None and rows[-1].gated:
                 rows.append(flip_row(rows[-1], ref.scores, outcomes.scores))
     return rows
@@ -310,7 +366,8 @@ def longest_passing(buckets: Sequence[tuple[int, Mapping[str, str]]]) -> LengthV
     """The longest context one candidate is shown safe at, from its per-length-bucket verdicts.
 
     ``buckets``: ``(length, {gated long-context metric: verdict})`` ordered by length (strictly increasing
-    positive integers), every bucket with the same non-empty set of metrics; a verdict is :data:`PASS`,
+    positive integers), each with at least one metric (a bucket is judged on the metrics it has: needles may be
+    measured at some lengths only); a verdict is :data:`PASS`,
     :data:`FAIL`, :data:`INCONCLUSIVE` or :data:`NOT_EXERCISED`. Anything else is a ``ValueError``.
 
     The rule: a bucket **passes** only if every one of its metrics passes; it **fails** if any metric fails;
@@ -326,7 +383,7 @@ def longest_passing(buckets: Sequence[tuple[int, Mapping[str, str]]]) -> LengthV
 
     No bucket gives ``LengthVerdict(None, None)``.
     """
-    metrics, statuses = None, []
+    statuses = []
     for i, (length, verdicts) in enumerate(buckets):
         if not is_python_int(length) or length < 1:
             raise ValueError(f"length bucket {length!r} is not a positive integer")
@@ -334,10 +391,6 @@ def longest_passing(buckets: Sequence[tuple[int, Mapping[str, str]]]) -> LengthV
             raise ValueError(f"length buckets out of order or repeated: {length} after {buckets[i - 1][0]}")
         if not verdicts:
             raise ValueError(f"length bucket {length} has no gated long-context metric")
-        if metrics is not None and set(verdicts) != metrics:
-            raise ValueError(f"length bucket {length} gates {sorted(verdicts)}, bucket {buckets[0][0]} "
-                             f"{sorted(metrics)}: every bucket gates the same metrics")
-        metrics = set(verdicts)
         statuses.append((length, _bucket_status(length, verdicts)))
     passes_up_to = None
     for length, s in statuses:

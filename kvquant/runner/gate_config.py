@@ -50,6 +50,10 @@ class GateConfig:
     #: The largest share of a gated task's documents a candidate may turn from right to wrong or from wrong to
     #: right (both together; exact interval), or null: flips are reported, not gated.
     max_flip_rate: float | None = None
+    #: The context (tokens) up to which every long-context metric must be shown to pass: the divergence of each
+    #: ``eval.long_context`` position bucket ending at or below it, and each gated needle task of that length or
+    #: shorter (null: the longest passing context is reported per candidate, and the decision does not read it).
+    min_context: int | None = None
     #: Gated tasks and perplexity sets (null = all of them); the others are reported only.
     tasks: list[str] | None = None
     perplexity: list[str] | None = None
@@ -74,6 +78,7 @@ class GateConfig:
                 f"{self.max_kl_divergence!r}")
         require(self.min_top1_agreement is None or 0.5 <= self.min_top1_agreement <= 1,
                 f"min_top1_agreement must be in [0.5, 1] or null, got {self.min_top1_agreement!r}")
+        at_least("min_context", self.min_context, 1, nullable=True)
         require(self.max_flip_rate is None or 0 < self.max_flip_rate < 1,
                 f"max_flip_rate must be in (0, 1) (a share of documents) or null, got {self.max_flip_rate!r}")
 

@@ -32,6 +32,7 @@ from kvquant.fs import write_together
 from kvquant.paths import PROJECT_ROOT
 from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate_reports, probe_curve, stage_rows
 from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
+from kvquant.runner.report_lengths import lengths_document, lengths_plot, long_verdicts
 from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
 from kvquant.runner.results import DIVERGENCE, PERPLEXITY, Memory, RunResult
 from kvquant.signing import recorded, signed_json
@@ -51,8 +52,8 @@ def _version(package: str) -> str:
 #: Every file a run may leave in its report directory (besides ``partial/``): what a run does not regenerate
 #: is removed, so nothing there describes an earlier run.
 REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png", "config.resolved.yaml",
-                          "searched.yaml", "stages.png", "probe.png", "DEPLOY.md", "kv_cache_scheme.json",
-                          "kv_scales.safetensors", ERROR_LOG})
+                          "searched.yaml", "stages.png", "probe.png", "lengths.png", "DEPLOY.md",
+                          "kv_cache_scheme.json", "kv_scales.safetensors", ERROR_LOG})
 
 #: The subpackages whose code computes measured values (the cache, the formats, scoring, the compatibility
 #: modules), hashed whole: a module added to one of them is part of the code version without anyone listing it.
@@ -155,6 +156,7 @@ def document(run: RunResult, run_id: str, env: dict[str, str] | None = None,
         **({"calibration": run.calibration} if run.calibration else {}),
         **({"search": run.search.to_dict()} if run.search else {}),
         **({"staged": run.staged.to_dict()} if run.staged else {}),
+        **({"long_context": lengths_document(run)} if long_verdicts(run) else {}),
     }
 
 
@@ -197,6 +199,9 @@ def render(out_dir: Path, run: RunResult, run_id: str,
         files["stages.png"] = stages_plot(stage_rows(run, candidates), cfg)
     if curve:
         files["probe.png"] = probe_plot(curve, cfg)
+    lengths = lengths_plot(run)
+    if lengths is not None:
+        files["lengths.png"] = lengths
     return files, written
 
 

@@ -92,7 +92,7 @@ def metric_report(verdict: Verdict, run: RunResult) -> MetricReport:
     row = verdict.row
     outcomes = _accuracy_outcomes(run, row) if row.kind == FLIPS else run.results[row.candidate][row.metric]
     baseline = run.results["baseline"][row.metric] if row.kind == PERPLEXITY else None
-    quantiles = _quantiles(outcomes, run) if row.kind == DIVERGENCE else ()
+    quantiles = _quantiles(outcomes, run) if row.kind == DIVERGENCE and outcomes.per_token else ()
     return MetricReport(verdict, outcomes, baseline, quantiles, _flips(row, run))
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.gate import looks
 from kvquant.runner.report_facts import CandidateReport, MetricReport, StageRow, probe_curve, stage_rows
-from kvquant.runner.results import DIVERGENCE, LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged
+from kvquant.runner.report_lengths import lengths_section
+from kvquant.runner.results import (DIVERGENCE, LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged,
+    bucket_end)
 
 
 def markdown(run: RunResult, candidates: tuple[CandidateReport, ...], run_id: str, env: dict[str, str]) -> str:
@@ -22,6 +24,7 @@ def markdown(run: RunResult, candidates: tuple[CandidateReport, ...], run_id: st
              "![quality vs bits](plot.png)", ""]
     if curve:
         lines += probe_table(curve)
+    lines += lengths_section(run)
     if run.calibration:
         lines += _calibration_section(run.calibration)
     if run.search:
@@ -157,7 +160,8 @@ def _interval(value: float, low: float, high: float, digits: int) -> str:
 
 def _divergence_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
     """Per candidate and perplexity set: mean, median and p99 KL divergence, and top-1 agreement."""
-    rows = [(c, m) for c in candidates for m in c.metrics.values() if m.row.kind == DIVERGENCE]
+    rows = [(c, m) for c in candidates for m in c.metrics.values()
+            if m.row.kind == DIVERGENCE and bucket_end(m.row.metric) is None]  # buckets: the long-context section
     if not rows:
         return []
     lines = ["## Divergence from the baseline", "", "Per position, KL(baseline || candidate) of the next-token "

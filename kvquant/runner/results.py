@@ -151,6 +151,35 @@ def divergence_outcomes(name: str, raw: dict, bits: float = math.nan) -> list[Ou
             Outcomes(MetricId("top1", name), tuple(map(float, raw["top1"])), tokens, exercise)]
 
 
+#: Between a long text's name and a position bucket's end in a metric's source: ``wikitext2@4096`` (no perplexity
+#: set's name holds it).
+BUCKET = "@"
+
+
+def bucket_end(metric: MetricId) -> int | None:
+    """The end of the position bucket a long-context divergence metric covers (``kl/wikitext2@4096``: 4096), else
+    None."""
+    name, sep, end = metric.source.rpartition(BUCKET)
+    return int(end) if sep and metric.kind in (DIVERGENCE, AGREEMENT) else None
+
+
+def long_outcomes(text: str, raw: dict, lengths: list[int], bits: float = math.nan) -> list[Outcomes]:
+    """A candidate's stored divergence by position on long documents (``{"kl": [[...] per position] per document,
+    "top1": [[0/1 ...]], "reads": ..., "lengths": ...}``, :func:`kvquant.scoring.longctx.position_divergences`) as
+    per position bucket ``kl`` and ``top1`` metrics (bucket ``i``: positions ``lengths[i-1]..lengths[i] - 1``; per
+    document the sum over its positions there and their count). A bucket past every document's end is left out."""
+    exercise = _exercise(raw, bits)
+    out = []
+    for start, stop in zip([0, *lengths[:-1]], lengths):
+        tokens = tuple(len(d[start:stop]) for d in raw["kl"])
+        if not any(tokens):
+            continue
+        for measure in ("kl", "top1"):
+            sums = tuple(float(sum(d[start:stop])) for d in raw[measure])
+            out.append(Outcomes(MetricId(measure, f"{text}{BUCKET}{stop}"), sums, tokens, exercise))
+    return out
+
+
 def task_outcomes(task: str, raw: dict, standard: str, bits: float = math.nan) -> list[Outcomes]:
     """A task's stored result (``{"acc": [...], "acc_norm": [...]}``, either may be absent, ``reads`` and
     ``lengths``) as outcomes; ``standard``: the measure gated for this task."""

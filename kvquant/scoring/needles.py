@@ -253,13 +253,60 @@ def needle_documents(tokenizer, kind: str, lengths: list[int], depths: list[floa
     (instruction, needle block and question) for any of its documents.
     """
     depths = _check(kind, lengths, depths, per_cell, seed)
+    _check_haystack(tokenizer, kind, lengths, [(d, i) for d in depths for i in range(per_cell)], seed)
+    return [_document(tokenizer, kind, length, depth, index, seed)
+            for length in lengths for depth in depths for index in range(per_cell)]
+
+
+def _check_haystack(tokenizer, kind: str, lengths: list[int], cells: list[tuple[float, int]], seed: int) -> None:
+    """One line for a length whose haystack would be shorter than the needle's own text for any document
+    ``(depth, index)`` of ``cells``; the filler text must exist."""
     _filler(tokenizer)  # the filler text exists (else one error saying where it was looked for)
     for length in lengths:
-        own = max(_own_tokens(tokenizer, kind, _draw(kind, length, d, i, seed)[1])
-                  for d in depths for i in range(per_cell))
+        own = max(_own_tokens(tokenizer, kind, _draw(kind, length, d, i, seed)[1]) for d, i in cells)
         if length - own < own:
             raise KVQuantError(f"needle length {length} leaves a haystack of {max(length - own, 0)} tokens, shorter "
                                f"than the {kind} needle's own text (instruction, needle and question: {own} tokens "
                                f"with this tokenizer); a length of about {2 * own} or more fits")
-    return [_document(tokenizer, kind, length, depth, index, seed)
-            for length in lengths for depth in depths for index in range(per_cell)]
+
+
+#: A needle task's name: ``needle_<kind>_<length>`` (a length without leading zeros), e.g. ``needle_single_4096``.
+TASK = re.compile(r"needle_([a-z]+)_([0-9]+)")
+#: The depths of a needle task's documents, in turn: document ``i`` is at ``DEPTHS[i % 5]``, the ``i // 5``-th of
+#: its cell, so the first ``n`` documents spread over every depth and a longer ``limit`` only adds documents.
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+#: Needle tasks' documents are drawn from this seed (fixed: a task name names the same documents in every run).
+TASK_SEED = 0
+
+
+def needle_task(name: str) -> tuple[str, int] | None:
+    """``(kind, length)`` of a needle task name, None for any other name; a name of the form with an unknown kind,
+    a zero length or a length with leading zeros is refused with one line."""
+    match = TASK.fullmatch(name)
+    if match is None:
+        return None
+    kind, length = match.group(1), int(match.group(2))
+    if kind not in KINDS:
+        raise KVQuantError(f"{name!r}: needle kind {kind!r} is unknown (kinds: {', '.join(KINDS)})")
+    if length < 1 or name != f"needle_{kind}_{length}":
+        raise KVQuantError(f"{name!r}: write needle_{kind}_<length> with a positive length of tokens, without "
+                           "leading zeros (one spelling per task, so none is measured and gated twice)")
+    return kind, length
+
+
+def task_documents(tokenizer, name: str, count: int) -> list[dict]:
+    """The first ``count`` documents of needle task ``name`` (:func:`needle_task`): document ``i`` is at depth
+    ``DEPTHS[i % len(DEPTHS)]``, index ``i // len(DEPTHS)`` of its cell (:func:`needle_documents`), so it depends on
+    ``(name, i)`` alone. Refused with one line as :func:`needle_documents` refuses (a haystack shorter than the
+    needle's own text)."""
+    kind, length = needle_task(name)
+    check_int("needle documents", count, minimum=1)
+    cells = [(DEPTHS[i % len(DEPTHS)], i // len(DEPTHS)) for i in range(count)]
+    _check_haystack(tokenizer, kind, [length], cells, TASK_SEED)
+    return [_document(tokenizer, kind, length, depth, index, TASK_SEED) for depth, index in cells]
+
+
+def needle_chance(name: str) -> float:
+    """What a model that holds nothing of the needle scores on needle task ``name``: one over its choices."""
+    kind, _ = needle_task(name)
+    return 1 / (CHAINS if kind == "variables" else KEYS)

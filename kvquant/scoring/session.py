@@ -27,9 +27,10 @@ from kvquant.runner.config import Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.scorer import Scorer, divergences, memory_probe, perplexity_samples
 from kvquant.scoring.models import max_length
-from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, perplexity_outcomes,
-    task_outcomes)
-from kvquant.scoring.tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_distance, probe_tasks,
+from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, long_outcomes,
+    perplexity_outcomes, task_outcomes)
+from kvquant.scoring.longctx import position_divergences
+from kvquant.scoring.tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_length, probe_tasks,
     resolve_task, task_data_digest, task_manager)
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
@@ -89,7 +90,7 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
                    share_prefix=shares_prefix(candidate), share_out="requests")
     name = resolve_task(task)
     seed = cfg.eval.seed
-    limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_distance(task) is not None else None)
+    limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_length(task) is not None else None)
     with _environ(LOCAL_RANK="0"):  # lm-eval returns results only where it is 0;
         # under several processes here, every one builds every request and holds every score (share_out)
         out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
@@ -113,7 +114,7 @@ def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
     counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
     if cfg.search:
         for task in cfg.gated_tasks():
-            if probe_distance(task) is not None:
+            if probe_length(task) is not None:
                 counts[task] = cfg.eval.tasks.limit_for(task) + cfg.search.documents
     return counts
 
@@ -145,12 +146,39 @@ class Split:
     documents: dict[str, range | None]
     progress: bool = True  # a progress bar per perplexity set
     more: dict[str, tuple[range, ...]] = dataclasses.field(default_factory=dict)
+    #: the long documents of ``eval.long_context`` (evaluation only)
+    long: tuple[data.Window, ...] = ()
+
+
+def long_windows(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[str, list[str]]) -> list[data.Window]:
+    """``eval.long_context``'s documents: windows of its longest length cut from its text's rows, joined."""
+    long = cfg.eval.long_context
+    if long is None:
+        return []
+    pset = next(p for p in cfg.eval.perplexity if p.name == long.text)
+    pset = dataclasses.replace(pset, layout="stream", limit=long.documents, max_length=long.lengths[-1], stride=None)
+    return data.windows(pset, tokenizer, maxlen, rows[long.text])
+
+
+def check_long_documents(cfg: ExperimentConfig, tokenizer, context: int, rows: dict[str, list[str]]) -> None:
+    """Before the model loads: ``eval.long_context``'s lengths fit the model's ``context`` and its text holds
+    ``documents`` windows of the longest (one line naming what is short, else)."""
+    long = cfg.eval.long_context
+    if long.lengths[-1] > context:
+        raise KVQuantError(f"eval.long_context.lengths: {long.lengths[-1]} tokens is beyond the model's context "
+                           f"({context} positions); the longest bucket must end at or below it")
+    got = long_windows(cfg, tokenizer, context, rows)
+    full = sum(len(w.ids) == long.lengths[-1] for w in got)
+    if full < long.documents:
+        raise KVQuantError(f"eval.long_context: perplexity set {long.text!r} holds {full} windows of "
+                           f"{long.lengths[-1]} tokens, fewer than documents ({long.documents}); lower documents or "
+                           "the longest length, or name a longer text")
 
 
 def evaluation_split(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[str, list[str]]) -> Split:
     """The windows and documents every candidate is evaluated on; ``rows``: each perplexity set's text."""
     return Split("evaluation", {p.name: data.windows(p, tokenizer, maxlen, rows[p.name]) for p in cfg.eval.perplexity},
-                 dict.fromkeys(cfg.eval.tasks.names))
+                 dict.fromkeys(cfg.eval.tasks.names), long=tuple(long_windows(cfg, tokenizer, maxlen, rows)))
 
 
 class Session:
@@ -189,6 +217,8 @@ class Session:
             if raw is not None:
                 compared += divergence_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in ws]))
         outcomes += compared
+        if split.long and candidate is not BASELINE:
+            outcomes += self._long(candidate, label, key, list(split.long), split.progress)
         for task, documents in (split.documents.items() if tasks else ()):
             chunks = [self._task(candidate, label, key, task, documents)]
             chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
@@ -227,16 +257,31 @@ class Session:
         return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
                                          lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc))
 
-    def _compared(self, candidate, label, what: str, windows: list[data.Window], desc: str | None) -> dict:
-        """``candidate``'s divergence result on ``windows``: computed beside up to :data:`SHARED_BASELINE` - 1
-        of the candidates :attr:`ahead` of it, which share the baseline's scoring (each result waits in
-        :attr:`waiting` until its candidate is measured), or taken from there."""
+    def _long(self, candidate, label, key, windows: list[data.Window], progress: bool) -> list[Outcomes]:
+        """Divergence by position on the long documents (``eval.long_context``), as per-bucket outcomes."""
+        long = self.cfg.eval.long_context
+        ids = hashlib.sha256(json.dumps([w.ids for w in windows]).encode()).hexdigest()
+        desc = f"{label} {long.text} long documents" if progress else None
+        what = f"long/{long.text}"
+        raw = self.store.get_or_compute(
+            label, what, {**key, "windows": ids},
+            lambda: self._compared(candidate, label, f"{what}/{ids}", windows, desc, by_position=True))
+        return long_outcomes(long.text, raw, long.lengths, self._bits(candidate, [len(w.ids) for w in windows]))
+
+    def _compared(self, candidate, label, what: str, windows: list[data.Window], desc: str | None,
+                  by_position: bool = False) -> dict:
+        """``candidate``'s divergence result on ``windows`` (``by_position``: per position of each whole window,
+        :func:`position_divergences`): computed beside up to :data:`SHARED_BASELINE` - 1 of the candidates
+        :attr:`ahead` of it, which share the baseline's scoring (each result waits in :attr:`waiting` until its
+        candidate is measured), or taken from there."""
         if (label, what) in self.waiting:
             return self.waiting.pop((label, what))
         later = [c for c in self.ahead[self.ahead.index(candidate) + 1 :] if (c.label, what) not in self.waiting] \
             if label == candidate.label and candidate in self.ahead else []
         group = [candidate, *later[: SHARED_BASELINE - 1]]
-        raws = divergences(self._scorer(BASELINE), [self._scorer(c) for c in group], windows, desc)
+        scorers = [self._scorer(c) for c in group]
+        raws = (position_divergences(self._scorer(BASELINE), scorers, [w.ids for w in windows], desc) if by_position
+                else divergences(self._scorer(BASELINE), scorers, windows, desc))
         for other, raw in zip(group[1:], raws[1:]):
             self.waiting[(other.label, what)] = raw
         return raws[0]

@@ -36,6 +36,7 @@ from kvquant.scoring.data import _json
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import cache_dir, env_dir, private_dir, write_file
 from kvquant.paths import data_dir
+from kvquant.scoring.needles import needle_task, task_documents
 from kvquant.scoring.task_rows import row_problem
 
 #: The metric a task is gated on where it is not ``acc``: the one its literature reports (length-normalized
@@ -162,9 +163,46 @@ def probe_distance(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def probe_length(name: str) -> int | None:
+    """How far back a probe task's documents make the model read: D of ``passkey_<D>``, the length of
+    ``needle_<kind>_<length>`` (:mod:`kvquant.scoring.needles`); None for any other task."""
+    found = needle_task(name)
+    return found[1] if found else probe_distance(name)
+
+
 def probe_tasks(names: list[str], limit_for) -> dict[str, int]:
-    """``{passkey task: documents to write}`` among ``names`` (``limit_for(name)``, or :data:`PROBE_DOCUMENTS`)."""
-    return {n: limit_for(n) or PROBE_DOCUMENTS for n in names if probe_distance(n) is not None}
+    """``{probe task: documents to write}`` among ``names`` (passkey and needle tasks; ``limit_for(name)``, or
+    :data:`PROBE_DOCUMENTS`)."""
+    return {n: limit_for(n) or PROBE_DOCUMENTS for n in names if probe_length(n) is not None}
+
+
+def _needle_spec(name: str, data_file: Path) -> dict:
+    """The lm-eval task of a needle task: multiple choice over the document's ``choices`` (each starts with its
+    space, so no delimiter is added), ``acc`` = the gold choice has the highest log-likelihood."""
+    kind, length = needle_task(name)
+    return {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{context}}",
+            "doc_to_choice": "choices", "doc_to_target": "gold", "target_delimiter": "",
+            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+            "metadata": {"version": 1.0, "length": length, "kind": kind,
+                         "source": "kvquant.scoring.needles: needles in WikiText-2 test filler"}}
+
+
+def _probe_documents(tokenizer, name: str, count: int) -> list[dict]:
+    """The first ``count`` documents of a probe task, each with ``tokens``: its longest request's tokens."""
+    if needle_task(name):
+        docs = task_documents(tokenizer, name, count)
+        for doc in docs:
+            doc["tokens"] = doc["context_tokens"] + max(
+                len(tokenizer(c, add_special_tokens=False).input_ids) for c in doc["choices"]) + 1
+        return docs
+    from kvquant.scoring.passkey import probe_documents
+
+    docs = probe_documents(tokenizer, [probe_distance(name)], count)
+    for doc in docs:
+        doc["tokens"] = (len(tokenizer(doc["context"]).input_ids)
+                         + len(tokenizer(doc["target"], add_special_tokens=False).input_ids))
+    return docs
 
 
 def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> dict[str, int]:
@@ -172,8 +210,6 @@ def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> dic
     ``{task: tokens of its longest requested document, target included}``. A document depends only on (D, its
     index), so a file only ever grows (never below :data:`PROBE_DOCUMENTS`): runs sharing the folder read the same
     first documents, and lm-eval's ``limit`` takes the first ones."""
-    from kvquant.scoring.passkey import probe_documents
-
     longest = {}
     for name, count in probes.items():
         data_file = directory / f"{name}.jsonl"
@@ -182,13 +218,12 @@ def write_probe_tasks(directory: Path, tokenizer, probes: dict[str, int]) -> dic
         except (OSError, ValueError, RecursionError):  # not what this folder's own writer wrote: written again
             existing = []
         if len(existing) < max(count, PROBE_DOCUMENTS) or not all("tokens" in d for d in existing):
-            docs = probe_documents(tokenizer, [probe_distance(name)], max(count, PROBE_DOCUMENTS))
-            for doc in docs:
-                doc["tokens"] = (len(tokenizer(doc["context"]).input_ids)
-                                 + len(tokenizer(doc["target"], add_special_tokens=False).input_ids))
-            _write(data_file, "".join(json.dumps(d) + "\n" for d in docs))
-            existing = docs
+            existing = _probe_documents(tokenizer, name, max(count, PROBE_DOCUMENTS))
+            _write(data_file, "".join(json.dumps(d) + "\n" for d in existing))
         longest[name] = max(d["tokens"] for d in existing[:count])
+        if needle_task(name):
+            _write(directory / f"{name}.yaml", yaml.safe_dump(_needle_spec(name, data_file), sort_keys=False))
+            continue
         spec = {
             "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data_file)}},
             "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{context}}",
@@ -206,8 +241,9 @@ def prepare_probe_tasks(tokenizer, probes: dict[str, int], context: int, key: st
     fits the model's ``context`` tokens (as the kvquant lm-eval model keeps them: ``context + 1`` with the
     target). Errors name ``key``."""
     for name, count in probes.items():
-        if probe_distance(name) >= context:  # a document holds at least its distance and the question
-            raise KVQuantError(f"{key}: {name!r}: the model reads {context} tokens, fewer than the distance")
+        if probe_length(name) >= context:  # a document holds at least its distance (length) and the question
+            what = "the needle task's length" if needle_task(name) else "the distance"
+            raise KVQuantError(f"{key}: {name!r}: the model reads {context} tokens, fewer than {what}")
         if count > MAX_PROBE_DOCUMENTS:
             raise KVQuantError(f"{key}: {name}: {count} documents asked for; "
                                f"at most {MAX_PROBE_DOCUMENTS} per distance")
@@ -216,6 +252,9 @@ def prepare_probe_tasks(tokenizer, probes: dict[str, int], context: int, key: st
     except KVQuantError as err:
         raise KVQuantError(f"{key}: {one_line(err)}") from None
     for name, tokens in longest.items():
+        if tokens > context + 1 and needle_task(name):
+            raise KVQuantError(f"{key}: {name!r}: its documents take up to {tokens} tokens with their longest answer; "
+                               f"the model reads {context}")
         if tokens > context + 1:
             distance = probe_distance(name)
             raise KVQuantError(f"{key}: {name!r}: its documents take up to {tokens} tokens; the model reads {context} "
@@ -303,12 +342,13 @@ def check_tasks(names: list[str], key: str, single: bool = True) -> None:
     task at a time); an unknown one is an error with the closest known names."""
     offline = {LASTWORD, *OFFLINE_TASKS, *map(resolve_task, OFFLINE_TASKS)}
     for name in names:
+        needle_task(name)  # a needle task's spelling, kind and length (one line if wrong)
         if probe_distance(name) == 0:
             raise KVQuantError(f"{key}: {name!r}: the probe distance must be a positive number of tokens")
         if probe_distance(name) is not None and name != f"passkey_{probe_distance(name)}":
             raise KVQuantError(f"{key}: {name!r}: write passkey_{probe_distance(name)} (a distance without leading "
                                "zeros: one spelling per probe, so none is measured and gated twice)")
-    unchecked = [n for n in names if n not in offline and probe_distance(n) is None]
+    unchecked = [n for n in names if n not in offline and probe_length(n) is None]
     if not unchecked:
         return
     index = known_tasks()
@@ -321,7 +361,7 @@ def check_tasks(names: list[str], key: str, single: bool = True) -> None:
         close = difflib.get_close_matches(name, sorted(valid | offline), n=5, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else "see `python -m kvquant.lm_eval ls tasks`"
         raise KVQuantError(f"{key}: unknown task {name!r}; {hint} "
-                           f"(offline here: {', '.join(sorted(offline))}, passkey_<D>)")
+                           f"(offline here: {', '.join(sorted(offline))}, passkey_<D>, needle_<kind>_<length>)")
 
 
 #: largest offline task data file :func:`check_task_data` reads (the real ones are a few MB)

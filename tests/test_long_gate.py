@@ -1,0 +1,188 @@
+"""The long-context gate wired into the runner (issue 40): needle tasks, position buckets as metrics, which rows
+``gate.min_context`` gates, the baseline-above-chance rule, the length verdicts, and the bad inputs refused before
+the model loads."""
+
+from __future__ import annotations
+
+
+import pytest
+import yaml
+from scipy.stats import binom
+
+import kvquant.run
+from kvquant.errors import KVQuantError
+from kvquant.runner.gate import (LengthVerdict, above_chance, is_gated, length_verdicts,
+    metric_length)
+from kvquant.runner.gate_config import GateConfig
+from kvquant.runner.results import MetricId, MetricRow, long_outcomes
+from kvquant.scoring.needles import DEPTHS, needle_chance, needle_task, task_documents
+from hostile_helpers import set_args as S
+
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+
+
+# --- needle tasks -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, found", [("needle_single_4096", ("single", 4096)),
+                                         ("needle_variables_8", ("variables", 8)), ("arc_easy", None),
+                                         ("passkey_512", None), ("needle_single", None)])
+def test_needle_task_names(name, found):
+    assert needle_task(name) == found
+
+
+@pytest.mark.parametrize("name, message", [("needle_triple_512", "needle kind 'triple' is unknown"),
+                                           ("needle_single_0512", "without leading zeros"),
+                                           ("needle_single_0", "a positive length")])
+def test_bad_needle_task_names_are_refused(name, message):
+    with pytest.raises(KVQuantError, match=message):
+        needle_task(name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvquant.paths import data_dir
+
+    return AutoTokenizer.from_pretrained(str(data_dir() / "models/stories260K/hf"))
+
+
+def test_needle_task_documents_depend_on_the_name_and_index_only(tokenizer):
+    seven = task_documents(tokenizer, "needle_single_480", 7)
+    assert task_documents(tokenizer, "needle_single_480", 3) == seven[:3]  # a longer limit only adds documents
+    assert [d["depth"] for d in seven] == [*DEPTHS, DEPTHS[0], DEPTHS[1]]
+    assert [d["index"] for d in seven] == [0, 0, 0, 0, 0, 1, 1]
+    assert all(d["chance"] == needle_chance("needle_single_480") == 0.25 for d in seven)
+    assert all(d["choices"][d["gold"]] == d["target"] and d["target"] in d["context"] for d in seven)
+    assert len({d["target"] for d in seven}) == 7
+    assert needle_chance("needle_variables_4096") == 0.5
+
+
+def test_a_needle_longer_than_its_haystack_is_refused(tokenizer):
+    with pytest.raises(KVQuantError, match="needle length 300 leaves a haystack of"):
+        task_documents(tokenizer, "needle_single_300", 2)
+
+
+# --- position buckets as metrics ----------------------------------------------------------------------------------
+
+def test_long_outcomes_sum_each_documents_positions_per_bucket():
+    raw = {"kl": [[0.1, 0.2, 0.3, 0.4, 0.5], [1.0, 2.0, 3.0]], "top1": [[1, 1, 0, 1, 0], [0, 1, 1]]}
+    out = {o.metric.name: o for o in long_outcomes("wiki", raw, [2, 4, 8])}
+    assert list(out) == ["kl/wiki@2", "top1/wiki@2", "kl/wiki@4", "top1/wiki@4", "kl/wiki@8", "top1/wiki@8"]
+    assert out["kl/wiki@2"].scores == pytest.approx((0.3, 3.0)) and out["kl/wiki@2"].tokens == (2, 2)
+    assert out["kl/wiki@4"].scores == pytest.approx((0.7, 3.0)) and out["kl/wiki@4"].tokens == (2, 1)
+    assert out["kl/wiki@8"].scores == pytest.approx((0.5, 0.0)) and out["kl/wiki@8"].tokens == (1, 0)
+    assert out["top1/wiki@4"].scores == (1.0, 1.0)
+    assert out["kl/wiki@4"].value == pytest.approx(3.7 / 3)  # position-weighted over documents
+    assert [metric_length(o.metric) for o in out.values()] == [2, 2, 4, 4, 8, 8]
+    assert not long_outcomes("wiki", raw, [2, 4, 8, 16])[-1].metric.source.endswith("@16")  # past every end: none
+
+
+@pytest.mark.parametrize("metric, min_context, gated", [
+    (MetricId("kl", "wiki@1024"), None, False), (MetricId("kl", "wiki@1024"), 2048, True),
+    (MetricId("kl", "wiki@4096"), 2048, False), (MetricId("acc", "needle_single_2048"), 2048, True),
+    (MetricId("acc", "needle_single_4096"), 2048, False), (MetricId("acc", "arc_easy"), None, True),
+    (MetricId("kl", "wiki"), None, True), (MetricId("top1", "wiki@1024"), 2048, False),  # no top-1 threshold
+])
+def test_min_context_gates_the_long_rows_up_to_it(metric, min_context, gated):
+    assert is_gated(metric, GateConfig(max_kl_divergence=0.05, min_context=min_context)) is gated
+
+
+def _row(candidate, metric, value, low, high, baseline=1.0, n=40):
+    return MetricRow(candidate, metric, value, baseline, n, False, low, high, 1.0, 0.95)
+
+
+@pytest.mark.parametrize("n, chance", [(20, 0.25), (40, 0.5), (8, 0.25)])
+def test_above_chance_is_the_exact_one_sided_binomial_test(n, chance):
+    least = next(k for k in range(n + 1) if binom.sf(k - 1, n, chance) < 0.025)  # the fewest right that show it
+    row = lambda k: _row("baseline", MetricId("acc", "needle_single_512"), 0, 0, 0, baseline=k / n, n=n)  # noqa: E731
+    assert above_chance(row(least), chance) and not above_chance(row(least - 1), chance)
+
+
+def test_length_verdicts_from_bucket_and_needle_rows():
+    policy = GateConfig(max_kl_divergence=0.05, min_context=1024)
+    kl = lambda c, end, lo, hi: _row(c, MetricId("kl", f"wiki@{end}"), (lo + hi) / 2, lo, hi)  # noqa: E731
+    needle = lambda c, length, lo, hi, base=0.9: _row(c, MetricId("acc", f"needle_single_{length}"),  # noqa: E731
+                                                      base * (lo + hi) / 2, lo, hi, baseline=base)
+    rows = [kl("a", 1024, 0.01, 0.02), kl("a", 2048, 0.02, 0.04), kl("a", 4096, 0.04, 0.07),
+            needle("a", 2048, 0.98, 1.0), needle("a", 4096, 0.5, 0.8),
+            kl("b", 1024, 0.01, 0.02), kl("b", 2048, 0.06, 0.09), kl("b", 4096, 0.01, 0.02),
+            needle("b", 2048, 0.99, 1.0), needle("b", 4096, 0.2, 0.4, base=0.25)]  # 0.25 of 40 at chance 0.25
+    got = length_verdicts(rows, policy)
+    assert got["a"] == LengthVerdict(2048, 4096)  # 4096: KL inconclusive, the needle fails
+    assert got["b"] == LengthVerdict(1024, 2048)  # the needle at 4096 is left out: the baseline is at chance
+    assert got["b"].describe() == "passes up to 1K, fails from 2K"
+
+
+# --- bad input, refused before the model loads --------------------------------------------------------------------
+
+@pytest.fixture
+def config(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "long", "output_dir": str(tmp_path / "reports"), "model": {"path": "local:models/stories260K/hf"},
+        "candidates": [{"quantizer": "int8", "name": "int8", "options": {"residual_length": 0}}],
+        "eval": {"mode": "streaming", "chunk_size": 64,
+                 "perplexity": [{"name": "tinystories", "source": STORIES, "layout": "stream", "limit": 2,
+                                 "max_length": 128}],
+                 "long_context": {"text": "tinystories", "lengths": [128, 256, 512], "documents": 2}},
+        "gate": {"max_kl_divergence": 0.05, "min_context": 256}}))
+    return path
+
+
+def _refused(capsys, argv, needle):
+    code = kvquant.run.main([str(a) for a in argv])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], (code, lines)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["eval.long_context.lengths=[512, 256]"], "eval.long_context.lengths must increase (position buckets in order"),
+    (["eval.long_context.lengths=[256, 256]"], "lengths must increase"),
+    (["eval.long_context.lengths=[1]"], "lengths[0] must be an integer >= 2"),
+    (["eval.long_context.text=wiki"], "eval.long_context.text: 'wiki' is not among eval.perplexity"),
+    (["eval.long_context=null"], "gate.min_context: no long-context metric to judge"),
+    (["gate.max_kl_divergence=null"], "gate.min_context: no long-context metric to judge"),
+    (["gate.min_context=300"], "gate.min_context 300 is no length measured here; the long-context metrics are "
+                               "judged at 128, 256, 512 tokens"),
+    (["eval.long_context.lengths=[256, 1024]", "gate.min_context=1024"],
+     "eval.long_context.lengths: 1024 tokens is beyond the model's context (512 positions)"),
+    (["eval.long_context.documents=5000"], "holds 767 windows of 512 tokens, fewer than documents (5000)"),
+    (["eval.tasks.names=[needle_single_300]"], "needle length 300 leaves a haystack of"),
+    (["eval.tasks.names=[needle_single_1024]"], "needle_single_1024': the model reads 512 tokens, fewer than the "
+                                                "needle task's length"),
+    (["eval.tasks.names=[needle_single_0300]"], "without leading zeros"),
+])
+def test_bad_long_context_input_is_one_line_before_the_model_loads(config, no_model_load, capsys, overrides, needle):
+    _refused(capsys, [config, *S(*overrides)], needle)
+    assert not (config.parent / "reports").exists()
+
+
+# --- the whole run ------------------------------------------------------------------------------------------------
+
+def test_a_run_gates_position_buckets_up_to_min_context_and_reports_the_longest_passing(config, capsys):
+    """stories260K, 2 windows of 256 tokens: int2 g8's divergence exceeds a 0.05 nats threshold in every bucket (it
+    fails from the first), fp8's stays below it; the decision reads the buckets up to min_context only, and the
+    report states each candidate's longest passing context."""
+    import json
+
+    text = yaml.safe_load(config.read_text())
+    text["candidates"] = [{"quantizer": "fp8_e4m3", "name": "fp8", "options": {"residual_length": 0}},
+                          {"quantizer": "int2", "name": "int2", "options": {"group_size": 8, "residual_length": 0}}]
+    config.write_text(yaml.safe_dump(text))
+    code = kvquant.run.main([str(config), *S("gate.perplexity=[]", "eval.perplexity.0.max_length=32",
+                                             "eval.long_context.lengths=[64, 128, 256]", "gate.min_context=128")])
+    doc = json.loads((config.parent / "reports/long/results.json").read_text())
+    metrics = {c["name"]: c["metrics"] for c in doc["candidates"]}
+    for end in (64, 128, 256):
+        fp8, int2 = metrics["fp8"][f"kl/tinystories@{end}"], metrics["int2"][f"kl/tinystories@{end}"]
+        assert 0 < fp8["value"] <= fp8["ci_high"] < 0.05 < int2["ci_low"], (end, fp8, int2)
+        assert fp8["gated"] is int2["gated"] is (end <= 128)
+        assert int2["n"] == 2
+    assert doc["long_context"]["candidates"]["int2"]["fails_from"] == 64
+    assert doc["long_context"]["candidates"]["fp8"]["passes_up_to"] == 256
+    assert doc["decision"] == "pass" and doc["chosen"] == "fp8" and code == 0
+    report = (config.parent / "reports/long/report.md").read_text()
+    assert "| int2 | passes at no length, fails from 64 |" in report and "| fp8 | passes up to 256 |" in report
+    assert (config.parent / "reports/long/lengths.png").stat().st_size > 1000
