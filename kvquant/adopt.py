@@ -34,7 +34,7 @@ from pathlib import Path
 from kvquant.errors import OneLineParser, guarded, parse_args
 from kvquant.fs import check_env_dirs
 from kvquant.importpath import drop_working_dir
-from kvquant.run import check_report_dir, context_length
+from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner import report
 from kvquant.runner.config import load_config
 from kvquant.runner.expected import Expected

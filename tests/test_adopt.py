@@ -15,7 +15,7 @@ import yaml
 import kvquant.run
 from hostile_helpers import tiny_run
 from kvquant.adopt import main
-from kvquant.run import context_length
+from kvquant.runner.preflight import context_length
 from kvquant.runner import report
 from kvquant.runner.config import load_config
 from kvquant.runner.expected import ANY, Expected
