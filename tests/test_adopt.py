@@ -201,12 +201,15 @@ def edit(saved: dict, how: str) -> dict:
     return saved
 
 
-@pytest.mark.parametrize("how, needle", [
+EDITS = [
     ("inputs", "its key is not the digest of its inputs, so they were edited after it was written"),
     ("inputs-rekeyed", "inputs.seed is 7, this config's run would use 1234"),
     ("renamed", 'is the result of ["int4", "ppl/tinystories"], not of the candidate and metric its path names'),
     ("truncated", "is not a result kvquant wrote"),
-])
+]
+
+
+@pytest.mark.parametrize("how, needle", EDITS, ids=[case for case, _ in EDITS])
 def test_an_edited_or_renamed_result_is_refused(tmp_path, monkeypatch, capsys, how, needle):
     config = write_config(tmp_path)
     there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
@@ -235,7 +238,7 @@ def test_adoption_cannot_tell_an_edited_result_from_a_measured_one(tmp_path, mon
     reused(tmp_path / "reports" / "tiny" / "partial", config, {("int4", PPL): saved["result"]})
 
 
-@pytest.mark.parametrize("case, needle", [
+FOREIGN = [
     ("other-code", "was measured by other code (torch \"0.0\", this checkout's"),
     ("other-seed", "inputs.seed is 7, this config's run would use 1234"),
     ("other-setting", "inputs.settings.group_size is 32, this config's run would use null"),
@@ -245,7 +248,10 @@ def test_adoption_cannot_tell_an_edited_result_from_a_measured_one(tmp_path, mon
     ("a-look-not-taken", "this config's run measures no task/tinystories_lastword@5-10 of int4"),
     ("other-weights-than-mine", "other model weights (digest 0000000000000000) than this machine's own results"),
     ("two-models", "were measured on different model weights"),
-])
+]
+
+
+@pytest.mark.parametrize("case, needle", FOREIGN, ids=[case for case, _ in FOREIGN])
 def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_path, monkeypatch, capsys, case,
                                                                          needle):
     config = write_config(tmp_path)
@@ -285,7 +291,7 @@ def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_pat
     reused(partial, config, {("baseline", TASK): RESULTS["baseline", TASK]})
 
 
-@pytest.mark.parametrize("what, needle", [
+NOT_PARTIAL = [
     ("missing", "does not exist"),
     ("a-file", "is not a folder"),
     ("empty", "holds no partial results (<candidate>/<metric>.json)"),
@@ -295,7 +301,10 @@ def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_pat
     ("a-symlinked-candidate", "int4 is a symlink; a partial-results folder holds one folder per candidate"),
     ("a-folder-as-a-result", "ppl__tinystories.json is a folder, not a result file"),
     ("its-own-partial-folder", "is this run's own partial folder"),
-])
+]
+
+
+@pytest.mark.parametrize("what, needle", NOT_PARTIAL, ids=[case for case, _ in NOT_PARTIAL])
 def test_what_is_not_a_partial_results_folder_is_refused(tmp_path, monkeypatch, capsys, what, needle):
     config = write_config(tmp_path)
     there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
