@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import random
 import shlex
 import sys
@@ -50,13 +49,13 @@ from kvquant.fs import check_env_dirs
 from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
 from kvquant.scoring.session import (BASELINE, Session, check_long_documents, evaluation_split, measure, probe_counts,
     probe_tokens)
-from kvquant.scoring.models import (DEFAULT_MAX_LENGTH, check_model, load_model, load_tokenizer, model_dtype,
-    trained_context)
+from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype, trained_context
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
 from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.runner.search import check_search, search
-from kvquant.runner.store import ResultStore, RunLock, check_partial, warn
+from kvquant.runner.preflight import check_report_dir, context_length
+from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir,
     task_manager)
@@ -65,12 +64,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def context_length(cfg: ExperimentConfig, model_config) -> int:
-    """Longest sequence the run feeds, before the model loads (as :func:`kvquant.scoring.models.max_length` once it
-    has)."""
-    return cfg.model.max_length or trained_context(model_config) or DEFAULT_MAX_LENGTH
 
 
 def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
@@ -84,22 +77,6 @@ def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
     out += [f"perplexity set {p.name!r}: max_length {p.max_length} is cut to the model's {limit} tokens"
             for p in cfg.eval.perplexity if p.max_length > limit]
     return out
-
-
-def check_report_dir(out_dir: Path) -> None:
-    """The report directory can be created and written (checked without creating anything); kvquant does not
-    write through a symlink at the report directory or its ``partial/``, and what it would read or replace in
-    ``partial/`` is its own (:func:`kvquant.runner.store.check_partial`)."""
-    for path in (out_dir, out_dir / "partial"):
-        if path.is_symlink():
-            raise KVQuantError(f"output_dir/name: {path} is a symlink; kvquant writes only into directories it can "
-                               "trust, so move it away or write elsewhere (--set name=... or --set output_dir=...)")
-    existing = next(p for p in [out_dir, *out_dir.parents] if p.exists() or p == Path(p.anchor))
-    if not existing.is_dir():
-        raise KVQuantError(f"output_dir/name: {existing} exists and is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise KVQuantError(f"output_dir/name: cannot write into {existing}")
-    check_partial(out_dir / "partial")
 
 
 def plan_steps(cfg: ExperimentConfig) -> RunPlan:

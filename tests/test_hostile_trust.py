@@ -136,9 +136,10 @@ def plant(folder: Path) -> Path:
     ("kvquant.run", ["{config}"], "kvquant"),
     ("kvquant.plan", ["--model", "llama-3.1-8b", "--context", "0"], "kvquant.plan"),
     ("kvquant.export", ["{work}/no-such-report"], "kvquant"),
+    ("kvquant.adopt", ["{config}", "{work}/no-such-partial"], "kvquant"),
     ("kvquant.lm_eval", ["--model", "kvquant", "--model_args", "pretrained={model}", "--tasks", "tinystories_lastwrod"],
      "kvquant.lm_eval"),
-], ids=["run", "plan", "export", "lm_eval"])
+], ids=["run", "plan", "export", "adopt", "lm_eval"])
 def test_modules_planted_in_the_working_directory_never_run(tmp_path, module, args, prog):
     """``python -m`` puts the working directory first on ``sys.path``: a ``numpy.py`` left there ran as kvquant
     started, a ``flash_attn.py`` during the runner's pre-load checks. Each command is refused (exit 2) for a bad

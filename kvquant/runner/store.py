@@ -40,7 +40,8 @@ class ResultStore:
     finished result of other inputs or code is not deleted when this run replaces it: it is moved to
     ``<directory>.old-<time>/`` (:meth:`note_retired` warns once how many, and where). Counts what it reused and
     computed. Under several processes, process 0 alone reads and writes the files: it hands every process the
-    saved result, or all of them compute it together (``compute`` shares its scoring out)."""
+    saved result, or all of them compute it together (``compute`` shares its scoring out). A result measured
+    elsewhere becomes this store's own only when the user adopts it (:meth:`adopt`, ``python -m kvquant.adopt``)."""
 
     def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE):
         self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
@@ -49,7 +50,7 @@ class ResultStore:
         self.secret = result_key() if processes.main else b""
 
     def _path(self, candidate: str, metric: str) -> Path:
-        return self.directory / candidate / (metric.replace("/", "__") + ".json")
+        return self.directory / candidate / result_name(metric)
 
     def _sign(self, digest: str, result) -> str:
         text = digest + json.dumps(result, sort_keys=True, default=str)
@@ -58,7 +59,7 @@ class ResultStore:
     def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
         path = self._path(candidate, metric)
         inputs = {**key, "code": self.code, "result_of": [candidate, metric]}
-        digest = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+        digest = inputs_digest(inputs)
         saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
                                          else None)
         if saved is not None:
@@ -78,6 +79,36 @@ class ResultStore:
         self.written.add(path)
         return result
 
+    def adopt(self, candidate: str, metric: str, saved: dict) -> bool:
+        """Place ``saved`` (``key``, ``inputs`` and ``result`` another machine or session wrote, checked by the
+        caller: :mod:`kvquant.runner.travel`) here as this store's own, signed under this user's key, so a run
+        reuses it like one it computed. A result already here that verifies for the same inputs is kept (returns
+        False; True: placed); one that does not verify is set aside as :meth:`get_or_compute` sets it aside, one of
+        other inputs retired (:meth:`note_retired`)."""
+        path, digest = self._path(candidate, metric), saved["key"]
+        if self._read(path, digest, [candidate, metric], "replaced by the adopted one") is not None:
+            return False
+        real_dir(self.directory, "partial results")
+        real_dir(path.parent, "partial results")
+        if os.path.lexists(path):
+            self._retire(path)
+        write_file(path, json.dumps({"key": digest, "inputs": saved["inputs"], "result": saved["result"],
+                                     "signature": self._sign(digest, saved["result"])}, default=str))
+        return True
+
+    def verified(self, path: Path) -> dict | None:
+        """The result at ``path`` (under this store's folder) if this user's key signed it and its key is the
+        digest of the inputs it holds, whatever those inputs; else None. Nothing is moved."""
+        try:
+            saved = json.loads(read_file(path).decode("utf-8"))
+            if not (isinstance(saved, dict) and "result" in saved and isinstance(saved.get("inputs"), dict)):
+                return None
+            digest = str(saved.get("key"))
+            signed = hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"]))
+        except (OSError, ValueError, RecursionError):
+            return None
+        return saved if signed and digest == inputs_digest(saved["inputs"]) else None
+
     def _retire(self, path: Path) -> None:
         """Move a finished result of other inputs or code into this run's ``<directory>.old-<time>/``."""
         if self.retired_dir is None:
@@ -94,9 +125,10 @@ class ResultStore:
             warn(self.warnings, f"{many} of other inputs or code (config, data or kvquant version) replaced by this "
                  f"run's; the earlier ones are kept in {self.retired_dir}")
 
-    def _read(self, path: Path, digest: str, owner: list[str]) -> dict | None:
+    def _read(self, path: Path, digest: str, owner: list[str], instead: str = "recomputed") -> dict | None:
         """The saved result of ``digest`` at ``path``, else None (absent, of other inputs, or set aside);
-        ``owner``: the (candidate, metric) it must be the result of."""
+        ``owner``: the (candidate, metric) it must be the result of; ``instead``: what the warning says becomes of
+        one set aside."""
         if not os.path.lexists(path):
             return None
         if stat.S_ISDIR(os.lstat(path).st_mode):
@@ -118,8 +150,18 @@ class ResultStore:
             aside = set_aside(path)
             self.set_aside.append(str(path.relative_to(self.directory)))
             warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
-                 f"{aside.name} and recomputed")
+                 f"{aside.name} and {instead}")
             return None
+
+
+def result_name(metric: str) -> str:
+    """The file name of ``metric``'s result in its candidate's folder (``ppl/wiki`` -> ``ppl__wiki.json``)."""
+    return metric.replace("/", "__") + ".json"
+
+
+def inputs_digest(inputs: dict) -> str:
+    """A result's key: the SHA-256 of its inputs (with the code version and what it is the result of) as JSON."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def check_partial(directory: Path) -> None:

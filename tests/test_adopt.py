@@ -1,0 +1,443 @@
+"""Results that travel (``python -m kvquant.adopt``, docs/trust.md "Results that travel"): partial results signed on
+another machine are adopted into a run's own ``partial/`` under this user's key and then reused; folders of several
+machines merge; a result the run would not reuse, or a folder that is not a run's partial results, is refused in one
+line (exit 2) with nothing written and nothing lost. "Another machine" is another signing key: another
+``$KVQUANT_CACHE_DIR``."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvquant.run
+from hostile_helpers import tiny_run
+from kvquant.adopt import main
+from kvquant.runner.preflight import context_length
+from kvquant.runner import report
+from kvquant.runner.config import load_config
+from kvquant.runner.expected import ANY, Expected
+from kvquant.runner.store import ResultStore, RunLock, inputs_digest
+from kvquant.scoring.models import check_model
+
+TASK, PPL = "task/tinystories_lastword", "ppl/tinystories"
+#: what a run of the tiny config measures, by value (the shapes of real results, smaller)
+RESULTS = {
+    ("baseline", TASK): {"task": "tinystories_lastword", "acc": [1.0, 0.0, 1.0, 1.0, 0.0]},
+    ("int4", TASK): {"task": "tinystories_lastword", "acc": [1.0, 0.0, 0.0, 1.0, 0.0]},
+    ("int4", PPL): {"nll": [93.5, 93.0, 72.9, 58.0], "tokens": [63, 63, 63, 63]},
+}
+WEIGHTS = "8884bd33dd1e63d8"
+
+
+@pytest.fixture(autouse=True)
+def here(tmp_path, monkeypatch):
+    """This machine: its own signing key (a private cache of the test's), offline."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "here"))
+
+
+def write_config(folder: Path, **changes) -> Path:
+    """The tiny run's config (reports under ``folder/reports``), with ``changes`` to its sections."""
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {**tiny_run("tiny", "int4", 5), "output_dir": str(folder / "reports")}
+    for section, values in changes.items():
+        doc[section] = {**doc[section], **values} if isinstance(values, dict) else values
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run_key(config: Path, label: str, metric: str, weights: str = WEIGHTS) -> dict:
+    """The key ``config``'s run on a model of ``weights`` asks its store for ``(label, metric)`` under."""
+    cfg = load_config(config)
+    model_config = check_model(cfg.model)
+    key = Expected(cfg, model_config, context_length(cfg, model_config)).inputs(label, metric)
+    assert ANY not in [v for k, v in key.items() if k != "weights"]
+    return {**key, "weights": weights}
+
+
+def measured(monkeypatch, tmp_path: Path, machine: str, config: Path, results: dict, code: dict | None = None,
+             weights: str = WEIGHTS) -> Path:
+    """``<tmp>/<machine>/partial``: what ``config``'s run on another machine (its own key) leaves, ``results``:
+    ``{(candidate, metric): result}``, measured by ``code`` (default: this checkout's) on ``weights``."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / machine / "cache"))
+    store = ResultStore(tmp_path / machine / "partial", code or report.code_version(), [])
+    for (label, metric), result in results.items():
+        store.get_or_compute(label, metric, run_key(config, label, metric, weights), lambda r=result: r)
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "here"))
+    return tmp_path / machine / "partial"
+
+
+def snapshot(folder: Path) -> dict:
+    """Every entry under ``folder``: a file's bytes and modification time, a link's target, a folder's name."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            out[str(path.relative_to(folder))] = os.readlink(path)
+        elif path.is_file():
+            out[str(path.relative_to(folder))] = (path.read_bytes(), os.lstat(path).st_mtime_ns)
+        else:
+            out[str(path.relative_to(folder))] = "folder"
+    return out
+
+
+def reused(partial: Path, config: Path, wanted: dict) -> None:
+    """A store of this machine's key reuses every ``(candidate, metric)`` of ``wanted`` at its value, computing
+    nothing."""
+    store = ResultStore(partial, report.code_version(), [])
+    for (label, metric), result in wanted.items():
+        assert store.get_or_compute(label, metric, run_key(config, label, metric), pytest.fail) == result
+    assert (store.reused, store.computed, store.set_aside) == (len(wanted), 0, [])
+
+
+def refused(capsys, argv: list, needle: str) -> str:
+    """``python -m kvquant.adopt argv`` exits 2 with one line holding ``needle``; returns it."""
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("kvquant: error: "), err
+    assert needle in err, err
+    return err
+
+
+# --- adopted, then reused -------------------------------------------------------------------------------------
+
+
+def test_a_result_signed_on_another_machine_is_adopted_and_then_reused(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    before = snapshot(there)
+    partial = tmp_path / "reports" / "tiny" / "partial"
+    shutil.copytree(there, partial)  # copied as it is, a result signed elsewhere is set aside and recomputed
+    warnings = []
+    copied = ResultStore(partial, report.code_version(), warnings)
+    assert copied.get_or_compute("int4", PPL, run_key(config, "int4", PPL), lambda: "again") == "again"
+    assert "signature does not verify" in warnings[0]
+    shutil.rmtree(tmp_path / "reports")
+
+    assert main([str(config), str(there)]) == 0
+    out = capsys.readouterr().out
+    assert f"adopted 3 results from 1 folder into {partial}, signed with your key" in out
+    assert f"python -m kvquant.run {config} reuses them" in out
+    reused(partial, config, RESULTS)
+    signatures = [json.loads((f / "int4" / "ppl__tinystories.json").read_text())["signature"] for f in (there, partial)]
+    assert signatures[0] != signatures[1]  # signed again, under this machine's key
+    assert snapshot(there) == before  # the folder adopted from is only read
+    assert main([str(config), str(there)]) == 0  # again: everything is already here
+    again = capsys.readouterr().out
+    assert "adopted 0 results from 1 folder" in again and "3 already there, kept" in again
+    reused(partial, config, RESULTS)
+
+
+def test_two_machines_merge_and_an_identical_copy_is_one(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    first = {k: RESULTS[k] for k in [("baseline", TASK), ("int4", PPL)]}
+    second = {k: RESULTS[k] for k in [("int4", TASK), ("int4", PPL)]}  # int4's perplexity measured on both
+    a = measured(monkeypatch, tmp_path, "machine-a", config, first)
+    b = measured(monkeypatch, tmp_path, "machine-b", config, second)
+    assert main([str(config), str(a), str(b)]) == 0
+    assert "adopted 3 results from 2 folders" in capsys.readouterr().out
+    reused(tmp_path / "reports" / "tiny" / "partial", config, RESULTS)
+
+
+def test_different_results_of_the_same_inputs_are_refused_naming_both(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    a = measured(monkeypatch, tmp_path, "machine-a", config, {("int4", PPL): RESULTS["int4", PPL]})
+    other = {**RESULTS["int4", PPL], "nll": [1.0] * 4}
+    b = measured(monkeypatch, tmp_path, "machine-b", config, {("int4", PPL): other})
+    err = refused(capsys, [config, a, b], "hold different results of the same inputs (int4 ppl/tinystories)")
+    assert str(a / "int4" / "ppl__tinystories.json") in err and str(b / "int4" / "ppl__tinystories.json") in err
+    assert err.startswith("kvquant: error: adopt: ") and err.endswith("; nothing adopted\n")
+    assert not (tmp_path / "reports").exists()
+
+
+def test_a_local_result_that_verifies_is_kept_and_one_of_other_code_is_retired(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    partial = tmp_path / "reports" / "tiny" / "partial"
+    partial.parent.mkdir(parents=True)
+    mine = {"nll": [90.0, 90.0, 70.0, 60.0], "tokens": [63] * 4}
+    ResultStore(partial, report.code_version(), []).get_or_compute("int4", PPL, run_key(config, "int4", PPL),
+                                                                   lambda: mine)
+    older = ResultStore(partial, {**report.code_version(), "torch": "1.0"}, [])  # a result of other code
+    older.get_or_compute("baseline", TASK, run_key(config, "baseline", TASK), lambda: {"acc": [0.0]})
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    assert main([str(config), str(there)]) == 0
+    captured = capsys.readouterr()
+    assert "adopted 2 results from 1 folder" in captured.out and "1 already there, kept" in captured.out
+    assert "1 finished partial result of other inputs or code" in captured.err
+    reused(partial, config, {**RESULTS, ("int4", PPL): mine})  # this machine's own measurement stays
+    retired = list(tmp_path.glob("reports/tiny/partial.old-*/baseline/task__tinystories_lastword.json"))
+    assert [json.loads(p.read_text())["result"] for p in retired] == [{"acc": [0.0]}]
+
+
+def test_a_dry_run_checks_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    assert main([str(config), str(there), "--dry-run"]) == 0
+    assert "3 results from 1 folder can be adopted" in capsys.readouterr().out
+    assert not (tmp_path / "reports").exists()
+
+
+def test_a_run_in_progress_is_not_raced(tmp_path, monkeypatch, capsys):
+    config = write_config(tmp_path)
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    with RunLock(tmp_path / "reports" / "tiny"):
+        refused(capsys, [config, there], "is in use by another run")
+        assert [p.name for p in (tmp_path / "reports" / "tiny").iterdir()] == [".lock"]
+
+
+# --- tampered, copied, foreign: refused, nothing written or lost ---------------------------------------------
+
+
+def edit(saved: dict, how: str) -> dict:
+    if how in ("inputs", "inputs-rekeyed"):
+        saved["inputs"]["seed"] = 7
+    if how == "inputs-rekeyed":  # anyone can compute the digest again
+        saved["key"] = inputs_digest(saved["inputs"])
+    return saved
+
+
+EDITS = [
+    ("inputs", "its key is not the digest of its inputs, so they were edited after it was written"),
+    ("inputs-rekeyed", "inputs.seed is 7, this config's run would use 1234"),
+    ("renamed", 'is the result of ["int4", "ppl/tinystories"], not of the candidate and metric its path names'),
+    ("truncated", "is not a result kvquant wrote"),
+]
+
+
+@pytest.mark.parametrize("how, needle", EDITS, ids=[case for case, _ in EDITS])
+def test_an_edited_or_renamed_result_is_refused(tmp_path, monkeypatch, capsys, how, needle):
+    config = write_config(tmp_path)
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    path = there / "int4" / "ppl__tinystories.json"
+    if how == "renamed":
+        path.rename(there / "baseline" / path.name)
+    elif how == "truncated":
+        path.write_text(path.read_text()[:100])
+    else:
+        path.write_text(json.dumps(edit(json.loads(path.read_text()), how)))
+    refused(capsys, [config, there], needle)
+    assert not (tmp_path / "reports").exists()
+
+
+def test_adoption_cannot_tell_an_edited_result_from_a_measured_one(tmp_path, monkeypatch, capsys):
+    """The key is a digest of the inputs only, and the signature that covers the result is under the other machine's
+    key, which this one does not hold: a result edited with its inputs untouched is adopted as it is. Adopting is
+    vouching for the values (docs/trust.md, "Results that travel")."""
+    config = write_config(tmp_path)
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    path = there / "int4" / "ppl__tinystories.json"
+    saved = json.loads(path.read_text())
+    saved["result"]["nll"] = [1.0] * 4
+    path.write_text(json.dumps(saved))
+    assert main([str(config), str(there)]) == 0
+    reused(tmp_path / "reports" / "tiny" / "partial", config, {("int4", PPL): saved["result"]})
+
+
+FOREIGN = [
+    ("other-code", "was measured by other code (torch \"0.0\", this checkout's"),
+    ("other-seed", "inputs.seed is 7, this config's run would use 1234"),
+    ("other-setting", "inputs.settings.group_size is 32, this config's run would use null"),
+    ("other-candidate", "this config's run measures no candidate 'int8' (it measures baseline, int4)"),
+    ("other-window-length", "inputs.windows is"),
+    ("other-task-limit", "inputs.limit is 9, this config's run would use 5"),
+    ("a-look-not-taken", "this config's run measures no task/tinystories_lastword@5-10 of int4"),
+    ("other-weights-than-mine", "other model weights (digest 0000000000000000) than this machine's own results"),
+    ("two-models", "were measured on different model weights"),
+]
+
+
+@pytest.mark.parametrize("case, needle", FOREIGN, ids=[case for case, _ in FOREIGN])
+def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_path, monkeypatch, capsys, case,
+                                                                         needle):
+    config = write_config(tmp_path)
+    partial = tmp_path / "reports" / "tiny" / "partial"
+    partial.parent.mkdir(parents=True)
+    ResultStore(partial, report.code_version(), []).get_or_compute("baseline", TASK, run_key(config, "baseline", TASK),
+                                                                   lambda: RESULTS["baseline", TASK])
+    theirs = {  # the config of the other machine's run, the results it measured, by what, on which weights
+        "other-seed": ({"eval": {"seed": 7}}, None, WEIGHTS),
+        "other-setting": ({"candidates": [{"quantizer": "int4", "name": "int4",
+                                           "options": {"residual_length": 0, "group_size": 32}}]}, None, WEIGHTS),
+        "other-candidate": ({"candidates": [{"quantizer": "int8", "name": "int8"}]}, None, WEIGHTS),
+        "other-window-length": ({"eval": {**tiny_run("tiny", "int4", 5)["eval"], "perplexity": [
+            {**tiny_run("tiny", "int4", 5)["eval"]["perplexity"][0], "max_length": 32}]}}, None, WEIGHTS),
+        "other-task-limit": ({"eval": {**tiny_run("tiny", "int4", 5)["eval"], "tasks": {
+            "names": ["tinystories_lastword"], "limit": 9}}}, None, WEIGHTS),
+        "other-code": ({}, {**report.code_version(), "torch": "0.0"}, WEIGHTS),
+        "other-weights-than-mine": ({}, None, "0000000000000000"),
+    }
+    if case == "two-models":
+        measured(monkeypatch, tmp_path, "machine-b", config, {("int4", TASK): RESULTS["int4", TASK]}, weights="1" * 16)
+        folders = [measured(monkeypatch, tmp_path, "machine-a", config, {("int4", PPL): RESULTS["int4", PPL]},
+                            weights="2" * 16), tmp_path / "machine-b" / "partial"]
+    elif case == "a-look-not-taken":
+        gated = write_config(tmp_path / "looks", gate={"max_documents": 20})
+        folders = [measured(monkeypatch, tmp_path, "machine-a", gated, {("int4", TASK + "@5-10"): {"acc": [1.0]}})]
+    else:
+        changes, code, weights = theirs[case]
+        other = write_config(tmp_path / "theirs", **changes)
+        label = "int8" if case == "other-candidate" else "int4"
+        metric = TASK if "task" in case or case == "other-candidate" else PPL
+        folders = [measured(monkeypatch, tmp_path, "machine-a", other, {(label, metric): RESULTS["int4", metric]},
+                            code, weights)]
+    before, sources = snapshot(tmp_path / "reports"), [snapshot(f) for f in folders]
+    refused(capsys, [config, *folders], needle)
+    assert snapshot(tmp_path / "reports") == before and [snapshot(f) for f in folders] == sources
+    reused(partial, config, {("baseline", TASK): RESULTS["baseline", TASK]})
+
+
+NOT_PARTIAL = [
+    ("missing", "does not exist"),
+    ("a-file", "is not a folder"),
+    ("empty", "holds no partial results (<candidate>/<metric>.json)"),
+    ("a-report-folder", "is a report folder; name its partial results instead"),
+    ("a-file-beside-the-candidates", "notes.txt is a file; a partial-results folder holds one folder per candidate"),
+    ("a-symlinked-result", "ppl__tinystories.json is a symlink, not a result file (adopt reads files only"),
+    ("a-symlinked-candidate", "int4 is a symlink; a partial-results folder holds one folder per candidate"),
+    ("a-folder-as-a-result", "ppl__tinystories.json is a folder, not a result file"),
+    ("its-own-partial-folder", "is this run's own partial folder"),
+]
+
+
+@pytest.mark.parametrize("what, needle", NOT_PARTIAL, ids=[case for case, _ in NOT_PARTIAL])
+def test_what_is_not_a_partial_results_folder_is_refused(tmp_path, monkeypatch, capsys, what, needle):
+    config = write_config(tmp_path)
+    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    outside = tmp_path / "outside"
+    shutil.move(there / "int4", outside)
+    (there / "int4").mkdir()
+    folder = there
+    if what == "missing":
+        folder = tmp_path / "nowhere"
+    elif what == "a-file":
+        folder = outside / "ppl__tinystories.json"
+    elif what == "empty":
+        folder = tmp_path / "empty"
+        folder.mkdir()
+    elif what == "a-report-folder":
+        folder = there.parent
+    elif what == "a-file-beside-the-candidates":
+        (there / "notes.txt").write_text("mine")
+    elif what == "a-symlinked-result":
+        (there / "int4" / "ppl__tinystories.json").symlink_to(outside / "ppl__tinystories.json")
+    elif what == "a-symlinked-candidate":
+        (there / "int4").rmdir()
+        (there / "int4").symlink_to(outside)
+    elif what == "a-folder-as-a-result":
+        (there / "int4" / "ppl__tinystories.json").mkdir()
+    elif what == "its-own-partial-folder":
+        folder = tmp_path / "reports" / "tiny" / "partial"
+        shutil.copytree(there, folder)
+    before = snapshot(tmp_path / "reports") if (tmp_path / "reports").exists() else None
+    refused(capsys, [config, folder], needle)
+    assert (snapshot(tmp_path / "reports") if (tmp_path / "reports").exists() else None) == before
+
+
+# --- the keys rebuilt are the keys a run builds --------------------------------------------------------------
+
+
+class Asked(Exception):
+    """A measurement asked its store for its first result."""
+
+
+class Recording:
+    """A result store that records the (candidate, metric, key) a measurement asks for first, and stops it there."""
+
+    def get_or_compute(self, candidate, metric, key, compute):
+        self.asked = (candidate, metric, key)
+        raise Asked
+
+
+def first_asked(store: Recording, measure) -> tuple:
+    with pytest.raises(Asked):
+        measure()
+    return store.asked
+
+
+def asked_by_a_run(cfg, model) -> list[tuple]:
+    """What a run of ``cfg`` (its candidates or its stages, its calibration, its search) asks its store for
+    first at each step, through the run's own code on ``model``."""
+    from kvquant.planner.shapes import shape_from_config
+    from kvquant.runner.search import _label, calibration_documents, calibration_windows, map_candidate, search
+    from kvquant.scoring import data
+    from kvquant.scoring.calibrate import calibrated, with_scales
+    from kvquant.scoring.models import load_tokenizer
+    from kvquant.scoring.session import BASELINE, Session, Split, evaluation_split, probe_tokens
+
+    store, tokenizer = Recording(), load_tokenizer(cfg.model)
+    session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
+    rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
+    split = evaluation_split(cfg, tokenizer, session.maxlen, rows)
+    first, *others = cfg.stages or cfg.candidates
+    steps = [lambda: session.measure(BASELINE, split), lambda: session.measure(first, split),  # ppl; kl
+             lambda: session.measure(first, split, divergence=False),  # ppl
+             lambda: session.measure(first, Split("evaluation", {}, split.documents)),  # the task
+             lambda: session.measure(first, Split("evaluation", {}, {}),  # memory
+                                     probe=probe_tokens(cfg, split, tokenizer, session.maxlen))]
+    if split.long:  # the divergence by position on long documents
+        steps.append(lambda: session.measure(first, Split("evaluation", {}, {}, long=split.long)))
+    if cfg.stages:
+        steps.append(lambda: kvquant.run.serve_stages(session, rows))
+    layers = {str(i): {"k_scale": 0.5, "v_scale": 0.25} for i in range(model.config.num_hidden_layers)}
+    for c in (c for c in others if c.calibrate):
+        steps += [lambda c=c: calibrated(session, c, rows), lambda c=c: session.measure(with_scales(c, layers), split)]
+    if cfg.search:
+        rungs = dict.fromkeys(range(model.config.num_hidden_layers), 0)
+        mapped = map_candidate(cfg.search.ladder, rungs, _label(rungs))
+        windows = {name: ws for name, (_, ws) in calibration_windows(cfg, tokenizer, session.maxlen, rows).items()}
+        steps += [lambda: search(session, rows),  # the baseline on the calibration split
+                  lambda: session.measure(mapped, Split("calibration", windows, {}), _label(rungs)),
+                  lambda: session.measure(mapped, Split("calibration", {}, calibration_documents(cfg)), _label(rungs))]
+    return [first_asked(store, step) for step in steps]
+
+
+def test_the_keys_rebuilt_without_the_model_are_those_a_run_builds(tmp_path, model):
+    plain = tiny_run("tiny", "int4", 5)
+    searched = {**plain, "candidates": [*plain["candidates"], {"quantizer": "vllm_fp8", "name": "fp8",
+                                                               "calibrate": "tensor"}],
+                "eval": {**plain["eval"], "long_context": {"text": "tinystories", "lengths": [32, 64], "documents": 2}},
+                "calibration": {"windows": 2}, "search": {"name": "mixed", "windows": 2, "documents": 4, "ladder": [
+                    {"quantizer": "int2", "name": "int2"}, {"quantizer": "int8", "name": "int8"}]}}
+    staged = {**plain, "candidates": [], "serving": {"requests": 2, "prefix": 16, "suffix": 8, "decode_steps": 2},
+              "stages": [{"quantizer": "int8", "name": "int8"},
+                         {"quantizer": "int8", "name": "shared", "prefix_sharing": True}]}
+    seen = set()
+    for name, doc in [("searched", searched), ("staged", staged)]:
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**doc, "output_dir": str(tmp_path)}))
+        cfg = load_config(tmp_path / f"{name}.yaml")
+        model_config = check_model(cfg.model)
+        expected = Expected(cfg, model_config, context_length(cfg, model_config))
+        for label, metric, key in asked_by_a_run(cfg, model):
+            assert expected.difference(label, metric, key) is None, (label, metric)
+            if "seed" in key:  # and a difference is named
+                assert "inputs.seed is 7" in expected.difference(label, metric, {**key, "seed": 7})
+            seen.add((label.split("-")[0] if label.startswith("search-") else label, metric))
+    assert seen == {("baseline", PPL), ("baseline", "serving"),
+                    ("int4", PPL), ("int4", "kl/tinystories"), ("int4", TASK), ("int4", "memory"),
+                    ("int4", "long/tinystories"),
+                    ("int8", PPL), ("int8", "kl/tinystories"), ("int8", TASK), ("int8", "memory"),
+                    ("fp8", "calibration"), ("fp8", "kl/tinystories"), ("search", PPL), ("search", TASK)}
+
+
+# --- a whole run ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_reuses_what_it_adopted_from_another_machines_run(tmp_path, monkeypatch, capsys):
+    there, here = write_config(tmp_path / "there"), write_config(tmp_path / "here")
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "there" / "cache"))
+    assert kvquant.run.main([str(there)]) in (0, 1, 4)
+    assert "7 results measured, 0 reused" in capsys.readouterr().out
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "here" / "cache"))
+    assert main([str(here), str(tmp_path / "there" / "reports" / "tiny" / "partial")]) == 0
+    assert "adopted 7 results from 1 folder" in capsys.readouterr().out
+    assert kvquant.run.main([str(here)]) in (0, 1, 4)
+    assert "0 results measured, 7 reused" in capsys.readouterr().out
+    done = [json.loads((tmp_path / side / "reports/tiny/results.json").read_text()) for side in ("there", "here")]
+    assert [{k: d[k] for k in ("decision", "baseline", "candidates")} for d in done[:1]] == [
+        {k: done[1][k] for k in ("decision", "baseline", "candidates")}]
