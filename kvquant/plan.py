@@ -2,6 +2,7 @@
 
     python -m kvquant.plan --model llama-3.1-8b --context 32768 --gpu-memory 80GB --cache fp16 --cache int4
     python -m kvquant.plan --model llama-2-70b --context 32768 --batch 1 --cache fp16 --json
+    python -m kvquant.plan --model llama-3.1-8b --context-from reports/long:int4-g32 --gpu-memory 80GB --cache int4
 
 KV bytes come from kvquant's own cache code (each quantizer written once, on zeros or on meta tensors, its storage
 rules then applied to any context, and each answer checked against a full run of the cache code), so a plan counts
@@ -24,6 +25,7 @@ from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, pars
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.models import DTYPES
 from kvquant.planner.cost import MAX_LAYER_KINDS
+from kvquant.planner.fitted import fitted_context
 from kvquant.planner.shapes import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes,
     parse_setting, resolve_model, tensor_parallel)
 
@@ -124,6 +126,8 @@ def render(plan: dict) -> str:
     lines = [f"model {plan['model']}: {plan['layers']} layers ({plan['sliding_layers']} sliding-window), "
              f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
              f"batch {plan['batch']} x context {plan['context']:,} tokens; B = bytes, GiB = 2^30 B, GB = 10^9 B"]
+    if plan.get("context_from"):
+        lines.append(f"context from {plan['context_from']['report']}: {plan['context_from']['verdict']}")
     if plan["tensor_parallel"] > 1:
         ranks, heads = plan["tensor_parallel"], plan["kv_heads_per_gpu"]
         copies = ranks * heads // plan["kv_heads"]
@@ -163,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"known name ({', '.join(KNOWN_MODELS)}), a directory or "
                         "config.json, or a hub id")
-    parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--context", type=int, help="tokens per sequence")
+    where.add_argument("--context-from", metavar="REPORT:CANDIDATE",
+                       help="the longest context a run showed CANDIDATE safe at (results.json's length verdict, "
+                       "e.g. reports/smollm2-long-gate:int4-g32), read from a report your own run signed")
+    parser.add_argument("--trust-unsigned", action="store_true",
+                        help="with --context-from: accept a results.json your run did not sign, once you checked it")
     parser.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
     parser.add_argument("--cache", action="append", help="fp16, bf16, fp32 or a quantizer with options, e.g. "
                         "int4:group_size=32,residual_length=128, or a YAML mapping with per-layer settings, e.g. "
@@ -189,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_plan(args) -> int:
+    fitted = None
+    if args.context_from is not None:
+        args.context, fitted = fitted_context(args.context_from, args.trust_unsigned)
     plan = build_plan(args)
+    if fitted is not None:
+        plan["context_from"] = {"report": args.context_from, "verdict": fitted}
     print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
           if args.json else render(plan))
     return EXIT_PASS

@@ -4,6 +4,7 @@ the model loads."""
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import yaml
@@ -165,8 +166,6 @@ def test_a_run_gates_position_buckets_up_to_min_context_and_reports_the_longest_
     """stories260K, 2 windows of 256 tokens: int2 g8's divergence exceeds a 0.05 nats threshold in every bucket (it
     fails from the first), fp8's stays below it; the decision reads the buckets up to min_context only, and the
     report states each candidate's longest passing context."""
-    import json
-
     text = yaml.safe_load(config.read_text())
     text["candidates"] = [{"quantizer": "fp8_e4m3", "name": "fp8", "options": {"residual_length": 0}},
                           {"quantizer": "int2", "name": "int2", "options": {"group_size": 8, "residual_length": 0}}]
@@ -186,3 +185,51 @@ def test_a_run_gates_position_buckets_up_to_min_context_and_reports_the_longest_
     report = (config.parent / "reports/long/report.md").read_text()
     assert "| int2 | passes at no length, fails from 64 |" in report and "| fp8 | passes up to 256 |" in report
     assert (config.parent / "reports/long/lengths.png").stat().st_size > 1000
+
+
+# --- the planner at the fitted context ----------------------------------------------------------------------------
+
+def _report(folder, long_context, sign=True):
+    from kvquant.signing import signed_json
+
+    folder.mkdir(parents=True)
+    doc = {"decision": "pass", "long_context": long_context}
+    (folder / "results.json").write_text(signed_json(doc) if sign else json.dumps(doc))
+    return folder
+
+
+LENGTHS = {"min_context": None, "candidates": {
+    "int4": {"passes_up_to": 2048, "fails_from": 8192, "inconclusive": [4096], "not_exercised": [],
+             "summary": "passes up to 2K, fails from 8K, inconclusive at 4K"},
+    "int2": {"passes_up_to": None, "fails_from": 512, "inconclusive": [], "not_exercised": [],
+             "summary": "passes at no length, fails from 512"}}, "baseline_at_chance": []}
+
+
+def test_the_planner_plans_at_the_context_a_report_showed_safe(tmp_path, monkeypatch, capsys):
+    from kvquant.plan import main
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _report(tmp_path / "rep", LENGTHS)
+    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4", "--cache", "int4", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert main(["--model", "llama-3.1-8b", "--context", "2048", "--cache", "int4", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert fitted["context"] == 2048 and fitted["kv_bytes"] == plain["kv_bytes"]
+    assert fitted["context_from"]["verdict"] == "passes up to 2K, fails from 8K, inconclusive at 4K"
+
+
+@pytest.mark.parametrize("argument, sign, needle", [
+    ("{rep}:int2", True, "int2 is shown safe at no context in"),
+    ("{rep}:int8", True, "has no length verdict for 'int8'; it has int4, int2"),
+    ("{rep}", True, "must be REPORT_DIR:CANDIDATE"),
+    ("{rep}:int4", False, "carries no signature"),
+    ("{none}:int4", True, "holds no length verdict"),
+])
+def test_a_context_the_report_does_not_give_is_one_line(tmp_path, monkeypatch, capsys, argument, sign, needle):
+    from kvquant.plan import main
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    rep, none = _report(tmp_path / "rep", LENGTHS, sign), _report(tmp_path / "none", None)
+    code = main(["--model", "llama-3.1-8b", "--context-from", argument.format(rep=rep, none=none)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines

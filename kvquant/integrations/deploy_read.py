@@ -110,6 +110,13 @@ def read_results(report_dir: Path) -> bytes:
 def load_report(report_dir: Path, trust_unsigned: bool = False) -> Report:
     """``results.json`` of a report directory, read, verified, checked and typed (see the module docstring), or one
     line naming what is wrong."""
+    doc = verified_document(report_dir, trust_unsigned, "export deploys only what your own run decided")
+    return checked_report(doc, report_dir / "results.json")
+
+
+def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str) -> dict:
+    """``results.json`` of a report directory, read and parsed, its signature verified under this user's key
+    unless ``trust_unsigned`` (else one line: ``why_signed`` says why the command needs it)."""
     path = report_dir / "results.json"
     data = read_results(report_dir)
     try:
@@ -124,9 +131,9 @@ def load_report(report_dir: Path, trust_unsigned: bool = False) -> Report:
         except RecursionError:
             why = "it is nested too deep to verify"
         if why:
-            raise KVQuantError(f"{path}: {why}; export deploys only what your own run decided: rerun python -m "
-                               "kvquant.run, or pass --trust-unsigned once you have checked this file")
-    return checked_report(doc, path)
+            raise KVQuantError(f"{path}: {why}; {why_signed}: rerun python -m kvquant.run, or pass --trust-unsigned "
+                               "once you have checked this file")
+    return doc
 
 
 def quoted(text, limit: int = 80) -> str:
