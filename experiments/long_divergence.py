@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ def render(doc: dict) -> str:
              "- statistic: per bucket, the mean over documents of each document's mean KL (nats) over its positions "
              "there, 95% bootstrap interval over documents; trend: the factor by which KL grows per doubling of the "
              "position (ln KL on log2 position), with its interval", ""]
-    if doc.get("max_kl_divergence"):
+    if doc.get("max_kl_divergence") is not None:
         limit = doc["max_kl_divergence"]
         lines += [f"Longest context shown safe at mean KL <= {limit} nats per position (every bucket up to it, 95% "
                   "interval; the gate's rule):", "", "| candidate | longest context |", "|---|---|",
@@ -148,6 +149,11 @@ def main(argv=None):
                         help="measure nothing: render OUT/report.md again from OUT/results.json (e.g. with another "
                              "--max-kl-divergence), keeping its command and environment")
     args = parser.parse_args(argv)
+    limit = args.max_kl_divergence
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        parser.error(f"--max-kl-divergence must be a finite number of nats above 0, got {limit}")
+    if args.render_only and not (args.out / "results.json").is_file():
+        parser.error(f"--render-only: {args.out / 'results.json'} does not exist; measure first (without it)")
     if args.render_only:
         doc = {**json.loads((args.out / "results.json").read_text()), "max_kl_divergence": args.max_kl_divergence,
                "rendered": "python " + " ".join(sys.argv)}

@@ -12,8 +12,8 @@ from scipy.stats import binom
 
 import kvquant.run
 from kvquant.errors import KVQuantError
-from kvquant.runner.gate import (LengthVerdict, above_chance, is_gated, length_verdicts,
-    metric_length)
+from kvquant.runner.gate import (INCONCLUSIVE, LengthVerdict, above_chance, is_gated, length_verdicts, metric_length,
+    needles_at_chance)
 from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.results import MetricId, MetricRow, long_outcomes
 from kvquant.scoring.needles import DEPTHS, needle_chance, needle_task, task_documents
@@ -96,8 +96,19 @@ def _row(candidate, metric, value, low, high, baseline=1.0, n=40):
 @pytest.mark.parametrize("n, chance", [(20, 0.25), (40, 0.5), (8, 0.25)])
 def test_above_chance_is_the_exact_one_sided_binomial_test(n, chance):
     least = next(k for k in range(n + 1) if binom.sf(k - 1, n, chance) < 0.025)  # the fewest right that show it
-    row = lambda k: _row("baseline", MetricId("acc", "needle_single_512"), 0, 0, 0, baseline=k / n, n=n)  # noqa: E731
-    assert above_chance(row(least), chance) and not above_chance(row(least - 1), chance)
+    assert above_chance(least, n, chance, 0.95) and not above_chance(least - 1, n, chance, 0.95)
+
+
+def test_a_needle_is_at_chance_on_every_document_the_baseline_scored():
+    """Decided once per task from the baseline's own documents (all of them), for every candidate alike."""
+    from kvquant.runner.results import Measured, Outcomes
+
+    scores = lambda right, n: tuple([1.0] * right + [0.0] * (n - right))  # noqa: E731
+    baseline = Measured("baseline", (
+        Outcomes(MetricId("acc", "needle_single_512"), scores(10, 20)),  # 10 of 20 at chance 1/4: above
+        Outcomes(MetricId("acc", "needle_variables_512"), scores(13, 20)),  # 13 of 20 at chance 1/2: not shown
+        Outcomes(MetricId("acc", "arc_easy"), scores(0, 20))))
+    assert needles_at_chance(baseline, GateConfig()) == {"needle_variables_512"}
 
 
 def test_length_verdicts_from_bucket_and_needle_rows():
@@ -108,11 +119,24 @@ def test_length_verdicts_from_bucket_and_needle_rows():
     rows = [kl("a", 1024, 0.01, 0.02), kl("a", 2048, 0.02, 0.04), kl("a", 4096, 0.04, 0.07),
             needle("a", 2048, 0.98, 1.0), needle("a", 4096, 0.5, 0.8),
             kl("b", 1024, 0.01, 0.02), kl("b", 2048, 0.06, 0.09), kl("b", 4096, 0.01, 0.02),
-            needle("b", 2048, 0.99, 1.0), needle("b", 4096, 0.2, 0.4, base=0.25)]  # 0.25 of 40 at chance 0.25
+            needle("b", 2048, 0.99, 1.0), needle("b", 4096, 0.2, 0.4)]
     got = length_verdicts(rows, policy)
     assert got["a"] == LengthVerdict(2048, 4096)  # 4096: KL inconclusive, the needle fails
-    assert got["b"] == LengthVerdict(1024, 2048)  # the needle at 4096 is left out: the baseline is at chance
+    assert got["b"] == LengthVerdict(1024, 2048)
     assert got["b"].describe() == "passes up to 1K, fails from 2K"
+    # the needle at 4096 left out (the baseline at chance there): 4096 is judged on its KL alone
+    left_out = length_verdicts(rows, policy, frozenset({"needle_single_4096"}))
+    assert left_out["a"] == LengthVerdict(2048, None, (4096,)) and left_out["b"] == LengthVerdict(1024, 2048)
+
+
+def test_a_candidate_left_with_no_gated_metric_is_not_a_pass():
+    """A needle the baseline cannot do is ungated; a candidate with nothing else gated is shown nothing."""
+    from kvquant.runner.gate import decide
+
+    row = _row("int2", MetricId("acc", "needle_single_480"), 0.1, 0.0, 0.5)
+    decision = decide([row], {"int2": 6.0}, GateConfig(min_context=480))
+    assert decision.decision == INCONCLUSIVE and decision.statuses == {"int2": INCONCLUSIVE}
+    assert "int2: no gated metric was left to judge" in decision.reason
 
 
 # --- bad input, refused before the model loads --------------------------------------------------------------------
@@ -150,10 +174,15 @@ def _refused(capsys, argv, needle):
     (["eval.long_context.lengths=[256, 1024]", "gate.min_context=1024"],
      "eval.long_context.lengths: 1024 tokens is beyond the model's context (512 positions)"),
     (["eval.long_context.documents=5000"], "holds 767 windows of 512 tokens, fewer than documents (5000)"),
-    (["eval.tasks.names=[needle_single_300]"], "needle length 300 leaves a haystack of"),
-    (["eval.tasks.names=[needle_single_1024]"], "needle_single_1024': the model reads 512 tokens, fewer than the "
-                                                "needle task's length"),
-    (["eval.tasks.names=[needle_single_0300]"], "without leading zeros"),
+    (["eval.long_context.documents=1"], "documents must be in 2..10000 (the intervals are over documents"),
+    (["eval.tasks.names=[needle_single_480]", "gate.min_context=480"], "the needle tasks needle_single_480 (480) "
+                                                                       "end inside a position bucket"),
+    (["eval.tasks.names=[needle_single_300]", "gate.min_context=null"], "needle length 300 leaves a haystack of"),
+    (["eval.tasks.names=[needle_single_1024]", "gate.min_context=null"],
+     "needle_single_1024': the model reads 512 tokens, not more than the needle task's length"),
+    (["eval.tasks.names=[needle_single_512]", "gate.min_context=null"],
+     "needle_single_512': the model reads 512 tokens, not more than"),
+    (["eval.tasks.names=[needle_single_0300]", "gate.min_context=null"], "without leading zeros"),
 ])
 def test_bad_long_context_input_is_one_line_before_the_model_loads(config, no_model_load, capsys, overrides, needle):
     _refused(capsys, [config, *S(*overrides)], needle)

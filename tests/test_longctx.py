@@ -68,6 +68,27 @@ def test_each_position_equals_the_independent_computation(model, documents):
     assert all(r["reads"]["keys_quantized"] > 0 for r in got)
 
 
+def test_what_attention_read_is_kept_per_chunk(model, documents):
+    """Per chunk of positions, what each candidate's attention read: every query of a chunk starting at ``s``
+    reads ``s + j + 1`` keys in each layer, the chunks add up to the whole, and with a residual window as long as
+    a chunk nothing the first chunk's queries read is quantized (the long-context gate counts a bucket's exercise
+    from its chunks)."""
+    doc = documents[0]
+    base = Scorer(model, kvquant.CacheSpec.of("fp16"), mode="streaming", chunk_size=CHUNK)
+    windowed = Scorer(model, kvquant.CacheSpec.of("int2", {"group_size": 8, "residual_length": CHUNK}),
+                      mode="streaming", chunk_size=CHUNK)
+    got, = position_divergences(base, [windowed], [doc])
+    layers = model.config.num_hidden_layers
+    assert [c[0] for c in got["chunk_reads"]] == list(range(0, len(doc) - 1, CHUNK))
+    for start, stop, reads in got["chunk_reads"]:
+        queries = min(stop, len(doc) - 1) - start
+        assert stop == start + CHUNK and reads["keys"] == layers * sum(start + j + 1 for j in range(queries))
+    assert got["chunk_reads"][0][2]["keys_quantized"] == got["chunk_reads"][0][2]["values_quantized"] == 0
+    assert all(c[2]["keys_quantized"] > 0 for c in got["chunk_reads"][2:])
+    for name in got["reads"]:
+        assert sum(c[2][name] for c in got["chunk_reads"]) == got["reads"][name]
+
+
 def test_batched_rows_of_different_lengths_equal_each_document_alone(model, documents):
     alone = position_divergences(*scorers(model, batch_size=1), documents)
     batched = position_divergences(*scorers(model, batch_size=3), documents)

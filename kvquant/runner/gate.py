@@ -205,7 +205,10 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     """Judge every row; per candidate a status (:func:`status`); the cheapest passing candidate is the answer,
     else "fail" when every candidate fails, else "inconclusive", naming what would decide it."""
     verdicts = [judge(r, policy) for r in rows]
-    statuses = {name: status([v for v in verdicts if v.row.candidate == name]) for name in bits_per_element}
+    gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
+    # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
+    statuses = {name: status([v for v in verdicts if v.row.candidate == name]) if name in gated else INCONCLUSIVE
+                for name in bits_per_element}
     passed = {name: s == PASS for name, s in statuses.items()}
     winners = sorted((bits_per_element[n], n) for n, ok in passed.items() if ok)
     basis = "point estimate, not a test" if policy.decide_on == "point" else \
@@ -224,6 +227,8 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
                         statuses)
     undecided = [f"{v.row.candidate}: {_open(v)}" for v in verdicts if v.verdict in (INCONCLUSIVE, NOT_EXERCISED)
                  and statuses[v.row.candidate] != FAIL]
+    undecided += [f"{name}: no gated metric was left to judge (a needle task whose baseline is not shown above "
+                  "chance is left out)" for name in bits_per_element if name not in gated]
     return Decision(INCONCLUSIVE, None, passed, verdicts, f"no setting is shown to pass ({basis}); undecided: "
                     + "; ".join(undecided), statuses)
 
@@ -256,15 +261,16 @@ def selected(metric: MetricId, policy: GateConfig) -> bool:
     return metric.standard and listed and not math.isnan(threshold(metric.kind, policy))
 
 
-def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig) -> dict[str, LengthVerdict]:
+def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig,
+                    at_chance: frozenset[str] = frozenset()) -> dict[str, LengthVerdict]:
     """Per candidate with long-context metrics, the longest context they show it safe at (:func:`longest_passing`):
     every :func:`selected` long-context row judged as if gated (also beyond ``gate.min_context``), grouped by its
-    length; a needle task whose baseline is not shown above chance at its length is left out (it says nothing of
-    a cache there)."""
+    length; the needle tasks of ``at_chance`` (:func:`needles_at_chance`) are left out (they say nothing of a
+    cache)."""
     buckets: dict[str, dict[int, dict[str, str]]] = {}
     for row in rows:
         length = metric_length(row.metric)
-        if length is None or not selected(row.metric, policy) or not at_least_chance(row):
+        if length is None or not selected(row.metric, policy) or row.metric.source in at_chance:
             continue
         verdict = judge(dataclasses.replace(row, gated=True), policy).verdict
         family = f"{row.metric.measure}/{row.metric.source.rpartition(BUCKET)[0] or row.metric.source}"
@@ -272,19 +278,21 @@ def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig) -> dict[str, 
     return {label: longest_passing(sorted(found.items())) for label, found in buckets.items()}
 
 
-def at_least_chance(row: MetricRow) -> bool:
-    """False for a needle task's accuracy row whose baseline is not shown above chance; True for any other row."""
-    return not (row.kind == ACCURACY and needle_task(row.metric.source)
-                and not above_chance(row, needle_chance(row.metric.source)))
+def needles_at_chance(baseline: Measured, policy: GateConfig) -> frozenset[str]:
+    """The needle tasks whose baseline accuracy (every document it scored) is not shown above chance: one-sided
+    exact binomial test at half of ``1 - gate.confidence``, decided once per task for every candidate."""
+    return frozenset(o.metric.source for o in baseline.outcomes
+                     if o.metric.kind == ACCURACY and o.metric.standard and needle_task(o.metric.source)
+                     and not above_chance(round(sum(o.scores)), o.n, needle_chance(o.metric.source),
+                                          policy.confidence))
 
 
-def above_chance(row: MetricRow, chance: float) -> bool:
-    """Whether the baseline's accuracy in ``row`` (0/1 per document, over ``row.n``) is shown above ``chance``:
-    one-sided exact binomial test at half of ``1 - row.confidence`` (the error a gated interval allows on a side)."""
+def above_chance(right: int, n: int, chance: float, confidence: float) -> bool:
+    """Whether ``right`` of ``n`` right answers show an accuracy above ``chance``: the one-sided exact binomial
+    test at half of ``1 - confidence`` (the error a gated interval allows on one side)."""
     from scipy.stats import binom
 
-    right = round(row.baseline * row.n)
-    return row.n > 0 and float(binom.sf(right - 1, row.n, chance)) < (1 - row.confidence) / 2
+    return n > 0 and float(binom.sf(right - 1, n, chance)) < (1 - confidence) / 2
 
 
 def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: list[str],
@@ -294,6 +302,7 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
     ``planned_looks``: per task, the looks a sequential gate plans (its intervals are widened for them)."""
     gate, base = cfg.gate, results[baseline]
     planned_looks = planned_looks or {}
+    at_chance = needles_at_chance(base, gate)
     rows = []
     for label in labels:
         for outcomes in results[label].outcomes:
@@ -308,7 +317,7 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
             share = outcomes.exercise.quantized_share if outcomes.exercise else math.nan
             gated = is_gated(metric, gate)
             row = MetricRow(label, metric, outcomes.value, reference, outcomes.n, gated, low, high, share, confidence)
-            if gated and not at_least_chance(row):
+            if gated and metric.source in at_chance:
                 row = dataclasses.replace(row, gated=False)  # the baseline cannot do it here: says nothing of a cache
             rows.append(row)
             if metric.kind == ACCURACY and gate.max_flip_rate is not None and rows[-1].gated:

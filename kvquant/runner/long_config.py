@@ -34,8 +34,9 @@ class LongContextConfig:
                     f"{length!r}")
             require(i == 0 or length > self.lengths[i - 1], f"lengths must increase (position buckets in order, "
                     f"none repeated): {length} after {self.lengths[i - 1]}")
-        require(1 <= self.documents <= MAX_LONG_DOCUMENTS,
-                f"documents must be in 1..{MAX_LONG_DOCUMENTS}, got {self.documents!r}")
+        require(2 <= self.documents <= MAX_LONG_DOCUMENTS,
+                f"documents must be in 2..{MAX_LONG_DOCUMENTS} (the intervals are over documents; one shows no "
+                f"spread), got {self.documents!r}")
 
 
 def needle_lengths(task_names: list[str]) -> dict[str, int]:
@@ -62,6 +63,12 @@ def check_long_context(cfg) -> None:
     require(bucketed or bool(needles), "gate.min_context: no long-context metric to judge: set eval.long_context "
             "with gate.max_kl_divergence (or gate.min_top1_agreement), or gate a needle task "
             "(eval.tasks.names: needle_<kind>_<length>)")
+    if bucketed:  # a needle's length is a bucket's end, so "passes up to L" covers the positions before L
+        off = sorted({f"{name} ({length})" for name, length in needles.items() if length not in long.lengths})
+        ends = ", ".join(map(str, long.lengths))
+        require(not off, f"gate.min_context: the needle tasks {', '.join(off)} end inside a position bucket; with "
+                f"eval.long_context gated, give needles the lengths of bucket ends ({ends}) or add their lengths to "
+                "eval.long_context.lengths")
     lengths = sorted({*(long.lengths if bucketed else ()), *needles.values()})
     require(gate.min_context in lengths, f"gate.min_context {gate.min_context} is no length measured here; the "
             f"long-context metrics are judged at {', '.join(map(str, lengths))} tokens")

@@ -7,29 +7,37 @@ intervals, one line per candidate). Rendered from the gate's verdicts; nothing h
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from kvquant.runner.gate import at_least_chance, judge, length_verdicts, metric_length
+from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, selected
 from kvquant.runner.report_plots import _png, _pyplot
 from kvquant.runner.results import ACCURACY, AGREEMENT, DIVERGENCE, RunResult, Verdict, bucket_end
 from kvquant.scoring.needles import needle_chance, needle_task
 
 
+def _at_chance(run: RunResult) -> frozenset[str]:
+    return needles_at_chance(run.results["baseline"], run.config.gate)
+
+
 def long_verdicts(run: RunResult) -> list[Verdict]:
-    """Every long-context row of the run, judged as the length verdict judges it (as if gated)."""
-    policy = run.config.gate
-    return [judge(dataclasses.replace(v.row, gated=True), policy) if not v.row.gated and at_least_chance(v.row)
-            else v for v in run.decision.verdicts if metric_length(v.row.metric) is not None]
+    """Every long-context row of the run the length verdict judges, judged as it judges them (as if gated); the
+    needle tasks the baseline is not shown above chance on keep their verdict (not gated)."""
+    policy, at_chance = run.config.gate, _at_chance(run)
+    return [judge(dataclasses.replace(v.row, gated=True), policy)
+            if not v.row.gated and v.row.metric.source not in at_chance and selected(v.row.metric, policy) else v
+            for v in run.decision.verdicts if metric_length(v.row.metric) is not None]
 
 
 def lengths_document(run: RunResult) -> dict:
     """What results.json records of the long-context verdicts: per candidate the length verdict, and the needle
     tasks left out because the baseline is not shown above chance."""
-    found = length_verdicts(run.rows, run.config.gate)
+    at_chance = _at_chance(run)
+    found = length_verdicts(run.rows, run.config.gate, at_chance)
     return {"min_context": run.config.gate.min_context,
             "candidates": {label: {"passes_up_to": v.passes_up_to, "fails_from": v.fails_from,
                                    "inconclusive": list(v.inconclusive), "not_exercised": list(v.not_exercised),
                                    "summary": v.describe()} for label, v in found.items()},
-            "baseline_at_chance": sorted({r.metric.source for r in run.rows if not at_least_chance(r)})}
+            "baseline_at_chance": sorted(at_chance)}
 
 
 def _cell(v: Verdict, digits: int) -> str:
@@ -89,7 +97,9 @@ def lengths_section(run: RunResult) -> list[str]:
 def lengths_plot(run: RunResult) -> bytes | None:
     """``lengths.png``: each long-context metric against length (log scale), with its interval, one line per
     candidate (None without long-context metrics)."""
-    verdicts = [v for v in long_verdicts(run) if v.row.kind in (DIVERGENCE, ACCURACY)]
+    at_chance = _at_chance(run)
+    verdicts = [v for v in long_verdicts(run) if v.row.kind in (DIVERGENCE, ACCURACY)
+                and v.row.metric.source not in at_chance]
     if not verdicts:
         return None
     panels = sorted({v.row.kind if v.row.kind == DIVERGENCE else needle_task(v.row.metric.source)[0]
@@ -99,11 +109,14 @@ def lengths_plot(run: RunResult) -> bytes | None:
         own = [v for v in verdicts if (v.row.kind if v.row.kind == DIVERGENCE else
                                        needle_task(v.row.metric.source)[0]) == panel]
         for label in dict.fromkeys(v.row.candidate for v in own):
-            points = sorted((metric_length(v.row.metric), v) for v in own if v.row.candidate == label)
-            xs = [x for x, _ in points]
-            ys = [v.row.value if panel == DIVERGENCE else v.row.relative for _, v in points]
-            low = [y - v.row.ci_low for y, (_, v) in zip(ys, points)]
-            high = [v.row.ci_high - y for y, (_, v) in zip(ys, points)]
+            points = [(x, v, v.row.value if panel == DIVERGENCE else v.row.relative)
+                      for x, v in sorted(((metric_length(v.row.metric), v) for v in own if v.row.candidate == label),
+                                         key=lambda p: p[0])]
+            points = [(x, v, y) for x, v, y in points if math.isfinite(y)]  # a baseline at 0: no ratio to draw
+            xs, ys = [x for x, _, _ in points], [y for _, _, y in points]
+            # the accuracy ratio's interval need not hold its point (0 of n against some): bars never negative
+            low = [max(y - v.row.ci_low, 0) if math.isfinite(v.row.ci_low) else 0 for _, v, y in points]
+            high = [max(v.row.ci_high - y, 0) if math.isfinite(v.row.ci_high) else 0 for _, v, y in points]
             ax.errorbar(xs, ys, yerr=[low, high], fmt="o-", capsize=3, label=label)
         if panel == DIVERGENCE:
             ax.set_yscale("log")

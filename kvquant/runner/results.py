@@ -168,16 +168,29 @@ def long_outcomes(text: str, raw: dict, lengths: list[int], bits: float = math.n
     "top1": [[0/1 ...]], "reads": ..., "lengths": ...}``, :func:`kvquant.scoring.longctx.position_divergences`) as
     per position bucket ``kl`` and ``top1`` metrics (bucket ``i``: positions ``lengths[i-1]..lengths[i] - 1``; per
     document the sum over its positions there and their count). A bucket past every document's end is left out."""
-    exercise = _exercise(raw, bits)
     out = []
     for start, stop in zip([0, *lengths[:-1]], lengths):
         tokens = tuple(len(d[start:stop]) for d in raw["kl"])
         if not any(tokens):
             continue
+        exercise = _bucket_exercise(raw, start, stop, bits)
         for measure in ("kl", "top1"):
             sums = tuple(float(sum(d[start:stop])) for d in raw[measure])
             out.append(Outcomes(MetricId(measure, f"{text}{BUCKET}{stop}"), sums, tokens, exercise))
     return out
+
+
+def _bucket_exercise(raw: dict, start: int, stop: int, bits: float) -> Exercise | None:
+    """What attention read for the queries of positions ``start .. stop - 1``: the reads of every chunk of
+    positions that overlaps them (``raw["chunk_reads"]``; a chunk across a bucket's edge counts in both), so a
+    bucket inside a full-precision window shows it; the whole documents' reads where chunks were not kept."""
+    if "chunk_reads" not in raw:
+        return _exercise(raw, bits)
+    reads = Reads()
+    for first, last, counted in raw["chunk_reads"]:
+        if first < stop and last > start:
+            reads = reads.add(Reads(**counted))
+    return Exercise(reads, tuple(map(int, raw.get("lengths", ()))), bits)
 
 
 def task_outcomes(task: str, raw: dict, standard: str, bits: float = math.nan) -> list[Outcomes]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
+from kvquant.cache.reads import Reads
 from kvquant.errors import InternalError, KVQuantError
 from kvquant.scoring.scorer import Scorer, _Batch, position_terms
 
@@ -23,8 +24,9 @@ from kvquant.scoring.scorer import Scorer, _Batch, position_terms
 def position_divergences(baseline: Scorer, candidates: list[Scorer], documents: list[list[int]],
                          desc: str | None = None) -> list[dict]:
     """Per candidate: ``{"kl": [[float] per position] per document, "top1": [[0/1] per position] per document,
-    "reads": ..., "lengths": ...}``, ``KL(baseline || candidate)`` in nats and whether the candidate's most likely
-    next token is the baseline's, at every position of every document (documents of at least 2 tokens; batched
+    "reads": ..., "lengths": ..., "chunk_reads": [[start, stop, reads] per chunk of positions]}``,
+    ``KL(baseline || candidate)`` in nats and whether the candidate's most likely next token is the baseline's,
+    at every position of every document (documents of at least 2 tokens; batched
     ``baseline.batch_size`` rows at a time by the scorers' own limit on logits per forward). All scorers must
     share one model and ``chunk_size``. Under several processes each scores its share of the documents and the
     comparisons are gathered."""
@@ -37,26 +39,35 @@ def position_divergences(baseline: Scorer, candidates: list[Scorer], documents: 
     rows = baseline.rows_per_batch(baseline.chunk_size)
     batches = baseline.processes.share([order[i : i + rows] for i in range(0, len(order), rows)])
     found: list[dict[int, tuple[list[float], list[int]]]] = [{} for _ in candidates]
+    chunks: list[dict[int, Reads]] = [{} for _ in candidates]  # per candidate: chunk start -> what it read there
     with torch.inference_mode():
         for batch in tqdm(batches, desc=desc, leave=False, disable=desc is None or not baseline.processes.main):
-            for own, terms in zip(found, _lockstep(scorers, [documents[i] for i in batch])):
+            for own, terms in zip(found, _lockstep(scorers, [documents[i] for i in batch], chunks)):
                 own.update(zip(batch, terms))
     out = []
-    for own, candidate in zip(found, candidates):
+    for own, read, candidate in zip(found, chunks, candidates):
         for part in candidate.processes.gather(own):
             own.update(part)
         if len(own) != len(documents):
             raise InternalError("a document's position divergences went missing between processes")
+        summed: dict[int, Reads] = {}
+        for part in candidate.processes.gather(read) if candidate.processes.world > 1 else [read]:
+            for start, r in part.items():
+                summed[start] = summed.get(start, Reads()).add(r)
+        size = baseline.chunk_size
         out.append({"kl": [own[i][0] for i in range(len(documents))],
                     "top1": [own[i][1] for i in range(len(documents))],
-                    "reads": candidate.reads.to_dict(), "lengths": [len(d) for d in documents]})
+                    "reads": candidate.reads.to_dict(), "lengths": [len(d) for d in documents],
+                    "chunk_reads": [[start, start + size, summed[start].to_dict()] for start in sorted(summed)]})
     return out
 
 
-def _lockstep(scorers: list[Scorer], docs: list[list[int]]) -> list[list[tuple[list[float], list[int]]]]:
+def _lockstep(scorers: list[Scorer], docs: list[list[int]],
+              chunks: list[dict[int, Reads]]) -> list[list[tuple[list[float], list[int]]]]:
     """One batch of documents through every scorer's own cache, chunk by chunk: per candidate (``scorers[1:]``),
-    per document, its (KL, top-1) per position. Rows shorter than the batch's longest are padded after their
-    tokens (no position of padding is compared)."""
+    per document, its (KL, top-1) per position; ``chunks[c]`` gains, per chunk start, what candidate ``c``'s
+    attention read in that chunk (the queries of positions ``start .. start + chunk_size - 1``). Rows shorter than
+    the batch's longest are padded after their tokens (no position of padding is compared)."""
     for scorer in scorers:
         scorer.lengths += [len(d) for d in docs]
     runners = [_Batch(s.model, s._new_cache(), len(docs)) for s in scorers]
@@ -67,8 +78,12 @@ def _lockstep(scorers: list[Scorer], docs: list[list[int]]) -> list[list[tuple[l
         counts = [len(t) for t in tokens]
         keep = [[True] * n for n in counts]
         reference = runners[0].step(tokens, keep).float()
-        for own, runner in zip(terms, runners[1:]):
+        for own, runner, scorer, read in zip(terms, runners[1:], scorers[1:], chunks):
+            before = Reads(**scorer.reads.to_dict())
             got = runner.step(tokens, keep).float()
+            now = Reads(**scorer.reads.to_dict())
+            delta = Reads(*(a - b for a, b in zip(now.to_dict().values(), before.to_dict().values())))
+            read[start] = read.get(start, Reads()).add(delta)
             for (kl, top1), ref, new in zip(own, reference.split(counts), got.split(counts)):
                 k, t = position_terms(ref, new)
                 kl += k

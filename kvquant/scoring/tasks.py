@@ -243,7 +243,8 @@ def prepare_probe_tasks(tokenizer, probes: dict[str, int], context: int, key: st
     for name, count in probes.items():
         if probe_length(name) >= context:  # a document holds at least its distance (length) and the question
             what = "the needle task's length" if needle_task(name) else "the distance"
-            raise KVQuantError(f"{key}: {name!r}: the model reads {context} tokens, fewer than {what}")
+            raise KVQuantError(f"{key}: {name!r}: the model reads {context} tokens, not more than {what} (its "
+                               "documents add a question and an answer)")
         if count > MAX_PROBE_DOCUMENTS:
             raise KVQuantError(f"{key}: {name}: {count} documents asked for; "
                                f"at most {MAX_PROBE_DOCUMENTS} per distance")
