@@ -79,6 +79,19 @@ def test_long_outcomes_sum_each_documents_positions_per_bucket():
     assert not long_outcomes("wiki", raw, [2, 4, 8, 16])[-1].metric.source.endswith("@16")  # past every end: none
 
 
+def test_a_buckets_exercise_is_what_its_own_chunks_read():
+    """A bucket inside a full-precision window reads nothing quantized, whatever the whole document read."""
+    quantized = {"keys_quantized": 90, "keys": 100, "values_quantized": 90, "values": 100}
+    exact = {"keys_quantized": 0, "keys": 100, "values_quantized": 0, "values": 100}
+    raw = {"kl": [[0.0] * 7, [0.0] * 7], "top1": [[1] * 7, [1] * 7], "lengths": [8, 8],
+           "reads": {k: a + b for (k, a), b in zip(exact.items(), quantized.values())},
+           "chunk_reads": [[0, 2, exact], [2, 4, quantized], [4, 6, quantized], [6, 8, quantized]]}
+    out = {o.metric.name: o for o in long_outcomes("wiki", raw, [2, 3, 7])}
+    assert out["kl/wiki@2"].exercise.quantized_share == 0  # positions 0-1: the first chunk only
+    assert out["kl/wiki@3"].exercise.quantized_share == 0.9  # position 2: the second chunk
+    assert out["kl/wiki@7"].exercise.reads.keys == 300  # positions 3-6: the chunk across the edge counts too
+
+
 @pytest.mark.parametrize("metric, min_context, gated", [
     (MetricId("kl", "wiki@1024"), None, False), (MetricId("kl", "wiki@1024"), 2048, True),
     (MetricId("kl", "wiki@4096"), 2048, False), (MetricId("acc", "needle_single_2048"), 2048, True),
