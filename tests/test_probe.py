@@ -77,7 +77,7 @@ def test_probe_names_and_lengths_are_checked(tokenizer, tmp_path, monkeypatch):
         prepare_probe_tasks(tokenizer, {"passkey_100": 3}, longest - 2, "tasks")
     with pytest.raises(KVQuantError, match="tasks: probe distance 40 is shorter than the probe's own text"):
         prepare_probe_tasks(tokenizer, {"passkey_40": 3}, 512, "tasks")
-    with pytest.raises(KVQuantError, match="fewer than the distance"):
+    with pytest.raises(KVQuantError, match="not more than the distance"):
         prepare_probe_tasks(tokenizer, {"passkey_600": 3}, 512, "tasks")
     with pytest.raises(KVQuantError, match="at most 10000"):
         prepare_probe_tasks(tokenizer, {"passkey_64": 10**9}, 512, "tasks")
