@@ -12,7 +12,6 @@ map it chooses, the per-layer scales calibration finds (``settings.layers``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -23,7 +22,7 @@ from kvquant.cache import make_cache
 from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
 from kvquant.runner.search import CALIBRATION_BASELINE, calibration_documents, calibration_windows
 from kvquant.scoring import data
-from kvquant.scoring.models import load_tokenizer
+from kvquant.scoring.models import load_tokenizer, quiet_transformers
 from kvquant.scoring.session import BASELINE, described, evaluation_split, probe_tokens, shares_prefix
 from kvquant.scoring.tasks import task_data_digest
 
@@ -87,19 +86,6 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers' warnings held back (stderr holds one line on a refusal)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
 class Expected:
     """What ``cfg``'s run would key each (candidate, metric) with; ``model_config``: the model's transformers
     config (:func:`kvquant.scoring.models.check_model`), ``maxlen``: the longest sequence the run feeds. The
@@ -113,7 +99,7 @@ class Expected:
         """How a stored result's ``inputs`` differ from those this run would key ``(candidate, metric)`` with
         (its code version and ``result_of`` aside), or that the run measures no such result; None: they agree."""
         try:
-            with _quiet_transformers():  # a text longer than the model: cut into windows, as the run cuts it
+            with quiet_transformers():  # a text longer than the model: cut into windows, as the run cuts it
                 expected = plain(self.inputs(candidate, metric))
         except NotThisRun as err:
             return str(err)

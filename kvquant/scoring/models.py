@@ -80,7 +80,7 @@ def _check_reference(ref: str, key: str) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """Hold back transformers' warnings (e.g. about a GGUF's padding token) while only checking a model."""
     from transformers.utils import logging as hf_logging
 
@@ -116,12 +116,12 @@ def check_model(spec: ModelConfig, keys: dict[str, str] | None = None):
         else:
             kwargs = {"gguf_file": spec.gguf_file}
         if not spec.tokenizer and not (converted and (converted / "tokenizer_config.json").is_file()):
-            with _quiet_transformers():
+            with quiet_transformers():
                 _gguf_tokenizer(path, spec)  # a GGUF whose tokenizer does not load fails here, before its weights
     elif Path(path).is_dir() and not (Path(path) / "config.json").is_file():
         raise KVQuantError(f"{key('path')}: {path} holds no config.json (for a GGUF file set {key('gguf_file')})")
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoConfig.from_pretrained(source, trust_remote_code=False, **kwargs)
     except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for a config it cannot read
         refuse_remote_code(err, f"{key('path')}: {spec.path!r} ({source})")
