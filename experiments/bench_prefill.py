@@ -328,7 +328,6 @@ def render(doc: dict) -> str:
 # -- main -------------------------------------------------------------------------------------------------------
 def load(args):
     torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     spec = ModelConfig(path=args.model, gguf_file=args.gguf_file or None, dtype="float32", device="cpu")
     return load_model(spec)
 
@@ -360,6 +359,7 @@ def parse(argv=None):
     return args
 
 
+@torch.no_grad()  # for this call only: a caller (a test) keeps its autograd
 def main(argv=None) -> dict | None:
     args = parse(argv)
     if args.memory_child:

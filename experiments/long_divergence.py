@@ -138,6 +138,7 @@ def render(doc: dict) -> str:
     return "\n".join(lines)
 
 
+@torch.no_grad()  # for this call only: a caller (a test) keeps its autograd
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", type=Path)
@@ -162,7 +163,6 @@ def main(argv=None):
         print(render(doc))
         return
     cfg = load_config(args.config, args.set)
-    torch.set_grad_enabled(False)
     per_doc = measure(cfg, args)
     spec = cfg.eval.perplexity[0]
     edges = tuple(e for e in EDGES if e < spec.max_length) + (spec.max_length,)

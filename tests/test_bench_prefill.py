@@ -58,6 +58,7 @@ def test_ratios_pair_rounds_and_doubling_divides_by_the_half_length(script):
 def test_quick_run_writes_the_ratio_and_memory_per_length(script, tmp_path):
     doc = script.main(["--quick", "--model", MODEL, "--gguf-file", "", "--settings", "fp16", "int4-g32",
                        "--modes", "chunked", "--memory-settings", "int4-g32", "--out", str(tmp_path)])
+    assert torch.is_grad_enabled()  # autograd off for the script's call only (it leaked into later tests)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["time"]["chunked"]["check"] == doc["time"]["chunked"]["check"]
     timing = saved["time"]["chunked"]["timing"]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvquant.runner.positions import buckets
 
@@ -38,6 +39,7 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     config.write_text(CONFIG)
     out = tmp_path / "out"
     script.main([str(config), "--out", str(out)])
+    assert torch.is_grad_enabled()  # the script turns autograd off for its own call only (it leaked into later tests)
     doc = json.loads((out / "results.json").read_text())
     assert doc["edges"] == [0, 300] and doc["documents"] == 2
     kept = [json.loads((out / "documents" / f"doc-{d}.json").read_text())["result"] for d in range(2)]
