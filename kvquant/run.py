@@ -134,18 +134,20 @@ def check_settings(cfg: ExperimentConfig, shape) -> list[Candidate]:
     """Every candidate's and stage's quantizer options on the model's ``shape`` (a calibrating one with placeholder
     scales), no stage offloaded, eviction only in streaming mode; returns the settings that evict (the search's
     ladder included)."""
+    checked = []
     for i, candidate in enumerate(cfg.candidates):
         where = f"candidates[{i}] ({candidate.label})"
-        check_candidate(placeholder_scales(candidate, shape, where), shape, where)
+        checked.append(placeholder_scales(candidate, shape, where))
+        check_candidate(checked[-1], shape, where)
     for i, stage in enumerate(cfg.stages):
         where = f"stages[{i}] ({stage.label})"
-        check_candidate(placeholder_scales(stage, shape, where), shape, where)
+        checked.append(placeholder_scales(stage, shape, where))
+        check_candidate(checked[-1], shape, where)
         if stage.offload:
             raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
                                f"({models.pick_device(cfg.model.device)}), nor yet on a GPU: see docs/staged.md, "
                                "'Offloading'")
-    evicting = [c for c in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]
-                if c.options.get("eviction")]
+    evicting = [c for c in [*checked, *(cfg.search.ladder if cfg.search else [])] if c.spec.eviction is not None]
     if evicting and cfg.eval.mode != "streaming":
         raise KVQuantError(f"{evicting[0].label}: eviction acts between forwards, and simulated mode scores each "
                            "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
@@ -160,8 +162,8 @@ def preflight_warnings(cfg: ExperimentConfig, model_config, evicting: list[Candi
     for message in context_warnings(cfg, model_config):
         warn(warnings, message)
     for c in evicting:
-        window = c.options.get("window")
-        if isinstance(window, int) and cfg.eval.chunk_size > window:
+        window = c.spec.eviction.window
+        if cfg.eval.chunk_size > window:
             warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
                  "reads up to chunk_size - 1 tokens beyond the window")
     return warnings

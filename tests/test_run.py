@@ -15,6 +15,7 @@ from kvquant import run
 
 from kvquant.runner import report
 from kvquant.runner.config import load_config
+from kvquant.errors import KVQuantError
 from kvquant.run import main
 
 ROOT = Path(__file__).parents[1]
@@ -233,6 +234,22 @@ def test_a_model_past_its_trained_context_is_warned(tmp_path, capsys):
     assert "model.max_length 2048 is past the model's trained context (512 positions)" in warnings[0]
     assert "max_length 4096 is cut to the model's 2048 tokens" in warnings[1]
     assert "kvquant: warning: model.max_length 2048" in capsys.readouterr().err
+
+
+EVICTING = "candidates.0.options={group_size: 32, residual_length: 0, eviction: sink_window, sink_tokens: 4, window: 64}"
+
+
+def test_eviction_needs_streaming_and_a_chunk_wider_than_its_window_is_warned(tmp_path):
+    """The settings that evict are found from their typed cache spec: refused in simulated mode (one forward reads
+    every token), and in streaming mode a chunk wider than the window is named with both numbers."""
+    path = write_config(tmp_path, TINY)
+    with pytest.raises(KVQuantError, match=r"^int8: eviction acts between forwards"):
+        run.preflight(load_config(path, [EVICTING]))
+    _, _, warnings = run.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=100"]))
+    assert warnings == ["int8: eval.chunk_size 100 is above its window 64: a chunk reads up to chunk_size - 1 "
+                        "tokens beyond the window"]
+    _, _, warnings = run.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=64"]))
+    assert warnings == []
 
 
 def test_each_task_is_gated_on_its_standard_metric():
