@@ -258,25 +258,30 @@ def _range(x: dict, unit: str = "", digits: int = 3) -> str:
     return f"{x['median']:.{digits}f}{unit} ({x['min']:.{digits}f}-{x['max']:.{digits}f})"
 
 
-def time_table(doc: dict) -> list[str]:
-    lines = ["| mode | setting | wall s | **/ DynamicCache, wall** | / DynamicCache, CPU | in the cache's update |",
-             "|---|---|---:|---:|---:|---:|"]
-    for mode, part in doc["time"].items():
-        for setting, t in part["timing"].items():
-            lines.append(f"| {mode} | {setting} | {_range(t['wall'], digits=2)} | **{_range(t['wall_ratio'], 'x')}** | "
-                         f"{_range(t['cpu_ratio'], 'x')} | {t['update_share']['median']:.1%} |")
+def per_setting_table(doc: dict, part: str, header: str, rule: str, cells) -> list[str]:
+    """One row per mode and setting of ``doc["time"][mode][part]``: ``| mode | setting | cells(entry) |``, under
+    ``header`` and the alignment ``rule`` of its columns."""
+    lines = [f"| mode | setting | {header} |", f"|---|---|{rule}"]
+    for mode, measured in doc["time"].items():
+        for setting, entry in measured[part].items():
+            lines.append(f"| {mode} | {setting} | " + " | ".join(cells(entry)) + " |")
     return lines
+
+
+def time_table(doc: dict) -> list[str]:
+    return per_setting_table(
+        doc, "timing", "wall s | **/ DynamicCache, wall** | / DynamicCache, CPU | in the cache's update", "---:|" * 4,
+        lambda t: [_range(t["wall"], digits=2), f"**{_range(t['wall_ratio'], 'x')}**", _range(t["cpu_ratio"], "x"),
+                   f"{t['update_share']['median']:.1%}"])
 
 
 def check_table(doc: dict) -> list[str]:
-    lines = ["| mode | setting | max abs logit diff | bit exact | keys / values read quantized | stored MB |",
-             "|---|---|---:|---|---:|---:|"]
-    for mode, part in doc["time"].items():
-        for setting, c in part["check"].items():
-            lines.append(f"| {mode} | {setting} | {c['max_abs_logit_diff']:.3g} | {'yes' if c['bit_exact'] else 'no'} "
-                         f"| {c['keys_read_quantized_share']:.3f} / {c['values_read_quantized_share']:.3f} | "
-                         f"{_mb(c['stored_bytes'])} |")
-    return lines
+    return per_setting_table(
+        doc, "check", "max abs logit diff | bit exact | keys / values read quantized | stored MB",
+        "---:|---|---:|---:|",
+        lambda c: [f"{c['max_abs_logit_diff']:.3g}", "yes" if c["bit_exact"] else "no",
+                   f"{c['keys_read_quantized_share']:.3f} / {c['values_read_quantized_share']:.3f}",
+                   _mb(c["stored_bytes"])])
 
 
 def memory_table(doc: dict) -> list[str]:

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -24,6 +25,15 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(fnmatchcase(item.nodeid, pattern) for pattern in SLOW):
             item.add_marker(pytest.mark.slow)
+
+
+def experiment(name: str):
+    """``experiments/<name>.py`` loaded as a module (the scripts are not a package), for tests of its functions."""
+    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 MODEL = "local:models/stories260K/hf"

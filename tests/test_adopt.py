@@ -107,9 +107,15 @@ def refused(capsys, argv: list, needle: str) -> str:
 # --- adopted, then reused -------------------------------------------------------------------------------------
 
 
-def test_a_result_signed_on_another_machine_is_adopted_and_then_reused(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """This machine's config, and the partial results another machine measured with it (every result of RESULTS)."""
     config = write_config(tmp_path)
-    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    return config, measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+
+
+def test_a_result_signed_on_another_machine_is_adopted_and_then_reused(tmp_path, elsewhere, capsys):
+    config, there = elsewhere
     before = snapshot(there)
     partial = tmp_path / "reports" / "tiny" / "partial"
     shutil.copytree(there, partial)  # copied as it is, a result signed elsewhere is set aside and recomputed
@@ -174,17 +180,15 @@ def test_a_local_result_that_verifies_is_kept_and_one_of_other_code_is_retired(t
     assert [json.loads(p.read_text())["result"] for p in retired] == [{"acc": [0.0]}]
 
 
-def test_a_dry_run_checks_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    config = write_config(tmp_path)
-    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+def test_a_dry_run_checks_and_writes_nothing(tmp_path, elsewhere, capsys):
+    config, there = elsewhere
     assert main([str(config), str(there), "--dry-run"]) == 0
     assert "3 results from 1 folder can be adopted" in capsys.readouterr().out
     assert not (tmp_path / "reports").exists()
 
 
-def test_a_run_in_progress_is_not_raced(tmp_path, monkeypatch, capsys):
-    config = write_config(tmp_path)
-    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+def test_a_run_in_progress_is_not_raced(tmp_path, elsewhere, capsys):
+    config, there = elsewhere
     with RunLock(tmp_path / "reports" / "tiny"):
         refused(capsys, [config, there], "is in use by another run")
         assert [p.name for p in (tmp_path / "reports" / "tiny").iterdir()] == [".lock"]
@@ -201,6 +205,11 @@ def edit(saved: dict, how: str) -> dict:
     return saved
 
 
+def cases(names: str, table: list[tuple[str, str]]):
+    """Parametrize over ``(case, needle)`` rows, each test named by its case."""
+    return pytest.mark.parametrize(names, table, ids=[case for case, _ in table])
+
+
 EDITS = [
     ("inputs", "its key is not the digest of its inputs, so they were edited after it was written"),
     ("inputs-rekeyed", "inputs.seed is 7, this config's run would use 1234"),
@@ -209,10 +218,9 @@ EDITS = [
 ]
 
 
-@pytest.mark.parametrize("how, needle", EDITS, ids=[case for case, _ in EDITS])
-def test_an_edited_or_renamed_result_is_refused(tmp_path, monkeypatch, capsys, how, needle):
-    config = write_config(tmp_path)
-    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+@cases("how, needle", EDITS)
+def test_an_edited_or_renamed_result_is_refused(tmp_path, elsewhere, capsys, how, needle):
+    config, there = elsewhere
     path = there / "int4" / "ppl__tinystories.json"
     if how == "renamed":
         path.rename(there / "baseline" / path.name)
@@ -224,12 +232,11 @@ def test_an_edited_or_renamed_result_is_refused(tmp_path, monkeypatch, capsys, h
     assert not (tmp_path / "reports").exists()
 
 
-def test_adoption_cannot_tell_an_edited_result_from_a_measured_one(tmp_path, monkeypatch, capsys):
+def test_adoption_cannot_tell_an_edited_result_from_a_measured_one(tmp_path, elsewhere, capsys):
     """The key is a digest of the inputs only, and the signature that covers the result is under the other machine's
     key, which this one does not hold: a result edited with its inputs untouched is adopted as it is. Adopting is
     vouching for the values (docs/trust.md, "Results that travel")."""
-    config = write_config(tmp_path)
-    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+    config, there = elsewhere
     path = there / "int4" / "ppl__tinystories.json"
     saved = json.loads(path.read_text())
     saved["result"]["nll"] = [1.0] * 4
@@ -251,7 +258,7 @@ FOREIGN = [
 ]
 
 
-@pytest.mark.parametrize("case, needle", FOREIGN, ids=[case for case, _ in FOREIGN])
+@cases("case, needle", FOREIGN)
 def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_path, monkeypatch, capsys, case,
                                                                          needle):
     config = write_config(tmp_path)
@@ -304,10 +311,9 @@ NOT_PARTIAL = [
 ]
 
 
-@pytest.mark.parametrize("what, needle", NOT_PARTIAL, ids=[case for case, _ in NOT_PARTIAL])
-def test_what_is_not_a_partial_results_folder_is_refused(tmp_path, monkeypatch, capsys, what, needle):
-    config = write_config(tmp_path)
-    there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
+@cases("what, needle", NOT_PARTIAL)
+def test_what_is_not_a_partial_results_folder_is_refused(tmp_path, elsewhere, capsys, what, needle):
+    config, there = elsewhere
     outside = tmp_path / "outside"
     shutil.move(there / "int4", outside)
     (there / "int4").mkdir()

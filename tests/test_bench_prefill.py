@@ -2,24 +2,18 @@
 forward's logits, the fp16 identity cache gives DynamicCache's bit for bit and int4 does not (read quantized), the
 ratios are paired by round, and a quick run writes the report with a memory row per length."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import MODEL
+from tests.conftest import MODEL, experiment
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "bench_prefill.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment("bench_prefill")
 
 
 def test_chunked_prefill_reads_the_cache_and_only_the_identity_is_exact(script, model, tokenizer):

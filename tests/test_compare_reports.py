@@ -1,13 +1,11 @@
 """experiments/compare_reports.py: provenance is left out, any other difference is reported (exit 1)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "compare_reports.py"
-spec = importlib.util.spec_from_file_location("compare_reports", SCRIPT)
-compare = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare)
+from tests.conftest import experiment
+
+compare = experiment("compare_reports")
 
 
 def folder(root: Path, run: str, ppl: float, line: str = "| int4 | 1.01 |") -> Path:

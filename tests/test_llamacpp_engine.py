@@ -6,10 +6,8 @@ are checked by value on made-up data; the comparison itself runs on a slice of S
 importable (``pip install -e ".[llamacpp]"``), asserting the agreement ``reports/llamacpp-compare`` reports there.
 """
 
-import importlib.util
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,16 +21,13 @@ from kvquant.formats import llamacpp_gguf
 from kvquant.errors import KVQuantError
 from kvquant.integrations.llamacpp_engine import Setting
 from kvquant.paths import resolve
+from tests.conftest import experiment
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "llamacpp_compare.py"
 STORIES_GGUF = "local:models/stories260K/stories260K.gguf"
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("llamacpp_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment("llamacpp_compare")
 
 
 @pytest.fixture

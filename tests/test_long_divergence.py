@@ -2,16 +2,14 @@
 it kept, a rerun measures nothing (reads documents/, loads no model) and writes the same numbers, and a document of
 other inputs is measured again."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvquant.runner.positions import buckets
+from tests.conftest import experiment
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "long_divergence.py"
 CONFIG = """
 name: tiny-long
 candidates:
@@ -28,10 +26,7 @@ eval:
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("long_divergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment("long_divergence")
 
 
 def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):

@@ -236,7 +236,8 @@ def test_a_model_past_its_trained_context_is_warned(tmp_path, capsys):
     assert "kvquant: warning: model.max_length 2048" in capsys.readouterr().err
 
 
-EVICTING = "candidates.0.options={group_size: 32, residual_length: 0, eviction: sink_window, sink_tokens: 4, window: 64}"
+EVICTING = ("candidates.0.options={group_size: 32, residual_length: 0, eviction: sink_window, sink_tokens: 4, "
+            "window: 64}")
 
 
 def test_eviction_needs_streaming_and_a_chunk_wider_than_its_window_is_warned(tmp_path):
