@@ -1,0 +1,230 @@
+"""Scoring throughput through a kvquant cache against the bare model on the same batches (issue 39 item 5: at
+least 0.8x the bare model's tokens per second, in both modes).
+
+    python experiments/bench_throughput.py --limit 20 --rounds 3
+    python experiments/bench_throughput.py --quick --model local:models/stories260K/hf --gguf-file "" \\
+        --tasks tinystories_lastword   # a smoke run
+
+The requests are lm-eval's own: its tasks (``--tasks``, ``--limit`` documents each, zero-shot) are run once through
+``KVQuantLM`` with a recorder in place of its scorer, which keeps every ``(context, continuation)`` pair exactly as
+the scorer would receive it. Then, on those requests, in rounds (each variant once per round, in turn, so load from
+other jobs falls on all of them alike):
+
+- ``bare``: the model alone, no cache object (``use_cache=False``): the requests sorted longest first and cut into
+  batches of at most ``--batch-size`` rows by the scorer's own rule (fewest padded positions plus a forward's
+  cost), right-padded with an attention mask, one forward per batch through the decoder; only the scored positions
+  go through the output layer, as the scorer projects them. Log-probabilities of every continuation are computed.
+- ``<mode> <quantizer>``: kvquant's :class:`~kvquant.scoring.scorer.Scorer` in ``simulated`` mode (one forward per
+  batch, K/V quantized as written and read back dequantized) and ``streaming`` mode (contexts prefilled
+  ``--chunk-size`` tokens at a time and shared by the requests that have them, continuations after), batch
+  ``--batch-size``, for each ``--quantizers`` setting (fp16: the identity quantizer; others with every token
+  quantized, ``residual_length`` 0).
+
+Tokens counted: context + continuation of every request, the same for every variant (streaming mode feeds fewer, a
+shared context once). Every variant is run once untimed first (a warm-up, and the check); then per variant the
+median tokens/s over the timed rounds and the ratio to ``bare`` in the same round (median, min, max). Check (the
+untimed pass): the fp16 identity's summed log-likelihood per request against the bare model's (float noise only: a
+few 1e-5), and a quantizer's apart from it.
+
+Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lm_eval
+import torch
+
+from kvquant.cache import CacheSpec
+from kvquant.runner.config import ModelConfig
+from kvquant.runner.report import environment
+from kvquant.scoring.lm_eval_model import KVQuantLM
+from kvquant.scoring.models import load_model
+from kvquant.scoring.scorer import Scored, Scorer, _cut
+from kvquant.scoring.tasks import resolve_task, task_manager
+
+TASKS = ("arc_easy", "hellaswag", "piqa", "lambada_openai")
+MODES = ("simulated", "streaming")
+BARE = "bare"
+#: the issue's target: scoring through the cache at no less than this share of the bare model's tokens/s
+TARGET = 0.8
+
+
+class _Recorder:
+    """Stands in for a :class:`Scorer`: keeps the requests it is handed and scores nothing (zeros)."""
+
+    def __init__(self):
+        self.requests: list[tuple[list[int], list[int]]] = []
+
+    def score_many(self, requests, desc=None, local=False):
+        self.requests += [(list(c), list(t)) for c, t in requests]
+        return [Scored(torch.zeros(len(t)), torch.zeros(len(t), dtype=torch.bool)) for _, t in requests]
+
+
+def recorded_requests(model, tokenizer, tasks: list[str], limit: int) -> list[tuple[list[int], list[int]]]:
+    """Every ``(context ids, continuation ids)`` lm-eval asks of ``tasks`` (``limit`` documents each), as
+    ``KVQuantLM`` hands them to its scorer."""
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer="fp16")
+    lm.scorer = _Recorder()
+    lm_eval.simple_evaluate(model=lm, tasks=[resolve_task(t) for t in tasks], limit=limit,
+                            task_manager=task_manager(), bootstrap_iters=0, verbosity="ERROR", random_seed=0,
+                            numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    return lm.scorer.requests
+
+
+@torch.inference_mode()
+def bare_scores(model, requests, batch_size: int) -> list[float]:
+    """Each request's summed continuation log-probability from the model alone (no cache object), in batches cut
+    by the scorer's rule from the requests sorted longest first."""
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    device = head.weight.device
+    order = sorted(range(len(requests)), key=lambda i: -sum(map(len, requests[i])))
+    out: list[float] = [0.0] * len(requests)
+    start = 0
+    for size in _cut([sum(map(len, requests[i])) for i in order], batch_size):
+        batch = order[start : start + size]
+        start += size
+        width = sum(map(len, requests[batch[0]]))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        keep = torch.zeros(len(batch), width, dtype=torch.bool)
+        targets = []
+        for r, i in enumerate(batch):
+            context, continuation = requests[i]
+            n = len(context) + len(continuation)
+            ids[r, :n] = torch.tensor(context + continuation)
+            mask[r, :n] = 1
+            keep[r, len(context) - 1 : n - 1] = True  # the positions that predict the continuation
+            targets += continuation
+        hidden = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
+        logprobs = torch.log_softmax(head(hidden[keep.to(device)]).float(), dim=-1)
+        picked = logprobs.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].double().cpu()
+        for i, part in zip(batch, picked.split([len(requests[i][1]) for i in batch])):
+            out[i] = float(part.sum())
+    return out
+
+
+def scorer_scores(model, requests, mode: str, quantizer: str, args) -> list[float]:
+    """Each request's summed continuation log-probability through kvquant's scorer."""
+    options = {} if quantizer == "fp16" else {"residual_length": 0}
+    scorer = Scorer(model, CacheSpec.of(quantizer, options), mode=mode, chunk_size=args.chunk_size,
+                    batch_size=args.batch_size)
+    return [float(s.logprobs.double().sum()) for s in scorer.score_many(requests)]
+
+
+def variants(args) -> list[str]:
+    return [BARE, *(f"{mode} {q}" for mode in args.modes for q in args.quantizers)]
+
+
+def run_variant(model, requests, name: str, args) -> list[float]:
+    if name == BARE:
+        return bare_scores(model, requests, args.batch_size)
+    mode, quantizer = name.split()
+    return scorer_scores(model, requests, mode, quantizer, args)
+
+
+def time_rounds(model, requests, args) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant: its log-likelihoods from an untimed first pass (the check, and a warm-up), then its seconds in
+    each of ``args.rounds`` timed rounds."""
+    scores = {name: run_variant(model, requests, name, args) for name in variants(args)}
+    seconds: dict[str, list[float]] = {v: [] for v in variants(args)}
+    for r in range(args.rounds):
+        for name in variants(args):
+            start = time.perf_counter()
+            run_variant(model, requests, name, args)
+            seconds[name].append(time.perf_counter() - start)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{v} {s[-1]:.1f} s" for v, s in seconds.items()),
+              flush=True)
+    return seconds, scores
+
+
+def summarize(seconds: dict[str, list[float]], scores: dict[str, list[float]], tokens: int) -> dict:
+    """Per variant: tokens/s (median over rounds), its ratio to bare's in the same round (median, min, max), and
+    the largest difference of a request's log-likelihood from the bare model's."""
+    out = {}
+    for name, times in seconds.items():
+        ratios = [b / t for b, t in zip(seconds[BARE], times)]
+        out[name] = {"seconds": times, "tokens_per_s": tokens / statistics.median(times),
+                     "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+                     "max_abs_loglik_diff": max(abs(a - b) for a, b in zip(scores[name], scores[BARE]))}
+    return out
+
+
+def render(doc: dict) -> str:
+    env, a = doc["environment"], doc["args"]
+    lines = ["# Scoring throughput through the cache against the bare model", "",
+             f"- command: `{doc['command']}`",
+             f"- date: {env['date']}; git {env['git_commit']}",
+             f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}; "
+             f"{a['threads']} torch thread(s); load average (1 min) {doc['load'][0]:.2f} at the start, "
+             f"{doc['load'][1]:.2f} at the end",
+             f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU); lm-eval's requests of "
+             f"{', '.join(a['tasks'])}, {a['limit']} documents each, zero-shot: {doc['requests']} requests, "
+             f"{doc['tokens']} tokens (context + continuation); batch {a['batch_size']}, streaming chunk "
+             f"{a['chunk_size']}; one untimed pass, then {a['rounds']} timed rounds, each variant once per round in turn",
+             f"- target (issue 39 item 5): every variant at >= {TARGET}x the bare model's tokens/s", "",
+             "| variant | tokens/s (median) | **/ bare, same round** | max abs Δ loglik vs bare | meets 0.8x |",
+             "|---|---:|---:|---:|---|"]
+    for name, v in doc["variants"].items():
+        r = v["ratio"]
+        meets = "-" if name == BARE else ("yes" if r["median"] >= TARGET else "**no**")
+        lines.append(f"| {name} | {v['tokens_per_s']:.0f} | **{r['median']:.2f}x** ({r['min']:.2f}-{r['max']:.2f}) "
+                     f"| {v['max_abs_loglik_diff']:.2e} | {meets} |")
+    if doc.get("notes"):
+        lines += ["", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
+    parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    parser.add_argument("--limit", type=int, default=20, help="documents per task")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--quantizers", nargs="+", default=["fp16", "int4", "int8", "fp8_e4m3"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 documents, 1 round")
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_throughput"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.limit, args.rounds = 2, 1
+    return args
+
+
+@torch.no_grad()
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    load_start = os.getloadavg()[0]
+    model, tokenizer = load_model(ModelConfig(path=args.model, gguf_file=args.gguf_file or None, dtype="float32",
+                                              device="cpu"))
+    requests = recorded_requests(model, tokenizer, args.tasks, args.limit)
+    tokens = sum(len(c) + len(t) for c, t in requests)
+    seconds, scores = time_rounds(model, requests, args)
+    doc = {"command": "python " + " ".join(sys.argv if argv is None else ["experiments/bench_throughput.py", *argv]),
+           "environment": environment(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "requests": len(requests), "tokens": tokens, "variants": summarize(seconds, scores, tokens),
+           "load": [load_start, os.getloadavg()[0]]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc["notes"] = (args.out / "NOTES.md").exists()
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / "report.md").write_text(render(doc))
+    print(render(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
