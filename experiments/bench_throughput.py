@@ -168,7 +168,8 @@ def render(doc: dict) -> str:
              f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU); lm-eval's requests of "
              f"{', '.join(a['tasks'])}, {a['limit']} documents each, zero-shot: {doc['requests']} requests, "
              f"{doc['tokens']} tokens (context + continuation); batch {a['batch_size']}, streaming chunk "
-             f"{a['chunk_size']}; one untimed pass, then {a['rounds']} timed rounds, each variant once per round in turn",
+             f"{a['chunk_size']}; one untimed pass, then {a['rounds']} timed rounds, each variant once per round in "
+             "turn",
              f"- target (issue 39 item 5): every variant at >= {TARGET}x the bare model's tokens/s", "",
              "| variant | tokens/s (median) | **/ bare, same round** | max abs Δ loglik vs bare | meets 0.8x |",
              "|---|---:|---:|---:|---|"]
@@ -215,7 +216,8 @@ def main(argv=None) -> dict:
     tokens = sum(len(c) + len(t) for c, t in requests)
     seconds, scores = time_rounds(model, requests, args)
     doc = {"command": "python " + " ".join(sys.argv if argv is None else ["experiments/bench_throughput.py", *argv]),
-           "environment": environment(), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "environment": environment(),
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "requests": len(requests), "tokens": tokens, "variants": summarize(seconds, scores, tokens),
            "load": [load_start, os.getloadavg()[0]]}
     args.out.mkdir(parents=True, exist_ok=True)
