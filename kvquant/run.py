@@ -26,7 +26,6 @@ import random
 import shlex
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,17 +47,18 @@ from kvquant.importpath import drop_working_dir
 from kvquant.fs import check_env_dirs
 from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
 from kvquant.scoring.session import (BASELINE, Session, check_long_documents, evaluation_split, measure, probe_counts,
-    probe_tokens)
+    probe_tokens, task_size)
 from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype, trained_context
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
 from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.runner.search import check_search, search
+from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
-from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, resolve_task, task_dir,
-    task_manager)
+from kvquant.scoring.tasks import check_task_data, check_tasks, lm_eval_task, prepare_probe_tasks, task_dir
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -206,18 +206,6 @@ def check_processes(cfg: ExperimentConfig, world: int) -> None:
                            f"to share out (eval.perplexity[].limit, eval.tasks.limit): launch at most {max(sizes)}")
 
 
-def lm_eval_task(task: str, folder):
-    """The lm-eval task object behind a task name, its files from ``folder``
-    (:func:`kvquant.scoring.tasks.task_dir`); lm-eval's
-    DeprecationWarning about get_task_dict is held back (it would print before a refusal's one line)."""
-    from lm_eval.tasks import get_task_dict
-
-    name = resolve_task(task)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*get_task_dict.*", category=DeprecationWarning)
-        return get_task_dict([name], task_manager(str(folder)))[name]
-
-
 def check_fewshot(cfg: ExperimentConfig, folder) -> None:
     """Few-shot examples come from the task's own documents (the offline tasks hold one split): a task needs more
     documents than its examples."""
@@ -264,11 +252,6 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
     if cfg.gate.max_documents is None:
         return {}
     return {task: len(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)) for task in cfg.gated_tasks()}
-
-
-def task_size(session: Session, task: str) -> int:
-    """How many documents a task holds (lm-eval's evaluation split of it)."""
-    return len(lm_eval_task(task, session.folder()).eval_docs)
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
@@ -403,6 +386,14 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     return code
 
 
+def dry_run(cfg: ExperimentConfig, rows: dict) -> int:
+    """The cost preview of a checked config (:mod:`kvquant.runner.preview`): printed, nothing written."""
+    model, tokenizer = load_model(cfg.model)
+    session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path))
+    print(preview.render(cfg, *preview.preview(session, rows)))
+    return 0
+
+
 @contextlib.contextmanager
 def locked(out_dir: Path, held: list[Path]):
     """The run's hold on ``out_dir``: process 0 takes its :class:`RunLock` and tells the others whether it could
@@ -429,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config, print what the run would score (documents, model tokens, a time "
+                             "from a short timing probe on this machine) and exit, measuring and writing nothing")
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
@@ -440,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
         plan, rows, warnings = preflight(cfg)
+        if args.dry_run:
+            return dry_run(cfg, rows)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):
             return execute(cfg, plan, out_dir, command, rows, warnings)

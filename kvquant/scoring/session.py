@@ -31,7 +31,7 @@ from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, di
     perplexity_outcomes, task_outcomes)
 from kvquant.scoring.longctx import position_divergences
 from kvquant.scoring.tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_length, probe_tasks,
-    resolve_task, task_data_digest, task_manager)
+    lm_eval_task, resolve_task, task_data_digest, task_manager)
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 #: Candidates compared with the baseline's next-token distributions in one pass of it over the windows: the baseline
@@ -76,18 +76,22 @@ def _environ(**values: str):
                 os.environ[key] = value
 
 
-def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
-             folder: str, documents: list[int] | None = None) -> dict:
-    """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
-    task files (:func:`kvquant.scoring.tasks.task_dir`); ``documents``: these document indices instead of the first
-    ``limit``."""
-    import lm_eval
-
+def task_lm(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, maxlen: int):
+    """The lm-eval model a task is scored with through ``candidate``'s cache (``KVQuantLM``, as the run configures
+    it)."""
     from kvquant.scoring.lm_eval_model import KVQuantLM
 
-    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.spec, mode=cfg.eval.mode,
-                   chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
-                   share_prefix=shares_prefix(candidate), share_out="requests")
+    return KVQuantLM(model, tokenizer=tokenizer, quantizer=candidate.spec, mode=cfg.eval.mode,
+                     chunk_size=cfg.eval.chunk_size, batch_size=cfg.eval.batch_size, max_length=maxlen,
+                     share_prefix=shares_prefix(candidate), share_out="requests")
+
+
+def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: list[int] | None = None
+                  ) -> tuple[str, dict]:
+    """lm-eval's evaluation of one task with ``lm``: (its lm-eval name, lm-eval's output with the samples);
+    ``documents``: these document indices instead of the first ``limit``."""
+    import lm_eval
+
     name = resolve_task(task)
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_length(task) is not None else None)
@@ -99,6 +103,21 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
                                       task_manager=task_manager(folder), log_samples=True,
                                       bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                       torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
+    return name, out
+
+
+def task_size(session: Session, task: str) -> int:
+    """How many documents a task holds (lm-eval's evaluation split of it)."""
+    return len(lm_eval_task(task, session.folder()).eval_docs)
+
+
+def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task: str, maxlen: int,
+             folder: str, documents: list[int] | None = None) -> dict:
+    """Accuracy of one lm-eval task through the candidate's cache, with per-document outcomes; ``folder``: the
+    task files (:func:`kvquant.scoring.tasks.task_dir`); ``documents``: these document indices instead of the first
+    ``limit``."""
+    lm = task_lm(model, tokenizer, candidate, cfg, maxlen)
+    name, out = evaluate_task(lm, cfg, task, folder, documents)
     samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
     if candidate is BASELINE:
         scores = [r[0] for s in samples for r in s["filtered_resps"] if isinstance(r, (list, tuple))]

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import stat
+import warnings
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -469,3 +470,15 @@ def _check_stories(path: Path, stories: list[str]) -> None:
                            f"so it needs at least {stop}")
     if not _lastword_docs(stories[LASTWORD_STORIES]):
         raise KVQuantError(f"{path}: none of stories {start}-{stop - 1} ends in a word to predict")
+
+
+def lm_eval_task(task: str, folder):
+    """The lm-eval task object behind a task name, its files from ``folder``
+    (:func:`kvquant.scoring.tasks.task_dir`); lm-eval's
+    DeprecationWarning about get_task_dict is held back (it would print before a refusal's one line)."""
+    from lm_eval.tasks import get_task_dict
+
+    name = resolve_task(task)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*get_task_dict.*", category=DeprecationWarning)
+        return get_task_dict([name], task_manager(str(folder)))[name]
