@@ -298,10 +298,31 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
                 results[c.label] = session.measure(c, extended, probe=probe)
 
 
+def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[str, str], float]:
+    """Seconds per document of each (candidate, task) the gate judges, the baseline's scoring of them included (a
+    sequential look scores both), from how long this run's results took (``seconds``: the store's, per
+    (candidate, metric); a task's looks are its metrics ``task/<task>`` and ``task/<task>@<a>-<b>``); a pair
+    missing any time is left out."""
+    def spent(label: str, task: str) -> float | None:
+        parts = [s for (who, metric), s in seconds.items()
+                 if who == label and (metric == f"task/{task}" or metric.startswith(f"task/{task}@"))]
+        return sum(parts) if parts else None
+
+    pace = {}
+    for row in table:
+        if row.kind in (ACCURACY, FLIPS) and row.gated and row.n:
+            mine, base = spent(row.candidate, row.metric.source), spent(BASELINE.label, row.metric.source)
+            if mine is not None and base is not None:
+                pace[row.candidate, row.metric.source] = (mine + base) / row.n
+    return pace
+
+
 def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: dict,
-              warnings: list[str]) -> tuple[list, Decision, str | None]:
+              warnings: list[str], store_seconds: dict | None = None) -> tuple[list, Decision, str | None]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
-    that does not pass, which is returned too; None: every stage passes, or no stages)."""
+    that does not pass, which is returned too; None: every stage passes, or no stages); ``store_seconds``: how long
+    each result took (:attr:`ResultStore.seconds`), to state how long more documents would take."""
+    store_seconds = store_seconds or {}
     table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
     for row in table:
         if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
@@ -313,7 +334,7 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
             warn(warnings, f"{label} holds {b:.2f} bits/element, no fewer than the baseline, after "
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
-    decision, first = decide(table, bits, cfg.gate), None
+    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table)), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet
@@ -360,7 +381,7 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     if plan.looks:
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
         results = add_documents(session, candidates, rows, results, bits, plan.looks)
-    table, decision, first = judge_run(cfg, plan, candidates, results, warnings)
+    table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds)
     staged = staged and dataclasses.replace(staged, first_failing=first)
     # under a launcher a process's code other than 0 reads as a crash (torchrun stops the run and prints a failure
     # report), so each process of several ends 0 once the run is done, whatever the decision; process 0 prints the

@@ -115,6 +115,18 @@ def test_more_documents_estimate():
     assert v.verdict == INCONCLUSIVE and v.more == 200 * 9 - 200
 
 
+def test_the_time_more_documents_would_take_is_stated_at_the_runs_pace():
+    """1,600 more documents at 0.3 s each (baseline and candidate) are 8 minutes; a task whose pace is unknown
+    keeps its count alone."""
+    row = acc("a", 0.49, ci=(0.95, 1.01))
+    d = decide([row], {"a": 4.5}, TEST, pace={("a", "task"): 0.3})
+    assert d.verdicts[0].more == 1600 and d.verdicts[0].more_seconds == pytest.approx(480)
+    assert "~1600 more documents would decide it (~8 min at this run's pace)" in d.reason
+    for pace in (None, {("b", "task"): 0.3}, {("a", "other"): 0.3}):
+        d = decide([row], {"a": 4.5}, TEST, pace=pace)
+        assert d.verdicts[0].more_seconds is None and d.reason.endswith("~1600 more documents would decide it")
+
+
 def test_looks_double_up_to_the_budget():
     assert looks(100, None) == [100]
     assert looks(100, 100) == [100]

@@ -8,6 +8,7 @@ then after every look of :func:`kvquant.runner.gate.looks` while the verdict is 
 """
 
 import numpy as np
+import pytest
 from scipy.stats import binom
 
 from kvquant.runner.gate_config import GateConfig
@@ -165,3 +166,18 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
     assert results["equal"][MetricId("acc", "task")].n == 500 and results["worse"][MetricId("acc", "task")].n == 100
     assert decision.statuses["worse"] == FAIL and decision.statuses["equal"] != FAIL
     assert run.planned_looks(cfg) == {"task": 4}  # 100, 200, 400, 800 planned: the widening counts all of them
+
+
+def test_task_pace_sums_each_tasks_looks_for_the_candidate_and_the_baseline():
+    """Seconds per document of a gated task: the candidate's and the baseline's time over every look, divided by
+    the documents scored; a task missing either's time, and ungated rows, are left out."""
+    from kvquant import run
+
+    def row(candidate, source, gated=True, n=40):
+        return MetricRow(candidate, MetricId("acc", source), 0.5, 0.5, n, gated)
+
+    seconds = {("int8", "task/arc"): 6.0, ("int8", "task/arc@20-40"): 10.0, ("baseline", "task/arc"): 4.0,
+               ("baseline", "task/arc@20-40"): 8.0, ("baseline", "ppl/wiki"): 99.0, ("int8", "task/arc_e"): 1.0,
+               ("int4", "task/piqa"): 3.0}
+    table = [row("int8", "arc"), row("int8", "arc_e"), row("int4", "piqa"), row("int2", "arc", gated=False)]
+    assert run.task_pace(seconds, table) == {("int8", "arc"): pytest.approx((6 + 10 + 4 + 8) / 40)}

@@ -453,3 +453,21 @@ def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_pat
     with pytest.raises(KVQuantError, match="--include_path must be one folder" if "list" in how else "refusing"):
         lm_eval_cli.check(argv)
     assert lm_eval_cli.main(argv) == 2 and not marker.exists()
+
+
+def test_how_long_a_result_took_is_kept_beside_it_and_read_back_when_it_is_reused(tmp_path, monkeypatch):
+    """The time prices more documents only: it is noted outside the signature, so a changed time neither breaks a
+    result's signature nor is trusted beyond that use."""
+    clock = iter([100.0, 112.5])
+    monkeypatch.setattr("kvquant.runner.store.time.monotonic", lambda: next(clock))
+    store = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
+    store.get_or_compute("int4", "task/arc", {"k": 1}, lambda: {"acc": [1.0]})
+    assert store.seconds == {("int4", "task/arc"): 12.5}
+    path = tmp_path / "partial" / "int4" / "task__arc.json"
+    saved = json.loads(path.read_text())
+    assert saved["seconds"] == 12.5
+    saved["seconds"] = 30
+    path.write_text(json.dumps(saved))
+    again = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
+    assert again.get_or_compute("int4", "task/arc", {"k": 1}, pytest.fail) == {"acc": [1.0]}
+    assert again.seconds == {("int4", "task/arc"): 30.0} and again.reused == 1

@@ -186,6 +186,14 @@ def judge(row: MetricRow, policy: GateConfig) -> Verdict:
     return verdict
 
 
+def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
+    """``v`` with the time its ``more`` documents would take at ``pace`` (where it is known)."""
+    per_document = pace.get((v.row.candidate, v.row.metric.source))
+    if v.more is None or per_document is None:
+        return v
+    return dataclasses.replace(v, more_seconds=v.more * per_document)
+
+
 def status(verdicts: list[Verdict]) -> str:
     """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is, else not exercised
     if any is, else pass."""
@@ -193,18 +201,30 @@ def status(verdicts: list[Verdict]) -> str:
     return next((s for s in (FAIL, INCONCLUSIVE, NOT_EXERCISED) if s in found), PASS)
 
 
+def duration(seconds: float) -> str:
+    """A time as a person reads it: seconds, minutes or hours."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 def _open(v: Verdict) -> str:
     more = f", ~{v.more} more documents would decide it" if v.more else ""
+    if v.more and v.more_seconds is not None:
+        more += f" (~{duration(v.more_seconds)} at this run's pace)"
     if v.verdict == NOT_EXERCISED:
         return (f"{v.row.metric.name} not exercised ({v.row.quantized_share:.0%} of what attention read was "
                 "quantized)")
     return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{more}"
 
 
-def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig) -> Decision:
+def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
+           pace: dict[tuple[str, str], float] | None = None) -> Decision:
     """Judge every row; per candidate a status (:func:`status`); the cheapest passing candidate is the answer,
-    else "fail" when every candidate fails, else "inconclusive", naming what would decide it."""
-    verdicts = [judge(r, policy) for r in rows]
+    else "fail" when every candidate fails, else "inconclusive", naming what would decide it. ``pace``: seconds
+    per document of a (candidate, task) as this run scored them, baseline included, to state the time more
+    documents would take."""
+    verdicts = [timed(judge(r, policy), pace or {}) for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
     statuses = {name: status([v for v in verdicts if v.row.candidate == name]) if name in gated else INCONCLUSIVE

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.runner.config import ExperimentConfig
-from kvquant.runner.gate import looks
+from kvquant.runner.gate import duration, looks
 from kvquant.scoring.scorer import Scored, Scorer
 from kvquant.scoring.session import (BASELINE, SHARED_BASELINE, Session, evaluate_task, evaluation_split,
                                      shares_prefix, task_lm, task_size)
@@ -148,23 +148,17 @@ def preview(session: Session, rows: dict) -> tuple[list[Cost], dict[str, float]]
     return [timed(c, rate) for c in found], rate
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
-
-
 def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float]) -> str:
     lines = [f"kvquant: cost preview of {cfg.name} (nothing measured, nothing written)", "",
              "| scorer | measurement | documents | tokens | time | most documents | most tokens | most time |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for c in found:
-        lines.append(f"| {c.scorer} | {c.measurement} | {c.documents} | {c.tokens:,} | {_duration(c.seconds)} | "
-                     f"{c.most_documents} | {c.most_tokens:,} | {_duration(c.most_seconds)} |")
+        lines.append(f"| {c.scorer} | {c.measurement} | {c.documents} | {c.tokens:,} | {duration(c.seconds)} | "
+                     f"{c.most_documents} | {c.most_tokens:,} | {duration(c.most_seconds)} |")
     tokens, most = sum(c.tokens for c in found), sum(c.most_tokens for c in found)
     seconds, most_seconds = sum(c.seconds for c in found), sum(c.most_seconds for c in found)
-    lines += [f"| **all** | | | **{tokens:,}** | **{_duration(seconds)}** | | **{most:,}** | "
-              f"**{_duration(most_seconds)}** |", "",
+    lines += [f"| **all** | | | **{tokens:,}** | **{duration(seconds)}** | | **{most:,}** | "
+              f"**{duration(most_seconds)}** |", "",
               "tokens: context + continuation of every request a scorer is handed (streaming mode with prefix "
               f"sharing runs a shared context once); mode {cfg.eval.mode}, chunk {cfg.eval.chunk_size}, batch "
               f"{cfg.eval.batch_size}",

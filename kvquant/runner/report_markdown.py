@@ -7,7 +7,7 @@ stages; rendered from the typed :class:`~kvquant.runner.results.RunResult` and t
 from __future__ import annotations
 
 from kvquant.runner.config import ExperimentConfig
-from kvquant.runner.gate import looks
+from kvquant.runner.gate import duration, looks
 from kvquant.runner.report_facts import CandidateReport, MetricReport, StageRow, probe_curve, stage_rows
 from kvquant.runner.report_lengths import lengths_section
 from kvquant.runner.results import (DIVERGENCE, LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged,
@@ -116,6 +116,8 @@ def _verdict_cell(m: MetricReport) -> str:
         text += " (point estimate)"
     if verdict.more is not None:
         text += f", ~{int(verdict.more):,} more to decide"
+        if verdict.more_seconds is not None:
+            text += f" (~{duration(verdict.more_seconds)})"
     return text
 
 

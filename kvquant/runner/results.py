@@ -279,7 +279,8 @@ def relative_score(kind: str, value: float, baseline: float) -> float:
 @dataclass(frozen=True)
 class Verdict:
     """The gate's verdict on a row: ``pass``, ``fail``, ``inconclusive`` (``more``: about how many more documents
-    would decide it), ``not exercised`` or ``not gated``; ``point``: judged on the point estimate alone."""
+    would decide it; ``more_seconds``: how long they would take), ``not exercised`` or ``not gated``; ``point``:
+    judged on the point estimate alone."""
 
     row: MetricRow
     threshold: float
@@ -287,6 +288,9 @@ class Verdict:
     verdict: str
     more: int | None = None
     point: bool = False
+    #: about how long ``more`` documents would take at the pace this run scored the row's task (baseline and
+    #: candidate together); None where unknown
+    more_seconds: float | None = None
 
     @property
     def passed(self) -> bool:

@@ -48,6 +48,9 @@ class ResultStore:
         self.reused, self.computed, self.set_aside = 0, 0, []
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         self.secret = result_key() if processes.main else b""
+        #: how long each (candidate, metric) took to measure, where known: this run's own, or what the run that
+        #: measured a reused result noted (informational, outside the signature: it only prices more documents)
+        self.seconds: dict[tuple[str, str], float] = {}
 
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / result_name(metric)
@@ -64,8 +67,12 @@ class ResultStore:
                                          else None)
         if saved is not None:
             self.reused += 1
+            if _is_seconds(saved.get("seconds")):
+                self.seconds[candidate, metric] = float(saved["seconds"])
             return saved["result"]
+        start = time.monotonic()
         result = compute()
+        self.seconds[candidate, metric] = round(time.monotonic() - start, 3)  # as it is written, and read back
         self.computed += 1
         if not self.processes.main:
             return result
@@ -75,7 +82,8 @@ class ResultStore:
         if os.path.lexists(path) and path not in self.written:  # of other inputs or code: kept, not replaced
             self._retire(path)
         write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
-                                     "signature": self._sign(digest, stored)}, default=str))
+                                     "signature": self._sign(digest, stored),
+                                     "seconds": self.seconds[candidate, metric]}, default=str))
         self.written.add(path)
         return result
 
@@ -92,8 +100,10 @@ class ResultStore:
         real_dir(path.parent, "partial results")
         if os.path.lexists(path):
             self._retire(path)
+        took = saved.get("seconds")  # how long it took there, if noted (informational, as in get_or_compute)
         write_file(path, json.dumps({"key": digest, "inputs": saved["inputs"], "result": saved["result"],
-                                     "signature": self._sign(digest, saved["result"])}, default=str))
+                                     "signature": self._sign(digest, saved["result"]),
+                                     **({"seconds": float(took)} if _is_seconds(took) else {})}, default=str))
         return True
 
     def verified(self, path: Path) -> dict | None:
@@ -152,6 +162,11 @@ class ResultStore:
             warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
                  f"{aside.name} and {instead}")
             return None
+
+
+def _is_seconds(value) -> bool:
+    """Whether a noted time is one: a finite, non-negative number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
 
 
 def result_name(metric: str) -> str:

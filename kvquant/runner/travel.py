@@ -94,7 +94,7 @@ def read_result(path: Path, candidate: str) -> Found:
             and owner[0] == candidate and result_name(owner[1]) == path.name):
         refuse(f"{path} is the result of {json.dumps(owner, default=str)[:80]}, not of the candidate and metric its "
                "path names: copied or renamed")
-    return Found(path, candidate, owner[1], {k: saved[k] for k in ("key", "inputs", "result")})
+    return Found(path, candidate, owner[1], {k: saved[k] for k in ("key", "inputs", "result", "seconds") if k in saved})
 
 
 def check_found(found: Found, code: dict, expected: Expected) -> None:
