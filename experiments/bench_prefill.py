@@ -52,7 +52,7 @@ import kvquant
 from kvquant.cache import stored_bytes
 from kvquant.cache.reads import Reads
 from kvquant.runner.config import ModelConfig, PerplexitySet
-from kvquant.runner.report import environment
+from kvquant.runner.report import benchmark_lines, environment, write_benchmark
 from kvquant.scoring.data import windows
 from kvquant.scoring.models import load_model
 
@@ -303,14 +303,9 @@ def memory_table(doc: dict) -> list[str]:
 
 
 def render(doc: dict) -> str:
-    env, a = doc["environment"], doc["args"]
-    lines = ["# Prefill through the cache: time and memory against DynamicCache", "",
-             f"- command: `{doc['command']}`",
-             f"- date: {env['date']}; git {env['git_commit']}",
-             f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}; "
-             f"{a['threads']} torch thread(s); load average (1 min) {doc['load'][0]:.2f} at the start, "
-             f"{doc['load'][1]:.2f} at the end",
-             f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU); {doc['length']} tokens of WikiText-2 test; "
+    a = doc["args"]
+    *head, model = benchmark_lines(doc, "Prefill through the cache: time and memory against DynamicCache")
+    lines = [*head, f"{model}; {doc['length']} tokens of WikiText-2 test; "
              f"chunked = {a['chunk_size']} tokens per forward, single = one forward; logits kept: {a['logits']}; "
              f"{a['repeats']} timed rounds after one untimed pass per setting", "",
              f"## Time at {doc['length']} tokens", "",
@@ -388,11 +383,7 @@ def main(argv=None) -> dict | None:
     doc["memory"] = measure_memory(args, args.memory_settings) if args.memory_settings else []
     doc["doubling"] = doubling(doc["memory"])
     doc["load"] = [load_start, os.getloadavg()[0]]
-    args.out.mkdir(parents=True, exist_ok=True)
-    doc["notes"] = (args.out / "NOTES.md").exists()
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "report.md").write_text(render(doc))
-    print(render(doc))
+    write_benchmark(args.out, doc, render)
     return doc
 
 

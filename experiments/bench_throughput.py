@@ -32,7 +32,6 @@ Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,10 +43,11 @@ import torch
 
 from kvquant.cache import CacheSpec
 from kvquant.runner.config import ModelConfig
-from kvquant.runner.report import environment
+from kvquant.runner.preview import Recorder
+from kvquant.runner.report import benchmark_lines, environment, write_benchmark
 from kvquant.scoring.lm_eval_model import KVQuantLM
 from kvquant.scoring.models import load_model
-from kvquant.scoring.scorer import Scored, Scorer, _cut
+from kvquant.scoring.scorer import Scorer, _cut
 from kvquant.scoring.tasks import resolve_task, task_manager
 
 TASKS = ("arc_easy", "hellaswag", "piqa", "lambada_openai")
@@ -57,22 +57,11 @@ BARE = "bare"
 TARGET = 0.8
 
 
-class _Recorder:
-    """Stands in for a :class:`Scorer`: keeps the requests it is handed and scores nothing (zeros)."""
-
-    def __init__(self):
-        self.requests: list[tuple[list[int], list[int]]] = []
-
-    def score_many(self, requests, desc=None, local=False):
-        self.requests += [(list(c), list(t)) for c, t in requests]
-        return [Scored(torch.zeros(len(t)), torch.zeros(len(t), dtype=torch.bool)) for _, t in requests]
-
-
 def recorded_requests(model, tokenizer, tasks: list[str], limit: int) -> list[tuple[list[int], list[int]]]:
     """Every ``(context ids, continuation ids)`` lm-eval asks of ``tasks`` (``limit`` documents each), as
     ``KVQuantLM`` hands them to its scorer."""
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer="fp16")
-    lm.scorer = _Recorder()
+    lm.scorer = Recorder()
     lm_eval.simple_evaluate(model=lm, tasks=[resolve_task(t) for t in tasks], limit=limit,
                             task_manager=task_manager(), bootstrap_iters=0, verbosity="ERROR", random_seed=0,
                             numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
@@ -158,14 +147,9 @@ def summarize(seconds: dict[str, list[float]], scores: dict[str, list[float]], t
 
 
 def render(doc: dict) -> str:
-    env, a = doc["environment"], doc["args"]
-    lines = ["# Scoring throughput through the cache against the bare model", "",
-             f"- command: `{doc['command']}`",
-             f"- date: {env['date']}; git {env['git_commit']}",
-             f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}; "
-             f"{a['threads']} torch thread(s); load average (1 min) {doc['load'][0]:.2f} at the start, "
-             f"{doc['load'][1]:.2f} at the end",
-             f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU); lm-eval's requests of "
+    a = doc["args"]
+    *head, model = benchmark_lines(doc, "Scoring throughput through the cache against the bare model")
+    lines = [*head, f"{model}; lm-eval's requests of "
              f"{', '.join(a['tasks'])}, {a['limit']} documents each, zero-shot: {doc['requests']} requests, "
              f"{doc['tokens']} tokens (context + continuation); batch {a['batch_size']}, streaming chunk "
              f"{a['chunk_size']}; one untimed pass, then {a['rounds']} timed rounds, each variant once per round in "
@@ -220,11 +204,7 @@ def main(argv=None) -> dict:
            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "requests": len(requests), "tokens": tokens, "variants": summarize(seconds, scores, tokens),
            "load": [load_start, os.getloadavg()[0]]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    doc["notes"] = (args.out / "NOTES.md").exists()
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "report.md").write_text(render(doc))
-    print(render(doc))
+    write_benchmark(args.out, doc, render)
     return doc
 
 

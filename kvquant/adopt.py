@@ -37,6 +37,7 @@ from kvquant.importpath import drop_working_dir
 from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner import report
 from kvquant.runner.config import load_config
+from kvquant.runner.overrides import add_set_option
 from kvquant.runner.expected import Expected
 from kvquant.runner.store import ResultStore, RunLock, check_partial
 from kvquant.runner.travel import check_found, check_weights, local_weights, merge, place, read_folder, refuse
@@ -90,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="the experiment YAML whose run reuses the results, e.g. configs/int4.yaml")
     parser.add_argument("folders", nargs="+", type=Path, metavar="FOLDER",
                         help="a run's partial results (<report>/partial), copied from another machine or session")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, as given to python -m kvquant.run (repeatable)")
+    add_set_option(parser, "override a config key, as given to python -m kvquant.run (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="check everything and write nothing")
     args = parse_args(parser, argv)
     if isinstance(args, int):

@@ -40,6 +40,7 @@ from kvquant.scoring import parallel
 from kvquant.runner import report
 from kvquant.scoring.calibrate import calibrated, check_calibration
 from kvquant.runner.config import Candidate, ExperimentConfig, Stage, load_config
+from kvquant.runner.overrides import add_set_option
 from kvquant.integrations.deploy import deploy_beside
 from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
 from kvquant.scoring.fewshot import check_runner_fewshot
@@ -439,11 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser("kvquant", prog="python -m kvquant.run", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="check the config, print what the run would score (documents, model tokens, a time "
-                             "from a short timing probe on this machine) and exit, measuring and writing nothing")
+    add_set_option(parser, "override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print what the run would score and cost, then exit")
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args

@@ -4,24 +4,24 @@ a dry run measures and writes nothing."""
 
 import json
 
+import yaml
+
 from kvquant import run
 from kvquant.planner.shapes import shape_from_config
 from kvquant.runner import preview
 from kvquant.runner.config import load_config
 from kvquant.scoring.session import Session
+from tests.hostile_helpers import tiny_run
 
-CONFIG = """
-name: small
-output_dir: {out}
-candidates:
-  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
-  - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
-eval:
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 3, max_length: 128}}
-  tasks: {{names: [tinystories_lastword], limit: 8}}
-gate: {{bootstrap: 1000, max_documents: 32, tasks: [tinystories_lastword]}}
-"""
+
+def config(out) -> dict:
+    """Two candidates on stories260K, 3 perplexity windows and a gated task of 8 documents, looks up to 32."""
+    cfg = tiny_run("small", "int8", 8, max_documents=32, perplexity=None)
+    cfg["output_dir"] = str(out)
+    cfg["candidates"] = [{"quantizer": "int8", "name": "int8", "options": {"group_size": 32, "residual_length": 0}},
+                         {"quantizer": "int2", "name": "int2", "options": {"residual_length": 0}}]
+    cfg["eval"]["perplexity"][0].update(limit=3, max_length=128)
+    return cfg
 
 
 def scored_tokens(partial, label: str, metric: str) -> int:
@@ -31,7 +31,7 @@ def scored_tokens(partial, label: str, metric: str) -> int:
 
 def test_the_preview_states_the_tokens_the_run_then_scores(tmp_path, capsys, model, tokenizer):
     path = tmp_path / "small.yaml"
-    path.write_text(CONFIG.format(out=tmp_path / "reports"))
+    path.write_text(yaml.safe_dump(config(tmp_path / "reports")))
     assert run.main([str(path), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert "cost preview of small (nothing measured, nothing written)" in printed

@@ -19,6 +19,11 @@ def _depth(value, memo: dict) -> int:
     return memo[id(value)]
 
 
+def add_set_option(parser, help: str) -> None:
+    """A command line's repeatable ``--set KEY=VALUE`` (into ``args.overrides``), applied by :func:`apply_override`."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def apply_override(data: dict, assignment: str) -> None:
     """Apply ``a.b.c=value`` to the raw config mapping (value parsed as YAML)."""
     if "=" not in assignment:

@@ -45,7 +45,7 @@ class Cost:
     most_seconds: float = float("nan")
 
 
-class _Recorder:
+class Recorder:
     """Stands in for a :class:`Scorer` under lm-eval: records each request handed to it and scores nothing."""
 
     def __init__(self):
@@ -60,7 +60,7 @@ def task_requests(session: Session, task: str, documents: range | None) -> tuple
     """(documents, requests) of one task's scoring call as the run makes it: its first ``limit`` documents
     (``documents`` None) or those of a sequential look."""
     lm = task_lm(session.model, session.tokenizer, BASELINE, session.cfg, session.maxlen)
-    lm.scorer = _Recorder()
+    lm.scorer = Recorder()
     name, out = evaluate_task(lm, session.cfg, task, session.folder(), list(documents) if documents else None)
     return len(out["samples"][name]), lm.scorer.requests
 

@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -75,6 +76,27 @@ def code_version() -> dict[str, str]:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return {"kvquant": _version("kvquant"), "kvquant_source_sha256": digest.hexdigest()[:16],
             **{pkg: _version(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
+
+
+def benchmark_lines(doc: dict, title: str) -> list[str]:
+    """A benchmark report's head: its ``title``, then its provenance (markdown list items): its ``command``, the
+    date and commit and the machine of its ``environment`` (:func:`environment`), its ``args.threads`` and the
+    ``load`` average at its start and end, and the model of its ``args`` (float32 on the CPU)."""
+    env, a = doc["environment"], doc["args"]
+    return [f"# {title}", "", f"- command: `{doc['command']}`", f"- date: {env['date']}; git {env['git_commit']}",
+            f"- machine: {env['machine']}; torch {env['torch']}, transformers {env['transformers']}; "
+            f"{doc['args']['threads']} torch thread(s); load average (1 min) {doc['load'][0]:.2f} at the start, "
+            f"{doc['load'][1]:.2f} at the end", f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU)"]
+
+
+def write_benchmark(out: Path, doc: dict, render) -> None:
+    """A benchmark's ``results.json`` (``doc``, noting whether hand-written ``NOTES.md`` sit beside it) and its
+    ``report.md`` (``render(doc)``, also printed) into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc["notes"] = (out / "NOTES.md").exists()
+    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "report.md").write_text(render(doc))
+    print(render(doc))
 
 
 def environment() -> dict[str, str]:
