@@ -15,6 +15,7 @@ divergences. Not previewed: calibration, the search, a staged run's serving loop
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ class Cost:
     tokens: int
     most_documents: int
     most_tokens: int
+    #: whose timing probe prices it (None: ``scorer``'s own; the baseline's divergence passes name the baseline)
+    setting: str | None = None
     seconds: float = float("nan")
     most_seconds: float = float("nan")
 
@@ -90,7 +93,8 @@ def baseline_passes(what: str, windows, candidates: list[str]) -> list[Cost]:
     """The baseline's extra passes for the divergences of ``candidates`` (one per group of SHARED_BASELINE)."""
     tokens = sum(len(w.ids) for w in windows)
     groups = [candidates[i : i + SHARED_BASELINE] for i in range(0, len(candidates), SHARED_BASELINE)]
-    return [Cost(f"{BASELINE.label} (for {', '.join(g)})", what, len(windows), tokens, len(windows), tokens)
+    return [Cost(f"{BASELINE.label} (for {', '.join(g)})", what, len(windows), tokens, len(windows), tokens,
+                 setting=BASELINE.label)
             for g in groups]
 
 
@@ -136,9 +140,8 @@ def rates(session: Session, samples: dict[str, list]) -> dict[str, float]:
 
 
 def timed(cost: Cost, rate: dict[str, float]) -> Cost:
-    per_token = 1 / rate[cost.scorer.split(" (for ")[0]]
-    return Cost(cost.scorer, cost.measurement, cost.documents, cost.tokens, cost.most_documents, cost.most_tokens,
-                cost.tokens * per_token, cost.most_tokens * per_token)
+    per_token = 1 / rate[cost.setting or cost.scorer]
+    return dataclasses.replace(cost, seconds=cost.tokens * per_token, most_seconds=cost.most_tokens * per_token)
 
 
 def preview(session: Session, rows: dict) -> tuple[list[Cost], dict[str, float]]:
