@@ -38,34 +38,21 @@ import sys
 import time
 from pathlib import Path
 
-import lm_eval
 import torch
 
 from kvquant.cache import CacheSpec
 from kvquant.runner.config import ModelConfig
-from kvquant.runner.preview import Recorder
+from kvquant.runner.preview import recorded_requests
 from kvquant.runner.report import benchmark_lines, environment, write_benchmark
 from kvquant.scoring.lm_eval_model import KVQuantLM
 from kvquant.scoring.models import load_model
 from kvquant.scoring.scorer import Scorer, _cut
-from kvquant.scoring.tasks import resolve_task, task_manager
 
 TASKS = ("arc_easy", "hellaswag", "piqa", "lambada_openai")
 MODES = ("simulated", "streaming")
 BARE = "bare"
 #: the issue's target: scoring through the cache at no less than this share of the bare model's tokens/s
 TARGET = 0.8
-
-
-def recorded_requests(model, tokenizer, tasks: list[str], limit: int) -> list[tuple[list[int], list[int]]]:
-    """Every ``(context ids, continuation ids)`` lm-eval asks of ``tasks`` (``limit`` documents each), as
-    ``KVQuantLM`` hands them to its scorer."""
-    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer="fp16")
-    lm.scorer = Recorder()
-    lm_eval.simple_evaluate(model=lm, tasks=[resolve_task(t) for t in tasks], limit=limit,
-                            task_manager=task_manager(), bootstrap_iters=0, verbosity="ERROR", random_seed=0,
-                            numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
-    return lm.scorer.requests
 
 
 @torch.inference_mode()

@@ -236,6 +236,9 @@ class TaskSet:
     #: Few-shot examples before each document: one count for every task, or per task (``{arc_easy: 25}``; the
     #: others 0), as lm-eval's ``num_fewshot``.
     num_fewshot: Any = 0
+    #: How the examples are drawn: ``default`` (lm-eval's seeded draw per document) or ``first_n`` (the first
+    #: examples in front of every document: one shared prefix, prefilled once in streaming mode).
+    fewshot_sampler: Literal["default", "first_n"] = "default"
 
     def __post_init__(self):
         require(all(self.names), "names must be task names, got an empty name")
@@ -252,6 +255,8 @@ class TaskSet:
                     f"num_fewshot must be an integer in 0..{MAX_FEWSHOT} or a mapping of task names to such integers, "
                     f"got {self.num_fewshot!r}")
         require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
+        require(self.fewshot_sampler == "default" or any(map(self.fewshot_for, self.names)),
+                f"fewshot_sampler: {self.fewshot_sampler!r} draws few-shot examples, and num_fewshot gives no task any")
         at_least("limit", self.limit, 1, nullable=True)
         for task, limit in self.limits.items():
             require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")

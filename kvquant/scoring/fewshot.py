@@ -87,7 +87,7 @@ def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder) -> None
     as lm-eval builds them in :func:`kvquant.scoring.session.run_task` (same documents, seed and draws) with
     ``tokenizer()``
     (called only where a task has examples), before the model loads."""
-    from kvquant.scoring.tasks import resolve_task, task_manager
+    from kvquant.scoring.tasks import resolve_task, task_manager, use_sampler
 
     shots = {t: cfg.eval.tasks.fewshot_for(t) for t in cfg.eval.tasks.names if cfg.eval.tasks.fewshot_for(t)}
     if not shots:
@@ -95,7 +95,7 @@ def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder) -> None
     encode = counter(tokenizer())
     for task, count in shots.items():
         name = resolve_task(task)
-        found = task_manager(str(folder)).load([name])["tasks"][name]
+        found = use_sampler(task_manager(str(folder)).load([name])["tasks"][name], cfg.eval.tasks.fewshot_sampler)
         if found.get_config("num_fewshot") == 0:
             raise KVQuantError(f"eval.tasks.num_fewshot: task {task!r} fixes num_fewshot: 0 in its own task file, "
                                f"so lm-eval would run it 0-shot while the results say {count}-shot; ask for 0")

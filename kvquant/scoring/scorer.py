@@ -36,6 +36,7 @@ from kvquant.cache import CacheSpec, KVQuantCache, make_cache, stack_rows
 from kvquant.scoring.data import Window
 from kvquant.errors import InternalError, KVQuantError, check_int
 from kvquant.scoring.parallel import ONE, Processes
+from kvquant.scoring.prefixes import Node, Start, chunked, shared_starts
 from kvquant.cache.reads import Reads
 
 MODES = ("simulated", "streaming")
@@ -66,10 +67,6 @@ class _Row:
     chunks: list[list[int]]
     score_from: int
     targets: list[int]
-
-
-def _chunks(ids: list[int], size: int) -> list[list[int]]:
-    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 #: A forward pass costs about as much as this many padded positions on top of its tokens (it reads every weight
@@ -122,8 +119,8 @@ class _Batch:
     Padding only ever comes before all of a row's real tokens or after them, never between two of them: a
     sliding-window mask counts positions, padding included, so padding inside a row would shrink its window."""
 
-    def __init__(self, model, cache: KVQuantCache, rows: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache: KVQuantCache, rows: int, fed: list[int] | None = None):
+        self.model, self.cache, self.fed = model, cache, fed  # fed[0]: real tokens fed so far
         self.device = model.get_input_embeddings().weight.device
         written = cache.get_seq_length()
         self.mask = cache.padding.real(0, written, rows) if written else torch.ones(rows, 0, dtype=torch.bool)
@@ -136,6 +133,8 @@ class _Batch:
         width = max(map(len, tokens))
         if width == 0:
             return None
+        if self.fed is not None:
+            self.fed[0] += sum(map(len, tokens))
         pads = [[0] * (width - len(t)) for t in tokens]
         ids = torch.tensor([p + t if pad_first else t + p for t, p in zip(tokens, pads)])
         real = [[False] * len(p) + [True] * len(t) if pad_first else [True] * len(t) + [False] * len(p)
@@ -165,13 +164,40 @@ class _Batch:
         return out.logits if out.logits.dim() == 2 else out.logits[wanted.to(out.logits.device)]
 
 
+class _Nodes:
+    """The caches holding shared chunks (:mod:`kvquant.scoring.prefixes`) of one ``score_many`` call, each prefilled
+    once, when first needed, from the cache of the nearest shared node above it (``starts``: the nodes contexts
+    start from, by id; the chunks between two of them are fed in one cache)."""
+
+    def __init__(self, scorer: Scorer, starts: dict[int, Node]):
+        self.scorer, self.starts, self.built = scorer, starts, {}
+
+    def cache(self, node: Node) -> KVQuantCache:
+        """The 1-row cache that holds ``node``'s chunks; never written to afterwards (rows continue in forks)."""
+        if id(node) not in self.built:
+            above = node.parent
+            while above is not None and id(above) not in self.starts:
+                above = above.parent
+            cache = self.scorer._new_cache() if above is None else stack_rows([(self.cache(above), 0)])
+            runner = _Batch(self.scorer.model, cache, 1, self.scorer.tally)
+            for chunk in node.path(above):
+                runner.step([chunk])
+            self.built[id(node)] = cache
+        return self.built[id(node)]
+
+
 class Scorer:
     """Scores token sequences with ``model``, reading K/V through a fresh cache of ``spec`` per batch.
 
-    ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.cache.reads`) and ``lengths``
-    holds every scored request's length (context + continuation tokens), in scoring order. With
+    ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.cache.reads`), ``lengths``
+    holds every scored request's length (context + continuation tokens), in scoring order, and ``fed`` counts the
+    tokens this process fed the model (fewer where contexts are shared). With
     ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline).
     ``processes``: the run's processes, which share every call's requests (``reads`` then counts all of theirs)."""
+
+    #: with ``share_prefix``: contexts that begin with the same chunks also prefill those once
+    #: (:mod:`kvquant.scoring.prefixes`); off, only requests with one context share it (benchmarks compare the two)
+    share_chunks = True
 
     def __init__(self, model, spec: CacheSpec, mode: str = "simulated", chunk_size: int = 64,
                  batch_size: int = 1, share_prefix: bool = True, processes: Processes = ONE):
@@ -180,6 +206,7 @@ class Scorer:
         self.model, self.spec, self.mode, self.chunk_size = model, CacheSpec.of(spec), mode, chunk_size
         self.batch_size, self.share_prefix, self.processes = batch_size, share_prefix, processes
         self.reads, self.lengths, self.distributions = Reads(), [], False
+        self.tally = [0]  # real tokens fed to the model (kvquant.scoring.prefixes.model_tokens plans them)
         if mode == "simulated" and self.evicts:
             raise KVQuantError("eviction acts between forwards, and simulated mode scores each sequence in one "
                                "forward, which reads every token; use streaming mode")
@@ -188,6 +215,10 @@ class Scorer:
     def evicts(self) -> bool:
         """Whether the caches evict tokens (an eviction policy)."""
         return make_cache(self.model, self.spec).eviction is not None
+
+    @property
+    def fed(self) -> int:
+        return self.tally[0]
 
     @property
     def device(self) -> torch.device:
@@ -218,7 +249,7 @@ class Scorer:
             ids = context + continuation
             return [], _Row([ids], len(context) - 1, continuation)
         scored = context[-1:] + continuation[:-1]
-        return _chunks(context[:-1], self.chunk_size), _Row(_chunks(scored, self.chunk_size), 0, continuation)
+        return chunked(context[:-1], self.chunk_size), _Row(chunked(scored, self.chunk_size), 0, continuation)
 
     @torch.inference_mode()
     def score_many(self, requests: list[tuple[list[int], list[int]]], desc: str | None = None,
@@ -242,13 +273,17 @@ class Scorer:
         # longest first: the first pool shows the memory peak at once; similar lengths share pools
         order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
         order = self.processes.share(order)
+        prefixes = [self._plan(*requests[members[0]])[0] for members in order]
+        fresh = map(functools.partial(Start, None), prefixes)
+        starts = dict(zip(map(id, order), shared_starts(prefixes) if share and self.share_chunks else fresh))
+        nodes = _Nodes(self, {id(s.node): s.node for s in starts.values() if s.node is not None})
         before = self.reads.to_dict()
         # A pool holds at most POOL_BATCHES batches of rows and batch_size chunks of context (what one batch of
-        # contexts could hold), or a single group whose context is longer than a chunk.
+        # contexts could hold), or a single group whose own context chunks (after what it shares) are more than one.
         pools, current, rows, tokens = [], [], 0, 0
         for members in order:
-            prefix = len(requests[members[0]][0]) - 1 if self.mode == "streaming" else 0
-            alone = prefix > self.chunk_size
+            prefix = sum(map(len, starts[id(members)].rest))
+            alone = len(starts[id(members)].rest) > 1
             if current and (alone or rows + len(members) > POOL_BATCHES * self.batch_size
                             or tokens + prefix > self.batch_size * self.chunk_size):
                 pools.append(current)
@@ -264,7 +299,7 @@ class Scorer:
         mine = sum(map(len, order))
         with tqdm(total=mine, desc=desc, leave=False, disable=desc is None or not self.processes.main) as bar:
             for pool in pools:
-                for i, scored in self._score_pool(requests, pool):
+                for i, scored in self._score_pool(requests, pool, [starts[id(m)] for m in pool], nodes):
                     results[i] = scored
                 bar.update(sum(map(len, pool)))
         return self._gathered(results, before, local)
@@ -283,33 +318,41 @@ class Scorer:
                 results[i] = s
         return results
 
-    def _prefill(self, prefixes: list[list[list[int]]]) -> list[tuple[KVQuantCache, int]]:
-        """Feed each prefix (a list of chunks) through a cache; per prefix, the cache and row that now hold it.
-        One-chunk prefixes are batched by length (padded in front), longer ones go alone (unpadded, chunk by
-        chunk; see _Batch), empty ones share a fresh cache."""
+    def _prefill(self, starts: list[Start], nodes: _Nodes) -> list[tuple[KVQuantCache, int]]:
+        """Feed each context's chunks (after what it shares with others: ``Start``) through a cache; per context, the
+        cache and row that now hold it. One-chunk contexts starting fresh are batched by length (padded in front);
+        one-chunk rests after shared chunks are batched only with rests of their own length (padding between a
+        row's shared chunks and its own would shrink a sliding window; see _Batch); longer ones go alone (chunk by
+        chunk); a context with nothing of its own is the cache of its shared chunks."""
         fresh = self._new_cache()
-        where: list[tuple[KVQuantCache, int]] = [(fresh, 0)] * len(prefixes)
-        short = sorted((g for g, p in enumerate(prefixes) if len(p) == 1), key=lambda g: -len(prefixes[g][0]))
-        start = 0
-        for size in _cut([len(prefixes[g][0]) for g in short], self.batch_size):
-            run = short[start : start + size]
-            start += size
-            cache = self._new_cache()
-            _Batch(self.model, cache, len(run)).step([prefixes[g][0] for g in run], pad_first=True)
-            for row, g in enumerate(run):
-                where[g] = (cache, row)
-        for g, prefix in enumerate(prefixes):
-            if len(prefix) > 1:
-                cache = self._new_cache()
-                runner = _Batch(self.model, cache, 1)
-                for chunk in prefix:
+        where: list[tuple[KVQuantCache, int]] = [(fresh, 0)] * len(starts)
+        for after in (False, True):
+            short = sorted((g for g, s in enumerate(starts) if len(s.rest) == 1 and (s.node is not None) == after),
+                           key=lambda g: -len(starts[g].rest[0]))
+            lengths = [len(starts[g].rest[0]) for g in short]
+            start = 0
+            for size in [n for same in _runs(lengths) for n in _cut(same, self.batch_size)] if after else \
+                    _cut(lengths, self.batch_size):
+                run = short[start : start + size]
+                start += size
+                cache = stack_rows([(nodes.cache(starts[g].node), 0) for g in run]) if after else self._new_cache()
+                _Batch(self.model, cache, len(run), self.tally).step([starts[g].rest[0] for g in run], pad_first=True)
+                for row, g in enumerate(run):
+                    where[g] = (cache, row)
+        for g, start in enumerate(starts):
+            if len(start.rest) > 1 or (not start.rest and start.node is not None):
+                cache = self._new_cache() if start.node is None else stack_rows([(nodes.cache(start.node), 0)])
+                runner = _Batch(self.model, cache, 1, self.tally)
+                for chunk in start.rest:
                     runner.step([chunk])
                 where[g] = (cache, 0)
         return where
 
-    def _score_pool(self, requests, pool: list[list[int]]) -> list[tuple[int, Scored]]:
-        """Score the requests of a pool of groups (requests sharing a context): (request index, result) pairs."""
-        where = self._prefill([self._plan(*requests[members[0]])[0] for members in pool])
+    def _score_pool(self, requests, pool: list[list[int]], starts: list[Start],
+                    nodes: _Nodes) -> list[tuple[int, Scored]]:
+        """Score the requests of a pool of groups (requests sharing a context; ``starts``: where each group's
+        prefill starts): (request index, result) pairs."""
+        where = self._prefill(starts, nodes)
         rows = sorted(((i, self._plan(*requests[i])[1], g) for g, members in enumerate(pool) for i in members),
                       key=lambda item: -sum(map(len, item[1].chunks)))
         out, start = [], 0
@@ -322,7 +365,7 @@ class Scorer:
         for size in sizes:
             run = rows[start : start + size]
             start += size
-            runner = _Batch(self.model, stack_rows([where[g] for _, _, g in run]), len(run))
+            runner = _Batch(self.model, stack_rows([where[g] for _, _, g in run]), len(run), self.tally)
             out += zip([i for i, _, _ in run], self._continue(runner, [row for _, row, _ in run]))
         return out
 

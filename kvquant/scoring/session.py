@@ -93,11 +93,13 @@ def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: 
     import lm_eval
 
     name = resolve_task(task)
+    sampler = cfg.eval.tasks.fewshot_sampler
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_length(task) is not None else None)
     with _environ(LOCAL_RANK="0"):  # lm-eval returns results only where it is 0;
         # under several processes here, every one builds every request and holds every score (share_out)
-        out = lm_eval.simple_evaluate(model=lm, tasks=[name], num_fewshot=cfg.eval.tasks.fewshot_for(task),
+        found = name if sampler == "default" else lm_eval_task(task, folder, sampler)
+        out = lm_eval.simple_evaluate(model=lm, tasks=[found], num_fewshot=cfg.eval.tasks.fewshot_for(task),
                                       limit=None if documents else limit,
                                       samples={name: list(documents)} if documents else None,
                                       task_manager=task_manager(folder), log_samples=True,

@@ -472,13 +472,38 @@ def _check_stories(path: Path, stories: list[str]) -> None:
         raise KVQuantError(f"{path}: none of stories {start}-{stop - 1} ends in a word to predict")
 
 
-def lm_eval_task(task: str, folder):
+def lm_eval_task(task: str, folder, sampler: str = "default"):
     """The lm-eval task object behind a task name, its files from ``folder``
-    (:func:`kvquant.scoring.tasks.task_dir`); lm-eval's
-    DeprecationWarning about get_task_dict is held back (it would print before a refusal's one line)."""
+    (:func:`kvquant.scoring.tasks.task_dir`), drawing its few-shot examples with ``sampler``
+    (:func:`use_sampler`); lm-eval's DeprecationWarning about get_task_dict is held back (it would print before a
+    refusal's one line)."""
     from lm_eval.tasks import get_task_dict
 
     name = resolve_task(task)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*get_task_dict.*", category=DeprecationWarning)
-        return get_task_dict([name], task_manager(str(folder)))[name]
+        return use_sampler(get_task_dict([name], task_manager(str(folder)))[name], sampler)
+
+
+#: How a task's few-shot examples are drawn: ``default``, lm-eval's seeded draw per document; ``first_n``, the
+#: first examples of the few-shot pool in front of every document (one prefix, shared: ``docs/lm-eval.md``).
+SAMPLERS = ("default", "first_n")
+
+
+def use_sampler(found, sampler: str):
+    """lm-eval task ``found`` (a loaded task object) with its few-shot examples drawn by ``sampler`` (one of
+    :data:`SAMPLERS`). With ``first_n`` every document gets the pool's first examples, except that a document
+    among them is left out of its own examples: where the pool is the evaluated split itself (an offline task with
+    no training split), lm-eval is told so, since it leaves the document out only then."""
+    if sampler == "default":
+        return found
+    from lm_eval.api.samplers import FirstNSampler
+
+    config, few = found.config, found.fewshot_cfg
+    own_split = few.split is None and not found.has_training_docs() and not (
+        found.has_validation_docs() and found.has_test_docs())
+    if own_split and few.split != config.test_split:
+        few.split = config.test_split
+        few.process_docs = config.process_docs  # the pool is the evaluated documents, prepared alike
+    found.sampler = FirstNSampler(list(found.fewshot_docs()), rnd=None)
+    return found

@@ -1,0 +1,156 @@
+"""Shared few-shot prefixes, measured (issue 39 item 1): model tokens and seconds per document with the first
+examples in front of every document prefilled once and shared, against each document prefilling its own.
+
+    python experiments/bench_fewshot.py --limit 24 --shots 5 10 25 --rounds 2
+    python experiments/bench_fewshot.py --quick --model local:models/stories260K/hf --gguf-file ""   # a smoke run
+
+The requests are lm-eval's own: ``--task`` (ARC-Easy), ``--limit`` documents, ``--shots`` examples by lm-eval's
+``first_n`` sampler (:func:`kvquant.scoring.tasks.use_sampler`), recorded as ``KVQuantLM`` hands them to its scorer.
+Per shot count:
+
+- model tokens per document, planned (:func:`kvquant.scoring.prefixes.model_tokens`) at every ``--plan-chunks``
+  chunk size: ``unshared`` (each document prefills its whole context, once for all its choices, as kvquant did
+  before: ``Scorer.share_chunks`` off) and ``shared`` (the whole chunks the documents begin with alike fed once,
+  then each document's own); both then feed each choice's scored tokens;
+- seconds per document of a :class:`~kvquant.scoring.scorer.Scorer` in streaming mode (``--quantizer``, chunk
+  ``--chunk-size``, batch ``--batch-size``), shared and unshared in turn, ``--rounds`` timed rounds after an
+  untimed pass, with the tokens it really fed (checked equal to the plan);
+- the check: every request's log-likelihood shared against unshared (float noise of batched matmuls only).
+
+Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvquant.cache import CacheSpec
+from kvquant.errors import InternalError
+from kvquant.runner.config import ModelConfig
+from kvquant.runner.preview import recorded_requests
+from kvquant.runner.report import benchmark_lines, environment, write_benchmark
+from kvquant.scoring.models import load_model
+from kvquant.scoring.prefixes import model_tokens
+from kvquant.scoring.scorer import Scorer
+
+#: the issue's target: at least this many times fewer model tokens per document at 25 shots on ARC-Easy
+TARGET = 5
+
+
+def score(model, requests, share: bool, args) -> tuple[list[float], int, float]:
+    """Each request's log-likelihood through the scorer, the tokens it fed, and its seconds."""
+    scorer = Scorer(model, CacheSpec.of(args.quantizer, args.options), mode="streaming", chunk_size=args.chunk_size,
+                    batch_size=args.batch_size)
+    scorer.share_chunks = share
+    start = time.perf_counter()
+    scored = scorer.score_many(requests)
+    seconds = time.perf_counter() - start
+    return [float(s.logprobs.double().sum()) for s in scored], scorer.fed, seconds
+
+
+def measure(model, requests, documents: int, args) -> dict:
+    """One shot count: planned tokens, measured seconds and the check (see the module docstring)."""
+    plan = {str(chunk): {way: model_tokens(requests, "streaming", chunk, True, way == "shared") / documents
+                         for way in ("unshared", "shared")} for chunk in args.plan_chunks}
+    scores, fed, seconds = {}, {}, {"unshared": [], "shared": []}
+    for way in seconds:  # untimed: the check, and a warm-up
+        scores[way], fed[way], _ = score(model, requests, way == "shared", args)
+        if fed[way] != model_tokens(requests, "streaming", args.chunk_size, True, way == "shared"):
+            raise InternalError(f"the {way} scorer fed {fed[way]} tokens, not the planned count")
+    for _ in range(args.rounds):
+        for way in seconds:
+            seconds[way].append(score(model, requests, way == "shared", args)[2] / documents)
+    ratios = [u / s for u, s in zip(seconds["unshared"], seconds["shared"])]
+    return {"documents": documents, "requests": len(requests),
+            "request_tokens_per_document": sum(len(c) + len(t) for c, t in requests) / documents,
+            "planned_tokens_per_document": plan,
+            "fed_tokens_per_document": {way: n / documents for way, n in fed.items()},
+            "seconds_per_document": seconds,
+            "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+            "max_abs_loglik_diff": max(abs(a - b) for a, b in zip(scores["shared"], scores["unshared"]))}
+
+
+def render(doc: dict) -> str:
+    a = doc["args"]
+    *head, model = benchmark_lines(doc, "Shared few-shot prefixes: tokens and seconds per document")
+    chunks = [str(c) for c in a["plan_chunks"]]
+    lines = [*head, f"{model}; lm-eval's {a['task']} requests, {a['limit']} documents, the first N examples in "
+             f"front of every document (sampler first_n); scorer: streaming mode, {a['quantizer']} "
+             f"{a['options']}, chunk {a['chunk_size']}, batch {a['batch_size']}; one untimed pass, then "
+             f"{a['rounds']} timed rounds, unshared and shared in turn",
+             f"- target (issue 39 item 1): at least {TARGET}x fewer model tokens per document at 25 shots", "",
+             "| shots | request tokens / doc | " + " | ".join(
+                 f"model tokens / doc, chunk {c}: unshared -> shared (x fewer)" for c in chunks) +
+             " | s / doc unshared | s / doc shared | **speedup** (min-max) | max abs Δ loglik |",
+             "|---:|---:|" + "---:|" * len(chunks) + "---:|---:|---:|---:|"]
+    for shots, r in doc["shots"].items():
+        plan = r["planned_tokens_per_document"]
+        cells = [f"{plan[c]['unshared']:.0f} -> {plan[c]['shared']:.0f} "
+                 f"(**{plan[c]['unshared'] / plan[c]['shared']:.1f}x**)" for c in chunks]
+        s, up = r["seconds_per_document"], r["speedup"]
+        lines.append(f"| {shots} | {r['request_tokens_per_document']:.0f} | {' | '.join(cells)} | "
+                     f"{statistics.median(s['unshared']):.3f} | {statistics.median(s['shared']):.3f} | "
+                     f"**{up['median']:.1f}x** ({up['min']:.1f}-{up['max']:.1f}) | {r['max_abs_loglik_diff']:.1e} |")
+    lines += ["", "model tokens: what the scorer feeds the model (context chunks, then each choice's scored tokens); "
+              f"at chunk {a['chunk_size']} the scorer's own count, checked equal to the plan. Only whole chunks fed "
+              "from the first token are shared, so each document keeps the chunk boundaries (and key groups) it "
+              "has alone: a larger chunk shares less of the prefix."]
+    if doc.get("notes"):
+        lines += ["", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
+    parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser.add_argument("--task", default="arc_easy")
+    parser.add_argument("--limit", type=int, default=24, help="documents")
+    parser.add_argument("--shots", type=int, nargs="+", default=[5, 10, 25])
+    parser.add_argument("--quantizer", default="int4")
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--plan-chunks", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 documents, 2 shots, 1 round")
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_fewshot"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.limit, args.shots, args.rounds = 4, [2], 1
+    args.options = {"group_size": args.group_size, "residual_length": 0} if args.quantizer.startswith("int") else {}
+    return args
+
+
+@torch.no_grad()
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    load_start = os.getloadavg()[0]
+    model, tokenizer = load_model(ModelConfig(path=args.model, gguf_file=args.gguf_file or None, dtype="float32",
+                                              device="cpu"))
+    shots = {}
+    for n in args.shots:
+        requests = recorded_requests(model, tokenizer, [args.task], args.limit, n, "first_n")
+        shots[str(n)] = measure(model, requests, args.limit, args)
+        print(f"{n} shots: {shots[str(n)]['speedup']['median']:.1f}x", flush=True)
+    doc = {"command": "python " + " ".join(sys.argv if argv is None else ["experiments/bench_fewshot.py", *argv]),
+           "environment": environment(),
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "shots": shots, "load": [load_start, os.getloadavg()[0]]}
+    write_benchmark(args.out, doc, render)
+    return doc
+
+
+if __name__ == "__main__":
+    main()

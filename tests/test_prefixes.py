@@ -1,0 +1,160 @@
+"""Shared few-shot prefixes: requests whose contexts begin with the same chunks (one few-shot prefix in front of
+every document) prefill those chunks once, and every request scores exactly what it scores with nothing shared.
+
+float64 copies of tiny models, as tests/test_evaluate.py: with one row per batch the shared and unshared scores
+are equal bit for bit; batched, they differ by the float noise of other matmul shapes (compared to 1e-9)."""
+
+import pytest
+import torch
+import transformers
+
+import kvquant
+from kvquant.scoring import scorer as scoring
+from kvquant.scoring.prefixes import chunked, fed_tokens, model_tokens, shared_starts
+from kvquant.scoring.scorer import Scorer
+
+
+def test_starts_are_the_deepest_chunks_another_context_also_begins_with():
+    a, b, c, d = [1, 2], [3, 4], [5, 6], [7]
+    prefixes = [[a, b, c], [a, b, d], [a, c], [b, c], [a, b, c, d], [a, b, c, d]]
+    starts = shared_starts(prefixes)
+    # [a, b, c] is begun by three contexts (0, 4, 5), [a, b] by four, [a] by five; [b, c] by one only
+    assert [(s.node.depth if s.node else 0, s.rest) for s in starts] == [
+        (3, []), (2, [d]), (1, [c]), (0, [b, c]), (4, []), (4, [])]
+    assert starts[0].node is starts[4].node.parent
+    assert starts[1].node is starts[0].node.parent
+    assert starts[0].node.path() == [a, b, c] and starts[4].node.path(starts[1].node) == [c, d]
+    # each shared chunk is fed once: a, b, c, d (shared), then d (of 1), c (of 2), b, c (of 3)
+    assert fed_tokens(prefixes) == 2 + 2 + 2 + 1 + 1 + 2 + 4
+    assert fed_tokens([[a]]) == 2 and fed_tokens([]) == 0
+    # nothing in common: every context starts fresh and is fed whole
+    alone = shared_starts([[a, b], [b, a], []])
+    assert [(s.node, s.rest) for s in alone] == [(None, [a, b]), (None, [b, a]), (None, [])]
+
+
+def _model(sliding: int | None = None):
+    if sliding:
+        config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, sliding_window=sliding)
+    else:  # head_dim 24: not a power of two
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=24)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().double()
+
+
+def few_shot_requests(prefix: int = 29, documents: int = 7, seed: int = 11):
+    """Like a fixed few-shot prompt: one ``prefix`` of tokens, then per document its own question (3 to 9 tokens)
+    and 3 answers; document 0's prompt parts from the others' after 10 tokens (lm-eval's first_n leaves a document
+    that is among the examples out of its own prompt), and document 1 is the prefix alone."""
+    gen = torch.Generator().manual_seed(seed)
+    shots = torch.randint(0, 64, (prefix,), generator=gen).tolist()
+    out = []
+    for doc in range(documents):
+        question = torch.randint(0, 64, (3 + doc % 7,), generator=gen).tolist()
+        context = shots[:10] + [(shots[10] + 1) % 64] + shots[11:] + question if doc == 0 else \
+            shots if doc == 1 else shots + question
+        for answer in range(3):
+            out.append((context, torch.randint(0, 64, (1 + answer,), generator=gen).tolist()))
+    return out
+
+
+SETTINGS = {
+    "fp16": ("fp16", {}),
+    "int4-incomplete-groups": ("int4", {"group_size": 8, "residual_length": 0}),
+    "int4-sinks-residual": ("int4", {"group_size": 8, "residual_length": 5, "sink_tokens": 2}),
+    "int2": ("int2", {"group_size": 4, "residual_length": 0}),
+    "fp8": ("fp8_e4m3", {"residual_length": 3}),
+}
+
+
+def _score(model, setting, requests, **kwargs):
+    name, options = SETTINGS[setting]
+    return Scorer(model, kvquant.CacheSpec.of(name, options), mode="streaming", **kwargs).score_many(requests)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_a_shared_prefix_scores_what_every_document_scores_alone(setting, chunk):
+    model, requests = _model(), few_shot_requests()
+    unshared = _score(model, setting, requests, chunk_size=chunk, batch_size=1, share_prefix=False)
+    shared = _score(model, setting, requests, chunk_size=chunk, batch_size=1, share_prefix=True)
+    for a, b in zip(unshared, shared):  # one row per batch: the same arithmetic, bit for bit
+        assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.greedy, b.greedy)
+    batched = _score(model, setting, requests, chunk_size=chunk, batch_size=5, share_prefix=True)
+    for a, b in zip(unshared, batched):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+    if setting != "fp16":  # the quantizer is read: these are not the baseline's scores
+        baseline = _score(model, "fp16", requests, chunk_size=chunk, batch_size=1, share_prefix=False)
+        assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(baseline, shared))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 6])
+def test_a_shared_prefix_on_a_sliding_window_model_shorter_than_the_prefix(chunk):
+    model, requests = _model(sliding=6), few_shot_requests(prefix=17)
+    unshared = _score(model, "int4-sinks-residual", requests, chunk_size=chunk, batch_size=1, share_prefix=False)
+    batched = _score(model, "int4-sinks-residual", requests, chunk_size=chunk, batch_size=6, share_prefix=True)
+    for a, b in zip(unshared, batched):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
+
+
+def test_the_shared_chunks_are_fed_once(monkeypatch):
+    """The model is fed each shared chunk once: the prefix's whole chunks once for all documents, then each
+    document's own tokens (what fed_tokens counts), then the scored tokens of every answer."""
+    model, requests, chunk = _model(), few_shot_requests(), 4
+    fed = []
+    original = scoring._Batch.step
+    monkeypatch.setattr(scoring._Batch, "step", lambda self, tokens, *args, **kwargs:
+                        fed.append(sum(map(len, tokens))) or original(self, tokens, *args, **kwargs))
+    name, options = SETTINGS["int4-incomplete-groups"]
+    scorer = Scorer(model, kvquant.CacheSpec.of(name, options), mode="streaming", chunk_size=chunk, batch_size=4)
+    scorer.score_many(requests)
+    contexts = list(dict.fromkeys(tuple(c) for c, _ in requests))
+    chunks = [chunked(list(c[:-1]), chunk) for c in contexts]
+    scored = sum(len(a) for _, a in requests)  # the context's last token, then the answer less its last
+    assert sum(fed) == scorer.fed == fed_tokens(chunks) + scored == model_tokens(requests, "streaming", chunk, True)
+    # 28 prefix tokens (the context less its last token) are 7 whole chunks; document 0 shares the first 2 only
+    assert fed_tokens(chunks) == sum(len(c) - 1 for c in contexts) - (len(contexts) - 2) * 28 - 8
+    # unshared, and in simulated mode, the scorer's count is the plan's too
+    for mode, share in (("streaming", False), ("simulated", True)):
+        scorer = Scorer(model, kvquant.CacheSpec.of(name, options), mode=mode, chunk_size=chunk, batch_size=4,
+                        share_prefix=share)
+        scorer.score_many(requests)
+        assert scorer.fed == model_tokens(requests, mode, chunk, share)
+    assert model_tokens(requests, "streaming", chunk, False) == sum(len(c) + len(a) - 1 for c, a in requests)
+
+
+def _documents(model, tokenizer, quantizer, share, shots=2, limit=8):
+    """lm-eval's ARC-Easy (offline copy) with the first ``shots`` examples in front of every document, through
+    the kvquant model in streaming mode: per document, its choices' log-likelihoods; and the scorer."""
+    import lm_eval
+
+    from kvquant.scoring.lm_eval_model import KVQuantLM
+    from kvquant.scoring.tasks import lm_eval_task, task_dir
+
+    options = {"group_size": 8, "residual_length": 0} if quantizer == "int4" else {}
+    lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=quantizer, mode="streaming", chunk_size=16, batch_size=1,
+                   share_prefix=share, **options)
+    task = lm_eval_task("arc_easy", task_dir(), "first_n")
+    out = lm_eval.simple_evaluate(model=lm, tasks=[task], num_fewshot=shots, limit=limit, log_samples=True,
+                                  bootstrap_iters=0, verbosity="ERROR", fewshot_random_seed=1234)
+    samples = sorted(next(iter(out["samples"].values())), key=lambda s: s["doc_id"])
+    return [[r[0] for r in s["resps"]] for s in samples], samples, lm.scorer
+
+
+@pytest.mark.parametrize("quantizer", ["fp16", "int4"])
+def test_lm_eval_first_n_examples_shared_score_what_each_document_scores_alone(model, tokenizer, quantizer):
+    """A real task and tokenizer: lm-eval's ``first_n`` examples tokenize alike in front of every document, the
+    shared prefill feeds far fewer tokens, and every choice's log-likelihood is the one scored with nothing shared
+    (one row per batch: bit for bit)."""
+    shared, samples, scorer = _documents(model, tokenizer, quantizer, True)
+    alone, _, unshared = _documents(model, tokenizer, quantizer, False)
+    assert shared == alone
+    assert scorer.lengths == unshared.lengths and scorer.fed < unshared.fed / 2
+    # the two examples are documents 0 and 1 of the test split (E0, E1), each left out of its own prompt (E2 in
+    # its place); the others all begin E0, E1
+    parts = [p.split("\n\n") for p in [s["arguments"][0][0] for s in samples]]
+    e0, e1 = parts[2][:2]
+    assert parts[0][0] == e1 and parts[1][0] == e0 and parts[0][1] == parts[1][1] not in (e0, e1)
+    assert all(p[:2] == [e0, e1] for p in parts[2:]) and len({p[-1] for p in parts}) == len(parts)
+    assert parts[0][-1].split("\nAnswer:")[0] == e0.split("\nAnswer:")[0]  # document 0 asks E0's question
