@@ -4,9 +4,12 @@ examples in front of every document prefilled once and shared, against each docu
     python experiments/bench_fewshot.py --limit 24 --shots 5 10 25 --rounds 2
     python experiments/bench_fewshot.py --quick --model local:models/stories260K/hf --gguf-file ""   # a smoke run
 
-The requests are lm-eval's own: ``--task`` (ARC-Easy), ``--limit`` documents, ``--shots`` examples by lm-eval's
-``first_n`` sampler (:func:`kvquant.scoring.tasks.use_sampler`), recorded as ``KVQuantLM`` hands them to its scorer.
-Per shot count:
+The requests are lm-eval's own: ``--task`` (ARC-Easy), ``--limit`` documents from document ``--first`` on,
+``--shots`` examples by lm-eval's ``first_n`` sampler (:func:`kvquant.scoring.task_setup.use_sampler`), recorded as
+``KVQuantLM`` hands them to its scorer. The offline ARC copy draws its examples from the evaluated documents, and
+a document among the first N examples is left out of its own prompt, so documents 0 to N-1 of a run share only the
+examples before their own; ``--first`` (default 26, past every prompt of up to 25 shots) measures the documents
+every later one is like. Per shot count:
 
 - model tokens per document, planned (:func:`kvquant.scoring.prefixes.model_tokens`) at every ``--plan-chunks``
   chunk size: ``unshared`` (each document prefills its whole context, once for all its choices, as kvquant did
@@ -81,7 +84,8 @@ def render(doc: dict) -> str:
     a = doc["args"]
     *head, model = benchmark_lines(doc, "Shared few-shot prefixes: tokens and seconds per document")
     chunks = [str(c) for c in a["plan_chunks"]]
-    lines = [*head, f"{model}; lm-eval's {a['task']} requests, {a['limit']} documents, the first N examples in "
+    lines = [*head, f"{model}; lm-eval's {a['task']} requests, documents {a['first']}-{a['first'] + a['limit'] - 1}"
+             ", the first N examples in "
              f"front of every document (sampler first_n); scorer: streaming mode, {a['quantizer']} "
              f"{a['options']}, chunk {a['chunk_size']}, batch {a['batch_size']}; one untimed pass, then "
              f"{a['rounds']} timed rounds, unshared and shared in turn",
@@ -113,6 +117,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--task", default="arc_easy")
     parser.add_argument("--limit", type=int, default=24, help="documents")
+    parser.add_argument("--first", type=int, default=26, help="the first document measured")
     parser.add_argument("--shots", type=int, nargs="+", default=[5, 10, 25])
     parser.add_argument("--quantizer", default="int4")
     parser.add_argument("--group-size", type=int, default=32)
@@ -125,7 +130,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("reports/bench_fewshot"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.limit, args.shots, args.rounds = 4, [2], 1
+        args.limit, args.shots, args.rounds, args.first = 4, [2], 1, 3
     args.options = {"group_size": args.group_size, "residual_length": 0} if args.quantizer.startswith("int") else {}
     return args
 
@@ -141,7 +146,7 @@ def main(argv=None) -> dict:
                                               device="cpu"))
     shots = {}
     for n in args.shots:
-        requests = recorded_requests(model, tokenizer, [args.task], args.limit, n, "first_n")
+        requests = recorded_requests(model, tokenizer, [args.task], args.limit, n, "first_n", first=args.first)
         shots[str(n)] = measure(model, requests, args.limit, args)
         print(f"{n} shots: {shots[str(n)]['speedup']['median']:.1f}x", flush=True)
     doc = {"command": "python " + " ".join(sys.argv if argv is None else ["experiments/bench_fewshot.py", *argv]),

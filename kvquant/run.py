@@ -58,7 +58,8 @@ from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
-from kvquant.scoring.tasks import check_task_data, check_tasks, lm_eval_task, prepare_probe_tasks, task_dir
+from kvquant.scoring.task_setup import check_answer_tasks, lm_eval_task
+from kvquant.scoring.tasks import check_task_data, check_tasks, prepare_probe_tasks, task_dir
 
 
 def seed_everything(seed: int) -> None:
@@ -108,6 +109,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     check_tasks(cfg.eval.tasks.names, "eval.tasks.names")
     check_task_data(cfg.eval.tasks.names, "eval.tasks.names")
+    check_answer_tasks(cfg.eval.tasks.names, "eval.tasks.names", cfg.gate.max_flip_rate is not None)
     if cfg.eval.tasks.names:
         task_dir()  # the folder lm-eval will load task files from: private, or refused now
     probes = probe_counts(cfg)

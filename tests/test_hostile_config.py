@@ -61,6 +61,20 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
     ("flips-without-tasks", ["gate.max_flip_rate=0.1"], "gate.max_flip_rate: flips are counted on the documents of "
                                                         "gated tasks"),
     ("flips-rate-beyond-one", ["gate.max_flip_rate=1.5"], "gate.max_flip_rate must be in (0, 1)"),
+    # a task without a right or wrong answer per document: was an internal error (exit 3) while loading it
+    ("flips-on-a-task-without-answers", ["eval.tasks.names=[wikitext]", "gate.tasks=[wikitext]",
+                                         "gate.max_flip_rate=0.1"],
+     "task 'wikitext' makes lm-eval 'loglikelihood_rolling' requests, which give no right or wrong answer per "
+     "document, and the runner measures accuracy and the flips gate.max_flip_rate limits"),
+    ("generated-answers", ["eval.tasks.names=[lambada_openai, gsm8k]"], "task 'gsm8k' makes lm-eval 'generate_until'"),
+    # shared few-shot prefixes (issue 39 item 1)
+    ("sampler-without-shots", ["eval.tasks.names=[arc_easy]", "eval.tasks.fewshot_sampler=first_n"],
+     "eval.tasks.fewshot_sampler: 'first_n' draws few-shot examples, and num_fewshot gives no task any"),
+    ("sampler-unknown", ["eval.tasks.names=[arc_easy]", "eval.tasks.num_fewshot=2", "eval.tasks.fewshot_sampler=first"],
+     "eval.tasks.fewshot_sampler must be one of ['default', 'first_n'], got 'first'"),
+    ("shared-prefix-beyond-the-context", ["eval.tasks.names=[arc_easy]", "eval.tasks.num_fewshot=40",
+                                          "eval.tasks.fewshot_sampler=first_n", "eval.mode=streaming"],
+     "task 'arc_easy' with 40 few-shot examples needs contexts of up to "),
     # names that become file names: were OSError "File name too long" (exit 3, the set's after a measurement)
     ("run-name-long", [f"name={LONG}"], "name 'aaaaaaaaaaaaaaaaaaaaaaaa'... is 300 bytes long"),
     ("set-name-long", [f"eval.perplexity.0.name={LONG}"], "eval.perplexity[0].name 'aaaa"),

@@ -130,7 +130,8 @@ def _documents(model, tokenizer, quantizer, share, shots=2, limit=8):
     import lm_eval
 
     from kvquant.scoring.lm_eval_model import KVQuantLM
-    from kvquant.scoring.tasks import lm_eval_task, task_dir
+    from kvquant.scoring.task_setup import lm_eval_task
+    from kvquant.scoring.tasks import task_dir
 
     options = {"group_size": 8, "residual_length": 0} if quantizer == "int4" else {}
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer=quantizer, mode="streaming", chunk_size=16, batch_size=1,

@@ -60,19 +60,22 @@ class Recorder:
 
 
 def recorded_requests(model, tokenizer, tasks: list[str], limit: int, shots: int = 0, sampler: str = "default",
-                      seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """Every ``(context ids, continuation ids)`` lm-eval asks of ``tasks`` (``limit`` documents each, ``shots``
-    examples drawn by ``sampler``: :func:`kvquant.scoring.tasks.use_sampler`), as ``KVQuantLM`` hands them to its
-    scorer."""
+                      seed: int = 0, first: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Every ``(context ids, continuation ids)`` lm-eval asks of ``tasks`` (``limit`` documents each from document
+    ``first`` on, ``shots`` examples drawn by ``sampler``: :func:`kvquant.scoring.task_setup.use_sampler`), as
+    ``KVQuantLM`` hands them to its scorer."""
     import lm_eval
 
     from kvquant.scoring.lm_eval_model import KVQuantLM
-    from kvquant.scoring.tasks import lm_eval_task, task_dir
+    from kvquant.scoring.task_setup import lm_eval_task
+    from kvquant.scoring.tasks import task_dir
 
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer="fp16")
     lm.scorer = Recorder()
     found = [lm_eval_task(t, task_dir(), sampler) for t in tasks]
-    lm_eval.simple_evaluate(model=lm, tasks=found, limit=limit, num_fewshot=shots, bootstrap_iters=0,
+    samples = {t.config.task: list(range(first, first + limit)) for t in found} if first else None
+    lm_eval.simple_evaluate(model=lm, tasks=found, limit=None if first else limit, samples=samples,
+                            num_fewshot=shots, bootstrap_iters=0,
                             verbosity="ERROR", random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                             fewshot_random_seed=seed)
     return lm.scorer.requests

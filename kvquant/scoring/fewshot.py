@@ -87,7 +87,8 @@ def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder) -> None
     as lm-eval builds them in :func:`kvquant.scoring.session.run_task` (same documents, seed and draws) with
     ``tokenizer()``
     (called only where a task has examples), before the model loads."""
-    from kvquant.scoring.tasks import resolve_task, task_manager, use_sampler
+    from kvquant.scoring.task_setup import use_sampler
+    from kvquant.scoring.tasks import resolve_task, task_manager
 
     shots = {t: cfg.eval.tasks.fewshot_for(t) for t in cfg.eval.tasks.names if cfg.eval.tasks.fewshot_for(t)}
     if not shots:

@@ -30,8 +30,9 @@ from kvquant.scoring.models import max_length
 from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, long_outcomes,
     perplexity_outcomes, task_outcomes)
 from kvquant.scoring.longctx import position_divergences
+from kvquant.scoring.task_setup import lm_eval_task
 from kvquant.scoring.tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_length, probe_tasks,
-    lm_eval_task, resolve_task, task_data_digest, task_manager)
+    resolve_task, task_data_digest, task_manager)
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 #: Candidates compared with the baseline's next-token distributions in one pass of it over the windows: the baseline
