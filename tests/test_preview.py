@@ -62,3 +62,6 @@ def test_the_preview_states_the_tokens_the_run_then_scores(tmp_path, capsys, mod
     assert task.most_tokens == sum(scored_tokens(partial, "baseline", m)
                                    for m in ["task__tinystories_lastword", *looked])
     assert task.most_tokens > task.tokens
+    # simulated mode feeds every request whole: the model tokens are the request tokens (streaming mode's fewer
+    # are the scorer's own count: tests/test_prefixes.py)
+    assert cfg.eval.mode == "simulated" and all((c.fed, c.most_fed) == (c.tokens, c.most_tokens) for c in found)

@@ -23,6 +23,7 @@ import torch
 
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.gate import duration, looks
+from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scored, Scorer
 from kvquant.scoring.session import (BASELINE, SHARED_BASELINE, Session, evaluate_task, evaluation_split,
                                      shares_prefix, task_lm, task_size)
@@ -44,6 +45,10 @@ class Cost:
     most_tokens: int
     #: whose timing probe prices it (None: ``scorer``'s own; the baseline's divergence passes name the baseline)
     setting: str | None = None
+    #: the tokens the scorer feeds the model for them (fewer where contexts are shared:
+    #: :func:`kvquant.scoring.prefixes.model_tokens`), at the first look and at most
+    fed: int = 0
+    most_fed: int = 0
     seconds: float = float("nan")
     most_seconds: float = float("nan")
 
@@ -90,34 +95,48 @@ def task_requests(session: Session, task: str, documents: range | None) -> tuple
     return len(out["samples"][name]), lm.scorer.requests
 
 
+def fed(session: Session, requests: list, label: str) -> int:
+    """Tokens the scorer of ``label`` feeds the model for one scoring call of ``requests``."""
+    cfg = session.cfg
+    shares = {c.label: shares_prefix(c) for c in [BASELINE, *(cfg.stages or cfg.candidates)]}
+    return model_tokens(requests, cfg.eval.mode, cfg.eval.chunk_size, shares.get(label, True))
+
+
+def request_tokens(requests: list) -> int:
+    return sum(len(c) + len(t) for c, t in requests)
+
+
 def task_costs(session: Session, task: str, labels: list[str], samples: dict) -> list[Cost]:
     """Every scorer's pass over ``task``: the first look's documents, and the most a sequential gate may add (its
     looks, up to ``gate.max_documents`` or the task's end, as :func:`kvquant.run.add_documents` takes them)."""
     cfg = session.cfg
     first, requests = task_requests(session, task, None)
     samples.setdefault(f"task/{task}", requests)
-    tokens = sum(len(c) + len(t) for c, t in requests)
-    scored, most_tokens = first, tokens
+    calls, scored = [requests], first
     if task in cfg.gated_tasks() and cfg.gate.max_documents is not None:
         planned, size = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents), task_size(session, task)
         while (nxt := min(next((n for n in planned if n > scored), scored), size)) > scored:
             added, more = task_requests(session, task, range(scored, nxt))
-            scored, most_tokens = scored + added, most_tokens + sum(len(c) + len(t) for c, t in more)
-    return [Cost(label, f"task/{task}", first, tokens, scored, most_tokens) for label in labels]
+            scored, calls = scored + added, [*calls, more]
+    return [Cost(label, f"task/{task}", first, request_tokens(requests), scored, sum(map(request_tokens, calls)),
+                 fed=fed(session, requests, label), most_fed=sum(fed(session, r, label) for r in calls))
+            for label in labels]
 
 
-def window_costs(name: str, windows, labels: list[str], prefix: str) -> list[Cost]:
-    tokens = sum(len(w.ids) for w in windows)
-    return [Cost(label, f"{prefix}/{name}", len(windows), tokens, len(windows), tokens) for label in labels]
+def window_costs(session: Session, what: str, windows, labels: list[str], setting: str | None = None) -> list[Cost]:
+    """The passes of ``labels`` over ``windows`` (priced by ``setting``'s probe where given)."""
+    requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
+    tokens = request_tokens(requests)
+    spent = {label: fed(session, requests, setting or label) for label in labels}
+    return [Cost(label, what, len(windows), tokens, len(windows), tokens, setting=setting, fed=spent[label],
+                 most_fed=spent[label]) for label in labels]
 
 
-def baseline_passes(what: str, windows, candidates: list[str]) -> list[Cost]:
+def baseline_passes(session: Session, what: str, windows, candidates: list[str]) -> list[Cost]:
     """The baseline's extra passes for the divergences of ``candidates`` (one per group of SHARED_BASELINE)."""
-    tokens = sum(len(w.ids) for w in windows)
     groups = [candidates[i : i + SHARED_BASELINE] for i in range(0, len(candidates), SHARED_BASELINE)]
-    return [Cost(f"{BASELINE.label} (for {', '.join(g)})", what, len(windows), tokens, len(windows), tokens,
-                 setting=BASELINE.label)
-            for g in groups]
+    return window_costs(session, what, windows, [f"{BASELINE.label} (for {', '.join(g)})" for g in groups],
+                        BASELINE.label)
 
 
 def costs(session: Session, rows: dict) -> tuple[list[Cost], dict[str, list]]:
@@ -128,21 +147,21 @@ def costs(session: Session, rows: dict) -> tuple[list[Cost], dict[str, list]]:
     out, samples = [], {}
     for name, windows in split.windows.items():
         samples.setdefault(f"ppl/{name}", [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows])
-        out += window_costs(name, windows, [BASELINE.label], "ppl")
-        out += window_costs(name, windows, labels, "ppl")  # with its KL divergence, from the same pass
-        out += baseline_passes(f"kl/{name}", windows, labels)
+        out += window_costs(session, f"ppl/{name}", windows, [BASELINE.label])
+        out += window_costs(session, f"ppl/{name}", windows, labels)  # with its KL divergence, from the same pass
+        out += baseline_passes(session, f"kl/{name}", windows, labels)
     if split.long:
         text = cfg.eval.long_context.text
-        out += window_costs(text, split.long, labels, "long")
-        out += baseline_passes(f"long/{text}", split.long, labels)
+        out += window_costs(session, f"long/{text}", split.long, labels)
+        out += baseline_passes(session, f"long/{text}", split.long, labels)
     for task in cfg.eval.tasks.names:
         out += task_costs(session, task, [BASELINE.label, *labels], samples)
     return out, samples
 
 
 def rates(session: Session, samples: dict[str, list]) -> dict[str, float]:
-    """Request tokens per second of each setting's scorer on this machine: the first requests of the first
-    measurement, up to :data:`PROBE_TOKENS`, scored once untimed (a warm-up) and once timed."""
+    """Tokens fed to the model per second by each setting's scorer on this machine: the first requests of the first
+    measurement, up to :data:`PROBE_TOKENS` request tokens, scored once untimed (a warm-up) and once timed."""
     requests = next(iter(samples.values()), [])
     probe, total = [], 0
     for context, continuation in requests:
@@ -155,15 +174,15 @@ def rates(session: Session, samples: dict[str, list]) -> dict[str, float]:
         scorer = Scorer(session.model, candidate.spec, cfg.eval.mode, cfg.eval.chunk_size,
                         batch_size=cfg.eval.batch_size, share_prefix=shares_prefix(candidate))
         scorer.score_many(probe[:1])
-        start = time.perf_counter()
+        before, start = scorer.fed, time.perf_counter()
         scorer.score_many(probe)
-        out[candidate.label] = total / max(time.perf_counter() - start, 1e-9)
+        out[candidate.label] = (scorer.fed - before) / max(time.perf_counter() - start, 1e-9)
     return out
 
 
 def timed(cost: Cost, rate: dict[str, float]) -> Cost:
     per_token = 1 / rate[cost.setting or cost.scorer]
-    return dataclasses.replace(cost, seconds=cost.tokens * per_token, most_seconds=cost.most_tokens * per_token)
+    return dataclasses.replace(cost, seconds=cost.fed * per_token, most_seconds=cost.most_fed * per_token)
 
 
 def preview(session: Session, rows: dict) -> tuple[list[Cost], dict[str, float]]:
@@ -175,19 +194,21 @@ def preview(session: Session, rows: dict) -> tuple[list[Cost], dict[str, float]]
 
 def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float]) -> str:
     lines = [f"kvquant: cost preview of {cfg.name} (nothing measured, nothing written)", "",
-             "| scorer | measurement | documents | tokens | time | most documents | most tokens | most time |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| scorer | measurement | documents | tokens | model tokens | time | most documents | most tokens | "
+             "most model tokens | most time |", "|---|---|" + "---:|" * 8]
     for c in found:
-        lines.append(f"| {c.scorer} | {c.measurement} | {c.documents} | {c.tokens:,} | {duration(c.seconds)} | "
-                     f"{c.most_documents} | {c.most_tokens:,} | {duration(c.most_seconds)} |")
-    tokens, most = sum(c.tokens for c in found), sum(c.most_tokens for c in found)
-    seconds, most_seconds = sum(c.seconds for c in found), sum(c.most_seconds for c in found)
-    lines += [f"| **all** | | | **{tokens:,}** | **{duration(seconds)}** | | **{most:,}** | "
-              f"**{duration(most_seconds)}** |", "",
-              "tokens: context + continuation of every request a scorer is handed (streaming mode with prefix "
-              f"sharing runs a shared context once); mode {cfg.eval.mode}, chunk {cfg.eval.chunk_size}, batch "
+        lines.append(f"| {c.scorer} | {c.measurement} | {c.documents} | {c.tokens:,} | {c.fed:,} | "
+                     f"{duration(c.seconds)} | {c.most_documents} | {c.most_tokens:,} | {c.most_fed:,} | "
+                     f"{duration(c.most_seconds)} |")
+    total = {k: sum(getattr(c, k) for c in found) for k in ("tokens", "fed", "seconds", "most_tokens", "most_fed",
+                                                            "most_seconds")}
+    lines += [f"| **all** | | | **{total['tokens']:,}** | **{total['fed']:,}** | **{duration(total['seconds'])}** | | "
+              f"**{total['most_tokens']:,}** | **{total['most_fed']:,}** | **{duration(total['most_seconds'])}** |", "",
+              "tokens: context + continuation of every request a scorer is handed; model tokens: those it feeds the "
+              "model (streaming mode runs a context shared by several requests once, and the whole chunks contexts "
+              f"begin with alike once); mode {cfg.eval.mode}, chunk {cfg.eval.chunk_size}, batch "
               f"{cfg.eval.batch_size}",
-              "time: request tokens per second of each setting in a timing probe on this machine: " +
+              "time: model tokens per second of each setting in a timing probe on this machine: " +
               ", ".join(f"{label} {r:,.0f}/s" for label, r in rate.items())]
     left = [what for what, there in (("calibration", any(c.calibrate for c in [*cfg.candidates, *cfg.stages])),
                                      ("the search", cfg.search), ("the staged serving loop", cfg.serving)) if there]
