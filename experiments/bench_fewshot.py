@@ -18,7 +18,10 @@ every later one is like. Per shot count:
 - seconds per document of a :class:`~kvquant.scoring.scorer.Scorer` in streaming mode (``--quantizer``, chunk
   ``--chunk-size``, batch ``--batch-size``), shared and unshared in turn, ``--rounds`` timed rounds after an
   untimed pass, with the tokens it really fed (checked equal to the plan);
-- the check: every request's log-likelihood shared against unshared (float noise of batched matmuls only).
+- the check: every request's log-likelihood shared against unshared, batched (rows that share a batch differ
+  between the two, which moves float32 states by rounding and can tip a quantized code: tests/test_evaluate.py),
+  and on the first ``--exact-documents`` documents one row per batch, where the two run the same arithmetic and
+  must agree bit for bit.
 
 Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--out``.
 """
@@ -47,10 +50,10 @@ from kvquant.scoring.scorer import Scorer
 TARGET = 5
 
 
-def score(model, requests, share: bool, args) -> tuple[list[float], int, float]:
+def score(model, requests, share: bool, args, batch_size: int | None = None) -> tuple[list[float], int, float]:
     """Each request's log-likelihood through the scorer, the tokens it fed, and its seconds."""
     scorer = Scorer(model, CacheSpec.of(args.quantizer, args.options), mode="streaming", chunk_size=args.chunk_size,
-                    batch_size=args.batch_size)
+                    batch_size=batch_size or args.batch_size)
     scorer.share_chunks = share
     start = time.perf_counter()
     scored = scorer.score_many(requests)
@@ -71,13 +74,22 @@ def measure(model, requests, documents: int, args) -> dict:
         for way in seconds:
             seconds[way].append(score(model, requests, way == "shared", args)[2] / documents)
     ratios = [u / s for u, s in zip(seconds["unshared"], seconds["shared"])]
+    few = exact_requests(requests, args.exact_documents)
+    alone = [score(model, few, share, args, batch_size=1)[0] for share in (False, True)]
     return {"documents": documents, "requests": len(requests),
             "request_tokens_per_document": sum(len(c) + len(t) for c, t in requests) / documents,
             "planned_tokens_per_document": plan,
             "fed_tokens_per_document": {way: n / documents for way, n in fed.items()},
             "seconds_per_document": seconds,
             "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-            "max_abs_loglik_diff": max(abs(a - b) for a, b in zip(scores["shared"], scores["unshared"]))}
+            "max_abs_loglik_diff": max(abs(a - b) for a, b in zip(scores["shared"], scores["unshared"])),
+            "exact": {"requests": len(few), "max_abs_loglik_diff": max(abs(a - b) for a, b in zip(*alone))}}
+
+
+def exact_requests(requests: list, documents: int) -> list:
+    """The requests of the first ``documents`` contexts (a document's choices share its context)."""
+    contexts = list(dict.fromkeys(tuple(c) for c, _ in requests))[:documents]
+    return [r for r in requests if tuple(r[0]) in set(contexts)]
 
 
 def render(doc: dict) -> str:
@@ -92,8 +104,9 @@ def render(doc: dict) -> str:
              f"- target (issue 39 item 1): at least {TARGET}x fewer model tokens per document at 25 shots", "",
              "| shots | request tokens / doc | " + " | ".join(
                  f"model tokens / doc, chunk {c}: unshared -> shared (x fewer)" for c in chunks) +
-             " | s / doc unshared | s / doc shared | **speedup** (min-max) | max abs Δ loglik |",
-             "|---:|---:|" + "---:|" * len(chunks) + "---:|---:|---:|---:|"]
+             " | s / doc unshared | s / doc shared | **speedup** (min-max) | max abs Δ loglik, batched | "
+             "max abs Δ loglik, one row per batch |",
+             "|---:|---:|" + "---:|" * len(chunks) + "---:|---:|---:|---:|---:|"]
     for shots, r in doc["shots"].items():
         plan = r["planned_tokens_per_document"]
         cells = [f"{plan[c]['unshared']:.0f} -> {plan[c]['shared']:.0f} "
@@ -101,7 +114,8 @@ def render(doc: dict) -> str:
         s, up = r["seconds_per_document"], r["speedup"]
         lines.append(f"| {shots} | {r['request_tokens_per_document']:.0f} | {' | '.join(cells)} | "
                      f"{statistics.median(s['unshared']):.3f} | {statistics.median(s['shared']):.3f} | "
-                     f"**{up['median']:.1f}x** ({up['min']:.1f}-{up['max']:.1f}) | {r['max_abs_loglik_diff']:.1e} |")
+                     f"**{up['median']:.1f}x** ({up['min']:.1f}-{up['max']:.1f}) | {r['max_abs_loglik_diff']:.1e} | "
+                     f"{r['exact']['max_abs_loglik_diff']:.1e} ({r['exact']['requests']} requests) |")
     lines += ["", "model tokens: what the scorer feeds the model (context chunks, then each choice's scored tokens); "
               f"at chunk {a['chunk_size']} the scorer's own count, checked equal to the plan. Only whole chunks fed "
               "from the first token are shared, so each document keeps the chunk boundaries (and key groups) it "
@@ -125,6 +139,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--plan-chunks", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--exact-documents", type=int, default=4, help="documents checked one row per batch")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 documents, 2 shots, 1 round")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_fewshot"))

@@ -16,5 +16,6 @@ def test_a_quick_run_feeds_the_planned_tokens_and_scores_alike(tmp_path):
     assert fed["shared"] < fed["unshared"] <= row["request_tokens_per_document"]
     assert plan["512"]["shared"] <= plan["512"]["unshared"]
     assert row["max_abs_loglik_diff"] < 1e-3  # batched rows: float noise, not another computation
+    assert row["exact"] == {"requests": 16, "max_abs_loglik_diff": 0.0}  # 4 documents, 4 choices, one row a batch
     assert json.loads((tmp_path / "results.json").read_text())["shots"]["2"] == json.loads(json.dumps(row))
     assert "| 2 |" in (tmp_path / "report.md").read_text()
