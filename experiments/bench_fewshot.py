@@ -29,9 +29,7 @@ Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -39,10 +37,8 @@ import torch
 
 from kvquant.cache import CacheSpec
 from kvquant.errors import InternalError
-from kvquant.runner.config import ModelConfig
 from kvquant.runner.preview import recorded_requests
-from kvquant.runner.report import benchmark_lines, environment, write_benchmark
-from kvquant.scoring.models import load_model
+from kvquant.runner.report import benchmark_doc, benchmark_lines, benchmark_start, write_benchmark
 from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scorer
 
@@ -153,21 +149,13 @@ def parse(argv=None) -> argparse.Namespace:
 @torch.no_grad()
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads = torch.get_num_threads()
-    load_start = os.getloadavg()[0]
-    model, tokenizer = load_model(ModelConfig(path=args.model, gguf_file=args.gguf_file or None, dtype="float32",
-                                              device="cpu"))
+    model, tokenizer, load_start = benchmark_start(args)
     shots = {}
     for n in args.shots:
         requests = recorded_requests(model, tokenizer, [args.task], args.limit, n, "first_n", first=args.first)
         shots[str(n)] = measure(model, requests, args.limit, args)
         print(f"{n} shots: {shots[str(n)]['speedup']['median']:.1f}x", flush=True)
-    doc = {"command": "python " + " ".join(sys.argv if argv is None else ["experiments/bench_fewshot.py", *argv]),
-           "environment": environment(),
-           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "shots": shots, "load": [load_start, os.getloadavg()[0]]}
+    doc = benchmark_doc("experiments/bench_fewshot.py", argv, args, load_start, shots=shots)
     write_benchmark(args.out, doc, render)
     return doc
 

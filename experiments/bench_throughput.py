@@ -32,20 +32,15 @@ Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from kvquant.cache import CacheSpec
-from kvquant.runner.config import ModelConfig
 from kvquant.runner.preview import recorded_requests
-from kvquant.runner.report import benchmark_lines, environment, write_benchmark
-from kvquant.scoring.lm_eval_model import KVQuantLM
-from kvquant.scoring.models import load_model
+from kvquant.runner.report import benchmark_doc, benchmark_lines, benchmark_start, write_benchmark
 from kvquant.scoring.scorer import Scorer, _cut
 
 TASKS = ("arc_easy", "hellaswag", "piqa", "lambada_openai")
@@ -177,20 +172,12 @@ def parse(argv=None) -> argparse.Namespace:
 @torch.no_grad()
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads = torch.get_num_threads()
-    load_start = os.getloadavg()[0]
-    model, tokenizer = load_model(ModelConfig(path=args.model, gguf_file=args.gguf_file or None, dtype="float32",
-                                              device="cpu"))
+    model, tokenizer, load_start = benchmark_start(args)
     requests = recorded_requests(model, tokenizer, args.tasks, args.limit)
     tokens = sum(len(c) + len(t) for c, t in requests)
     seconds, scores = time_rounds(model, requests, args)
-    doc = {"command": "python " + " ".join(sys.argv if argv is None else ["experiments/bench_throughput.py", *argv]),
-           "environment": environment(),
-           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-           "requests": len(requests), "tokens": tokens, "variants": summarize(seconds, scores, tokens),
-           "load": [load_start, os.getloadavg()[0]]}
+    doc = benchmark_doc("experiments/bench_throughput.py", argv, args, load_start, requests=len(requests),
+                        tokens=tokens, variants=summarize(seconds, scores, tokens))
     write_benchmark(args.out, doc, render)
     return doc
 

@@ -89,6 +89,34 @@ def benchmark_lines(doc: dict, title: str) -> list[str]:
             f"{doc['load'][1]:.2f} at the end", f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU)"]
 
 
+def benchmark_start(args):
+    """A benchmark's start: torch's threads set from ``args.threads`` (None: torch's own, recorded back), the load
+    average now, and the model ``args.model`` / ``args.gguf_file`` (float32, CPU): ``(model, tokenizer, load)``."""
+    import torch
+
+    from kvquant.runner.config import ModelConfig
+    from kvquant.scoring.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    load = os.getloadavg()[0]
+    model, tokenizer = load_model(ModelConfig(path=args.model, gguf_file=args.gguf_file or None, dtype="float32",
+                                              device="cpu"))
+    return model, tokenizer, load
+
+
+def benchmark_doc(script: str, argv, args, load: float, **fields) -> dict:
+    """A benchmark's document: its command (``script`` with ``argv``, else this process's), environment, ``args``,
+    ``fields`` and the load average at its start and now."""
+    import sys
+
+    return {"command": "python " + " ".join(sys.argv if argv is None else [script, *argv]),
+            "environment": environment(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            **fields, "load": [load, os.getloadavg()[0]]}
+
+
 def write_benchmark(out: Path, doc: dict, render) -> None:
     """A benchmark's ``results.json`` (``doc``, noting whether hand-written ``NOTES.md`` sit beside it) and its
     ``report.md`` (``render(doc)``, also printed) into ``out``."""

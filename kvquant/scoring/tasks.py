@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import stat
-import warnings
 import tempfile
 from importlib import metadata
 from pathlib import Path
