@@ -38,7 +38,8 @@ import torch
 from kvquant.cache import CacheSpec
 from kvquant.errors import InternalError
 from kvquant.runner.preview import recorded_requests
-from kvquant.runner.report import benchmark_doc, benchmark_lines, benchmark_start, write_benchmark
+from kvquant.runner.report import (benchmark_doc, benchmark_end, benchmark_lines, benchmark_parser, benchmark_start,
+                                   write_benchmark)
 from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scorer
 
@@ -116,15 +117,11 @@ def render(doc: dict) -> str:
               f"at chunk {a['chunk_size']} the scorer's own count, checked equal to the plan. Only whole chunks fed "
               "from the first token are shared, so each document keeps the chunk boundaries (and key groups) it "
               "has alone: a larger chunk shares less of the prefix."]
-    if doc.get("notes"):
-        lines += ["", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
-    return "\n".join(lines) + "\n"
+    return benchmark_end(lines, doc)
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
-    parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--task", default="arc_easy")
     parser.add_argument("--limit", type=int, default=24, help="documents")
     parser.add_argument("--first", type=int, default=26, help="the first document measured")

@@ -40,7 +40,8 @@ import torch
 
 from kvquant.cache import CacheSpec
 from kvquant.runner.preview import recorded_requests
-from kvquant.runner.report import benchmark_doc, benchmark_lines, benchmark_start, write_benchmark
+from kvquant.runner.report import (benchmark_doc, benchmark_end, benchmark_lines, benchmark_parser, benchmark_start,
+                                   write_benchmark)
 from kvquant.scoring.scorer import Scorer, _cut
 
 TASKS = ("arc_easy", "hellaswag", "piqa", "lambada_openai")
@@ -144,15 +145,11 @@ def render(doc: dict) -> str:
         meets = "-" if name == BARE else ("yes" if r["median"] >= TARGET else "**no**")
         lines.append(f"| {name} | {v['tokens_per_s']:.0f} | **{r['median']:.2f}x** ({r['min']:.2f}-{r['max']:.2f}) "
                      f"| {v['max_abs_loglik_diff']:.2e} | {meets} |")
-    if doc.get("notes"):
-        lines += ["", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
-    return "\n".join(lines) + "\n"
+    return benchmark_end(lines, doc)
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
-    parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS))
     parser.add_argument("--limit", type=int, default=20, help="documents per task")
     parser.add_argument("--batch-size", type=int, default=16)

@@ -89,6 +89,23 @@ def benchmark_lines(doc: dict, title: str) -> list[str]:
             f"{doc['load'][1]:.2f} at the end", f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU)"]
 
 
+def benchmark_parser(description: str):
+    """A benchmark script's argument parser, with the model options every benchmark on a real model takes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
+    parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return parser
+
+
+def benchmark_end(lines: list[str], doc: dict) -> str:
+    """A benchmark report's text: ``lines``, then a pointer to hand-written notes where ``doc`` has them."""
+    if doc.get("notes"):
+        lines = [*lines, "", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
+    return "\n".join(lines) + "\n"
+
+
 def benchmark_start(args):
     """A benchmark's start: torch's threads set from ``args.threads`` (None: torch's own, recorded back), the load
     average now, and the model ``args.model`` / ``args.gguf_file`` (float32, CPU): ``(model, tokenizer, load)``."""
