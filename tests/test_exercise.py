@@ -8,7 +8,8 @@ import torch
 
 from kvquant.cache import CacheSpec, build_cache, make_cache
 from kvquant.scoring.data import Window
-from kvquant.scoring.scorer import Scorer, divergence_samples
+from kvquant.scoring.divergence import divergence_samples
+from kvquant.scoring.scorer import Scorer
 from kvquant.cache.reads import Reads, causal_counts
 
 

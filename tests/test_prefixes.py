@@ -159,3 +159,70 @@ def test_lm_eval_first_n_examples_shared_score_what_each_document_scores_alone(m
     assert parts[0][0] == e1 and parts[1][0] == e0 and parts[0][1] == parts[1][1] not in (e0, e1)
     assert all(p[:2] == [e0, e1] for p in parts[2:]) and len({p[-1] for p in parts}) == len(parts)
     assert parts[0][-1].split("\nAnswer:")[0] == e0.split("\nAnswer:")[0]  # document 0 asks E0's question
+
+
+def test_chunks_above_a_branch_are_fed_once(monkeypatch):
+    """Contexts part after [1, 2], then each pair again after [3, 4] or [5, 6]: [1, 2] is nobody's start but the
+    branch both pairs start below, so it is fed once (was: once per branch, and fed != model_tokens)."""
+    model = _model()
+    requests = [([1, 2, 3, 4, 9], [7]), ([1, 2, 3, 4, 10], [7]), ([1, 2, 5, 6, 9], [7]), ([1, 2, 5, 6, 10], [7])]
+    steps = []
+    original = scoring._Batch.step
+    monkeypatch.setattr(scoring._Batch, "step", lambda self, tokens, *args, **kwargs:
+                        steps.append(tokens) or original(self, tokens, *args, **kwargs))
+    scorer = Scorer(model, kvquant.CacheSpec.of("int4", {"group_size": 2, "residual_length": 0}),
+                    mode="streaming", chunk_size=2, batch_size=1)
+    shared = scorer.score_many(requests)
+    assert scorer.fed == model_tokens(requests, "streaming", 2, True) == 2 + 2 + 2 + 4
+    assert steps[:3] == [[[1, 2]], [[3, 4]], [[5, 6]]] or steps[:3] == [[[1, 2]], [[5, 6]], [[3, 4]]]
+    monkeypatch.undo()
+    alone = Scorer(model, kvquant.CacheSpec.of("int4", {"group_size": 2, "residual_length": 0}), mode="streaming",
+                   chunk_size=2, batch_size=1, share_prefix=False).score_many(requests)
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(shared, alone))
+
+
+def test_shared_caches_are_freed_once_their_last_context_has_copied_them(monkeypatch):
+    """Like WinoGrande with fixed examples: every document's two contexts share the examples and then the document's
+    own chunks. The caches of shared chunks are dropped as soon as nothing still starts from them (were all kept
+    until the call returned: one per document, each a whole copy of its prefix)."""
+    gen = torch.Generator().manual_seed(4)
+    shots = torch.randint(0, 64, (12,), generator=gen).tolist()
+    requests = []
+    for _ in range(10):
+        own = torch.randint(0, 64, (8,), generator=gen).tolist()
+        for option in range(2):
+            requests.append((shots + own + [option, 60 + option], [5, 6]))
+    alive, made = [], []
+
+    class Counted(scoring._Nodes):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+        def cache(self, node):
+            out = super().cache(node)
+            alive.append(len(self.built))
+            return out
+
+    monkeypatch.setattr(scoring, "_Nodes", Counted)
+    scorer = Scorer(_model(), kvquant.CacheSpec.of("int4", {"group_size": 4, "residual_length": 0}),
+                    mode="streaming", chunk_size=4, batch_size=4)
+    scorer.score_many(requests)
+    assert len(made[0].kept) == 11  # the examples' last chunk, then each document's own
+    assert made[0].built == {} and max(alive) <= 3
+    assert scorer.fed == model_tokens(requests, "streaming", 4, True)
+
+
+def test_the_sampler_is_part_of_a_task_results_key(tiny_config, model):
+    """A first_n result is never reused for a run with lm-eval's per-document draws, or the other way round (was:
+    the key held the shots only)."""
+    from kvquant.runner.expected import Expected
+
+    keys = []
+    for sampler in ("default", "first_n"):
+        cfg = tiny_config("keys", candidates=[{"quantizer": "int8"}],
+                          eval={"mode": "streaming", "tasks": {"names": ["arc_easy"], "limit": 4, "num_fewshot": 2,
+                                                               "fewshot_sampler": sampler}})
+        keys.append(Expected(cfg, model.config, 512).inputs("baseline", "task/arc_easy"))
+    assert "fewshot_sampler" not in keys[0] and keys[1]["fewshot_sampler"] == "first_n"
+    assert {k: v for k, v in keys[1].items() if k != "fewshot_sampler"} == keys[0]

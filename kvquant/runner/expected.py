@@ -23,7 +23,7 @@ from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig, St
 from kvquant.runner.search import CALIBRATION_BASELINE, calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
-from kvquant.scoring.session import BASELINE, described, evaluation_split, probe_tokens, shares_prefix
+from kvquant.scoring.session import BASELINE, described, evaluation_split, probe_tokens, sampler_key, shares_prefix
 from kvquant.scoring.tasks import task_data_digest
 
 
@@ -176,7 +176,8 @@ class Expected:
             which = {"limit": cfg.eval.tasks.limit_for(task)}
         if which is None:
             raise NotThisRun(f"this config's run measures no {metric} of {label}")
-        return {"task": task, **which, "num_fewshot": cfg.eval.tasks.fewshot_for(task), "data": task_data_digest(task)}
+        return {"task": task, **which, "num_fewshot": cfg.eval.tasks.fewshot_for(task), **sampler_key(cfg),
+                "data": task_data_digest(task)}
 
     def _calibration(self, label: str) -> dict:
         """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.calibrated` keys them)."""

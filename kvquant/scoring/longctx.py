@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from kvquant.cache.reads import Reads
 from kvquant.errors import InternalError, KVQuantError
-from kvquant.scoring.scorer import Scorer, _Batch, position_terms
+from kvquant.scoring.divergence import position_terms
+from kvquant.scoring.scorer import Scorer, _Batch
 
 
 def position_divergences(baseline: Scorer, candidates: list[Scorer], documents: list[list[int]],

@@ -72,6 +72,24 @@ def shared_starts(prefixes: list[list[list[int]]]) -> list[Start]:
     return starts
 
 
+def kept_nodes(starts: list[Start]) -> dict[int, Node]:
+    """The nodes whose caches a scorer keeps (by id): every node a context starts from, and every node where the
+    paths to two of those part (its chunks are fed once for both, not again for each)."""
+    below: dict[int, set[int]] = {}  # node id -> its children that lead to a start
+    nodes: dict[int, Node] = {}
+    for start in starts:
+        node = start.node
+        if node is None:
+            continue
+        nodes[id(node)] = node
+        while node.parent is not None and node.parent.parent is not None:
+            below.setdefault(id(node.parent), set()).add(id(node))
+            nodes.setdefault(id(node.parent), node.parent)
+            node = node.parent
+    starting = {id(s.node) for s in starts if s.node is not None}
+    return {i: n for i, n in nodes.items() if i in starting or len(below.get(i, ())) > 1}
+
+
 def fed_tokens(prefixes: list[list[list[int]]]) -> int:
     """Tokens the prefill of these prefixes feeds when shared chunks are fed once (each distinct node of the trie
     once), against ``sum`` of every prefix's own tokens unshared."""

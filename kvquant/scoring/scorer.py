@@ -34,9 +34,9 @@ from tqdm import tqdm
 
 from kvquant.cache import CacheSpec, KVQuantCache, make_cache, stack_rows
 from kvquant.scoring.data import Window
-from kvquant.errors import InternalError, KVQuantError, check_int
+from kvquant.errors import KVQuantError, check_int
 from kvquant.scoring.parallel import ONE, Processes
-from kvquant.scoring.prefixes import Node, Start, chunked, shared_starts
+from kvquant.scoring.prefixes import Node, Start, chunked, kept_nodes, shared_starts
 from kvquant.cache.reads import Reads
 
 MODES = ("simulated", "streaming")
@@ -165,25 +165,44 @@ class _Batch:
 
 
 class _Nodes:
-    """The caches holding shared chunks (:mod:`kvquant.scoring.prefixes`) of one ``score_many`` call, each prefilled
-    once, when first needed, from the cache of the nearest shared node above it (``starts``: the nodes contexts
-    start from, by id; the chunks between two of them are fed in one cache)."""
+    """The caches holding shared chunks (:mod:`kvquant.scoring.prefixes`) of one ``score_many`` call: each kept
+    node (``kept``, by id) is prefilled once, when first needed, from the cache of the nearest kept node above it,
+    and dropped once every context and node that starts from it has taken its copy (``use`` counts them)."""
 
-    def __init__(self, scorer: Scorer, starts: dict[int, Node]):
-        self.scorer, self.starts, self.built = scorer, starts, {}
+    def __init__(self, scorer: Scorer, starts: list[Start]):
+        self.scorer, self.kept, self.built = scorer, kept_nodes(starts), {}
+        self.users = dict.fromkeys(self.kept, 0)
+        for start in starts:
+            if start.node is not None:
+                self.users[id(start.node)] += 1
+        for node in self.kept.values():
+            if (above := self._above(node)) is not None:
+                self.users[id(above)] += 1
+
+    def _above(self, node: Node) -> Node | None:
+        above = node.parent
+        while above is not None and id(above) not in self.kept:
+            above = above.parent
+        return above
 
     def cache(self, node: Node) -> KVQuantCache:
-        """The 1-row cache that holds ``node``'s chunks; never written to afterwards (rows continue in forks)."""
+        """The 1-row cache that holds ``node``'s chunks; never written to afterwards (rows continue in copies)."""
         if id(node) not in self.built:
-            above = node.parent
-            while above is not None and id(above) not in self.starts:
-                above = above.parent
+            above = self._above(node)
             cache = self.scorer._new_cache() if above is None else stack_rows([(self.cache(above), 0)])
+            if above is not None:
+                self.use(above)
             runner = _Batch(self.scorer.model, cache, 1, self.scorer.tally)
             for chunk in node.path(above):
                 runner.step([chunk])
             self.built[id(node)] = cache
         return self.built[id(node)]
+
+    def use(self, node: Node) -> None:
+        """One context or node has copied ``node``'s cache: the last one frees it."""
+        self.users[id(node)] -= 1
+        if not self.users[id(node)]:
+            self.built.pop(id(node), None)
 
 
 class Scorer:
@@ -276,7 +295,7 @@ class Scorer:
         prefixes = [self._plan(*requests[members[0]])[0] for members in order]
         fresh = map(functools.partial(Start, None), prefixes)
         starts = dict(zip(map(id, order), shared_starts(prefixes) if share and self.share_chunks else fresh))
-        nodes = _Nodes(self, {id(s.node): s.node for s in starts.values() if s.node is not None})
+        nodes = _Nodes(self, list(starts.values()))
         before = self.reads.to_dict()
         # A pool holds at most POOL_BATCHES batches of rows and batch_size chunks of context (what one batch of
         # contexts could hold), or a single group whose own context chunks (after what it shares) are more than one.
@@ -336,12 +355,16 @@ class Scorer:
                 run = short[start : start + size]
                 start += size
                 cache = stack_rows([(nodes.cache(starts[g].node), 0) for g in run]) if after else self._new_cache()
+                for g in run if after else ():
+                    nodes.use(starts[g].node)
                 _Batch(self.model, cache, len(run), self.tally).step([starts[g].rest[0] for g in run], pad_first=True)
                 for row, g in enumerate(run):
                     where[g] = (cache, row)
         for g, start in enumerate(starts):
             if len(start.rest) > 1 or (not start.rest and start.node is not None):
                 cache = self._new_cache() if start.node is None else stack_rows([(nodes.cache(start.node), 0)])
+                if start.node is not None:
+                    nodes.use(start.node)
                 runner = _Batch(self.model, cache, 1, self.tally)
                 for chunk in start.rest:
                     runner.step([chunk])
@@ -410,80 +433,10 @@ def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str = "perpl
             "reads": scorer.reads.to_dict(), "lengths": scorer.lengths}
 
 
-#: Scored positions x vocabulary entries held at once per scorer while comparing distributions (float32: 1 GiB).
-DISTRIBUTION_ELEMENTS = 2**28
-
-
-def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window], desc: str | None = None) -> dict:
-    """Per window: the per-token KL divergence ``KL(baseline || candidate)`` of the next-token distributions (nats,
-    ``kl[w][t]``), how many positions keep the baseline's most likely token (``top1``), the positions (``tokens``)
-    and the candidate's summed negative log-likelihood of the window's tokens (``nll``: its perplexity, from the
-    same scoring). :func:`divergences` of one candidate."""
-    return divergences(baseline, [candidate], windows, desc)[0]
-
-
-def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window],
-                desc: str | None = None) -> list[dict]:
-    """:func:`divergence_samples` of every candidate scorer against one baseline pass: windows go through the
-    baseline a few at a time, then through each candidate, so at most :data:`DISTRIBUTION_ELEMENTS` log-probabilities
-    per scorer are held at once (two scorers' worth: never a run's logits), and the baseline is scored once for all
-    of them. Under several processes each compares the windows it scored (the scorers share requests out alike) and
-    only the comparisons are gathered."""
-    scorers = [baseline, *candidates]
-    for scorer in scorers:
-        scorer.distributions = True
-    found: list[dict[int, tuple[list[float], int, int, float]]] = [{} for _ in candidates]
-    requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
-    try:
-        longest = max((len(c) for _, c in requests), default=1)
-        step = max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab))
-        for start in tqdm(range(0, len(requests), step), desc=desc, leave=False,
-                          disable=desc is None or not baseline.processes.main):
-            group = requests[start : start + step]
-            reference = baseline.score_many(group, local=True)
-            for own, candidate in zip(found, candidates):
-                for i, (ref, got) in enumerate(zip(reference, candidate.score_many(group, local=True)), start):
-                    if (ref is None) != (got is None):
-                        raise InternalError("the baseline and a candidate scorer shared their requests out differently")
-                    if ref is not None:
-                        own[i] = (*_compare(ref.distribution, got.distribution), float(-got.logprobs.double().sum()))
-    finally:
-        for scorer in scorers:
-            scorer.distributions = False
-    out = []
-    for own, candidate in zip(found, candidates):
-        for part in candidate.processes.gather(own):
-            own.update(part)
-        kl, top1, tokens, nll = zip(*(own[i] for i in range(len(requests)))) if requests else ((),) * 4
-        out.append({"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "nll": list(nll),
-                    "reads": candidate.reads.to_dict(), "lengths": candidate.lengths})
-    return out
-
-
 def vocabulary(model) -> int:
     """Entries of ``model``'s next-token distribution (its output layer's rows, else its config's vocabulary)."""
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
-
-
-def _compare(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], int, int]:
-    """Per-position KL divergence of ``got`` from ``reference`` (logits ``[positions, vocab]``), how many positions
-    keep the reference's most likely token, and the positions."""
-    kl, top1 = position_terms(reference, got)
-    return kl, sum(top1), len(kl)
-
-
-def position_terms(reference: torch.Tensor, got: torch.Tensor) -> tuple[list[float], list[int]]:
-    """Per position of logits ``[positions, vocab]``: ``KL(softmax(reference) || softmax(got))`` in nats (float64),
-    and 1 where ``got``'s most likely token is ``reference``'s (else 0); :data:`SOFTMAX_ROWS` positions at a time."""
-    kl, top1 = [], []
-    for ref, new in zip(reference.split(SOFTMAX_ROWS), got.split(SOFTMAX_ROWS)):
-        p = ref.double().log_softmax(-1)
-        q = new.double().log_softmax(-1)
-        terms = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q))  # 0 log 0 = 0
-        kl += terms.sum(-1).clamp(min=0).tolist()  # >= 0 in exact arithmetic; rounding may dip below
-        top1 += (p.argmax(-1) == q.argmax(-1)).int().tolist()
-    return kl, top1
 
 
 @torch.inference_mode()

@@ -25,7 +25,8 @@ from kvquant.scoring import data
 from kvquant.scoring import parallel
 from kvquant.runner.config import Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
-from kvquant.scoring.scorer import Scorer, divergences, memory_probe, perplexity_samples
+from kvquant.scoring.divergence import divergences
+from kvquant.scoring.scorer import Scorer, memory_probe, perplexity_samples
 from kvquant.scoring.models import max_length
 from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, long_outcomes,
     perplexity_outcomes, task_outcomes)
@@ -107,6 +108,13 @@ def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: 
                                       bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                       torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     return name, out
+
+
+def sampler_key(cfg: ExperimentConfig) -> dict:
+    """The few-shot sampler in a task result's key where it is not lm-eval's default (whose results keep the keys
+    they had before the sampler could be chosen)."""
+    sampler = cfg.eval.tasks.fewshot_sampler
+    return {} if sampler == "default" else {"fewshot_sampler": sampler}
 
 
 def task_size(session: Session, task: str) -> int:
@@ -322,7 +330,7 @@ class Session:
         raw = self.store.get_or_compute(
             label, f"task/{task}{part}", {**key, "task": task, **which,
                                           "num_fewshot": cfg.eval.tasks.fewshot_for(task),
-                                          "data": task_data_digest(task)},
+                                          **sampler_key(cfg), "data": task_data_digest(task)},
             lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
                              list(documents) if documents is not None else None))
         outcomes = task_outcomes(task, raw, gated_metric(task), self._bits(candidate, raw.get("lengths", [])))
