@@ -226,3 +226,25 @@ def test_the_sampler_is_part_of_a_task_results_key(tiny_config, model):
         keys.append(Expected(cfg, model.config, 512).inputs("baseline", "task/arc_easy"))
     assert "fewshot_sampler" not in keys[0] and keys[1]["fewshot_sampler"] == "first_n"
     assert {k: v for k, v in keys[1].items() if k != "fewshot_sampler"} == keys[0]
+
+
+@pytest.mark.parametrize("task", ["arc_easy", "hellaswag", "piqa"])
+def test_first_n_leaves_a_document_out_of_its_own_examples(task):
+    """The offline copies draw their examples from the evaluated split: the first documents are among the first
+    examples, and each is left out of its own prompt (its question appears once, as the question), so every
+    document's prompt asks it with the answer nowhere before."""
+    from kvquant.scoring.task_setup import lm_eval_task
+    from kvquant.scoring.tasks import task_dir
+
+    found = lm_eval_task(task, task_dir(), "first_n")
+    found.set_config(key="num_fewshot", value=3)
+    found.set_fewshot_seed(seed=1234)
+    found.build_all_requests(limit=6, rank=0, world_size=1)
+    prompts = {i.doc_id: i.args[0] for i in found.instances}
+    docs = list(found.eval_docs)
+    assert len(prompts) == 6
+    for doc_id, prompt in prompts.items():
+        own = found.doc_to_text(docs[doc_id])
+        assert prompt.count(own) == 1 and prompt.endswith(own), (task, doc_id)
+    later = [p[: len(p) - len(found.doc_to_text(docs[d]))] for d, p in prompts.items() if d > 3]
+    assert len(set(later)) == 1  # past the examples' pool, one prefix
