@@ -72,8 +72,9 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
      "eval.tasks.fewshot_sampler: 'first_n' draws few-shot examples, and num_fewshot gives no task any"),
     ("sampler-unknown", ["eval.tasks.names=[arc_easy]", "eval.tasks.num_fewshot=2", "eval.tasks.fewshot_sampler=first"],
      "eval.tasks.fewshot_sampler must be one of ['default', 'first_n'], got 'first'"),
-    ("shared-prefix-beyond-the-context", ["eval.tasks.names=[arc_easy]", "eval.tasks.num_fewshot=40",
-                                          "eval.tasks.fewshot_sampler=first_n", "eval.mode=streaming"],
+    ("shared-prefix-beyond-the-context", ["eval.tasks.names=[arc_easy]", "eval.tasks.limit=4",
+                                          "eval.tasks.num_fewshot=40", "eval.tasks.fewshot_sampler=first_n",
+                                          "eval.mode=streaming"],
      "task 'arc_easy' with 40 few-shot examples needs contexts of up to "),
     # names that become file names: were OSError "File name too long" (exit 3, the set's after a measurement)
     ("run-name-long", [f"name={LONG}"], "name 'aaaaaaaaaaaaaaaaaaaaaaaa'... is 300 bytes long"),
