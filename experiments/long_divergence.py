@@ -15,7 +15,8 @@ measuring (the measuring code may have changed since: the documents' keys hold i
 
 Resumable: each document's numbers are kept in ``OUT/documents/doc-N.json`` (with the inputs they came from; a file
 of other inputs is measured again), so an interrupted run goes on where it stopped. Writes ``OUT/results.json``
-and ``OUT/report.md`` (command, machine, date).
+and ``OUT/report.md`` (command, machine, date), and ``OUT/kl.png`` (each candidate's mean KL per position bucket with
+its interval, against the bucket's end).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvquant.runner.config import load_config
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
 from kvquant.runner.positions import EDGES, bucket_means, buckets, trend
 from kvquant.runner.report import code_version, environment
+from kvquant.runner.report_plots import _png, _pyplot
 from kvquant.scoring.data import windows
 from kvquant.scoring.longctx import position_divergences
 from kvquant.scoring.models import load_model, load_tokenizer
@@ -109,6 +111,39 @@ def length_verdicts(doc: dict, limit: float) -> dict[str, str]:
     return out
 
 
+def curves(doc: dict) -> dict[str, tuple[list[int], list[float], list[float], list[float]]]:
+    """Per candidate, what ``kl.png`` draws: ``(bucket ends, mean KL, interval low, interval high)``."""
+    return {label: tuple([k[f] for k in r["kl"]] for f in ("stop", "mean", "low", "high"))
+            for label, r in doc["candidates"].items()}
+
+
+def plot(doc: dict) -> bytes:
+    """``kl.png``: mean KL per position bucket (log scale) against the bucket's end, with its 95% interval, one
+    line per candidate, and the limit of ``--max-kl-divergence`` when given."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4.5))
+    for label, (ends, mean, low, high) in curves(doc).items():
+        below = [max(m - lo, 0) for m, lo in zip(mean, low)]
+        above = [max(hi - m, 0) for m, hi in zip(mean, high)]
+        ax.errorbar(ends, mean, yerr=[below, above], fmt="o-", capsize=3, label=label)
+    if doc.get("max_kl_divergence") is not None:
+        ax.axhline(doc["max_kl_divergence"], color="red", ls="--", lw=1, label="limit")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("position bucket end (tokens)")
+    ax.set_ylabel("mean KL divergence from the baseline (nats)")
+    ax.set_title(f"{doc['documents']} windows of up to {doc['max_length']} tokens")
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
+def write(out: Path, doc: dict) -> None:
+    """``results.json``, ``report.md`` and ``kl.png`` under ``out``; the report is printed too."""
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    (out / "report.md").write_text(render(doc))
+    (out / "kl.png").write_bytes(plot(doc))
+    print(render(doc))
+
+
 def render(doc: dict) -> str:
     env = doc["environment"]
     lines = ["# KL divergence by position", "", f"- command: `{doc['command']}`",
@@ -125,6 +160,7 @@ def render(doc: dict) -> str:
         lines += [f"Longest context shown safe at mean KL <= {limit} nats per position (every bucket up to it, 95% "
                   "interval; the gate's rule):", "", "| candidate | longest context |", "|---|---|",
                   *(f"| {label} | {text} |" for label, text in length_verdicts(doc, limit).items()), ""]
+    lines += ["![mean KL by position bucket, 95% intervals](kl.png)", ""]
     for label, r in doc["candidates"].items():
         t = r["trend"]
         lines += [f"## {label}", "", f"Trend: x{t['factor']:.3f} per doubling [{t['low']:.3f}, {t['high']:.3f}]: "
@@ -158,9 +194,7 @@ def main(argv=None):
     if args.render_only:
         doc = {**json.loads((args.out / "results.json").read_text()), "max_kl_divergence": args.max_kl_divergence,
                "rendered": "python " + " ".join(sys.argv)}
-        (args.out / "results.json").write_text(json.dumps(doc, indent=1))
-        (args.out / "report.md").write_text(render(doc))
-        print(render(doc))
+        write(args.out, doc)
         return
     cfg = load_config(args.config, args.set)
     per_doc = measure(cfg, args)
@@ -170,9 +204,7 @@ def main(argv=None):
            "max_length": spec.max_length, "source": spec.source or spec.hub, "chunk_size": cfg.eval.chunk_size,
            "seconds": sum(d["_seconds"] for d in per_doc), "edges": list(edges),
            "candidates": summarise(cfg, per_doc, edges), "max_kl_divergence": args.max_kl_divergence}
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
-    (args.out / "report.md").write_text(render(doc))
-    print(render(doc))
+    write(args.out, doc)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
         assert doc["candidates"][label]["kl"][0]["mean"] == pytest.approx(want.mean, rel=1e-12)
     assert 0 < doc["candidates"]["int8"]["kl"][0]["mean"] < doc["candidates"]["int2"]["kl"][0]["mean"]
     assert "| 0-300 | 2 |" in (out / "report.md").read_text()
+    ends, mean, low, high = script.curves(doc)["int2"]  # what kl.png draws: the buckets above
+    assert (ends, mean) == ([300], [doc["candidates"]["int2"]["kl"][0]["mean"]]) and low[0] <= mean[0] <= high[0]
+    assert (out / "kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](kl.png)" in (out / "report.md").read_text()
 
     monkeypatch.setattr(script, "load_model", lambda *a: pytest.fail("a rerun loaded the model"))
     script.main([str(config), "--out", str(out), "--max-kl-divergence", "0.05"])
