@@ -10,7 +10,7 @@ import transformers
 
 import kvquant
 from kvquant.scoring import scorer as scoring
-from kvquant.scoring.prefixes import chunked, fed_tokens, model_tokens, shared_starts
+from kvquant.scoring.prefixes import chunked, fed_tokens, kept_nodes, model_tokens, nested_order, shared_starts
 from kvquant.scoring.scorer import Scorer
 
 
@@ -30,6 +30,35 @@ def test_starts_are_the_deepest_chunks_another_context_also_begins_with():
     # nothing in common: every context starts fresh and is fed whole
     alone = shared_starts([[a, b], [b, a], []])
     assert [(s.node, s.rest) for s in alone] == [(None, [a, b]), (None, [b, a]), (None, [])]
+
+
+def test_contexts_sharing_a_kept_node_come_one_after_another():
+    a, x, y = [1], [2], [4]
+    # 0 and 3 share [a, x], 2 and 4 share [a, y], both pairs share [a] (where their paths part), 1 shares nothing
+    prefixes = [[a, x, [3]], [[9]], [a, y, [5]], [a, x, [6]], [a, y, [7]]]
+    assert nested_order(shared_starts(prefixes)) == [0, 3, 2, 4, 1]
+    assert nested_order(shared_starts([[a], [x], [y]])) == [0, 1, 2]  # no kept node: the order given
+    assert nested_order(shared_starts([])) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_nested_order_keeps_every_kept_nodes_contexts_together(seed):
+    gen = torch.Generator().manual_seed(seed)
+    prefixes = [[[int(t)] for t in torch.randint(0, 3, (int(torch.randint(0, 6, (1,), generator=gen)),),
+                                                  generator=gen)] for _ in range(40)]
+    starts = shared_starts(prefixes)
+    order = nested_order(starts)
+    assert sorted(order) == list(range(len(starts)))
+    where = {i: p for p, i in enumerate(order)}
+    for key, node in kept_nodes(starts).items():  # the contexts starting at or below a kept node: one run
+        below = []
+        for i, start in enumerate(starts):
+            up = start.node
+            while up is not None and id(up) != key:
+                up = up.parent
+            if up is not None:
+                below.append(where[i])
+        assert below and max(below) - min(below) == len(below) - 1, (seed, node.path())
 
 
 def _model(sliding: int | None = None):
@@ -181,17 +210,19 @@ def test_chunks_above_a_branch_are_fed_once(monkeypatch):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(shared, alone))
 
 
-def test_shared_caches_are_freed_once_their_last_context_has_copied_them(monkeypatch):
+@pytest.mark.parametrize("documents", [10, 60])
+def test_shared_caches_are_freed_once_their_last_context_has_copied_them(monkeypatch, documents):
     """Like WinoGrande with fixed examples: every document's two contexts share the examples and then the document's
-    own chunks. The caches of shared chunks are dropped as soon as nothing still starts from them (were all kept
-    until the call returned: one per document, each a whole copy of its prefix)."""
+    own chunks, and end in options of 2 and 5 tokens. The caches of shared chunks are dropped as soon as nothing
+    still starts from them, and a document's contexts are scored together, so the caches alive at once do not grow
+    with the documents (were all kept until the call returned; then, with contexts ordered by length alone, each
+    document's cache lived until its other option came up: one per document)."""
     gen = torch.Generator().manual_seed(4)
     shots = torch.randint(0, 64, (12,), generator=gen).tolist()
     requests = []
-    for _ in range(10):
+    for _ in range(documents):
         own = torch.randint(0, 64, (8,), generator=gen).tolist()
-        for option in range(2):
-            requests.append((shots + own + [option, 60 + option], [5, 6]))
+        requests += [(shots + own + [0, 60], [5, 6]), (shots + own + [1, 61, 62, 63, 60], [5, 6])]
     alive, made = [], []
 
     class Counted(scoring._Nodes):
@@ -205,12 +236,15 @@ def test_shared_caches_are_freed_once_their_last_context_has_copied_them(monkeyp
             return out
 
     monkeypatch.setattr(scoring, "_Nodes", Counted)
-    scorer = Scorer(_model(), kvquant.CacheSpec.of("int4", {"group_size": 4, "residual_length": 0}),
-                    mode="streaming", chunk_size=4, batch_size=4)
-    scorer.score_many(requests)
-    assert len(made[0].kept) == 11  # the examples' last chunk, then each document's own
-    assert made[0].built == {} and max(alive) <= 3
+    spec = kvquant.CacheSpec.of("int4", {"group_size": 4, "residual_length": 0})
+    scorer = Scorer(_model(), spec, mode="streaming", chunk_size=4, batch_size=4)
+    shared = scorer.score_many(requests)
+    assert len(made[0].kept) == documents + 1  # the examples' last chunk, then each document's own
+    assert made[0].built == {} and max(alive) <= 4
     assert scorer.fed == model_tokens(requests, "streaming", 4, True)
+    alone = Scorer(_model(), spec, mode="streaming", chunk_size=4, batch_size=1, share_prefix=False)
+    for a, b in zip(alone.score_many(requests), shared):
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)
 
 
 def test_the_sampler_is_part_of_a_task_results_key(tiny_config, model):

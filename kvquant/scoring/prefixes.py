@@ -90,6 +90,40 @@ def kept_nodes(starts: list[Start]) -> dict[int, Node]:
     return {i: n for i, n in nodes.items() if i in starting or len(below.get(i, ())) > 1}
 
 
+def nested_order(starts: list[Start]) -> list[int]:
+    """The indices of ``starts`` reordered so that the contexts that start from a kept node (:func:`kept_nodes`),
+    or from the kept nodes below it, come one after another: a scorer drops a node's cache once they have all
+    copied it, so the caches alive at once are bounded by how deep kept nodes nest, not by how many documents
+    share chunks (WinoGrande: each document's options share its own chunks). Siblings keep the order of their
+    first member, so a list sorted longest first stays so among them, and one with no kept node is unchanged."""
+    kept = kept_nodes(starts)
+
+    def above(node: Node | None) -> int | None:  # the nearest kept ancestor's id (None: the root)
+        while node is not None and id(node) not in kept:
+            node = node.parent
+        return None if node is None else id(node)
+
+    children: dict[int | None, list[tuple[int, bool, int]]] = {}  # (first member, is a leaf, index or node id)
+    first: dict[int, int] = {}
+    for i, start in enumerate(starts):  # in order, so a node's first member is the first that reaches it
+        key = above(start.node)
+        children.setdefault(key, []).append((i, True, i))
+        while key is not None and key not in first:
+            first[key] = i
+            parent = above(kept[key].parent)
+            children.setdefault(parent, []).append((i, False, key))
+            key = parent
+    out: list[int] = []
+    stack: list[tuple[int, bool, int | None]] = [(0, False, None)]
+    while stack:  # depth first, without recursion (kept nodes may nest as deep as a context has chunks)
+        _, leaf, item = stack.pop()
+        if leaf:
+            out.append(item)
+        else:
+            stack.extend(sorted(children.get(item, ()), reverse=True))
+    return out
+
+
 def fed_tokens(prefixes: list[list[list[int]]]) -> int:
     """Tokens the prefill of these prefixes feeds when shared chunks are fed once (each distinct node of the trie
     once), against ``sum`` of every prefix's own tokens unshared."""

@@ -36,7 +36,7 @@ from kvquant.cache import CacheSpec, KVQuantCache, make_cache, stack_rows
 from kvquant.scoring.data import Window
 from kvquant.errors import KVQuantError, check_int
 from kvquant.scoring.parallel import ONE, Processes
-from kvquant.scoring.prefixes import Node, Start, chunked, kept_nodes, shared_starts
+from kvquant.scoring.prefixes import Node, Start, chunked, kept_nodes, nested_order, shared_starts
 from kvquant.cache.reads import Reads
 
 MODES = ("simulated", "streaming")
@@ -291,6 +291,8 @@ class Scorer:
             groups.setdefault(tuple(context) if share else (i,), []).append(i)
         # longest first: the first pool shows the memory peak at once; similar lengths share pools
         order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
+        if share and self.share_chunks:  # then the contexts sharing chunks together: their caches go soon
+            order = [order[i] for i in nested_order(shared_starts([self._plan(*requests[m[0]])[0] for m in order]))]
         order = self.processes.share(order)
         prefixes = [self._plan(*requests[members[0]])[0] for members in order]
         fresh = map(functools.partial(Start, None), prefixes)
