@@ -73,7 +73,7 @@ def _model_spec(args: dict) -> ModelConfig:
 def check_kvquant_args(model_args: dict) -> None:
     """The model arguments of ``--model kvquant`` (model, device, mode, chunk_size, quantizer and its options),
     by the runner's own checks, without loading the model's weights."""
-    from kvquant.scoring.lm_eval_model import KVQuantLM
+    from kvquant.scoring.lm_eval_model import KVQuantLM, check_sharing
     from kvquant.planner.shapes import check_candidate, shape_from_config
 
     args = dict(model_args)
@@ -86,6 +86,7 @@ def check_kvquant_args(model_args: dict) -> None:
         spec = dataclasses.replace(spec, device="cpu")  # as the kvquant model does: the CPU where no GPU is
     model_config = check_model(spec, keys)
     build(EvalConfig, {k: args.pop(k) for k in EVAL_ARGS if k in args}, "model_args")
+    check_sharing(args.get("share_prefix", True), args.get("share_out", "documents"), "model_args.")
     quantizer = args.pop("quantizer", "fp16")
     for name in inspect.signature(KVQuantLM.__init__).parameters:  # its own (batch_size, ...), checked by it
         args.pop(name, None)

@@ -294,6 +294,8 @@ LM_EVAL_CASES = [
     ("gguf-missing", ["pretrained={data}/models/stories260K,gguf_file=nope.gguf"], "nope.gguf does not exist"),
     ("model-args-no-equals", [f"{HF},int4"], "argument --model_args: expected `key=value`, got 'int4'"),
     ("batch-size-in-model-args", [f"{HF},batch_size=4"], "pass --batch_size 4 instead"),
+    ("share-prefix-maybe", [f"{HF},share_prefix=maybe"], "model_args.share_prefix must be true or false, got 'maybe'"),
+    ("share-out-typo", [f"{HF},share_out=docs"], "model_args.share_out must be one of documents, requests, got 'docs'"),
 ]
 
 

@@ -92,6 +92,17 @@ def batch_rows(batch_size, max_batch_size=None, names: tuple[str, str] = ("batch
     return whole_number(batch_size, names[0], what=what)
 
 
+def check_sharing(share_prefix, share_out: str, prefix: str = "") -> bool:
+    """The model's ``share_prefix`` (true or false, or its text) as a bool, and ``share_out`` checked to be one of
+    :data:`SHARE_OUT`; else one line (names prefixed with ``prefix``, e.g. ``model_args.``)."""
+    share_prefix = parse_value(share_prefix)
+    if not isinstance(share_prefix, bool):
+        raise KVQuantError(f"{prefix}share_prefix must be true or false, got {share_prefix!r}")
+    if share_out not in SHARE_OUT:
+        raise KVQuantError(f"{prefix}share_out must be one of {', '.join(SHARE_OUT)}, got {share_out!r}")
+    return share_prefix
+
+
 @register_model("kvquant")
 class KVQuantLM(TemplateLM):
     def __init__(
@@ -113,18 +124,15 @@ class KVQuantLM(TemplateLM):
         **cache_options,
     ):
         super().__init__()
-        chunk_size, max_length, share_prefix = map(parse_value, (chunk_size, max_length, share_prefix))
+        chunk_size, max_length = map(parse_value, (chunk_size, max_length))
+        share_prefix = check_sharing(share_prefix, share_out)
         batch_size = batch_rows(batch_size, max_batch_size)
         check_mode(mode, chunk_size)
-        if not isinstance(share_prefix, bool):
-            raise KVQuantError(f"share_prefix must be true or false, got {share_prefix!r}")
         if max_length is not None:
             check_int("max_length", max_length, minimum=2)
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
             device = "cpu"
-        if share_out not in SHARE_OUT:
-            raise KVQuantError(f"share_out must be one of {', '.join(SHARE_OUT)}, got {share_out!r}")
         group = parallel.current()
         if group.world > 1:  # launched with several processes: this one scores its share
             if device_map:
