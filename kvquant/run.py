@@ -258,12 +258,12 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
-                  planned: dict[str, int]) -> dict:
+                  planned: dict[str, int]) -> tuple[dict, dict[str, int]]:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
     has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
     (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
     already scored; then judge again. ``planned``: per gated task, the looks planned. Returns the results with every
-    look."""
+    look, and the size (documents) of each task it looked to extend."""
     cfg, sizes = session.cfg, {}
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
@@ -288,7 +288,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
             if nxt is not None and nxt > scored:
                 grown[task] = (range(scored, nxt), labels)
         if not grown:
-            return results
+            return results, sizes
         for task, (docs, labels) in grown.items():
             if session.processes.main:
                 print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
@@ -321,10 +321,12 @@ def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[
 
 
 def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: dict,
-              warnings: list[str], store_seconds: dict | None = None) -> tuple[list, Decision, str | None]:
+              warnings: list[str], store_seconds: dict | None = None,
+              sizes: dict[str, int] | None = None) -> tuple[list, Decision, str | None]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
     that does not pass, which is returned too; None: every stage passes, or no stages); ``store_seconds``: how long
-    each result took (:attr:`ResultStore.seconds`), to state how long more documents would take."""
+    each result took (:attr:`ResultStore.seconds`), to state how long more documents would take; ``sizes``:
+    documents per task where known, to state where more would be needed than a task holds."""
     store_seconds = store_seconds or {}
     table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
     for row in table:
@@ -337,7 +339,7 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
             warn(warnings, f"{label} holds {b:.2f} bits/element, no fewer than the baseline, after "
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
-    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table)), None
+    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet
@@ -380,11 +382,11 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     if plan.staged:
         staged = serve_stages(session, rows)
     candidates = [chosen[label] for label in plan.candidates]
-    results = measure(session, candidates, rows)
+    results, sizes = measure(session, candidates, rows), {}
     if plan.looks:
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
-        results = add_documents(session, candidates, rows, results, bits, plan.looks)
-    table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds)
+        results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks)
+    table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
     staged = staged and dataclasses.replace(staged, first_failing=first)
     # under a launcher a process's code other than 0 reads as a crash (torchrun stops the run and prints a failure
     # report), so each process of several ends 0 once the run is done, whatever the decision; process 0 prints the

@@ -127,6 +127,20 @@ def test_the_time_more_documents_would_take_is_stated_at_the_runs_pace():
         assert d.verdicts[0].more_seconds is None and d.reason.endswith("~1600 more documents would decide it")
 
 
+def test_more_documents_than_the_task_has_left_are_said_to_be_beyond_it():
+    """1,600 more documents at n = 200: a task of 1,000 has 800 left, so the verdict says this task cannot supply
+    them (before, the report named 1,600 more as if the task held them); a task of 5,000 or of unknown size says
+    nothing more."""
+    row = acc("a", 0.49, ci=(0.95, 1.01))
+    d = decide([row], {"a": 4.5}, TEST, sizes={"task": 1000})
+    assert (d.verdicts[0].more, d.verdicts[0].left, d.verdicts[0].beyond_task) == (1600, 800, True)
+    assert d.reason.endswith("~1600 more documents would decide it, more than the 800 the task has left")
+    for sizes in (None, {"task": 5000}, {"other": 10}):
+        d = decide([row], {"a": 4.5}, TEST, sizes=sizes)
+        assert not d.verdicts[0].beyond_task and d.reason.endswith("~1600 more documents would decide it")
+    assert decide([row], {"a": 4.5}, TEST, sizes={"task": 1800}).verdicts[0].beyond_task is False  # 1,600 left
+
+
 def test_looks_double_up_to_the_budget():
     assert looks(100, None) == [100]
     assert looks(100, 100) == [100]

@@ -136,6 +136,18 @@ def test_results_json_is_rendered_from_the_same_reports(config, tmp_path):
     assert files["plot.png"].startswith(b"\x89PNG") and "probe.png" not in files
 
 
+def test_an_undecided_row_says_when_its_task_has_too_few_documents_left(config, tmp_path):
+    """int4's 120 more documents against 100 left in the task: the metrics table and results.json say so."""
+    run = hand_built_run(config)
+    verdicts = tuple(dataclasses.replace(v, left=100) if v.more else v for v in run.decision.verdicts)
+    run = dataclasses.replace(run, decision=dataclasses.replace(run.decision, verdicts=verdicts))
+    files, _ = report.render(tmp_path, run, "run-1", ENV)
+    assert "INCONCLUSIVE, ~120 more to decide, more than the 100 the task has left |" in \
+        metric_lines(files["report.md"])[("int4", "acc/tinystories_lastword")]
+    int4 = json.loads(files["results.json"])["candidates"][1]["metrics"]["acc/tinystories_lastword"]
+    assert (int4["more_documents"], int4["documents_left"]) == (120, 100)
+
+
 def test_stage_rows_read_the_serving_figures_and_the_gate(config):
     run = hand_built_run(config)
     serving = {name: Serving(4, 160, 4000, 1000.0, 1000, own, 0, 8000, (1.0, 2.0), 1.5, 2.0)

@@ -150,8 +150,9 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
     monkeypatch.setattr(run, "task_size", lambda s, task: 500)
     first = {c.label: session.measure(c, run.evaluation_split(cfg, None, 64, {}))
              for c in [run.BASELINE, *cfg.candidates]}
-    results = run.add_documents(session, list(cfg.candidates), {}, first, {"equal": 8.0, "worse": 2.0},
-                                run.planned_looks(cfg))
+    results, sizes = run.add_documents(session, list(cfg.candidates), {}, first, {"equal": 8.0, "worse": 2.0},
+                                       run.planned_looks(cfg))
+    assert sizes == {"task": 500}
     ranges = {(label, a, b) for label, a, b in session.scored}
     assert ("worse", 100, 200) not in ranges  # failed at the first look
     assert {("equal", 100, 200), ("baseline", 100, 200)} <= ranges

@@ -194,6 +194,14 @@ def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
     return dataclasses.replace(v, more_seconds=v.more * per_document)
 
 
+def bounded(v: Verdict, sizes: dict[str, int]) -> Verdict:
+    """``v`` with the documents its task holds beyond those scored (``sizes``: documents per task, where known)."""
+    size = sizes.get(v.row.metric.source)
+    if v.more is None or size is None:
+        return v
+    return dataclasses.replace(v, left=max(size - v.row.n, 0))
+
+
 def status(verdicts: list[Verdict]) -> str:
     """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is, else not exercised
     if any is, else pass."""
@@ -212,6 +220,8 @@ def _open(v: Verdict) -> str:
     more = f", ~{v.more} more documents would decide it" if v.more else ""
     if v.more and v.more_seconds is not None:
         more += f" (~{duration(v.more_seconds)} at this run's pace)"
+    if v.beyond_task:
+        more += f", more than the {v.left} the task has left"
     if v.verdict == NOT_EXERCISED:
         return (f"{v.row.metric.name} not exercised ({v.row.quantized_share:.0%} of what attention read was "
                 "quantized)")
@@ -219,12 +229,12 @@ def _open(v: Verdict) -> str:
 
 
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
-           pace: dict[tuple[str, str], float] | None = None) -> Decision:
+           pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None) -> Decision:
     """Judge every row; per candidate a status (:func:`status`); the cheapest passing candidate is the answer,
     else "fail" when every candidate fails, else "inconclusive", naming what would decide it. ``pace``: seconds
     per document of a (candidate, task) as this run scored them, baseline included, to state the time more
-    documents would take."""
-    verdicts = [timed(judge(r, policy), pace or {}) for r in rows]
+    documents would take; ``sizes``: documents per task, to state where more would be needed than it holds."""
+    verdicts = [bounded(timed(judge(r, policy), pace or {}), sizes or {}) for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
     statuses = {name: status([v for v in verdicts if v.row.candidate == name]) if name in gated else INCONCLUSIVE

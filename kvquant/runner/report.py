@@ -171,7 +171,7 @@ def _metric_entry(m: MetricReport) -> dict:
              "statistic": row.statistic, "ci_low": row.ci_low, "ci_high": row.ci_high, "confidence": row.confidence,
              "threshold": verdict.threshold, "gated": row.gated, "verdict": verdict.verdict,
              "point_estimate_only": verdict.point, "more_documents": verdict.more,
-             "more_seconds": verdict.more_seconds, "passed": verdict.passed,
+             "more_seconds": verdict.more_seconds, "documents_left": verdict.left, "passed": verdict.passed,
              "n": row.n, "quantized_share": row.quantized_share}
     exercise = outcomes.exercise
     if exercise is not None:

@@ -118,6 +118,8 @@ def _verdict_cell(m: MetricReport) -> str:
         text += f", ~{int(verdict.more):,} more to decide"
         if verdict.more_seconds is not None:
             text += f" (~{duration(verdict.more_seconds)})"
+        if verdict.beyond_task:
+            text += f", more than the {verdict.left:,} the task has left"
     return text
 
 

@@ -279,8 +279,8 @@ def relative_score(kind: str, value: float, baseline: float) -> float:
 @dataclass(frozen=True)
 class Verdict:
     """The gate's verdict on a row: ``pass``, ``fail``, ``inconclusive`` (``more``: about how many more documents
-    would decide it; ``more_seconds``: how long they would take), ``not exercised`` or ``not gated``; ``point``:
-    judged on the point estimate alone."""
+    would decide it; ``more_seconds``: how long they would take; ``left``: how many the task holds beyond those
+    scored), ``not exercised`` or ``not gated``; ``point``: judged on the point estimate alone."""
 
     row: MetricRow
     threshold: float
@@ -291,6 +291,14 @@ class Verdict:
     #: about how long ``more`` documents would take at the pace this run scored the row's task (baseline and
     #: candidate together); None where unknown
     more_seconds: float | None = None
+    #: documents the row's task holds beyond the ``n`` scored (None where its size is unknown): ``more`` beyond
+    #: them cannot be had from this task
+    left: int | None = None
+
+    @property
+    def beyond_task(self) -> bool:
+        """Whether more documents would decide it than the task has left."""
+        return self.more is not None and self.left is not None and self.more > self.left
 
     @property
     def passed(self) -> bool:
