@@ -59,7 +59,7 @@ from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 from kvquant.scoring.task_setup import check_answer_tasks, lm_eval_task
-from kvquant.scoring.tasks import check_task_data, check_tasks, prepare_probe_tasks, task_dir
+from kvquant.scoring.tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_length, task_dir
 
 
 def seed_everything(seed: int) -> None:
@@ -263,7 +263,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
     has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
     (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
     already scored; then judge again. ``planned``: per gated task, the looks planned. Returns the results with every
-    look, and the size (documents) of each task it looked to extend."""
+    look, and the size (documents) of each task it looked to extend, but for generated (probe) tasks."""
     cfg, sizes = session.cfg, {}
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
@@ -281,10 +281,11 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         for task, labels in wanted.items():
             scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated
                                                   and r.kind == ACCURACY)].n
-            if task not in sizes:
-                sizes[task] = task_size(session, task)
+            size = task_size(session, task)
+            if probe_length(task) is None:  # a generated task can always have more: no size to run out of
+                sizes[task] = size
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
-            nxt = min(nxt, sizes[task]) if nxt is not None else None
+            nxt = min(nxt, size) if nxt is not None else None
             if nxt is not None and nxt > scored:
                 grown[task] = (range(scored, nxt), labels)
         if not grown:

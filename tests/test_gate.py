@@ -1,6 +1,7 @@
 """The gate on hand-made tables: the point-estimate mode, the three verdicts of the paired test at their
 boundaries, the exercised rule, the divergence metrics and the decision."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -139,6 +140,16 @@ def test_more_documents_than_the_task_has_left_are_said_to_be_beyond_it():
         d = decide([row], {"a": 4.5}, TEST, sizes=sizes)
         assert not d.verdicts[0].beyond_task and d.reason.endswith("~1600 more documents would decide it")
     assert decide([row], {"a": 4.5}, TEST, sizes={"task": 1800}).verdicts[0].beyond_task is False  # 1,600 left
+
+
+def test_only_a_tasks_rows_are_bounded_by_its_size():
+    """A perplexity set named like a task: its 50 windows are not the task's documents, so the task's size says
+    nothing of them (before, 5,153 - 50 windows came out as 5,103 documents left)."""
+    row = ppl("a", 4.1, ci=(0.94, 0.96))
+    row = dataclasses.replace(row, metric=MetricId("ppl", "task"))
+    v = decide([row], {"a": 4.5}, TEST, sizes={"task": 5153}).verdicts[0]
+    assert v.verdict == INCONCLUSIVE and v.more is not None and v.left is None
+    assert decide([acc("a", 0.49, ci=(0.95, 1.01))], {"a": 4.5}, TEST, sizes={"task": 5153}).verdicts[0].left == 4953
 
 
 def test_looks_double_up_to_the_budget():

@@ -223,6 +223,8 @@ def test_documents_0_allows_what_only_task_calibration_forbids(tmp_path, change)
     ("search.name=baseline", "names must be unique and not 'baseline'"),
     ("search.ladder.0.options={layers: {0: {}}}", "'layers' is what the search decides"),
     ("eval.tasks.num_fewshot=2", "num_fewshot must be 0"),
+    # calibration documents start at the limit, where the first sequential look would evaluate them
+    ("gate.max_documents=400", "sequential looks would evaluate; drop one of them"),
     ("search.documents=1000000000", r"documents must be in 0\.\.100000"),
     ("search.documents=-1", r"documents must be in 0\.\.100000"),
     ("search.max_perplexity_ratio=0.9", "max_perplexity_ratio must be a finite number of at least 1.0"),

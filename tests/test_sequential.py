@@ -115,19 +115,22 @@ class FakeSession:
         from kvquant.runner.results import Measured, Memory, Outcomes
 
         label = label or candidate.label
-        parts = [range(self.cfg.eval.tasks.limit), *split.more.get("task", ())]
+        task = self.cfg.eval.tasks.names[0]
+        parts = [range(self.cfg.eval.tasks.limit), *split.more.get(task, ())]
         for part in parts:
             if (label, part.start, part.stop) not in self.scored:
                 self.scored.append((label, part.start, part.stop))
         scores = np.concatenate([self.outcomes[label][p.start : p.stop] for p in parts])
-        metric = MetricId("acc", "task")
+        metric = MetricId("acc", task)
         return Measured(label, (Outcomes(metric, tuple(scores)),), Memory({}, {"bits_per_element": 4.0}))
 
 
-def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
+@pytest.mark.parametrize("task, sizes", [("task", {"task": 500}), ("passkey_256", {})])
+def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch, task, sizes):
     """Looks planned at 100, 200, 400 and 800 documents; the task ends at 500: the nearly equal candidate is
     scored while it is open, to the task's end; the clearly worse one fails at the first look and gets no more
-    documents; the baseline is scored on every document a candidate is."""
+    documents; the baseline is scored on every document a candidate is. A generated task's size (what is written)
+    is no size to run out of, so it is not among the sizes the report states "left" from."""
     from kvquant import run
     from kvquant.runner.config import load_config
 
@@ -139,8 +142,8 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
 
     text = yaml.safe_dump({"name": "seq", "candidates": [{"quantizer": "int8", "name": "equal"},
                                                          {"quantizer": "int2", "name": "worse"}],
-                           "eval": {"tasks": {"names": ["task"], "limit": 100}},
-                           "gate": {"tasks": ["task"], "max_documents": 800}})
+                           "eval": {"tasks": {"names": [task], "limit": 100}},
+                           "gate": {"tasks": [task], "max_documents": 800}})
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
@@ -150,9 +153,9 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
     monkeypatch.setattr(run, "task_size", lambda s, task: 500)
     first = {c.label: session.measure(c, run.evaluation_split(cfg, None, 64, {}))
              for c in [run.BASELINE, *cfg.candidates]}
-    results, sizes = run.add_documents(session, list(cfg.candidates), {}, first, {"equal": 8.0, "worse": 2.0},
-                                       run.planned_looks(cfg))
-    assert sizes == {"task": 500}
+    results, sizes_seen = run.add_documents(session, list(cfg.candidates), {}, first, {"equal": 8.0, "worse": 2.0},
+                                            run.planned_looks(cfg))
+    assert sizes_seen == sizes
     ranges = {(label, a, b) for label, a, b in session.scored}
     assert ("worse", 100, 200) not in ranges  # failed at the first look
     assert {("equal", 100, 200), ("baseline", 100, 200)} <= ranges
@@ -164,9 +167,9 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch):
     assert sorted(ranges) == [("baseline", 0, 100), ("baseline", 100, 200), ("baseline", 200, 400),
                               ("baseline", 400, 500), ("equal", 0, 100), ("equal", 100, 200), ("equal", 200, 400),
                               ("equal", 400, 500), ("worse", 0, 100)]
-    assert results["equal"][MetricId("acc", "task")].n == 500 and results["worse"][MetricId("acc", "task")].n == 100
+    assert results["equal"][MetricId("acc", task)].n == 500 and results["worse"][MetricId("acc", task)].n == 100
     assert decision.statuses["worse"] == FAIL and decision.statuses["equal"] != FAIL
-    assert run.planned_looks(cfg) == {"task": 4}  # 100, 200, 400, 800 planned: the widening counts all of them
+    assert run.planned_looks(cfg) == {task: 4}  # 100, 200, 400, 800 planned: the widening counts all of them
 
 
 def test_task_pace_sums_each_tasks_looks_for_the_candidate_and_the_baseline():
@@ -182,3 +185,23 @@ def test_task_pace_sums_each_tasks_looks_for_the_candidate_and_the_baseline():
                ("int4", "task/piqa"): 3.0}
     table = [row("int8", "arc"), row("int8", "arc_e"), row("int4", "piqa"), row("int2", "arc", gated=False)]
     assert run.task_pace(seconds, table) == {("int8", "arc"): pytest.approx((6 + 10 + 4 + 8) / 40)}
+
+
+def test_a_sequential_gate_writes_a_probe_tasks_documents_to_its_last_look(tiny_config):
+    """passkey_256 gated from 20 documents with looks to 100: 100 are written (before: 50, so looks stopped at 50,
+    and the size read back was whatever the shared task folder held); the task's size is that count, without
+    reading the folder."""
+    from types import SimpleNamespace
+
+    from kvquant.scoring.session import probe_counts, task_size
+
+    cfg = tiny_config("probe-looks", candidates=[{"quantizer": "int8"}],
+                      eval={"tasks": {"names": ["passkey_256", "needle_single_256"], "limit": 20}},
+                      gate={"tasks": ["passkey_256"], "max_documents": 100})
+    assert probe_counts(cfg) == {"passkey_256": 100, "needle_single_256": 20}
+
+    def no_folder():
+        raise AssertionError("a probe task's size is not read from the task folder")
+
+    session = SimpleNamespace(cfg=cfg, folder=no_folder)
+    assert (task_size(session, "passkey_256"), task_size(session, "needle_single_256")) == (100, 20)

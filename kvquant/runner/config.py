@@ -453,6 +453,10 @@ class ExperimentConfig:
                     "left to calibrate on apart from evaluation; set eval.perplexity[].limit")
         if not self.search.documents:  # calibration reads no task document
             return
+        require(self.gate.max_documents is None,
+                f"search.documents {self.search.documents} calibrates on the documents after each gated task's "
+                f"limit, which gate.max_documents {self.gate.max_documents}'s sequential looks would evaluate; "
+                "drop one of them (search.documents=0 calibrates on perplexity windows alone)")
         for task in self.gated_tasks():
             require(self.eval.tasks.limit_for(task) is not None, f"search: task {task!r} has no limit, so no "
                     "documents are left to calibrate on apart from evaluation; set eval.tasks.limit")

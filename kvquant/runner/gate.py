@@ -195,8 +195,9 @@ def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
 
 
 def bounded(v: Verdict, sizes: dict[str, int]) -> Verdict:
-    """``v`` with the documents its task holds beyond those scored (``sizes``: documents per task, where known)."""
-    size = sizes.get(v.row.metric.source)
+    """``v`` with the documents its task holds beyond those scored (``sizes``: documents per task, where known;
+    a task's rows only: a perplexity set's windows are not its documents, whatever its name)."""
+    size = sizes.get(v.row.metric.source) if v.row.kind in (ACCURACY, FLIPS) else None
     if v.more is None or size is None:
         return v
     return dataclasses.replace(v, left=max(size - v.row.n, 0))
@@ -221,7 +222,7 @@ def _open(v: Verdict) -> str:
     if v.more and v.more_seconds is not None:
         more += f" (~{duration(v.more_seconds)} at this run's pace)"
     if v.beyond_task:
-        more += f", more than the {v.left} the task has left"
+        more += f", more than the {v.left:,} the task has left"
     if v.verdict == NOT_EXERCISED:
         return (f"{v.row.metric.name} not exercised ({v.row.quantized_share:.0%} of what attention read was "
                 "quantized)")

@@ -24,6 +24,7 @@ from kvquant.scoring import data
 
 from kvquant.scoring import parallel
 from kvquant.runner.config import Candidate, ExperimentConfig
+from kvquant.runner.gate import looks
 from kvquant.errors import KVQuantError
 from kvquant.scoring.divergence import divergences
 from kvquant.scoring.scorer import Scorer, memory_probe, perplexity_samples
@@ -32,8 +33,8 @@ from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, di
     perplexity_outcomes, task_outcomes)
 from kvquant.scoring.longctx import position_divergences
 from kvquant.scoring.task_setup import lm_eval_task
-from kvquant.scoring.tasks import (PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks, probe_length, probe_tasks,
-    resolve_task, task_data_digest, task_manager)
+from kvquant.scoring.tasks import (MAX_PROBE_DOCUMENTS, PROBE_DOCUMENTS, gated_metric, prepare_probe_tasks,
+    probe_length, probe_tasks, resolve_task, task_data_digest, task_manager)
 
 BASELINE = Candidate(quantizer="fp16", name="baseline")
 #: Candidates compared with the baseline's next-token distributions in one pass of it over the windows: the baseline
@@ -118,7 +119,11 @@ def sampler_key(cfg: ExperimentConfig) -> dict:
 
 
 def task_size(session: Session, task: str) -> int:
-    """How many documents a task holds (lm-eval's evaluation split of it)."""
+    """How many documents a task holds (lm-eval's evaluation split of it); a probe task (passkey, needle), whose
+    documents are generated: those this config has written (:func:`probe_counts`), whatever else an earlier run
+    left in a shared task folder."""
+    if probe_length(task) is not None:
+        return probe_counts(session.cfg)[task]
     return len(lm_eval_task(task, session.folder()).eval_docs)
 
 
@@ -139,9 +144,14 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
 
 
 def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
-    """Documents each ``passkey_<D>`` task needs written: its evaluation documents, plus the calibration
-    documents after them when the search gates it."""
+    """Documents each probe task (passkey, needle) needs written: its evaluation documents (a sequential gate's
+    last look where it gates the task), plus the calibration documents after them when the search gates it."""
     counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
+    if cfg.gate.max_documents is not None:
+        for task in cfg.gated_tasks():
+            if task in counts:
+                last = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1]
+                counts[task] = max(counts[task], min(last, MAX_PROBE_DOCUMENTS))
     if cfg.search:
         for task in cfg.gated_tasks():
             if probe_length(task) is not None:
