@@ -281,15 +281,14 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         for task, labels in wanted.items():
             scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated
                                                   and r.kind == ACCURACY)].n
-            size = task_size(session, task)
-            if probe_length(task) is None:  # a generated task can always have more: no size to run out of
-                sizes[task] = size
+            if task not in sizes:
+                sizes[task] = task_size(session, task)
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
-            nxt = min(nxt, size) if nxt is not None else None
+            nxt = min(nxt, sizes[task]) if nxt is not None else None
             if nxt is not None and nxt > scored:
                 grown[task] = (range(scored, nxt), labels)
-        if not grown:
-            return results, sizes
+        if not grown:  # a generated task can always have more: no size to run out of
+            return results, {task: size for task, size in sizes.items() if probe_length(task) is None}
         for task, (docs, labels) in grown.items():
             if session.processes.main:
                 print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
