@@ -199,6 +199,14 @@ def test_a_sequential_gate_writes_a_probe_tasks_documents_to_its_last_look(tiny_
                       eval={"tasks": {"names": ["passkey_256", "needle_single_256"], "limit": 20}},
                       gate={"tasks": ["passkey_256"], "max_documents": 100})
     assert probe_counts(cfg) == {"passkey_256": 100, "needle_single_256": 20}
+    # a search that calibrates on perplexity windows alone keeps the looks' count (before: 20, its limit)
+    searched = tiny_config("probe-looks-search", eval={
+        "tasks": {"names": ["passkey_256"], "limit": 20},
+        "perplexity": [{"name": "tinystories", "source": "local:text/tinystories/validation-first1000.jsonl",
+                        "limit": 2, "max_length": 128}]},
+        gate={"tasks": ["passkey_256"], "perplexity": ["tinystories"], "max_documents": 100},
+        search={"ladder": [{"quantizer": "int2"}, {"quantizer": "int8"}], "documents": 0})
+    assert probe_counts(searched) == {"passkey_256": 100}
 
     def no_folder():
         raise AssertionError("a probe task's size is not read from the task folder")

@@ -152,7 +152,7 @@ def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
             if task in counts:
                 last = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1]
                 counts[task] = max(counts[task], min(last, MAX_PROBE_DOCUMENTS))
-    if cfg.search:
+    if cfg.search and cfg.search.documents:  # refused with a sequential gate (config): nothing else to cover
         for task in cfg.gated_tasks():
             if probe_length(task) is not None:
                 counts[task] = cfg.eval.tasks.limit_for(task) + cfg.search.documents
