@@ -8,7 +8,6 @@ continuation 2-11: ARC-Easy / PIQA). Ratios from one run; writes ``report.md`` a
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ import pandas as pd
 import torch
 
 import kvquant
+from kvquant.errors import at_least, run_script, script_parser
+from kvquant.fs import output_dir, write_together
 from kvquant.runner.config import ModelConfig
 from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.models import load_model
@@ -59,9 +60,9 @@ def scored(model, reqs, batch: int, quantizer: str) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser = script_parser("bench_batching", __doc__)
+    parser.add_argument("--requests", type=at_least(1), default=96)
+    parser.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 16])
     parser.add_argument("--quantizers", nargs="+", default=["fp16", "int4"])
     parser.add_argument("--out", type=Path, default=Path("reports/bench_scoring/batching"))
     args = parser.parse_args(argv)
@@ -77,8 +78,7 @@ def main(argv=None):
     df = pd.DataFrame(rows)
     one = {w: s for w, b, s in zip(df.what, df.batch, df.seconds) if b == min(args.batch_sizes)}
     df["speedup_vs_smallest_batch"] = [one[w] / s for w, s in zip(df.what, df.seconds)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out / "results.csv", index=False, float_format="%.4f")
+    csv = df.to_csv(index=False, float_format="%.4f")
     env = environment()
     report = "\n".join([
         "# Batching ceiling for scoring short requests", "",
@@ -88,9 +88,9 @@ def main(argv=None):
         f"- model: SmolLM2-135M-Instruct (float32, CPU); {args.requests} random requests, context 25-59 and "
         "continuation 2-11 tokens", "",
         "```", df.to_string(index=False, float_format=lambda x: f"{x:.3f}"), "```", ""])
-    (args.out / "report.md").write_text(report)
+    write_together(output_dir(args.out, "--out"), {"results.csv": csv, "report.md": report})
     print(report)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_batching", main))

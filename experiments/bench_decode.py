@@ -15,7 +15,6 @@ head_dim 64), random-init. Names ending in ``-fused`` run on a copy of the model
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
@@ -29,6 +28,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 import kvquant
 from kvquant.cache import kernels
 from kvquant.cache import stored_bytes
+from kvquant.errors import at_least, run_script, script_parser
+from kvquant.fs import output_dir, write_together
 from kvquant.runner.report import environment
 
 GROUP, RESIDUAL = 32, 128
@@ -117,15 +118,15 @@ def measure(model, make, context, steps, repeats, batch=1, how="model", warmup=8
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    parser.add_argument("--steps", type=int, default=160)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
+    parser = script_parser("bench_decode", __doc__)
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--steps", type=at_least(1), default=160)
+    parser.add_argument("--repeats", type=at_least(1), default=2)
+    parser.add_argument("--warmup", type=at_least(0), default=8, help="decode steps before the timed ones")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the 'bench' shape")
+    parser.add_argument("--layers", type=at_least(1), default=2, help="decoder layers of the 'bench' shape")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="bench")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="rows decoded together")
+    parser.add_argument("--batch", type=at_least(1), nargs="+", default=[1], help="rows decoded together")
     parser.add_argument("--fill", choices=["model", "direct"], default="model")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", nargs="*", help="cache names to run (default: all)")
@@ -157,10 +158,9 @@ def main(argv=None):
         df["speed_vs_quanto_int4"] = [t / quanto[k] if k in quanto else float("nan")
                                       for k, t in zip(key, df.tokens_per_s)]
     df["memory_vs_fp16"] = df.bytes / df.fp16_bytes
-    args.out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out / "results.csv", index=False, float_format="%.4f")
+    csv = df.to_csv(index=False, float_format="%.4f")
     report = render(df, args)
-    (args.out / "report.md").write_text(report)
+    write_together(output_dir(args.out, "--out"), {"results.csv": csv, "report.md": report})
     print(report)
 
 
@@ -239,4 +239,4 @@ def render(df, args):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_decode", main))

@@ -29,6 +29,7 @@ Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvquant.cache import CacheSpec
-from kvquant.errors import InternalError
+from kvquant.errors import InternalError, at_least, run_script
 from kvquant.runner.preview import recorded_requests
 from kvquant.runner.report import (benchmark_doc, benchmark_end, benchmark_lines, benchmark_parser, benchmark_start,
                                    write_benchmark)
@@ -121,19 +122,19 @@ def render(doc: dict) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = benchmark_parser(__doc__)
+    parser = benchmark_parser("bench_fewshot", __doc__)
     parser.add_argument("--task", default="arc_easy")
-    parser.add_argument("--limit", type=int, default=24, help="documents")
-    parser.add_argument("--first", type=int, default=26, help="the first document measured")
-    parser.add_argument("--shots", type=int, nargs="+", default=[5, 10, 25])
+    parser.add_argument("--limit", type=at_least(1), default=24, help="documents")
+    parser.add_argument("--first", type=at_least(0), default=26, help="the first document measured")
+    parser.add_argument("--shots", type=at_least(1), nargs="+", default=[5, 10, 25])
     parser.add_argument("--quantizer", default="int4")
-    parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--plan-chunks", type=int, nargs="+", default=[64, 512])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--exact-documents", type=int, default=4, help="documents checked one row per batch")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--group-size", type=at_least(1), default=32)
+    parser.add_argument("--chunk-size", type=at_least(1), default=64)
+    parser.add_argument("--plan-chunks", type=at_least(1), nargs="+", default=[64, 512])
+    parser.add_argument("--batch-size", type=at_least(1), default=16)
+    parser.add_argument("--rounds", type=at_least(1), default=2)
+    parser.add_argument("--exact-documents", type=at_least(1), default=4, help="documents checked one row per batch")
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 documents, 2 shots, 1 round")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_fewshot"))
     args = parser.parse_args(argv)
@@ -158,4 +159,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_fewshot", main))

@@ -8,7 +8,6 @@ batch size relative to ``--batch_size 1`` in the same mode, and whether the scor
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import subprocess
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kvquant.errors import at_least, run_script, script_parser
+from kvquant.fs import output_dir, write_together
 from kvquant.paths import data_dir
 from kvquant.runner.report import environment
 
@@ -44,12 +45,12 @@ def run(args, mode: str, batch: int) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("bench_lm_eval", __doc__)
     parser.add_argument("--tasks", nargs="+", default=["arc_easy_local", "piqa_local"])
-    parser.add_argument("--limit", type=int, default=60)
+    parser.add_argument("--limit", type=at_least(1), default=60)
     parser.add_argument("--quantizer", default="int4")
-    parser.add_argument("--chunk-size", type=int, default=512)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--chunk-size", type=at_least(1), default=512)
+    parser.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=[1, 16])
     parser.add_argument("--modes", nargs="+", default=["simulated", "streaming"])
     parser.add_argument("--out", type=Path, default=Path("reports/bench_scoring/lm_eval_cli"))
     args = parser.parse_args(argv)
@@ -75,11 +76,10 @@ def main(argv=None):
                      f"{'yes' if r['scores'] == b['scores'] else 'NO'} | {scores} |")
     lines += ["", "Commands (one per row, `--batch_size` and `mode=` varied):", "", "```",
               *(r["command"] for r in rows), "```", ""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.md").write_text("\n".join(lines))
-    (args.out / "results.json").write_text(json.dumps(rows, indent=2))
+    write_together(output_dir(args.out, "--out"),
+                   {"report.md": "\n".join(lines), "results.json": json.dumps(rows, indent=2)})
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_lm_eval", main))

@@ -51,6 +51,7 @@ from transformers import DynamicCache
 import kvquant
 from kvquant.cache import stored_bytes
 from kvquant.cache.reads import Reads
+from kvquant.errors import at_least, run_script, script_parser
 from kvquant.runner.config import ModelConfig, PerplexitySet
 from kvquant.runner.report import benchmark_lines, environment, write_benchmark
 from kvquant.scoring.data import windows
@@ -333,19 +334,19 @@ def load(args):
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("bench_prefill", __doc__)
     parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
     parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf", help="'' for none")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--memory-settings", nargs="*", default=None, choices=list(SETTINGS),
                         help="settings whose memory is measured (default: --settings; none: no memory)")
-    parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192],
+    parser.add_argument("--lengths", nargs="+", type=at_least(1), default=[2048, 4096, 8192],
                         help="memory at each; time at the longest")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--chunk-size", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-size", type=at_least(1), default=512)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--logits", choices=("last", "all"), default="last")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the cores are shared)")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch threads (1: the cores are shared)")
     parser.add_argument("--quick", action="store_true", help="lengths 64 128 256, chunk 32, 2 rounds (a smoke test)")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_prefill"))
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
@@ -388,4 +389,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_prefill", main))

@@ -10,7 +10,6 @@ Tokens counted: context + continuation of every request, as the one-request-at-a
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -18,12 +17,13 @@ import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import lm_eval
 import numpy as np
 import torch
 
+from kvquant.errors import at_least, run_script, script_parser
+from kvquant.fs import output_dir, write_together
 from kvquant.runner.config import ModelConfig
 from kvquant.scoring.lm_eval_model import KVQuantLM  # registers the lm-eval model
 from kvquant.scoring.models import load_model
@@ -61,15 +61,15 @@ def flat(out) -> tuple[np.ndarray, dict[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("bench_scoring", __doc__)
     parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
     parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
-    parser.add_argument("--limit", type=int, default=40, help="documents per task")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=512, help="streaming chunk (512: one prefill pass)")
+    parser.add_argument("--limit", type=at_least(1), default=40, help="documents per task")
+    parser.add_argument("--batch-size", type=at_least(1), default=16)
+    parser.add_argument("--chunk-size", type=at_least(1), default=512, help="streaming chunk (512: one prefill pass)")
     parser.add_argument("--quantizers", nargs="+", default=["fp16", "int4"])
     parser.add_argument("--output", default="reports/bench_scoring")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=at_least(1), default=None,
                         help="torch threads (default: torch's); 1 on a machine whose cores other jobs are using, where "
                              "threads waiting on each other make every op slow")
     args = parser.parse_args()
@@ -97,11 +97,10 @@ def main() -> None:
                "accuracy_old": old_acc, "accuracy_new": new_acc}
         rows.append(row)
         print(json.dumps(row))
-    out_dir = Path(args.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args.output, "--output")
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.platform(),
            "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    (out_dir / "results.json").write_text(json.dumps({"args": vars(args), "environment": env, "rows": rows}, indent=2))
+    results = json.dumps({"args": vars(args), "environment": env, "rows": rows}, indent=2)
     lines = ["# Scoring throughput: one request at a time vs batched + prefix-shared", "",
              f"- command: `python {shlex.join(sys.argv)}`",
              f"- {env['date']}, {env['machine']}, {env['cpus']} CPUs, torch {env['torch']} ({env['threads']} threads)",
@@ -117,9 +116,9 @@ def main() -> None:
                      f"{r['max_abs_loglikelihood_diff']:.2e} | {acc} |")
     if (out_dir / "NOTES.md").exists():  # written by hand about one run; a rerun keeps them, pointing at them
         lines += ["", "Hand-written notes on a run (the date they name): [NOTES.md](NOTES.md)."]
-    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    write_together(out_dir, {"results.json": results, "report.md": "\n".join(lines) + "\n"})
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_scoring", main))

@@ -32,6 +32,7 @@ Writes ``results.json`` and ``report.md`` (command, machine, date, load) to ``--
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from kvquant.cache import CacheSpec
+from kvquant.errors import at_least, run_script
 from kvquant.runner.preview import recorded_requests
 from kvquant.runner.report import (benchmark_doc, benchmark_end, benchmark_lines, benchmark_parser, benchmark_start,
                                    write_benchmark)
@@ -149,15 +151,15 @@ def render(doc: dict) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = benchmark_parser(__doc__)
+    parser = benchmark_parser("bench_throughput", __doc__)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS))
-    parser.add_argument("--limit", type=int, default=20, help="documents per task")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--limit", type=at_least(1), default=20, help="documents per task")
+    parser.add_argument("--batch-size", type=at_least(1), default=16)
+    parser.add_argument("--chunk-size", type=at_least(1), default=512)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--quantizers", nargs="+", default=["fp16", "int4", "int8", "fp8_e4m3"])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 documents, 1 round")
     parser.add_argument("--out", type=Path, default=Path("reports/bench_throughput"))
     args = parser.parse_args(argv)
@@ -180,4 +182,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("bench_throughput", main))

@@ -11,12 +11,13 @@ pattern; other files (plots) byte for byte. ``partial/`` (signed with the run's 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import sys
 from pathlib import Path
+
+from kvquant.errors import KVQuantError, guarded, parse_args, script_parser, visible
 
 #: results.json keys that record the run, not its results
 PROVENANCE = {"run_id", "environment", "signature", "command", "output_dir", "seconds"}
@@ -56,27 +57,54 @@ def differences(a: Path, b: Path, ignore: re.Pattern) -> list[str]:
     return [] if a.read_bytes() == b.read_bytes() else ["bytes differ"]
 
 
+def report_folder(path: Path, what: str) -> Path:
+    """``path`` when it is a folder holding at least one file outside ``partial/``; else one line (exit 2)."""
+    if not path.is_dir():
+        why = "a file" if path.exists() else "it does not exist"
+        raise KVQuantError(f"{what}: {path} is not a report folder ({why})")
+    if not any(p.is_file() and "partial" not in p.relative_to(path).parts for p in path.rglob("*")):
+        raise KVQuantError(f"{what}: {path} holds no report files (only partial/ or nothing): nothing to compare")
+    return path
+
+
+def compare_folders(args) -> int:
+    """Exit 0 when every file is identical (provenance aside), 1 when any differs."""
+    for pattern in args.ignore:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise KVQuantError(f"--ignore {pattern[:80]!r} is not a regular expression ({err})") from None
+    before, after = report_folder(args.before, "before"), report_folder(args.after, "after")
+    ignore = re.compile("|".join([PROVENANCE_LINE, *args.ignore]))
+    files = sorted({p.relative_to(root) for root in (before, after) for p in root.rglob("*")
+                    if p.is_file() and "partial" not in p.relative_to(root).parts})
+    differ = 0
+    for rel in files:
+        a, b = before / rel, after / rel
+        try:
+            found = [f"only in {'after' if b.exists() else 'before'}"] if not (a.exists() and b.exists()) else \
+                differences(a, b, ignore)
+        except (OSError, ValueError) as err:  # unreadable, or JSON that does not parse (UnicodeError is one)
+            found = [f"cannot be compared ({getattr(err, 'strerror', None) or err})"]
+        differ += bool(found)
+        print(f"{visible(rel)}: {'DIFFERENT' if found else 'identical (provenance aside)'}")
+        for line in found[:20]:
+            print(f"    {visible(line)}")
+    print(f"compare_reports: {len(files) - differ} of {len(files)} files identical, provenance aside")
+    return 1 if differ else 0
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Exit 0 identical, 1 different, 2 bad input (one line), 3 an internal error."""
+    parser = script_parser("compare_reports", __doc__)
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
     parser.add_argument("--ignore", action="append", default=[], metavar="REGEX",
                         help="also leave out text lines matching this (e.g. a module's old and new name)")
-    args = parser.parse_args(argv)
-    ignore = re.compile("|".join([PROVENANCE_LINE, *args.ignore]))
-    files = sorted({p.relative_to(root) for root in (args.before, args.after) for p in root.rglob("*")
-                    if p.is_file() and "partial" not in p.relative_to(root).parts})
-    differ = 0
-    for rel in files:
-        a, b = args.before / rel, args.after / rel
-        found = [f"only in {'after' if b.exists() else 'before'}"] if not (a.exists() and b.exists()) else \
-            differences(a, b, ignore)
-        differ += bool(found)
-        print(f"{rel}: {'DIFFERENT' if found else 'identical (provenance aside)'}")
-        for line in found[:20]:
-            print(f"    {line}")
-    print(f"compare_reports: {len(files) - differ} of {len(files)} files identical, provenance aside")
-    return 1 if differ else 0
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
+    return guarded("compare_reports", lambda: compare_folders(args))
 
 
 if __name__ == "__main__":

@@ -10,16 +10,32 @@ reports side by side. Exit 1 when a result is missing from one run or a field di
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
+from kvquant.errors import KVQuantError, guarded, parse_args, script_parser, visible
+
 
 def results(report_dir: Path) -> dict[str, dict]:
-    return {str(p.relative_to(report_dir / "partial")): json.loads(p.read_text())["result"]
-            for p in sorted((report_dir / "partial").glob("*/*.json"))}
+    """Every partial result of the report folder ``report_dir``, by ``candidate/metric.json``; one line (exit 2)
+    where it is no report folder, holds none, or holds one that is not a result."""
+    if not (report_dir / "partial").is_dir():
+        raise KVQuantError(f"{report_dir} is not a report folder with partial results ({report_dir / 'partial'} is "
+                           "not a folder)")
+    out = {}
+    for p in sorted((report_dir / "partial").glob("*/*.json")):
+        try:
+            doc = json.loads(p.read_text())
+        except (OSError, ValueError) as err:
+            raise KVQuantError(f"{p}: not a partial result ({getattr(err, 'strerror', None) or err})") from None
+        if not isinstance(doc, dict) or "result" not in doc:
+            raise KVQuantError(f"{p}: not a partial result (no 'result')")
+        out[str(p.relative_to(report_dir / "partial"))] = doc["result"]
+    if not out:
+        raise KVQuantError(f"{report_dir / 'partial'} holds no partial results: nothing to compare")
+    return out
 
 
 def flat(value, path: str = "") -> dict[str, float | str]:
@@ -57,12 +73,19 @@ def compare(a: dict, b: dict) -> list[dict]:
 
 
 def headline(report_dir: Path) -> dict:
-    doc = json.loads((report_dir / "results.json").read_text())
-    out = {"decision": doc["decision"], "processes": doc["results"].get("processes"),
-           "seconds": doc["results"].get("seconds")}
-    for cand in doc["candidates"]:
-        for metric, entry in cand["metrics"].items():
-            out[f"{cand['name']} {metric}"] = entry["value"]
+    try:
+        doc = json.loads((report_dir / "results.json").read_text())
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{report_dir / 'results.json'}: not a report's results "
+                           f"({getattr(err, 'strerror', None) or err})") from None
+    try:
+        out = {"decision": doc["decision"], "processes": doc["results"].get("processes"),
+               "seconds": doc["results"].get("seconds")}
+        for cand in doc["candidates"]:
+            for metric, entry in cand["metrics"].items():
+                out[f"{cand['name']} {metric}"] = entry["value"]
+    except (KeyError, TypeError, AttributeError) as err:
+        raise KVQuantError(f"{report_dir / 'results.json'}: not a report's results (no {err})") from None
     return out
 
 
@@ -70,28 +93,42 @@ def shown(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) and math.isfinite(value) else str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("first", type=Path)
-    parser.add_argument("second", type=Path)
-    args = parser.parse_args(argv)
+def compare_folders(args) -> int:
+    """Exit 0 when both runs hold the same results, shaped alike; 1 when one holds a result the other lacks or a
+    field differs in shape."""
     ra, rb = results(args.first), results(args.second)
     if ra.keys() != rb.keys():
-        print(f"results held by one run only: {sorted(set(ra) ^ set(rb))}", file=sys.stderr)
+        print(f"results held by one run only: {visible(sorted(set(ra) ^ set(rb)))}", file=sys.stderr)
         return 1
-    print(f"# {args.first} vs {args.second}\n")
+    print(f"# {visible(args.first)} vs {visible(args.second)}\n")
     print("| result | field | values | equal | differ | max abs diff | max rel diff |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in ra:
-        for row in compare(ra[name], rb[name]):
+        try:
+            rows = compare(ra[name], rb[name])
+        except ValueError as err:
+            print(f"{visible(name)}: {visible(err)}", file=sys.stderr)
+            return 1
+        for row in rows:
             differ = row["values"] - row["equal"]
-            print(f"| {name} | {row['field']} | {row['values']} | {row['equal']} | {differ} | {row['max_abs']:.3g} | "
-                  f"{row['max_rel']:.3g} |")
+            print(f"| {visible(name)} | {visible(row['field'])} | {row['values']} | {row['equal']} | {differ} | "
+                  f"{row['max_abs']:.3g} | {row['max_rel']:.3g} |")
     ha, hb = headline(args.first), headline(args.second)
-    print(f"\n| | {args.first.name} | {args.second.name} |\n|---|---|---|")
+    print(f"\n| | {visible(args.first.name)} | {visible(args.second.name)} |\n|---|---|---|")
     for key in ha:
-        print(f"| {key} | {shown(ha[key])} | {shown(hb.get(key))} |")
+        print(f"| {visible(key)} | {visible(shown(ha[key]))} | {visible(shown(hb.get(key)))} |")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 the same results, 1 a result or a field's shape differs, 2 bad input (one line), 3 internal error."""
+    parser = script_parser("compare_runs", __doc__)
+    parser.add_argument("first", type=Path)
+    parser.add_argument("second", type=Path)
+    args = parse_args(parser, argv)
+    if isinstance(args, int):
+        return args
+    return guarded("compare_runs", lambda: compare_folders(args))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ instead of stopping the run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -37,6 +36,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 
 import kvquant
 from kvquant.cache import stored_bytes
+from kvquant.errors import at_least, run_script, script_parser
+from kvquant.fs import output_dir, write_file
 from kvquant.runner.report import environment
 
 QUANTIZERS = {  # name -> make_cache arguments
@@ -468,11 +469,11 @@ STAGES = {"logits": stage_logits, "fused": stage_fused, "kernel_tests": stage_ke
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("gpu_check", __doc__)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[4096, 16384])
+    parser.add_argument("--batch", type=at_least(1), default=4)
+    parser.add_argument("--steps", type=at_least(1), default=32)
     parser.add_argument("--checks", nargs="+", choices=list(STAGES), default=list(STAGES),
                         help="which checks to run, in this order (default: all)")
     parser.add_argument("--keep-from", type=Path, help="an earlier run's results.json: the checks not run now are "
@@ -482,7 +483,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.render:
         results = json.loads((args.out / "results.json").read_text())
-        (args.out / "report.md").write_text(render(results, args, results.get("command")))
+        write_file(output_dir(args.out, "--out") / "report.md", render(results, args, results.get("command")))
         return
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here")
@@ -495,15 +496,15 @@ def main(argv=None):
             if check not in args.checks and check in earlier:
                 results[check] = earlier[check]
                 results.setdefault("taken_from", {})[check] = f"{env['date']}, git {env['git_commit']}"
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, "--out")
     for check in args.checks:
         STAGES[check](args, results)
         # after each check, so a run stopped at its time limit keeps what it measured
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        write_file(out / "results.json", json.dumps(results, indent=1))
     report = render(results, args, results["command"])
-    (args.out / "report.md").write_text(report)
+    write_file(out / "report.md", report)
     print(report)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("gpu_check", main))

@@ -21,7 +21,6 @@ its interval, against the bucket's end).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from kvquant.errors import KVQuantError, run_script, script_parser
+from kvquant.fs import output_dir, read_file, real_dir, write_file, write_together
 from kvquant.runner.config import load_config
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
 from kvquant.runner.positions import EDGES, bucket_means, buckets, trend
@@ -53,8 +54,8 @@ def measure(cfg, args) -> list[dict]:
     """Per document: ``{candidate label: {"kl": [...], "top1": [...]}}``, measured or read from ``documents/``."""
     tokenizer = load_tokenizer(cfg.model)
     docs = windows(cfg.eval.perplexity[0], tokenizer)
-    partial = args.out / "documents"  # committed (reports/**/partial/ is ignored): a long run goes on next sitting
-    partial.mkdir(parents=True, exist_ok=True)
+    # committed (reports/**/partial/ is ignored): a long run goes on next sitting
+    partial = real_dir(output_dir(args.out, "--out") / "documents", "--out")
     scorers: dict[str, Scorer] = {}  # made once the first document needs measuring (the model loads then)
 
     def make(label: str, spec) -> Scorer:
@@ -67,8 +68,9 @@ def measure(cfg, args) -> list[dict]:
     out = []
     for d, window in enumerate(docs):
         path, key = partial / f"doc-{d}.json", inputs(cfg, window)
-        if path.exists() and json.loads(path.read_text())["inputs"] == key:
-            out.append(json.loads(path.read_text())["result"])
+        kept = kept_document(path)
+        if kept is not None and kept.get("inputs") == key:
+            out.append(kept["result"])
             continue
         start = time.perf_counter()
         got = position_divergences(make("baseline", BASELINE.spec), [make(c.label, c.spec) for c in cfg.candidates],
@@ -78,9 +80,7 @@ def measure(cfg, args) -> list[dict]:
                             "keys_quantized": g["reads"]["keys_quantized"], "keys": g["reads"]["keys"]}
                   for c, g in zip(cfg.candidates, got)}
         result["_seconds"] = time.perf_counter() - start
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"inputs": key, "result": result}))
-        tmp.replace(path)
+        write_file(path, json.dumps({"inputs": key, "result": result}))
         print(f"long_divergence: document {d + 1}/{len(docs)} ({len(window.ids)} tokens) in "
               f"{result['_seconds']:.0f} s", flush=True)
         out.append(result)
@@ -137,11 +137,28 @@ def plot(doc: dict) -> bytes:
 
 
 def write(out: Path, doc: dict) -> None:
-    """``results.json``, ``report.md`` and ``kl.png`` under ``out``; the report is printed too."""
-    (out / "results.json").write_text(json.dumps(doc, indent=1))
-    (out / "report.md").write_text(render(doc))
-    (out / "kl.png").write_bytes(plot(doc))
-    print(render(doc))
+    """``results.json``, ``report.md`` and ``kl.png`` under ``out``, written together (a symlink at any of them is
+    replaced, never followed); the report is printed too."""
+    text = render(doc)
+    write_together(output_dir(out, "--out"), {"results.json": json.dumps(doc, indent=1), "report.md": text,
+                                              "kl.png": plot(doc)})
+    print(text)
+
+
+def kept_document(path: Path) -> dict | None:
+    """A finished document's file ``{"inputs", "result"}`` as an earlier sitting wrote it, None where there is
+    none; a symlink, FIFO or a file that is not such an object is refused with one line (never followed)."""
+    try:
+        doc = json.loads(read_file(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{path}: not a document file this script writes ({getattr(err, 'strerror', None) or err}"
+                           "); move it away to measure that document again") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("result"), dict):
+        raise KVQuantError(f"{path}: not a document file this script writes; move it away to measure that document "
+                           "again")
+    return doc
 
 
 def render(doc: dict) -> str:
@@ -176,7 +193,7 @@ def render(doc: dict) -> str:
 
 @torch.no_grad()  # for this call only: a caller (a test) keeps its autograd
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("long_divergence", __doc__)
     parser.add_argument("config", type=Path)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="as kvquant.run's --set")
     parser.add_argument("--out", type=Path, required=True)
@@ -189,11 +206,17 @@ def main(argv=None):
     limit = args.max_kl_divergence
     if limit is not None and not (math.isfinite(limit) and limit > 0):
         parser.error(f"--max-kl-divergence must be a finite number of nats above 0, got {limit}")
-    if args.render_only and not (args.out / "results.json").is_file():
-        parser.error(f"--render-only: {args.out / 'results.json'} does not exist; measure first (without it)")
     if args.render_only:
-        doc = {**json.loads((args.out / "results.json").read_text()), "max_kl_divergence": args.max_kl_divergence,
-               "rendered": "python " + " ".join(sys.argv)}
+        try:
+            earlier = json.loads(read_file(args.out / "results.json"))
+        except FileNotFoundError:
+            parser.error(f"--render-only: {args.out / 'results.json'} does not exist; measure first (without it)")
+        except (OSError, ValueError) as err:
+            raise KVQuantError(f"--render-only: {args.out / 'results.json'} is not a results.json this script writes "
+                               f"({getattr(err, 'strerror', None) or err})") from None
+        if not isinstance(earlier, dict) or not isinstance(earlier.get("candidates"), dict):
+            raise KVQuantError(f"--render-only: {args.out / 'results.json'} is not a results.json this script writes")
+        doc = {**earlier, "max_kl_divergence": args.max_kl_divergence, "rendered": "python " + " ".join(sys.argv)}
         write(args.out, doc)
         return
     cfg = load_config(args.config, args.set)
@@ -208,4 +231,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("long_divergence", main))

@@ -8,7 +8,6 @@ figure for the same model and settings, and how far each row's logits are from t
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import pandas as pd
 import torch
 
 import kvquant
+from kvquant.errors import at_least, script_parser
+from kvquant.fs import output_dir, write_together
 from kvquant.scoring import data
 from kvquant.cache import stack_rows
 from kvquant.runner.config import load_config
@@ -48,12 +49,12 @@ def measure(model, setting: dict, prefix: torch.Tensor, suffixes: torch.Tensor) 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser("prefix_sharing", __doc__)
     parser.add_argument("--config", default="configs/int4.yaml", help="a config whose model and first perplexity "
                         "set are used (default: SmolLM2, WikiText-2)")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--suffix", type=int, default=64)
+    parser.add_argument("--requests", type=at_least(1), default=8)
+    parser.add_argument("--prefix", type=at_least(1), default=1024)
+    parser.add_argument("--suffix", type=at_least(1), default=64)
     parser.add_argument("--cache", action="append", help=f"planner-style settings (default: {' '.join(SETTINGS)})")
     parser.add_argument("--out", type=Path, default=Path("reports/prefix_sharing"))
     args = parser.parse_args(argv)
@@ -77,8 +78,7 @@ def main(argv=None) -> int:
     frame = pd.DataFrame(rows)
     env = environment()
     command = "python experiments/prefix_sharing.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(args.out / "results.csv", index=False)
+    csv = frame.to_csv(index=False)
     lines = [
         "# Prefix sharing, measured", "",
         f"- command: `{command}`",
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         "", "stored + saved = unshared in every row (the same tensors, counted once). With a residual window the "
         "prefix's last full-precision tokens are copied into each request at its first write, so they are not "
         "shared.", ""]
-    (args.out / "report.md").write_text("\n".join(lines))
+    write_together(output_dir(args.out, "--out"), {"results.csv": csv, "report.md": "\n".join(lines)})
     print(f"report: {args.out / 'report.md'}")
     return 0 if all(r["agree"] for r in rows) else 1
 

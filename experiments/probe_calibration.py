@@ -24,6 +24,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from kvquant.errors import at_least, run_script
 from kvquant.paths import data_dir
 from kvquant.scoring.passkey import probe_documents
 
@@ -59,11 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: SmolLM2's GGUF in the data directory)")
     parser.add_argument("--gguf-file", help="GGUF file inside --model (default: SmolLM2's when --model is unset)")
-    parser.add_argument("--distances", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
-    parser.add_argument("--per-distance", type=int, default=6)
+    parser.add_argument("--distances", type=at_least(1), nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--per-distance", type=at_least(1), default=6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--baseline-distance", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--baseline-distance", type=at_least(1), default=256)
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -97,4 +98,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_script("probe_calibration", main))

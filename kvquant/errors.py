@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,8 +73,26 @@ class NonFiniteKVError(KVQuantError):
 
 
 def one_line(err: BaseException | str) -> str:
-    """An error message on one line (line breaks inside it become spaces)."""
-    return re.sub(r"\s*\n\s*", " ", str(err).strip())
+    """An error message on one line (line breaks inside it become spaces), inert on a terminal: any other
+    control or invisible character a message carries from an input (an escape sequence in a report's text, a
+    bidirectional override in a name) is shown as ``\\uXXXX`` (:func:`visible`), never sent to the terminal."""
+    return visible(re.sub(r"\s*\n\s*", " ", str(err).strip()), limit=MESSAGE_LIMIT)
+
+
+#: Unicode categories shown as ``\uXXXX`` in DEPLOY.md and on the terminal: controls (line breaks, escapes),
+#: format characters (bidirectional overrides, zero widths), private, surrogate and unassigned code points
+INVISIBLE = frozenset({"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"})
+
+
+#: the longest error message shown whole (every message kvquant writes is far shorter; a longer one quotes an input)
+MESSAGE_LIMIT = 4000
+
+
+def visible(text, limit: int = 300) -> str:
+    """``text`` on one line, every invisible character (:data:`INVISIBLE`) as ``\\uXXXX``, cut at ``limit``."""
+    text = str(text)
+    shown = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in INVISIBLE else c for c in text[:limit])
+    return shown + (f"... ({len(text) - limit:,} more characters)" if len(text) > limit else "")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -85,6 +104,24 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{self.name}: error: {one_line(message)} (see --help)\n")
+
+
+def script_parser(name: str, description: str | None) -> OneLineParser:
+    """The argument parser of a script under ``experiments/`` (a user-facing command like the package's):
+    ``description`` shown as written, usage errors one line and exit 2."""
+    return OneLineParser(name, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at most 18 digits that is at least ``minimum`` (a usage error else)."""
+
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[+-]?[0-9]{1,18}", text.strip()) or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text[:40]!r}")
+        return int(text)
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace | int:
@@ -167,3 +204,14 @@ def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | Non
     finally:
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def run_script(prog: str, main: Callable[[], object]) -> int:
+    """The exit code of a script's ``main()`` (whatever it returns counts as done, exit 0; an ``int`` is its exit
+    code) run under :func:`guarded`: bad input one line and exit 2, anything else one line, a log and exit 3."""
+
+    def body() -> int:
+        code = main()
+        return code if is_python_int(code) else EXIT_PASS
+
+    return guarded(prog, body)

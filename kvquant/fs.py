@@ -3,8 +3,10 @@
 - **Loaded from**: lm-eval executes what its task YAMLs name (``!function``), and the fused kernel is a shared
   library; both come only from folders no other user can write (:func:`private_dir`).
 - **Written**: reports, partial results and error logs are written to a fresh temporary name (``O_EXCL``) and
-  renamed into place, so a symlink planted at the target is replaced, never followed; a directory kvquant
-  enters under ``output_dir`` must be a real directory, not a symlink (:func:`real_dir`).
+  renamed into place, so a symlink planted at the target is replaced, never followed, and another user's file
+  there is refused, never replaced; a directory kvquant writes into (under ``output_dir``, a benchmark's
+  ``--out``) must be a real directory of this user's that no one else can write (:func:`real_dir`,
+  :func:`output_dir`).
 """
 
 from __future__ import annotations
@@ -181,8 +183,22 @@ def cache_dir(sub: str, env: str | None = None) -> Path:
                        "$KVQUANT_CACHE_DIR" if root is not None else "cache")
 
 
+def _foreign_writer(path: Path, info: os.stat_result) -> str | None:
+    """Why another user could change what the directory ``path`` (its ``lstat`` ``info``) holds, else None: it
+    belongs to another user, or every user, or the users of a group not this user's own, may write it."""
+    if info.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {info.st_uid})"
+    if info.st_mode & stat.S_IWOTH:
+        return f"{path} is writable by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    if info.st_mode & stat.S_IWGRP and info.st_gid != os.getgid():
+        return f"{path} is writable by the users of group {info.st_gid}"
+    return None
+
+
 def real_dir(path: Path, what: str) -> Path:
-    """``path`` as a real directory, created where missing; a symlink (or anything else) there is refused."""
+    """``path`` as a real directory of this user's, created where missing; a symlink (or anything else) there is
+    refused, and so is a directory another user owns or may write (:func:`_foreign_writer`): that user could swap
+    what kvquant writes into it (``partial/`` for a link) between a check and a write."""
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
@@ -193,7 +209,22 @@ def real_dir(path: Path, what: str) -> Path:
         kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
         raise KVQuantError(f"{what}: {path} is {kind}; kvquant writes only into directories it can trust, so move "
                            "it away or write elsewhere (--set name=... or --set output_dir=...)")
+    reason = _foreign_writer(path, info)
+    if reason:
+        raise KVQuantError(f"{what}: refusing {path}: {reason}; kvquant writes only into directories no one else "
+                           "can change, so write elsewhere")
     return path
+
+
+def output_dir(path: str | Path, what: str) -> Path:
+    """A command's output folder ``path`` (a benchmark's ``--out``): its parents created where missing (a
+    symlink among them is yours to make), the folder itself checked by :func:`real_dir`."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{what}: cannot create {path.parent} ({getattr(err, 'strerror', None) or err})") from None
+    return real_dir(path, what)
 
 
 def write_file(path: Path, content: str | bytes) -> None:
@@ -203,7 +234,18 @@ def write_file(path: Path, content: str | bytes) -> None:
 
 def write_together(directory: Path, files: dict[str, str | bytes]) -> None:
     """Write every file to a fresh temporary name in ``directory`` (``O_EXCL``), then rename them all into place:
-    a symlink at a target is replaced, never written through, and no file is in place before all are written."""
+    a symlink at a target is replaced, never written through, and no file is in place before all are written. A
+    target another user owns is refused before anything is written (:class:`KVQuantError`)."""
+    for name in files:
+        try:
+            info = os.lstat(directory / name)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise KVQuantError(f"cannot write {directory / name} ({err.strerror or err})") from None
+        if not stat.S_ISLNK(info.st_mode) and info.st_uid != os.getuid():
+            raise KVQuantError(f"refusing to replace {directory / name}: it belongs to another user (uid "
+                               f"{info.st_uid}); move it away or write elsewhere")
     staged = []
     try:
         for name, content in files.items():

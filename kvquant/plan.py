@@ -21,11 +21,11 @@ import sys
 
 import torch
 
-from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args, visible
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.models import DTYPES
 from kvquant.planner.cost import MAX_LAYER_KINDS
-from kvquant.planner.fitted import fitted_context
+from kvquant.planner.fitted import FittedContext, fitted_context
 from kvquant.planner.shapes import (FULL_PRECISION, KNOWN_MODELS, MAX_CONTEXT, Planner, human, parse_bytes,
     parse_setting, resolve_model, tensor_parallel)
 
@@ -127,7 +127,10 @@ def render(plan: dict) -> str:
              f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
              f"batch {plan['batch']} x context {plan['context']:,} tokens; B = bytes, GiB = 2^30 B, GB = 10^9 B"]
     if plan.get("context_from"):
-        lines.append(f"context from {plan['context_from']['report']}: {plan['context_from']['verdict']}")
+        fitted = plan["context_from"]
+        lines.append(f"context from {visible(fitted['report'])}: {visible(fitted['verdict'])}")
+        if fitted.get("warning"):
+            lines.append(f"WARNING: {fitted['warning']}")
     if plan["tensor_parallel"] > 1:
         ranks, heads = plan["tensor_parallel"], plan["kv_heads_per_gpu"]
         copies = ranks * heads // plan["kv_heads"]
@@ -198,13 +201,32 @@ def main(argv: list[str] | None = None) -> int:
     return guarded("kvquant.plan", lambda: _print_plan(args))
 
 
+def model_warning(fitted: FittedContext, model: str) -> str | None:
+    """A loud line where the plan's ``--model`` is not the model the report measured (or the report does not say
+    which): the context was shown safe for that model only."""
+    if fitted.model is not None and fitted.model.removeprefix("local:").rstrip("/") == model.rstrip("/"):
+        return None
+    measured = visible(fitted.model, 200) if fitted.model else "a model the report does not name"
+    return (f"the context was shown safe for {visible(fitted.label, 80)} on {measured}, not on {visible(model, 200)}: "
+            "this plan is not a measured context for this model; measure it (eval.long_context) before relying on it")
+
+
 def _print_plan(args) -> int:
     fitted = None
     if args.context_from is not None:
-        args.context, fitted = fitted_context(args.context_from, args.trust_unsigned)
+        if args.cache:
+            raise KVQuantError("--context-from plans the cache setting the report showed safe at its context (the "
+                               "candidate's own); leave out --cache, or plan other settings with --context N")
+        fitted = fitted_context(args.context_from, args.trust_unsigned)
+        args.context, args.cache = fitted.length, [fitted.setting]
     plan = build_plan(args)
     if fitted is not None:
-        plan["context_from"] = {"report": args.context_from, "verdict": fitted}
+        plan["settings"][0]["cache"] = f"{visible(fitted.label, 80)} (as measured)"
+        warning = model_warning(fitted, args.model)
+        plan["context_from"] = {"report": args.context_from, "verdict": fitted.summary, "model": fitted.model,
+                                "warning": warning}
+        if warning:
+            print(f"kvquant.plan: warning: {warning}", file=sys.stderr)
     print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
           if args.json else render(plan))
     return EXIT_PASS

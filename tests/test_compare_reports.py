@@ -33,3 +33,44 @@ def test_a_changed_value_line_or_file_is_reported(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "/candidates[0]/ppl: 1.5 | 1.5000001" in out and "1.01" in out and "extra.csv: DIFFERENT" in out
     assert compare.main([str(a), str(b), "--ignore", r"\| int4"]) == 1  # the value and the extra file remain
+
+
+compare_runs = experiment("compare_runs")
+
+
+def one_line_refusal(capsys, code: int, *words: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_nothing_to_compare_is_refused_not_reported_identical(tmp_path, capsys):
+    """Before: missing folders, empty folders and two files all gave '0 of 0 files identical' and exit 0."""
+    a = folder(tmp_path / "a", "a", 1.5)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.json").write_text("{}")
+    one_line_refusal(capsys, compare.main([str(a), str(tmp_path / "missing")]), "does not exist")
+    one_line_refusal(capsys, compare.main([str(tmp_path / "empty"), str(a)]), "holds no report files")
+    one_line_refusal(capsys, compare.main([str(tmp_path / "file.json"), str(tmp_path / "file.json")]), "a file")
+    one_line_refusal(capsys, compare.main([str(a), str(a), "--ignore", "("]), "not a regular expression")
+
+
+def run_folder(root: Path, result: dict) -> Path:
+    (root / "partial" / "int4").mkdir(parents=True)
+    (root / "partial" / "int4" / "ppl.json").write_text(json.dumps({"result": result}))
+    (root / "results.json").write_text(json.dumps({"decision": "pass", "results": {}, "candidates": [
+        {"name": "int4", "metrics": {"ppl": {"value": 1.5}}}]}))
+    return root
+
+
+def test_compare_runs_refuses_what_it_cannot_compare_and_fails_on_other_shapes(tmp_path, capsys):
+    """Before: missing or empty folders gave tracebacks (or an empty table and exit 0); results of different
+    shapes a traceback."""
+    a = run_folder(tmp_path / "a", {"nll": [1.0, 2.0]})
+    (tmp_path / "empty" / "partial").mkdir(parents=True)
+    one_line_refusal(capsys, compare_runs.main([str(a), str(tmp_path / "missing")]), "not a report folder")
+    one_line_refusal(capsys, compare_runs.main([str(a), str(tmp_path / "empty")]), "holds no partial results")
+    b = run_folder(tmp_path / "b", {"nll": [1.0, 2.0, 3.0]})
+    assert compare_runs.main([str(a), str(b)]) == 1 and "fields differ" in capsys.readouterr().err
+    c = run_folder(tmp_path / "c", {"nll": [1.0, 2.5]})
+    assert compare_runs.main([str(a), str(c)]) == 0
+    assert "| int4/ppl.json | nll | 2 | 1 | 1 |" in capsys.readouterr().out

@@ -395,3 +395,21 @@ def test_lm_eval_refuses_few_shot_contexts_longer_than_the_model_right_after_it_
     assert code == 2 and len(ours) == 1 and "Traceback" not in err, err[-3000:]
     assert ours[0].startswith("kvquant.lm_eval: error: --num_fewshot: task 'arc_easy_local' with 5 few-shot "
                               "examples needs contexts of up to") and "the model's context is 64" in ours[0], ours
+
+
+def test_the_kvquant_script_never_imports_a_kvquant_module_planted_in_the_working_directory(tmp_path):
+    """``python -m kvquant.plan`` from a folder holding another user's ``kvquant.py`` runs that file (Python
+    resolves the ``-m`` package from the working directory before any kvquant code exists); the ``kvquant``
+    console script (``pyproject.toml``'s ``[project.scripts]``) starts from its own folder and never does."""
+    script = Path(sys.executable).parent / "kvquant"
+    assert script.is_file(), f"{script} is missing: reinstall kvquant (pip install -e .) to get the console script"
+    marker = tmp_path / "ran"
+    (tmp_path / "kvquant.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    args = ["plan", "--model", "llama-3.1-8b", "--context", "1024", "--cache", "int4"]
+    done = subprocess.run([str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "model llama-3.1-8b: 32 layers" in done.stdout and not marker.exists()
+    unsafe = subprocess.run([sys.executable, "-m", "kvquant.plan", *args[1:]], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert marker.exists() and unsafe.returncode != 0  # the risk the script avoids, shown
+    bad = subprocess.run([str(script), "nope"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("kvquant: error: unknown command 'nope'")

@@ -231,11 +231,17 @@ def test_a_run_gates_position_buckets_up_to_min_context_and_reports_the_longest_
 
 # --- the planner at the fitted context ----------------------------------------------------------------------------
 
-def _report(folder, long_context, sign=True):
+INT4 = {"quantizer": "int4", "group_size": 32, "residual_length": 0, "key_group": 32, "value_group": 32}
+
+
+def _report(folder, long_context, sign=True, model="local:models/stories260K/hf", verdicts=None):
     from kvquant.signing import signed_json
 
     folder.mkdir(parents=True)
-    doc = {"decision": "pass", "long_context": long_context}
+    verdicts = verdicts or {"int4": "pass", "int2": "fail"}
+    doc = {"decision": "pass", "long_context": long_context, "config": {"model": {"path": model}},
+           "candidates": [{"name": name, "settings": {**INT4, "quantizer": name}, "verdict": verdict}
+                          for name, verdict in verdicts.items()]}
     (folder / "results.json").write_text(signed_json(doc) if sign else json.dumps(doc))
     return folder
 
@@ -248,16 +254,50 @@ LENGTHS = {"min_context": None, "candidates": {
 
 
 def test_the_planner_plans_at_the_context_a_report_showed_safe(tmp_path, monkeypatch, capsys):
+    """The report's own model and setting: its context, its candidate's cache (int4 g32, no window), no warning."""
+    from kvquant.plan import main
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _report(tmp_path / "rep", LENGTHS, model="llama-3.1-8b")
+    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4", "--json"]) == 0
+    captured = capsys.readouterr()
+    fitted = json.loads(captured.out)
+    assert captured.err == "" and fitted["context_from"]["warning"] is None
+    assert main(["--model", "llama-3.1-8b", "--context", "2048", "--cache", "int4:group_size=32,residual_length=0",
+                 "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert fitted["context"] == 2048 and fitted["kv_bytes"] == plain["kv_bytes"] and len(fitted["settings"]) == 1
+    assert fitted["context_from"]["verdict"] == "passes up to 2K, fails from 8K, inconclusive at 4K"
+
+
+def test_the_planner_says_loudly_when_the_model_is_not_the_one_measured(tmp_path, monkeypatch, capsys):
+    """Before: Llama-3.1-8B planned at a stories260K report's context, exit 0 and silent."""
     from kvquant.plan import main
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
     folder = _report(tmp_path / "rep", LENGTHS)
-    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4", "--cache", "int4", "--json"]) == 0
-    fitted = json.loads(capsys.readouterr().out)
-    assert main(["--model", "llama-3.1-8b", "--context", "2048", "--cache", "int4", "--json"]) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert fitted["context"] == 2048 and fitted["kv_bytes"] == plain["kv_bytes"]
-    assert fitted["context_from"]["verdict"] == "passes up to 2K, fails from 8K, inconclusive at 4K"
+    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: the context was shown safe for int4 on local:models/stories260K/hf, not on llama-3.1-8b" \
+        in captured.err
+    assert "WARNING: the context was shown safe" in captured.out and "int4 (as measured)" in captured.out
+
+
+def test_a_context_from_a_report_prints_its_text_inert(tmp_path, monkeypatch, capsys):
+    """Before: the summary went to the terminal raw: escape sequences (clear screen, window title, BEL) and
+    newlines that forge lines."""
+    from kvquant.plan import main
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    hostile = {**LENGTHS, "candidates": {"int4": {**LENGTHS["candidates"]["int4"],
+                                                  "summary": "ok\x1b[2J\x1b]0;title\x07\nFAKE LINE\u202e"}}}
+    folder = _report(tmp_path / "rep", hostile, model="evil\x1b[31m\nFAKE MODEL")
+    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4"]) == 0
+    captured = capsys.readouterr()
+    for stream in (captured.out, captured.err):
+        assert "\x1b" not in stream and "\x07" not in stream and "\u202e" not in stream
+        assert not any(line.startswith(("FAKE", "\x1b")) for line in stream.splitlines())
+    assert "ok\\u001b[2J\\u001b]0;title\\u0007\\u000aFAKE LINE\\u202e" in captured.out
 
 
 @pytest.mark.parametrize("argument, sign, needle", [
@@ -266,12 +306,26 @@ def test_the_planner_plans_at_the_context_a_report_showed_safe(tmp_path, monkeyp
     ("{rep}", True, "must be REPORT_DIR:CANDIDATE"),
     ("{rep}:int4", False, "carries no signature"),
     ("{none}:int4", True, "holds no length verdict"),
+    ("{failed}:int4", True, "int4 FAILED the gate in"),
 ])
 def test_a_context_the_report_does_not_give_is_one_line(tmp_path, monkeypatch, capsys, argument, sign, needle):
     from kvquant.plan import main
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
     rep, none = _report(tmp_path / "rep", LENGTHS, sign), _report(tmp_path / "none", None)
-    code = main(["--model", "llama-3.1-8b", "--context-from", argument.format(rep=rep, none=none)])
+    failed = _report(tmp_path / "failed", LENGTHS, verdicts={"int4": "fail"})
+    code = main(["--model", "llama-3.1-8b", "--context-from", argument.format(rep=rep, none=none, failed=failed)])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_context_from_plans_only_the_setting_the_report_measured(tmp_path, monkeypatch, capsys):
+    """Before: ``--cache int2`` planned int2 at the length int4 was shown safe at, and no ``--cache`` planned every
+    default cache there, exit 0 and silent. Now only the candidate's setting is planned; another is one line."""
+    from kvquant.plan import main
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _report(tmp_path / "rep", LENGTHS, model="llama-3.1-8b")
+    code = main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4", "--cache", "int2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "leave out --cache" in err

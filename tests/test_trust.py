@@ -165,6 +165,41 @@ def test_symlink_at_the_report_directory_is_refused(tmp_path, capsys, monkeypatc
     assert not any(victim.iterdir())
 
 
+AS_ROOT = pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a folder to another user")
+
+
+@pytest.mark.parametrize("make", ["foreign", "world_writable"])
+def test_a_report_directory_another_user_owns_or_may_write_is_refused(tmp_path, capsys, monkeypatch, make):
+    """A report folder another user made (or that every user may write) beforehand: that user could swap
+    ``partial/`` for a link between the run's check and its write, so the run refuses it before the model loads,
+    writing nothing (export and plan refuse such a folder too). Before: accepted, config and partial/ written."""
+    if make == "foreign" and os.getuid() != 0:
+        pytest.skip("needs root to give a folder to another user")
+    report = tmp_path / "reports" / "tiny"
+    report.mkdir(parents=True)
+    if make == "foreign":
+        os.chown(report, 4242, 4242)
+    else:
+        report.chmod(0o777)
+    monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    code = kvquant.run.main([str(write_config(tmp_path))])
+    err = capsys.readouterr().err
+    assert code == 2 and "refusing" in err and len(err.strip().splitlines()) == 1
+    assert ("belongs to another user (uid 4242)" if make == "foreign" else "writable by every user") in err
+    assert not any(report.iterdir())
+
+
+@AS_ROOT
+def test_another_users_file_in_the_report_directory_is_never_replaced(tmp_path):
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.md").write_text("theirs")
+    os.chown(report / "report.md", 4242, 4242)
+    with pytest.raises(KVQuantError, match="belongs to another user"):
+        write_together(report, {"results.json": "{}", "report.md": "ours"})
+    assert (report / "report.md").read_text() == "theirs" and not (report / "results.json").exists()
+
+
 def test_symlink_at_partial_candidate_is_refused_not_followed(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()

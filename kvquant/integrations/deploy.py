@@ -22,7 +22,6 @@ import json
 import os
 import re
 import stat
-import unicodedata
 from pathlib import Path
 
 import torch
@@ -31,24 +30,12 @@ from kvquant.cache.spec import TOKEN_OPTIONS
 from kvquant.integrations import deploy_llamacpp
 from kvquant.integrations.deploy_llamacpp import CacheTypes
 from kvquant.integrations.deploy_read import Report, Setting, checked_report, load_report, open_results
-from kvquant.errors import KVQuantError, one_line
+from kvquant.errors import KVQuantError, one_line, visible
 from kvquant.fs import write_together
 from kvquant.formats.quantizers import QUANTIZERS
 
 #: the files an export writes together, DEPLOY.md (which names the others) last
 DEPLOY_FILES = ("kv_scales.safetensors", "kv_cache_scheme.json", "DEPLOY.md")
-#: Unicode categories shown as ``\uXXXX`` in DEPLOY.md: controls (line breaks, escapes), format characters
-#: (bidirectional overrides, zero widths), private, surrogate and unassigned code points
-INVISIBLE = frozenset({"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"})
-
-
-def visible(text, limit: int = 300) -> str:
-    """``text`` on one line, every invisible character (:data:`INVISIBLE`) as ``\\uXXXX``, cut at ``limit``."""
-    text = str(text)
-    shown = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in INVISIBLE else c for c in text[:limit])
-    return shown + (f"... ({len(text) - limit:,} more characters in results.json)" if len(text) > limit else "")
-
-
 def code(text, limit: int = 300) -> str:
     """``text`` as a Markdown code span (literal: no heading, link or HTML), fenced by more backticks than any
     run inside it."""

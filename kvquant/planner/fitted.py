@@ -4,15 +4,49 @@ the context the setting was shown to keep, not a longer one."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.errors import KVQuantError
+from kvquant.errors import KVQuantError, visible
+
+#: what a report's settings hold beside the cache's options: what the quantizer derived from the model's head_dim
+#: (:meth:`kvquant.cache.KVQuantCache.derived`), not options a cache is made with
+DERIVED = ("key_group", "value_group", "rotation_block")
 
 
-def fitted_context(text: str, trust_unsigned: bool = False) -> tuple[int, str]:
-    """``REPORT_DIR:CANDIDATE`` → (the candidate's ``passes_up_to`` in that report, its summary), read from the
-    report's ``results.json`` signed by this user's run (or, with ``trust_unsigned``, any); one line where the report
-    has no length verdict for it, or it passes at no length."""
+@dataclass(frozen=True)
+class FittedContext:
+    """What ``--context-from`` takes from a report: the ``length`` its candidate ``label`` passes up to, the length
+    verdict's ``summary``, the ``model`` the run measured (its config's ``model.path``, or None where the report
+    does not say) and the candidate's cache ``setting`` (the options it was made with), as a ``--cache`` text."""
+
+    label: str
+    length: int
+    summary: str
+    model: str | None
+    setting: str
+
+
+def candidate_setting(doc: dict, label: str, folder) -> str:
+    """The cache options ``label`` was measured with in the report ``doc`` (its settings less :data:`DERIVED`), as
+    the planner's ``--cache`` mapping text; one line where the candidate failed the report's gate (its length
+    verdict is no safe context then) or the report does not record its settings."""
+    found = [c for c in doc.get("candidates", []) if isinstance(c, dict) and c.get("name") == label]
+    if len(found) != 1 or not isinstance(found[0].get("settings"), dict):
+        raise KVQuantError(f"--context-from: {folder} records no cache settings for {visible(label, 80)}, so the "
+                           "planner cannot plan the setting it measured")
+    if found[0].get("verdict") == "fail":
+        raise KVQuantError(f"--context-from: {visible(label, 80)} FAILED the gate in {folder}; a setting the report "
+                           "rejected has no safe context to plan for")
+    return json.dumps({k: v for k, v in found[0]["settings"].items() if k not in DERIVED}, sort_keys=True)
+
+
+def fitted_context(text: str, trust_unsigned: bool = False) -> FittedContext:
+    """``REPORT_DIR:CANDIDATE`` → the candidate's ``passes_up_to`` in that report, its summary, the model and the
+    setting it was measured with (:class:`FittedContext`), read from the report's ``results.json`` signed by this
+    user's run (or, with ``trust_unsigned``, any); one line where the report has no length verdict for it, it passes
+    at no length, or it failed the report's gate."""
     from kvquant.integrations.deploy_read import verified_document
 
     folder, sep, label = text.rpartition(":")
@@ -35,4 +69,7 @@ def fitted_context(text: str, trust_unsigned: bool = False) -> tuple[int, str]:
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise KVQuantError(f"--context-from: {folder}: {label}'s passes_up_to is {length!r}, not a positive number "
                            "of tokens")
-    return length, str(found.get("summary", ""))
+    config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    model = config.get("model", {}).get("path") if isinstance(config.get("model"), dict) else None
+    return FittedContext(label, length, str(found.get("summary", "")), model if isinstance(model, str) else None,
+                         candidate_setting(doc, label, folder))

@@ -28,8 +28,8 @@ import yaml
 import numpy as np
 import pandas as pd
 
-from kvquant.errors import ERROR_LOG
-from kvquant.fs import write_together
+from kvquant.errors import ERROR_LOG, script_parser
+from kvquant.fs import output_dir, write_together
 from kvquant.paths import PROJECT_ROOT
 from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate_reports, probe_curve, stage_rows
 from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
@@ -89,11 +89,10 @@ def benchmark_lines(doc: dict, title: str) -> list[str]:
             f"{doc['load'][1]:.2f} at the end", f"- model {a['model']} {a['gguf_file'] or ''} (float32, CPU)"]
 
 
-def benchmark_parser(description: str):
-    """A benchmark script's argument parser, with the model options every benchmark on a real model takes."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def benchmark_parser(name: str, description: str):
+    """A benchmark script's argument parser (usage errors one line, exit 2), with the model options every
+    benchmark on a real model takes."""
+    parser = script_parser(name, description)
     parser.add_argument("--model", default="local:models/smollm2-135m-instruct")
     parser.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")
     return parser
@@ -136,12 +135,13 @@ def benchmark_doc(script: str, argv, args, load: float, **fields) -> dict:
 
 def write_benchmark(out: Path, doc: dict, render) -> None:
     """A benchmark's ``results.json`` (``doc``, noting whether hand-written ``NOTES.md`` sit beside it) and its
-    ``report.md`` (``render(doc)``, also printed) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    ``report.md`` (``render(doc)``, also printed) into ``out`` (:func:`kvquant.fs.output_dir`), written together:
+    a symlink at either is replaced, never followed, and another user's file there is refused."""
+    out = output_dir(out, "--out")
     doc["notes"] = (out / "NOTES.md").exists()
-    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "report.md").write_text(render(doc))
-    print(render(doc))
+    text = render(doc)
+    write_together(out, {"results.json": json.dumps(doc, indent=1) + "\n", "report.md": text})
+    print(text)
 
 
 def environment() -> dict[str, str]:
