@@ -46,7 +46,8 @@ from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError
 from kvquant.scoring.fewshot import check_runner_fewshot
 from kvquant.importpath import drop_working_dir
 from kvquant.fs import check_env_dirs
-from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows
+from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows,
+    needles_at_chance)
 from kvquant.scoring.session import (BASELINE, Session, check_long_documents, evaluation_split, measure, probe_counts,
     probe_tokens, task_size)
 from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype, trained_context
@@ -270,7 +271,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
     while True:
         table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned)
-        decision = decide(table, bits, cfg.gate)
+        decision = decide(table, bits, cfg.gate, at_chance=needles_at_chance(results[BASELINE.label], cfg.gate))
         wanted: dict[str, set[str]] = {}
         hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
         for v in decision.verdicts:
@@ -339,7 +340,8 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
             warn(warnings, f"{label} holds {b:.2f} bits/element, no fewer than the baseline, after "
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
-    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes), None
+    at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
+    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet

@@ -55,6 +55,9 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
     ("bootstrap-for-confidence", ["gate.confidence=0.99"], "gate.bootstrap must be at least 5000 resamples"),
     ("confidence-beyond-bootstrap", ["gate.confidence=0.9999", "gate.bootstrap=100000"],
      "gate.confidence 0.9999 needs more than 100000 bootstrap resamples"),
+    # issue 58: "paired 1% intervals" turned inconclusive results into PASS (bootstrap and the share had floors)
+    ("confidence-one-percent", ["gate.confidence=0.01"], "gate.confidence must be in [0.9, 1), got 0.01"),
+    ("confidence-just-below", ["gate.confidence=0.89", "gate.bootstrap=1000"], "gate.confidence must be in [0.9, 1)"),
     ("share-zero", ["gate.min_quantized_share=0"], "gate.min_quantized_share must be in [0.5, 1], got 0.0"),
     ("share-below-half", ["gate.min_quantized_share=0.49"], "gate.min_quantized_share must be in [0.5, 1]"),
     # flips need a task's right-or-wrong answers (issue 39)

@@ -5,6 +5,7 @@ the model loads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -227,6 +228,46 @@ def test_a_run_gates_position_buckets_up_to_min_context_and_reports_the_longest_
     report = (config.parent / "reports/long/report.md").read_text()
     assert "| int2 | passes at no length, fails from 64 |" in report and "| fp8 | passes up to 256 |" in report
     assert (config.parent / "reports/long/lengths.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("min_context, verdict", [(None, "fail"), (1024, "pass")])
+def test_a_length_shown_to_fail_is_part_of_the_decision_without_min_context(min_context, verdict):
+    """Issue 58: without gate.min_context the length verdict was reported only, so a candidate whose KL "fails from
+    2048" still passed (exit 0, and a DEPLOY.md told an engine to use it). A length shown to fail is now a fail;
+    with min_context, the lengths beyond it bound the deployment (DEPLOY.md), not the decision."""
+    from kvquant.runner.gate import decide
+
+    policy = GateConfig(max_kl_divergence=0.01, min_context=min_context)
+    short = MetricRow("int4", MetricId("kl", "wiki"), 0.004, 0.0, 16, True, 0.003, 0.005, 1.0, 0.95)
+    bucket = {n: MetricRow("int4", MetricId("kl", f"wiki@{n}"), v, 0.0, 16, is_gated(MetricId("kl", f"wiki@{n}"),
+                                                                                       policy), lo, hi, 1.0, 0.95)
+              for n, v, lo, hi in ((1024, 0.005, 0.004, 0.006), (2048, 0.03, 0.02, 0.04))}
+    decision = decide([short, *bucket.values()], {"int4": 5.0}, policy)
+    assert decision.statuses["int4"] == verdict and decision.decision == verdict
+    assert ("int4: fails from 2K tokens of context (its length verdict)" in decision.reason) is (verdict == "fail")
+
+
+def test_a_row_not_gated_is_never_passed():
+    """Issue 58: results.json wrote ``passed: true`` for rows reported only (a KL of 0.536 against 0.3)."""
+    from kvquant.runner.gate import judge
+
+    policy = GateConfig(max_kl_divergence=0.3, min_context=256)
+    row = MetricRow("int2", MetricId("kl", "wiki@1024"), 0.536, 0.0, 8, False, 0.5, 0.6, 1.0, 0.95)
+    assert judge(row, policy).verdict == "not gated" and judge(row, policy).passed is None
+
+
+def test_deploy_md_bounds_the_context_to_the_length_verdict():
+    from kvquant.integrations.deploy import context_text
+    from kvquant.integrations.deploy_read import Report
+
+    def report(lengths):
+        return Report(Path("r"), "pass", None, (), 30, "id", "why", "cmd", "m", lengths)
+
+    text = context_text(report((4096, 8192)))
+    assert "shown safe up to 4,096 tokens of context and shown to fail from 8,192" in text
+    assert "`--max-model-len 4096`" in text and "`-c 4096`" in text
+    assert "shown safe at no context length measured" in context_text(report((None, 512)))
+    assert context_text(report(None)) == ""
 
 
 # --- the planner at the fitted context ----------------------------------------------------------------------------

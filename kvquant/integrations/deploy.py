@@ -196,6 +196,19 @@ def provenance(report: Report) -> str:
     return f"Report: {code(report.run_id, 40)}, command {code(report.command, 2000)}."
 
 
+def context_text(report: Report) -> str:
+    """What the run showed of long contexts for the chosen setting (its length verdict), as a paragraph that bounds
+    the context to serve; empty where it measured none."""
+    if report.lengths is None:
+        return ""
+    safe, fails = report.lengths
+    shown = f"shown safe up to {safe:,} tokens of context" if safe else "shown safe at no context length measured"
+    shown += f" and shown to fail from {fails:,}" if fails else ""
+    bound = (f" Serve at most {safe:,} tokens per sequence (vLLM `--max-model-len {safe}`, SGLang "
+             f"`--context-length {safe}`, llama.cpp `-c {safe}`): longer contexts were not shown safe.") if safe else ""
+    return f"\n\n**Context**: this setting was {shown} (the report's length verdict).{bound}"
+
+
 def measured_on(report: Report) -> str:
     """The model the report measured, as a code span."""
     return code(report.model, 500)
@@ -216,7 +229,7 @@ Run {engine} with {code(cli, 100_000)} (Python: {code(python, 100_000)}). Needs:
 {engine_own_skips(chosen, skipped, layers)}
 kvquant measured this format ({code(chosen.quantizer, 100)}, {chosen.bits_per_element:.3f} bits per
 element as the engine stores it) on {measured_on(report)} against the fp16 baseline through the same cache, with
-attention reading the stored K/V, and the gate decided **PASS**: {prose(report.reason)}
+attention reading the stored K/V, and the gate decided **PASS**: {prose(report.reason)}{context_text(report)}
 
 {verdict_table(chosen)}
 
@@ -236,7 +249,7 @@ def llamacpp_text(report: Report, chosen: Setting, types: CacheTypes) -> str:
 kvquant measured this cache ({code(chosen.quantizer, 100)}, {chosen.bits_per_element:.3f} bits per
 element as llama.cpp stores it) on {measured_on(report)} against the fp16 baseline through the same cache, emulating
 llama.cpp's arithmetic (ggml's blocks and rounding, the rotation as above, the query converted to K's dot-product type),
-and the gate decided **PASS**: {prose(report.reason)}
+and the gate decided **PASS**: {prose(report.reason)}{context_text(report)}
 
 {verdict_table(chosen)}
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvquant.cache.build import layer_bounds
-from kvquant.errors import KVQuantError, one_line
+from kvquant.errors import KVQuantError, is_python_int, one_line
 from kvquant.signing import unverified
 
 MAX_BYTES = 256 * 2**20
@@ -347,6 +347,30 @@ class Report:
     reason: str | None
     command: str | None
     model: str
+    #: the chosen setting's length verdict (:func:`chosen_lengths`): (longest context shown safe, shortest shown to
+    #: fail), either None; None where the run measured no long context for it
+    lengths: tuple[int | None, int | None] | None = None
+
+
+#: more tokens than any model's context (a bound on a length read from results.json)
+MAX_LENGTH = 2**31
+
+
+def chosen_lengths(doc: dict, name: str | None, path: Path) -> tuple[int | None, int | None] | None:
+    """The length verdict results.json's ``long_context`` holds for the candidate ``name``: (``passes_up_to``,
+    ``fails_from``), each a positive number of tokens or None; None where it holds none for it."""
+    found = doc.get("long_context", {}).get("candidates", {}) if isinstance(doc.get("long_context"), dict) else {}
+    entry = found.get(name) if isinstance(found, dict) and name is not None else None
+    if entry is None:
+        return None
+    need(isinstance(entry, dict), path, f"long_context.candidates.{_shown(name)}", "an object", entry)
+    out = []
+    for key in ("passes_up_to", "fails_from"):
+        value = entry.get(key)
+        need(value is None or is_python_int(value) and 0 < value <= MAX_LENGTH, path,
+             f"long_context.candidates.{_shown(name)}.{key}", f"null or a number of tokens in 1..{MAX_LENGTH}", value)
+        out.append(value)
+    return out[0], out[1]
 
 
 def checked_report(doc: dict, path: Path) -> Report:
@@ -359,4 +383,4 @@ def checked_report(doc: dict, path: Path) -> Report:
         candidates = tuple(Setting.read(candidate, layers, path) for candidate in doc["candidates"])
     return Report(path, doc["decision"], next((c for c in candidates if c.name == doc["chosen"]), None), candidates,
                   layers, doc.get("run_id"), doc.get("reason"), doc.get("command"),
-                  doc.get("config", {}).get("model", {}).get("path", "?"))
+                  doc.get("config", {}).get("model", {}).get("path", "?"), chosen_lengths(doc, doc.get("chosen"), path))

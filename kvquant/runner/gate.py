@@ -229,17 +229,40 @@ def _open(v: Verdict) -> str:
     return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{more}"
 
 
+def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
+                    at_chance: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Per candidate, the shortest context at which a long-context metric is shown to fail (judged as the length
+    verdict judges it, :func:`length_verdicts`), where ``gate.min_context`` is unset: a loss shown at a length is a
+    loss, so it stands against a pass whatever length it is at. With ``gate.min_context``, the lengths up to it are
+    gated rows already, and a failure beyond it bounds the context a deployment may serve (DEPLOY.md), not the
+    decision."""
+    if policy.min_context is not None:
+        return {}
+    out: dict[str, int] = {}
+    for row in rows:
+        length = metric_length(row.metric)
+        if length is None or row.gated or row.metric.source in at_chance or not selected(row.metric, policy):
+            continue
+        if judge(dataclasses.replace(row, gated=True), policy).verdict == FAIL:
+            out[row.candidate] = min(length, out.get(row.candidate, length))
+    return out
+
+
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
-           pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None) -> Decision:
-    """Judge every row; per candidate a status (:func:`status`); the cheapest passing candidate is the answer,
-    else "fail" when every candidate fails, else "inconclusive", naming what would decide it. ``pace``: seconds
-    per document of a (candidate, task) as this run scored them, baseline included, to state the time more
-    documents would take; ``sizes``: documents per task, to state where more would be needed than it holds."""
+           pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
+           at_chance: frozenset[str] = frozenset()) -> Decision:
+    """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
+    (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
+    passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
+    decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
+    state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
+    than it holds."""
     verdicts = [bounded(timed(judge(r, policy), pace or {}), sizes or {}) for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
+    too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
-    statuses = {name: status([v for v in verdicts if v.row.candidate == name]) if name in gated else INCONCLUSIVE
-                for name in bits_per_element}
+    statuses = {name: FAIL if name in too_long else status([v for v in verdicts if v.row.candidate == name])
+                if name in gated else INCONCLUSIVE for name in bits_per_element}
     passed = {name: s == PASS for name, s in statuses.items()}
     winners = sorted((bits_per_element[n], n) for n, ok in passed.items() if ok)
     basis = "point estimate, not a test" if policy.decide_on == "point" else \
@@ -254,6 +277,8 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     if all(s == FAIL for s in statuses.values()):
         failing = [f"{v.row.candidate}: {v.row.metric.name} {v.statistic:.4f} (interval {v.row.ci_low:.4f}.."
                    f"{v.row.ci_high:.4f}) vs {v.threshold:.4f}" for v in verdicts if v.verdict == FAIL]
+        failing += [f"{name}: fails from {_length(length)} tokens of context (its length verdict)"
+                    for name, length in too_long.items()]
         return Decision(FAIL, None, passed, verdicts, f"no setting passes ({basis}); " + "; ".join(failing),
                         statuses)
     undecided = [f"{v.row.candidate}: {_open(v)}" for v in verdicts if v.verdict in (INCONCLUSIVE, NOT_EXERCISED)

@@ -23,6 +23,9 @@ MAX_DOCUMENTS = 1_000_000
 MAX_KL_DIVERGENCE = 1.0
 #: The loosest gate that is still a gate: half the accuracy kept, perplexity doubled.
 MIN_ACCURACY_RATIO, MAX_PERPLEXITY_RATIO = 0.5, 2.0
+#: The least confidence of a gate's intervals: a wrong pass has at most 5% chance (one-sided) at 0.9. Below it, an
+#: interval narrow enough to pass is one that excludes little: "paired 1% intervals" turn inconclusive into PASS.
+MIN_CONFIDENCE = 0.9
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,9 @@ class GateConfig:
                 f"gate.min_quantized_share must be in [{MIN_QUANTIZED_SHARE}, 1], got {self.min_quantized_share!r}: "
                 "below half, most of what attention read was not quantized, so a pass would show the full-precision "
                 "cache, not the quantizer")
+        require(self.confidence >= MIN_CONFIDENCE,
+                f"gate.confidence must be in [{MIN_CONFIDENCE}, 1), got {self.confidence!r}: a wrong pass has half of "
+                "1 - confidence chance, so a lower one turns undecided results into passes")
         self._check_bootstrap()
 
     def _check_bootstrap(self) -> None:

@@ -301,9 +301,9 @@ class Verdict:
         return self.more is not None and self.left is not None and self.more > self.left
 
     @property
-    def passed(self) -> bool:
-        """Whether the row stands in the way of nothing: passes, or is not gated."""
-        return self.verdict in ("pass", "not gated")
+    def passed(self) -> bool | None:
+        """Whether the row passes; None where it is not gated (reported only: neither passed nor failed)."""
+        return None if self.verdict == "not gated" else self.verdict == "pass"
 
 
 @dataclass(frozen=True)
