@@ -40,7 +40,8 @@ from kvquant.runner.config import load_config
 from kvquant.runner.overrides import add_set_option
 from kvquant.runner.expected import Expected
 from kvquant.runner.store import ResultStore, RunLock, check_partial
-from kvquant.runner.travel import check_found, check_weights, local_weights, merge, place, read_folder, refuse
+from kvquant.runner.travel import (check_documents, check_found, check_weights, local_weights, merge, place,
+    read_folder, refuse)
 from kvquant.scoring.models import check_model
 
 
@@ -61,6 +62,7 @@ def adopt(config: str, overrides: list[str], folders: list[Path], dry_run: bool)
     for found in read:
         check_found(found, code, expected)
     merged = merge(read)
+    check_documents(merged)
     with contextlib.nullcontext() if dry_run else RunLock(out_dir):  # a dry run writes nothing, not even a lock
         check_partial(partial)
         store = ResultStore(partial, code, [])

@@ -232,6 +232,44 @@ def test_an_edited_or_renamed_result_is_refused(tmp_path, elsewhere, capsys, how
     assert not (tmp_path / "reports").exists()
 
 
+IMPOSSIBLE = [  # (case, the file edited, the edit, what the refusal says); issue 58: each was adopted and signed
+    ("accuracy-two", "int4/task__tinystories_lastword.json", lambda r: {**r, "acc": [2.0, 0.0, 0.0, 1.0, 0.0]},
+     "holds a document's score other than 0 or 1"),
+    ("accuracy-half", "int4/task__tinystories_lastword.json", lambda r: {**r, "acc": [0.5] * 5},
+     "holds a document's score other than 0 or 1"),
+    ("fewer-documents", "int4/task__tinystories_lastword.json", lambda r: {**r, "acc": [1.0, 0.0, 1.0]},
+     "score 5 and 3 documents of the same task inputs"),
+    ("fewer-windows", "int4/ppl__tinystories.json", lambda r: {"nll": r["nll"][:2], "tokens": r["tokens"][:2]},
+     "its 'nll' has 2 values where its inputs read 4"),
+    ("no-tokens", "int4/ppl__tinystories.json", lambda r: {**r, "tokens": [0, 0, 0, 0]},
+     "its token counts [0, 0, 0, 0] are not those of the windows it read [63, 63, 63, 63]"),
+    ("negative-nll", "int4/ppl__tinystories.json", lambda r: {**r, "nll": [-1.0, 2.0, 3.0, 4.0]},
+     "holds a value that is no negative log-likelihood"),
+    ("empty", "int4/task__tinystories_lastword.json", lambda r: {}, "it holds neither 'acc' nor 'acc_norm'"),
+    ("huge-integer", "int4/ppl__tinystories.json", lambda r: {**r, "extra": 10 ** 400},
+     "holds an integer of 401 digits"),
+]
+
+
+@pytest.mark.parametrize("file, change, needle", [c[1:] for c in IMPOSSIBLE], ids=[c[0] for c in IMPOSSIBLE])
+def test_a_result_no_run_could_write_is_refused(tmp_path, elsewhere, capsys, file, change, needle):
+    config, there = elsewhere
+    path = there / file
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "result": change(saved["result"])}))
+    refused(capsys, [config, there], needle)
+    assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("seconds, needle", [(1e308, "its seconds are 1e+308"), (10 ** 400, "its seconds are 1000"),
+                                             (-1, "its seconds are -1")])
+def test_a_time_no_run_took_is_refused(tmp_path, elsewhere, capsys, seconds, needle):
+    config, there = elsewhere
+    path = there / "int4" / "ppl__tinystories.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": seconds}))
+    refused(capsys, [config, there], needle)
+
+
 def test_adoption_cannot_tell_an_edited_result_from_a_measured_one(tmp_path, elsewhere, capsys):
     """The key is a digest of the inputs only, and the signature that covers the result is under the other machine's
     key, which this one does not hold: a result edited with its inputs untouched is adopted as it is. Adopting is

@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 from kvquant.cache import make_cache
 from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
+from kvquant.runner.plausible import Shape
 from kvquant.runner.search import CALIBRATION_BASELINE, calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
@@ -129,6 +130,25 @@ class Expected:
         if metric == "memory" and split == "evaluation":
             return {**key, "probe": probe_tokens(cfg, self._evaluation, self._text[0], self.maxlen)}
         raise NotThisRun(f"this config's run measures no {metric} of {label}")
+
+    def shape(self, label: str, metric: str, inputs: dict) -> Shape | None:
+        """What the result of ``(label, metric)`` keyed with ``inputs`` (checked equal to :meth:`inputs`) holds one
+        value for (:class:`~kvquant.runner.plausible.Shape`): the scored tokens of each window it read, or its
+        documents; None for a result without such a shape (memory, calibration, serving)."""
+        kind, _, name = metric.partition("/")
+        split = inputs.get("split")
+        if kind in ("ppl", "kl"):
+            windows = self._evaluation.windows.get(name) if split == "evaluation" else \
+                self._search_windows.get(name, (None, None))[1]
+            return Shape(tokens=tuple(len(w.ids) - w.score_from for w in windows)) if windows else None
+        if kind == "long":
+            return Shape(tokens=tuple(len(w.ids) for w in self._evaluation.long))
+        if kind == "task":
+            span = inputs.get("documents")
+            if isinstance(span, list) and len(span) == 2:
+                return Shape(documents=span[1] - span[0], exact=True)
+            return Shape(documents=inputs.get("limit"))
+        return None
 
     def _measured(self, label: str) -> tuple[str, object, Candidate | None]:
         """``label``'s split, cache settings (as :func:`kvquant.scoring.session.described` gives them) and

@@ -14,6 +14,7 @@ from pathlib import Path
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import read_file
 from kvquant.runner.expected import Expected
+from kvquant.runner.plausible import problem
 from kvquant.runner.store import ResultStore, inputs_digest, result_name
 
 
@@ -109,6 +110,26 @@ def check_found(found: Found, code: dict, expected: Expected) -> None:
     reason = expected.difference(found.candidate, found.metric, found.saved["inputs"])
     if reason:
         refuse(f"{found.path} is no result this config's run would reuse: {reason}")
+    kind = found.metric.partition("/")[0]
+    why = problem(kind, found.saved["result"], expected.shape(found.candidate, found.metric, found.saved["inputs"]),
+                  found.saved.get("seconds"))
+    if why:
+        refuse(f"{found.path} is no result a run could have written: {why}")
+
+
+def check_documents(found: list[Found]) -> None:
+    """Every task result of the same inputs (task, documents or limit, shots, data) holds as many documents,
+    whichever candidate measured it: a run scores the baseline and each candidate on the same documents."""
+    seen: dict[str, Found] = {}
+    for f in found:
+        if f.metric.startswith("task/"):
+            inputs = {k: v for k, v in f.saved["inputs"].items() if k not in ("settings", "result_of", "weights")}
+            first = seen.setdefault(_text(inputs), f)
+            counts = [len(next((r[m] for m in ("acc", "acc_norm") if m in r), ())) for r in (first.saved["result"],
+                                                                                     f.saved["result"])]
+            if counts[0] != counts[1]:
+                refuse(f"{first.path} and {f.path} score {counts[0]} and {counts[1]} documents of the same task "
+                       "inputs; a run scores every candidate on the same documents")
 
 
 def merge(found: list[Found]) -> list[Found]:
