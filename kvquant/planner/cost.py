@@ -160,7 +160,8 @@ def write(layer: KVQuantLayer, tokens: int, kv_heads: int, head_dim: int, dtype:
     else:
         states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
     layer.update(states, states)
-    return layer.memory()
+    memory = layer.memory()
+    return {key: memory[key] for key in MEMORY_KEYS}  # stored bytes: what one write's arithmetic gives
 
 
 def _probe(quantizer: Quantizer, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[StreamCost, StreamCost]:
