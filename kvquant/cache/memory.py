@@ -17,14 +17,18 @@ from transformers.cache_utils import Cache
 from kvquant.compat.transformers import quantized_tensors
 
 
+#: The keys of :meth:`KVQuantLayer.memory` that count stored bytes (what one write's arithmetic gives: the planner's
+#: and :func:`~kvquant.cache.build.simulate_memory`'s), in its order; ``reserved_bytes`` follows them.
+STORED_KEYS = ("payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes",
+               "shareable_bytes", "shared_bytes")
+
+
 def summarize(parts: dict[int, dict[str, int]], tokens: int, devices: dict[int, str] | None = None,
               host: list[torch.Tensor] | None = None) -> dict[str, float]:
     """``parts``: per layer index, :meth:`KVQuantLayer.memory` (the planner's arithmetic gives the stored keys only:
     then nothing is said of reserved or host bytes); ``devices``: per layer index that stores anything yet, its device
     (None: not reported); ``host``: the cache's bookkeeping tensors on the CPU (:meth:`KVQuantLayer.host_tensors`)."""
-    report = {key: sum(p[key] for p in parts.values()) for key in (
-        "payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes", "shareable_bytes",
-        "shared_bytes")}
+    report = {key: sum(p[key] for p in parts.values()) for key in STORED_KEYS}
     counted = all("reserved_bytes" in p for p in parts.values())
     out = {
         **totals(report),
