@@ -80,7 +80,8 @@ class Store:
     GROWTH = 1.25
     #: Most tokens per row a growth adds to a large pool (in whole units, at least one): the bound on what a store
     #: reserves for later writes at long contexts. A growth copies the pool once every this many tokens per row
-    #: (``experiments/bench_growth.py`` measures what that costs: within noise of 1.25x growth at 16K tokens).
+    #: (``experiments/bench_growth.py``, appends alone on the CPU: 1.04-1.15x 1.25x growth's time at 16K tokens,
+    #: 1.15-1.64x at 32K; a decode step's read of the whole history is not in that time).
     CHUNK_TOKENS = 256
 
     def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, like: torch.Tensor, rows: int):
