@@ -9,7 +9,11 @@ head_dim 80 and 256), in bfloat16 on the GPU:
 2. **quantized K/V are read, on the GPU too**: each quantizer's logits differ from ``DynamicCache``'s, int2 more
    than int8, and the error is the CPU's (the same model in float32 on the CPU, same cache settings);
 3. **codes**: K/V written to a cache on the GPU read back as on the CPU (same float32 tensors);
-4. **memory**: what the CUDA allocator holds for each cache after a long prefill, against ``memory_report()``;
+4. **memory**: what the CUDA allocator holds for each cache after a long prefill, against ``memory_report()``; and
+   (``--checks memory``, cheap: no model) one cache per quantizer written to 4K, 16K and 32K tokens (chunks of
+   2,048, then single-token steps across growths of its pools), ``torch.cuda.memory_allocated`` deltas against
+   ``memory_report()``'s ``stored_bytes + reserved_bytes`` (``tensor_bytes``), which must also equal the cache's
+   own tensors exactly, and the reserved share within the growth policy's bound;
 5. **decode speed**: single-token steps per second at long contexts, against ``DynamicCache``, measured in the
    same run, also with ``enable_fused_decode`` (the Triton kernel reading the codes);
 6. **fused decode**: decode logits through the Triton kernel against the same cache read through its dequantized
@@ -268,6 +272,8 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
                 row["allocated_bytes"] = torch.cuda.memory_allocated() - before
                 row["reported_bytes"] = stored_bytes(cache)
                 row["held_bytes"] = held_bytes(cache)
+                if hasattr(cache, "memory_report"):
+                    row["tensor_bytes"] = cache.memory_report()["tensor_bytes"]
                 token = prompt[:, -1:]
                 for _ in range(4):
                     runner(token, cache=cache, use_cache=True)
@@ -294,18 +300,105 @@ def check_memory_and_speed(device, contexts, batch, steps) -> dict:
 
 
 def held_bytes(cache) -> int | None:
-    """Bytes of every tensor a kvquant cache's stores hold: what ``memory_report()`` counts as stored plus the pool
-    slots reserved for later writes (a full pool grows by ``Store.GROWTH``) and the block tables; None for others."""
+    """Bytes of the tensors a kvquant cache's stores hold on their device (pools, sinks, tails; each storage once),
+    walked here, not taken from ``memory_report()``; None for other caches. The block tables stay on the CPU."""
     total, seen = 0, set()
     for layer in getattr(cache, "layers", []):
         for store in (getattr(layer, "k", None), getattr(layer, "v", None)):
             if store is None or not hasattr(store, "pool"):
                 continue
-            for t in (*store.pool.values(), store.sinks, store.tail, store.table):
-                if t.device.type != "cpu" and t.untyped_storage().data_ptr() not in seen:
+            for t in (*store.pool.values(), store.sinks, store.tail):
+                if t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
     return total if seen else None
+
+
+#: contexts at which ``--checks memory`` measures one growing cache per quantizer, and the decode steps after the last
+MEMORY_CONTEXTS, MEMORY_STEPS = (4096, 16384, 32768), 600
+
+
+@torch.inference_mode()
+def check_memory(device, contexts=MEMORY_CONTEXTS, batch=4, steps=MEMORY_STEPS, layers=4, allocated=None) -> dict:
+    """Check 4 without a model: per quantizer, one cache of the Llama-3-8B attention shape (``layers`` layers, 8 KV
+    heads of 128, bfloat16) written through ``cache.update`` in chunks of 2,048 tokens, measured as it passes each
+    context, then ``steps`` single-token steps (across growths of its pools), measured again. A row: the allocator's
+    growth since the cache was made (``allocated``: a callable, ``torch.cuda.memory_allocated`` on a GPU), the
+    report's stored, reserved and tensor bytes, and the stores' tensors walked here (:func:`held_bytes`)."""
+    if allocated is None:
+        allocated = torch.cuda.memory_allocated
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    config = shapes()["llama3-8b-4layers"][1]
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    heads, head_dim = config.num_key_value_heads, config.head_dim
+    gen = torch.Generator().manual_seed(5)
+    chunk = torch.randn(batch, heads, 2048, head_dim, generator=gen).to(device=device, dtype=torch.bfloat16)
+    rows = []
+    for name, (q, opts) in QUANTIZERS.items():
+        cache = None
+        try:
+            sync()
+            if str(device).startswith("cuda"):
+                torch.cuda.empty_cache()
+            before = allocated()
+            cache = kvquant.make_cache(config, q, **opts)
+            written = 0
+            for point in sorted(set(contexts)):
+                while written < point:
+                    n = min(2048, point - written)
+                    for i in range(layers):
+                        cache.update(chunk[:, :, :n], chunk[:, :, :n], i)  # the read it returns is dropped at once
+                    written += n
+                sync()
+                rows.append(memory_row(name, cache, written, "prefill", batch, allocated() - before))
+            for _ in range(steps):
+                for i in range(layers):
+                    cache.update(chunk[:, :, :1], chunk[:, :, :1], i)
+                written += 1
+            sync()
+            rows.append(memory_row(name, cache, written, f"+{steps} steps", batch, allocated() - before))
+        except Exception:  # noqa: BLE001 (recorded, the run goes on)
+            rows.append({"cache": f"kvquant-{name}", "error": traceback.format_exc(limit=4)})
+        cache = None
+    return {"rows": rows}
+
+
+def memory_row(name, cache, tokens, point, batch, allocated) -> dict:
+    """One row of :func:`check_memory`: the allocator's growth, the report's bytes and the tensors walked here."""
+    from kvquant.cache import Store
+
+    report = cache.memory_report()
+    return {"cache": f"kvquant-{name}", "tokens": tokens, "point": point, "batch": batch,
+            "allocated_bytes": allocated, "stored_bytes": report["stored_bytes"],
+            "reserved_bytes": report["reserved_bytes"], "tensor_bytes": report["tensor_bytes"],
+            "host_bytes": report["host_bytes"], "held_bytes": held_bytes(cache), "chunk_tokens": Store.CHUNK_TOKENS}
+
+
+def memory_verdicts(rows: list[dict]) -> list[str]:
+    """``--checks memory``: per row, the report's stored + reserved bytes equal the cache's own tensors exactly, the
+    allocator's growth is within 5% of them (it rounds each block up, and may hand out a cached block up to 1 MiB
+    larger), and from 4 x ``CHUNK_TOKENS`` tokens on the reserved share is within ``CHUNK_TOKENS / tokens`` (the
+    growth policy's bound; 1.25x growth reserved up to 25%)."""
+    lines = []
+    for r in rows:
+        if failed(lines, f"memory {r['cache']}", r):
+            continue
+        where = f"memory {r['cache']} at {r['tokens']} tokens ({r['point']})"
+        exact = r["stored_bytes"] + r["reserved_bytes"] == r["tensor_bytes"] == r["held_bytes"]
+        lines.append(f"{'PASS' if exact else 'FAIL'} {where}: stored {r['stored_bytes']:,} + reserved "
+                     f"{r['reserved_bytes']:,} = {r['stored_bytes'] + r['reserved_bytes']:,} bytes, the cache's "
+                     f"tensors {r['held_bytes']:,}")
+        off = r["allocated_bytes"] / r["tensor_bytes"] - 1
+        lines.append(f"{'PASS' if abs(off) <= 0.05 else 'FAIL'} {where}: the allocator grew by "
+                     f"{r['allocated_bytes']:,} bytes, {off:+.2%} of memory_report()'s tensor_bytes (at most 5% "
+                     f"either way; stored bytes alone: {r['allocated_bytes'] / r['stored_bytes'] - 1:+.2%})")
+        share = r["reserved_bytes"] / r["stored_bytes"]
+        if r["tokens"] >= 4 * r["chunk_tokens"]:
+            bound = r["chunk_tokens"] / r["tokens"]
+            lines.append(f"{'PASS' if share <= bound else 'FAIL'} {where}: reserved {share:.2%} of the stored bytes "
+                         f"(at most {bound:.2%}: CHUNK_TOKENS {r['chunk_tokens']} per row)")
+    return lines
 
 
 def failed(lines: list[str], label: str, r: dict) -> bool:
@@ -390,6 +483,11 @@ def verdicts(results: dict) -> list[str]:
                          f"the allocator holds {off:+.2%} of the cache's own tensors (at most 5% either way); those "
                          f"are {held / r['reported_bytes'] - 1:+.2%} over memory_report()'s stored bytes (pool slots "
                          f"reserved for later writes)")
+            if "tensor_bytes" in r:  # runs since memory_report() reports reserved bytes too
+                lines.append(f"{'PASS' if r['tensor_bytes'] == held else 'FAIL'} memory {r['cache']} at "
+                             f"{r['context']} tokens: memory_report()'s tensor_bytes (stored + reserved) "
+                             f"{r['tensor_bytes']:,}, the cache's own tensors {held:,}")
+    lines += memory_verdicts(results.get("memory", {}).get("rows", []))
     return lines
 
 
@@ -408,10 +506,19 @@ def render(results: dict, args, command: str | None = None) -> str:
     if results.get("taken_from"):
         lines.append("")
     lines += [f"- {v}" for v in verdicts(results)]
+    memory = [r for r in results.get("memory", {}).get("rows", []) if "error" not in r]
+    if memory:
+        lines += ["", f"## Memory against the allocator (no model; Llama-3-8B attention shape, batch "
+                  f"{memory[0]['batch']})", "",
+                  "| cache | tokens | when | allocator bytes | stored | reserved | reserved / stored | "
+                  "allocator / (stored + reserved) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['cache']} | {r['tokens']} | {r['point']} | {r['allocated_bytes']:,} | {r['stored_bytes']:,} | "
+                  f"{r['reserved_bytes']:,} | {r['reserved_bytes'] / r['stored_bytes']:.2%} | "
+                  f"{r['allocated_bytes'] / r['tensor_bytes']:.4f} |" for r in memory]
     lines += ["", f"## Memory and decode speed (Llama-3-8B attention shape, 4 layers, batch {args.batch}, "
               f"{args.steps} steps)", "",
-              "| context | cache | allocator bytes | memory_report bytes | vs DynamicCache (allocator) | steps/s | "
-              "speed vs DynamicCache | speed vs kvquant fp16 |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+              "| context | cache | allocator bytes | memory_report stored bytes | vs DynamicCache (allocator) | "
+              "steps/s | speed vs DynamicCache | speed vs kvquant fp16 |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in results["speed"]["rows"]:
         if "error" in r:
             lines.append(f"| {r['context']} | {r['cache']} | error: {r['error'].strip().splitlines()[-1]} | | | | | |")
@@ -455,6 +562,14 @@ def stage_codes(args, results):
     results["codes"] = check_codes(args.device)
 
 
+def stage_memory(args, results):
+    print("gpu_check: memory against the allocator", flush=True)
+    try:
+        results["memory"] = check_memory(args.device, args.memory_contexts, args.batch)
+    except Exception:  # noqa: BLE001
+        results["memory"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+
+
 def stage_speed(args, results):
     print("gpu_check: memory and speed", flush=True)
     try:
@@ -465,13 +580,15 @@ def stage_speed(args, results):
 
 #: check name -> stage, in the default order
 STAGES = {"logits": stage_logits, "fused": stage_fused, "kernel_tests": stage_kernel_tests, "codes": stage_codes,
-          "speed": stage_speed}
+          "memory": stage_memory, "speed": stage_speed}
 
 
 def main(argv=None):
     parser = script_parser("gpu_check", __doc__)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[4096, 16384])
+    parser.add_argument("--memory-contexts", type=at_least(1), nargs="+", default=list(MEMORY_CONTEXTS),
+                        help="contexts --checks memory measures its growing caches at")
     parser.add_argument("--batch", type=at_least(1), default=4)
     parser.add_argument("--steps", type=at_least(1), default=32)
     parser.add_argument("--checks", nargs="+", choices=list(STAGES), default=list(STAGES),
@@ -488,7 +605,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here")
     results = {"command": f"python {' '.join(sys.argv)}", "environment": environment(), "logits": {}, "fused": {},
-               "codes": {}, "speed": {"rows": []}}
+               "codes": {}, "memory": {"rows": []}, "speed": {"rows": []}}
     if args.keep_from:
         earlier = json.loads(args.keep_from.read_text())
         env = earlier["environment"]

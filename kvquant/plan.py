@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from kvquant.cache.storage import Store
 from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args, visible
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.models import DTYPES
@@ -119,7 +120,8 @@ def build_plan(args) -> dict:
             "sliding_layers": sum(isinstance(w, int) for w in shape.layout),
             "context": args.context, "batch": args.batch, "weights_bytes": weights, "gpu_memory_bytes": budget,
             "available_for_kv_bytes": available, "kv_bytes": rows[0]["kv_bytes"], "settings": rows,
-            "max_positions": shape.max_positions, "notes": shape.notes}
+            "max_positions": shape.max_positions, "notes": shape.notes, "kv_bytes_are": "stored_bytes",
+            "reserved_tokens_max": Store.CHUNK_TOKENS}
 
 
 def render(plan: dict) -> str:
@@ -160,6 +162,9 @@ def render(plan: dict) -> str:
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+    lines.append(f"KV bytes are stored bytes (memory_report()'s stored_bytes); a running cache also holds capacity for "
+                 f"growth (reserved_bytes): at most {Store.CHUNK_TOKENS} tokens' worth per sequence and "
+                 "layer once its pools are large, a quarter of what it stores while they are small")
     return "\n".join(lines)
 
 

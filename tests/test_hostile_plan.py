@@ -399,7 +399,8 @@ def cache_code(layout, settings, tokens: int, batch: int = 2) -> dict:
         if isinstance(layer, KVQuantLayer):
             states = torch.zeros(1, H, tokens, D, dtype=torch.float16)
             layer.update(states, states)
-            parts[i] = {key: nbytes * batch for key, nbytes in layer.memory().items()}
+            memory = layer.memory()  # stored bytes, what the planner counts (one row's reserved bytes say nothing of B)
+            parts[i] = {key: memory[key] * batch for key in plan_cost.MEMORY_KEYS}
     return summarize(parts, tokens)
 
 

@@ -20,7 +20,7 @@ from kvquant.cache.fused import is_fused
 from kvquant.cache.query import enable_query_conversion
 from kvquant.cache.checks import shown
 from kvquant.cache.layer import KVQuantLayer, check_importance
-from kvquant.cache.memory import summarize
+from kvquant.cache.memory import STORED_KEYS, summarize
 from kvquant.cache.padding import Padding
 from kvquant.cache.spec import CacheSpec, check_not_options
 
@@ -324,8 +324,8 @@ def simulate_memory(
     layout: list[int | None | str], settings: dict | CacheSpec, *, batch: int, kv_heads: int, head_dim: int,
     tokens: int, dtype: torch.dtype = torch.float16, context: int | None = None,
 ) -> dict[str, float]:
-    """``memory_report()`` of a cache after ``tokens`` tokens were written in one call, computed by running the
-    cache's own code on meta tensors (shapes only, no data, no compute) for one row; unshared rows each hold
+    """``memory_report()``'s stored bytes of a cache after ``tokens`` tokens were written in one call, computed by
+    running the cache's own code on meta tensors (shapes only, no data, no compute) for one row; unshared rows hold
     their own units, so ``batch`` rows take ``batch`` times its bytes. ``settings``: make_cache arguments,
     ``{"quantizer": "int4", "group_size": 32, ...}`` (``layers`` included); ``context``: the model's positions,
     which bound its sinks as in :func:`make_cache` (None: unknown); or a :class:`CacheSpec`."""
@@ -343,7 +343,8 @@ def simulate_memory(
         kind = (layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, layer.eviction)
         if kind not in seen:  # layers of one kind store the same: simulate one each
             layer.update(states, states)
-            seen[kind] = {key: nbytes * batch for key, nbytes in layer.memory().items()}
+            memory = layer.memory()  # stored bytes: a one-call write's, as the planner counts them
+            seen[kind] = {key: memory[key] * batch for key in STORED_KEYS}
         parts[i] = seen[kind]
     return summarize(parts, tokens)
 

@@ -140,18 +140,34 @@ class KVQuantCache(Cache):
         return self.quantizer.resolved(self.head_dim) if self.head_dim else {}
 
     def memory_report(self) -> dict[str, float]:
-        """``total_bytes`` (every stored tensor: payload, scales, zero points, full-precision windows; a tensor
-        rows share after a fork counted once, whole), ``fp16_bytes`` (fp16 for the tokens attention can read, per
-        row; with eviction, for every token written), ``ratio``, ``bits_per_element``, the breakdown by role,
-        ``shared_bytes`` (stored once for several rows), ``shared_saved_bytes`` (what storing those once saves
-        over storing them per row), ``shareable_bytes`` (what a fork of row 0 would share now),
-        ``tokens`` (sequence length), ``per_layer``: per decoder layer that stores KV, ``{"layer",
-        "total_bytes", "fp16_bytes", "bits_per_element", "device"}``, and ``per_device``: total bytes on each device
-        (a model split over devices keeps each layer's cache on that layer's device)."""
+        """What the cache holds, in bytes.
+
+        - ``stored_bytes``: what holds tokens (payload, scales, zero points, full-precision sinks and tails; a unit
+          rows share after a fork counted once, whole). ``total_bytes`` is the same number under the name every
+          earlier reader uses, and ``ratio``, ``bits_per_element``, the planner's ``kv_bytes`` and the reports'
+          memory figures are all of stored bytes.
+        - ``reserved_bytes``: the rest of the cache's tensors, capacity held for growth (pool slots not yet written
+          or freed by eviction, sinks not yet filled, tail positions past a shorter row's own tail). A pool grows
+          by a quarter while small and by at most ``Store.CHUNK_TOKENS`` tokens per row once large, so at long
+          contexts this is a few percent at most.
+        - ``tensor_bytes`` = stored + reserved: every byte of the tensors the cache holds on its devices, what the
+          device's allocator holds for it (plan a deployment with this one); ``per_device_tensor_bytes`` per
+          device.
+        - ``host_bytes``: bookkeeping kept on the CPU whatever the device (block tables, importance scores, a
+          rotation's matrices), each tensor once.
+        - ``fp16_bytes`` (fp16 for the tokens attention can read, per row; with eviction, for every token
+          written), the breakdown of stored bytes by role (``payload_bytes``, ``scale_bytes``,
+          ``full_precision_bytes``), ``shared_bytes`` (stored once for several rows), ``shared_saved_bytes`` (what
+          storing those once saves over storing them per row), ``shareable_bytes`` (what a fork of row 0 would
+          share now), ``tokens`` (sequence length), ``per_layer``: per decoder layer that stores KV, ``{"layer",
+          "total_bytes", "reserved_bytes", "fp16_bytes", "bits_per_element", "device"}``, and ``per_device``:
+          stored bytes on each device (a model split over devices keeps each layer's cache on that layer's
+          device)."""
         parts = {i: layer.memory() for i, layer in enumerate(self.layers) if isinstance(layer, KVQuantLayer)}
         devices = {i: str(layer.device) for i, layer in enumerate(self.layers)
                    if isinstance(layer, KVQuantLayer) and layer.is_initialized}
-        return summarize(parts, self.get_seq_length(), devices)
+        host = [t for layer in self.layers if isinstance(layer, KVQuantLayer) for t in layer.host_tensors()]
+        return summarize(parts, self.get_seq_length(), devices, [*host, *self.padding.tensors()])
 
 
 def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:

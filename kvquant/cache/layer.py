@@ -3,6 +3,7 @@ top of two batched :class:`~kvquant.cache.storage.Store` (keys, values)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -20,6 +21,19 @@ from kvquant.cache.storage import Store, left_align
 from kvquant.cache.streams import fusable
 
 FP16_BYTES = 2
+
+
+def codec_tensors(codec) -> list[torch.Tensor]:
+    """The tensors a codec keeps as fields (a rotation's matrix, a static scale, centroids), its inner codec's
+    included."""
+    found = []
+    for field in dataclasses.fields(codec) if dataclasses.is_dataclass(codec) else ():
+        value = getattr(codec, field.name, None)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found += codec_tensors(value)
+    return found
 
 
 def block_tokens(key_codec: Codec, value_codec: Codec) -> int:
@@ -304,10 +318,12 @@ class KVQuantLayer(CacheLayerMixin):
         payload, scale for every per-group metadata, full precision; sinks and the tail are full precision), a unit
         several rows hold counted once (``shared_saved_bytes`` what counting it per row would add, ``shared_bytes``
         the units several rows hold), ``shareable_bytes`` (what a fork of row 0 would share with it: its units) and
-        what fp16 would take for the tokens attention can read. A pool's slots reserved for later writes are not
-        counted (see :attr:`Store.GROWTH`)."""
+        what fp16 would take for the tokens attention can read. ``reserved_bytes``: the rest of the stores' tensors,
+        which hold no token (pool slots kept for later writes or freed, sinks not yet filled, tail positions past a
+        row's own tail; see :meth:`Store.reserved_bytes`): stored and reserved bytes together are every byte of the
+        tensors this layer holds on its device (:meth:`host_tensors`: the bookkeeping it keeps on the CPU)."""
         out = {"payload_bytes": 0, "scale_bytes": 0, "full_precision_bytes": 0, "fp16_bytes": 0,
-               "shared_saved_bytes": 0, "shareable_bytes": 0, "shared_bytes": 0}
+               "shared_saved_bytes": 0, "shareable_bytes": 0, "shared_bytes": 0, "reserved_bytes": 0}
         if not self.is_initialized:
             return out
         # an evicting layer's fp16 reference is every token written (what it saves is the point); a sliding
@@ -324,4 +340,13 @@ class KVQuantLayer(CacheLayerMixin):
             out["shared_bytes"] += shared * slot
             out["shareable_bytes"] += store.units[0] * slot
             out["fp16_bytes"] += store.heads * store.head_dim * sum(tokens) * FP16_BYTES
+            out["reserved_bytes"] += store.reserved_bytes()
         return out
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The bookkeeping tensors this layer keeps on the CPU whatever its device: block tables, free-slot lists,
+        importance scores (:meth:`Store.host_tensors`) and the codecs' constants (a rotation's matrix); the cache
+        counts each storage once."""
+        if not self.is_initialized:
+            return []
+        return [t for store in (self.k, self.v) for t in (*store.host_tensors(), *codec_tensors(store.codec))]

@@ -14,6 +14,10 @@ class Padding:
     beyond it are real. One object is shared by all layers of a cache.
     """
 
+    #: Ranges whose spans and real positions are kept worked out (every layer of a forward asks the same one or two:
+    #: full and sliding layers); older ones are dropped, so a long decode does not keep one per step.
+    KEPT = 4
+
     def __init__(self):
         self.mask: torch.Tensor | None = None
 
@@ -39,6 +43,8 @@ class Padding:
             counts = real.sum(1).tolist()
             ends = torch.where(real.any(1), real.int().argmax(1), 0).tolist()  # first real position
             lasts = torch.where(real.any(1), real.shape[1] - real.flip(1).int().argmax(1), 0).tolist()
+            if len(self._spans) >= self.KEPT:
+                del self._spans[next(iter(self._spans))]
             self._spans[key] = list(zip(counts, ends, lasts))
         return self._spans[key]
 
@@ -88,8 +94,14 @@ class Padding:
         if self.mask is not None and start < self.mask.shape[1]:
             declared = self.mask[:, start:stop]
             out[:, : declared.shape[1]] = declared
+        if len(self._reals) >= self.KEPT:  # the oldest range goes: a decode step asks a new one every time
+            del self._reals[next(iter(self._reals))]
         self._reals[key] = out
         return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this object holds (the mask and the ranges it keeps worked out), for memory accounting."""
+        return [*([self.mask] if self.mask is not None else []), *self._reals.values()]
 
     def count(self, start: int, stop: int, batch: int) -> list[int]:
         """Per row: real tokens among positions ``[start, stop)`` (no tensor work when nothing is declared)."""

@@ -10,8 +10,9 @@ per-channel keys' payload ``[group, D/2]``):
 
 - ``pool[role]`` ``[N, H, *u]``: one slot per quantized unit, of any row. A unit is encoded once from all of its
   tokens and never modified, so rows share slots freely: a fork (prefix sharing, beam search, ``stack_rows``)
-  copies a row's table, not its units. A slot no table holds any more is reused by the next write; the pool grows
-  by :attr:`Store.GROWTH` when it is full.
+  copies a row's table, not its units. A slot no table holds any more is reused by the next write; a full pool
+  grows (:func:`grown`) by a quarter while it is small and by at most :attr:`Store.CHUNK_TOKENS` tokens' units per
+  row once it is large, so the slots it reserves for later writes stay below both.
 - ``table`` ``[B, U]`` long (CPU): row ``b``'s slots in token order in its first ``units[b]`` columns (-1 after).
 - ``sinks`` ``[B, H, S, D]`` and ``tail`` ``[B, H, T, D]``: row ``b`` holds the first ``n_sinks[b]`` /
   ``n_tail[b]`` of them (copied, not shared, by a fork: at most ``S`` and residual + unit tokens).
@@ -63,12 +64,25 @@ def _shift(x: torch.Tensor, start: list[int], width: int) -> torch.Tensor:
     return torch.gather(x, 2, index)
 
 
+def grown(capacity: int, need: int, step: int, factor: float) -> int:
+    """The capacity a full pool (or block table) of ``capacity`` grows to when it must hold ``need``: by ``factor``
+    while that is less than ``step`` more, by ``step`` after that, and exactly ``need`` when a write needs more. So
+    what it reserves beyond ``need`` is below ``capacity * (factor - 1)`` and below ``step``: a quarter at most of a
+    small pool (few copies while it is small), at most ``step`` slots of a large one (a long context does not
+    reserve a quarter more than it stores; each growth copies the pool, once every ``step`` slots)."""
+    return max(need, min(int(capacity * factor) + 1, capacity + step))
+
+
 class Store:
     """One layer's keys (or values) for all rows; see the module docstring for the layout."""
 
-    #: Factor by which a full pool grows (amortized writes; the slots not yet used are reserved, not reported as
-    #: stored).
+    #: Factor by which a small full pool grows (see :func:`grown`).
     GROWTH = 1.25
+    #: Most tokens per row a growth adds to a large pool (in whole units, at least one): the bound on what a store
+    #: reserves for later writes at long contexts. A growth copies the pool once every this many tokens per row
+    #: (``experiments/bench_growth.py``, appends alone on the CPU: 1.04-1.15x 1.25x growth's time at 16K tokens,
+    #: 1.15-1.64x at 32K; a decode step's read of the whole history is not in that time).
+    CHUNK_TOKENS = 256
 
     def __init__(self, codec: Codec, sink_tokens: int, residual_length: int, like: torch.Tensor, rows: int):
         self.codec, self.sink_tokens, self.residual_length = codec, sink_tokens, residual_length
@@ -99,6 +113,11 @@ class Store:
     @property
     def head_dim(self) -> int:
         return self.tail.shape[3]
+
+    @property
+    def step(self) -> int:
+        """Units per row a growth adds at most (:attr:`CHUNK_TOKENS`, in whole units)."""
+        return max(self.CHUNK_TOKENS // self.unit, 1)
 
     def stored(self, row: int) -> int:
         """Tokens stored for ``row``."""
@@ -189,7 +208,7 @@ class Store:
             self.pool[role][slots.to(value.device)] = picked
         need = max(u + n for u, n in zip(self.units, new_units))
         if need > self.table.shape[1]:  # grown like the pool, so a decode step does not copy the table
-            more = max(need, int(self.table.shape[1] * self.GROWTH) + 1) - self.table.shape[1]
+            more = grown(self.table.shape[1], need, self.step, self.GROWTH) - self.table.shape[1]
             self.table = torch.cat([self.table, torch.full((self.rows, more), -1, dtype=torch.long)], dim=1)
         rows = picks // chosen.shape[1]  # picks run row by row, unit j of row r at r * width / unit + j
         cols = torch.tensor(self.units, dtype=torch.long)[rows] + picks % chosen.shape[1]
@@ -206,8 +225,8 @@ class Store:
             self.pool = {role: v.new_empty(0, v.shape[1], *v.shape[3:]) for role, v in like.items()}
         capacity = next(iter(self.pool.values())).shape[0]
         if self.top + fresh > capacity:
-            grown = max(self.top + fresh, int(capacity * self.GROWTH) + 1)
-            self.pool = {role: torch.cat([p, p.new_empty(grown - capacity, *p.shape[1:])]) for role, p in
+            size = grown(capacity, self.top + fresh, self.rows * self.step, self.GROWTH)
+            self.pool = {role: torch.cat([p, p.new_empty(size - capacity, *p.shape[1:])]) for role, p in
                          self.pool.items()}
         slots = torch.cat([reuse, torch.arange(self.top, self.top + fresh, dtype=torch.long)])
         self.top += fresh
@@ -443,3 +462,20 @@ class Store:
         """Bytes of the rows' sinks and tails."""
         token = self.heads * self.head_dim * self.tail.element_size()
         return (sum(self.n_sinks) + sum(self.n_tail)) * token
+
+    def reserved_bytes(self) -> int:
+        """Bytes of this store's tensors that hold no token: pool slots no row holds (never written yet, or freed),
+        sink positions not yet filled, and tail positions past a row's own tail (rows of unequal tails). With the
+        stored bytes (the held slots and :meth:`full_precision_bytes`) they make every byte of the pool, the sinks
+        and the tail."""
+        live = int((self.holders() > 0).sum())
+        capacity = next(iter(self.pool.values())).shape[0] if self.pool else 0
+        pool = (capacity - live) * sum(self.slot_bytes().values())
+        windows = sum(t.numel() * t.element_size() for t in (self.sinks, self.tail))
+        return pool + windows - self.full_precision_bytes()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The bookkeeping this store keeps on the CPU whatever its device: the block table (8 bytes per unit column
+        and row, grown like the pool), the list of free slots and, with importance eviction, each row's token scores
+        (rows a fork copied share theirs)."""
+        return [self.table, self.free, *(self.scores or ())]

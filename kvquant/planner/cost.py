@@ -36,13 +36,13 @@ import torch
 from kvquant.cache import kernels
 from kvquant.cache import FP16_BYTES, KVQuantLayer, build_cache, check_importance
 from kvquant.cache.layer import block_tokens
+from kvquant.cache.memory import STORED_KEYS
 from kvquant.cache.roles import by_category
 from kvquant.errors import InternalError, KVQuantError
 from kvquant.formats.quantizers import Quantizer
 
 #: The keys of ``KVQuantLayer.memory()`` (and of ``memory_report()``'s totals), in its order.
-MEMORY_KEYS = ("payload_bytes", "scale_bytes", "full_precision_bytes", "fp16_bytes", "shared_saved_bytes",
-               "shareable_bytes", "shared_bytes")
+MEMORY_KEYS = STORED_KEYS
 #: Most kinds of layer one plan takes, over all its cache settings (each costs a write through the cache code when
 #: its answer is checked, and its quantizer, the first time, the write that reads its costs).
 MAX_LAYER_KINDS = 24
@@ -160,7 +160,8 @@ def write(layer: KVQuantLayer, tokens: int, kv_heads: int, head_dim: int, dtype:
     else:
         states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
     layer.update(states, states)
-    return layer.memory()
+    memory = layer.memory()
+    return {key: memory[key] for key in MEMORY_KEYS}  # stored bytes: what one write's arithmetic gives
 
 
 def _probe(quantizer: Quantizer, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[StreamCost, StreamCost]:
