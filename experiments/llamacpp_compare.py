@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvquant.errors import OneLineParser, at_least, guarded, parse_args
+from kvquant.errors import OneLineParser, guarded, parse_args
 from kvquant.fs import output_dir, real_dir, write_together
 from kvquant.integrations.llamacpp_compare import MATMULS, compare, to_json
 from kvquant.integrations.llamacpp_engine import MODELS, QUANTIZED, Setting
@@ -34,8 +34,8 @@ def parser() -> argparse.ArgumentParser:
     p = OneLineParser(PROG, prog="python experiments/llamacpp_compare.py", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"{' or '.join(MODELS)}, or a .gguf file")
-    p.add_argument("--windows", type=at_least(1), default=6, help="WikiText-2 test windows (default 6)")
-    p.add_argument("--length", type=at_least(1), default=512, help="tokens per window, llama.cpp's n_ctx (default 512)")
+    p.add_argument("--windows", type=int, default=6, help="WikiText-2 test windows (default 6)")
+    p.add_argument("--length", type=int, default=512, help="tokens per window, llama.cpp's n_ctx (default 512)")
     p.add_argument("--types", default=",".join(QUANTIZED), help=f"cache types, K and V alike (default "
                    f"{','.join(QUANTIZED)})")
     p.add_argument("--rotation", default="on,off", help="on (llama.cpp's default), off (LLAMA_ATTN_ROT_DISABLE=1) "
@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
                    "float32 (transformers')")
     p.add_argument("--rope-layout", choices=["norm", "neox"], help="K's channel order on kvquant's side (default: "
                    "the model's, as make_cache decides: norm for a Llama-family GGUF)")
-    p.add_argument("--threads", type=at_least(1), default=2, help="llama.cpp's and torch's threads (default 2)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's and torch's threads (default 2)")
     p.add_argument("--out", type=Path, help="directory for results.json and table.md; each finished window is kept in "
                    "its windows/ folder, so a rerun after an interruption resumes at the next window")
     return p
