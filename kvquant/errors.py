@@ -11,6 +11,7 @@ are released and finished results kept).
 from __future__ import annotations
 
 import argparse
+import errno
 import numbers
 import os
 import re
@@ -184,6 +185,11 @@ def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | No
         print(f"\n{prog}: {how}{on_interrupt()}", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001 - the point: every other failure becomes one line and a log
+        if isinstance(err, OSError) and err.errno == errno.ENAMETOOLONG:  # only ever a name the user gave
+            name = str(err.filename or "?")
+            print(f"{prog}: error: {one_line(name[:80])}... ({len(name):,} characters) is a name too long for this "
+                  "file system; name a shorter file or folder", file=sys.stderr)
+            return EXIT_BAD_INPUT
         log = write_error_log(log_dir())
         print(f"{prog}: internal error ({type(err).__name__}: {one_line(err)[:300]}); the traceback is in {log}; "
               "please report it", file=sys.stderr)

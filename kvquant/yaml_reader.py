@@ -88,7 +88,12 @@ def load_yaml(text: str, what: str, invalid: str = "not valid YAML"):
 
 
 def read_text_file(path: Path, what: str) -> str:
-    """The UTF-8 text of ``path``; a missing, unreadable, binary or non-UTF-8 file is an error naming it."""
+    """The UTF-8 text of ``path``; a missing, unreadable, binary or non-UTF-8 file is an error naming it, and so is a
+    file whose name is not UTF-8 (a report that names it could not be written)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{ascii(str(path))[:200]}: a {what} whose name is not UTF-8; rename it") from None
     if not path.exists():
         raise ConfigError(f"{path}: no such {what}")
     if path.is_dir():

@@ -146,3 +146,14 @@ def test_a_script_run_from_the_shell_exits_2_on_a_bad_output_folder(tmp_path):
                            str(tmp_path / "out"), "--render-only"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is a symlink" in done.stderr, done.stderr
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["results.json"]
+
+
+def test_a_name_too_long_for_the_file_system_is_bad_input_in_every_command(capsys, tmp_path):
+    """Issue 58: a 300-character file name (a perplexity source, a model path, an adopt folder) was an internal
+    error (exit 3); every command reads it as the bad input it is (exit 2, one line)."""
+    def opens():
+        (tmp_path / ("a" * 300)).read_text()
+
+    assert run_script("kvquant", opens) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(" + f"{len(str(tmp_path)) + 301:,}" + " characters) is a name too long" in err

@@ -87,6 +87,11 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
     ("output-dir-nul", ['output_dir="/tmp/a\\0b"'], "output_dir '/tmp/a\\x00b' holds a NUL character"),
     ("output-dir-surrogate", ['output_dir="/tmp/\\ud800"'], "holds a lone surrogate"),
     ("output-dir-component", [f"output_dir=/tmp/{LONG}"], "is 300 bytes long; a file or folder name holds at most"),
+    # issue 58: names of files the run reads, too long for the file system, were an internal error (exit 3)
+    ("source-long", [f"eval.perplexity.0.source=local:text/{LONG}"], "characters) is a name too long for this file"),
+    ("model-path-long", [f"model.path=local:models/{LONG}"], "characters) is a name too long for this file system"),
+    ("tokenizer-long", [f"model.tokenizer={LONG}"], "(300 characters) is a name too long for this file system"),
+    ("gguf-file-long", [f"model.gguf_file={LONG}.gguf"], "characters) is a name too long for this file system"),
     ("output-dir-path", ["output_dir=" + "/abcdefgh" * 300], "a report folder's path holds at most 2048"),
     ("gguf-file-nul", ['model.gguf_file="a\\0b"'], "model.gguf_file 'a\\x00b' holds a NUL character"),
     # numbers and nesting Python cannot read: were ValueError / RecursionError (exit 3)
@@ -101,6 +106,14 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
 @pytest.mark.parametrize("overrides, needle", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
 def test_config_refused_when_read(base, no_model_load, capsys, overrides, needle):
     refused(capsys, [base, *S(*overrides)], needle)
+    assert not (base.parent / "reports").exists()
+
+
+def test_a_config_file_whose_name_is_not_utf8_is_refused_before_anything_is_measured(base, no_model_load, capsys):
+    """Issue 58: every result was measured, then writing the report failed (exit 3) on the file's name."""
+    bad = base.parent / os.fsdecode(b"bad\xff.yaml")
+    bad.write_text(base.read_text())
+    refused(capsys, [bad], "a config file whose name is not UTF-8; rename it")
     assert not (base.parent / "reports").exists()
 
 
