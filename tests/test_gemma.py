@@ -158,7 +158,7 @@ def test_a_fallback_stands_in_only_for_a_package_that_is_not_installed(cache, mo
 def test_the_runner_refuses_an_unknown_package_before_loading(tmp_path, no_model_load, capsys):
     path = runner_config(tmp_path, {"path": "package:gemma-9000", "gguf_file": GEMMA_FILE})
     refused(capsys, path, f"model.path: 'package:gemma-9000' is not a packaged model kvquant knows (known: "
-                          f"package:{GEMMA})")
+                          f"package:{GEMMA}, package:qwen2.5-coder-0.5b-instruct-q4-k-m-gguf)")
 
 
 def test_the_installed_gemma_package_assembles_the_pinned_file(cache):

@@ -72,6 +72,8 @@ KNOWN_MODELS = {
     "mistral-7b": _known("mistral-7b", 32, 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
     "mistral-7b-v0.1": _known("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, window=4096),
     "qwen2.5-7b": _known("qwen2.5-7b", 28, 28, 4, 128, 7.62e9, 131072),
+    "qwen2.5-0.5b": _known("qwen2.5-0.5b", 24, 14, 2, 64, 0.49e9, 32768),
+    "qwen2.5-coder-0.5b": _known("qwen2.5-coder-0.5b", 24, 14, 2, 64, 0.49e9, 32768),  # packaged: kvquant.packaged
     "gemma-2-9b": _known("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other
 }
 
