@@ -1,0 +1,145 @@
+"""The accuracy interval (issue 53 item 1): its error at the margin by simulation through kvquant's own function, a
+0-flip pass the old interval gave, and its ends against a score statistic written here from scratch.
+
+Paired 0/1 outcomes are drawn as their four counts (both right, only the baseline, only the candidate, neither);
+the full grid, the old interval beside this one and the power are ``experiments/simulate_gate.py`` (docs/gate.md).
+"""
+
+import math
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize_scalar
+from scipy.stats import norm
+
+from kvquant.runner.gate import (FAIL, INCONCLUSIVE, PASS, judge, look_confidence, looks, paired_interval,
+                                 paired_ratio_bounds)
+from kvquant.runner.gate_config import GateConfig
+from kvquant.runner.results import ACCURACY, MetricId, MetricRow
+
+MARGIN, SEED = 0.97, 20261206
+SIX_LOOKS = look_confidence(GateConfig(), 6)  # 99.17%: each look of a 6-look plan
+
+
+def cells(acc, ratio, gained):
+    lost = (1 - ratio) * acc + gained
+    return np.array([acc - lost, lost, gained, 1 - acc - gained])
+
+
+def bound(rate, reps):
+    """The nominal rate plus 3 Monte-Carlo standard errors."""
+    return rate + 3 * math.sqrt(rate * (1 - rate) / reps)
+
+
+@pytest.mark.parametrize("gained", [0.0, 0.02], ids=["one way", "two way"])
+@pytest.mark.parametrize("acc", [0.2, 0.5, 0.85])
+def test_one_look_errs_at_most_at_its_nominal_rate(acc, gained):
+    """True ratio exactly 0.97: a pass at one look errs at most (1 - confidence) / 2, at 95% and at a 6-look plan's
+    99.17%, from 50 to 2,000 documents (4,000 draws per cell; the old interval erred 6.9% at 100 documents and
+    accuracy 0.85 with every flip a loss)."""
+    rng, reps = np.random.default_rng([SEED, int(acc * 100), int(gained * 100)]), 4000
+    for n in (50, 100, 200, 400, 2000):
+        tables = rng.multinomial(n, cells(acc, MARGIN, gained), size=reps)
+        for confidence in (0.95, SIX_LOOKS):
+            low, _ = paired_ratio_bounds(*tables.T, confidence)
+            rate = np.mean(low >= MARGIN)
+            assert rate <= bound((1 - confidence) / 2, reps), (n, confidence, rate)
+
+
+@pytest.mark.parametrize("gained", [0.0, 0.02], ids=["one way", "two way"])
+@pytest.mark.parametrize("acc", [0.2, 0.85])
+def test_the_whole_sequential_plan_errs_at_most_at_its_nominal_rate(acc, gained):
+    """Six looks (50 to 1,600 documents, each at look_confidence), stopping at a pass or a fail: at most 2.5%
+    wrong passes over the whole plan at a true ratio of 0.97 (3,000 draws)."""
+    rng, reps = np.random.default_rng([SEED, 6, int(acc * 100), int(gained * 100)]), 3000
+    counts = looks(50, 1600)
+    confidence = look_confidence(GateConfig(max_documents=1600), len(counts))
+    steps = [rng.multinomial(m - k, cells(acc, MARGIN, gained), size=reps) for k, m in zip([0, *counts[:-1]], counts)]
+    passed, open_ = np.zeros(reps, dtype=bool), np.ones(reps, dtype=bool)
+    for tables in np.cumsum(steps, axis=0):
+        low, high = paired_ratio_bounds(*tables.T, confidence)
+        passed |= open_ & (low >= MARGIN)
+        open_ &= (low < MARGIN) & (high >= MARGIN)
+    assert np.mean(passed) <= bound(0.025, reps)
+
+
+def documents(right: int, n: int, lost: int = 0, gained: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document outcomes of ``n`` documents: the baseline right on ``right``, the candidate losing ``lost``
+    of them and gaining ``gained`` of the others."""
+    base = np.zeros(n)
+    base[:right] = 1
+    cand = base.copy()
+    cand[:lost] = 0
+    cand[right : right + gained] = 1
+    return base, cand
+
+
+def verdict(base, cand, confidence):
+    low, high = paired_interval(ACCURACY, base, cand, 1000, confidence, seed=0)
+    row = MetricRow("c", MetricId("acc", "task"), cand.mean(), base.mean(), len(base), True, low, high)
+    return judge(row, GateConfig(min_relative_accuracy=MARGIN)).verdict
+
+
+@pytest.mark.parametrize("right, n, confidence", [
+    (170, 200, SIX_LOOKS),  # 0 flips at 200 documents, accuracy 0.85, one look of a 6-look plan
+    (129, 200, SIX_LOOKS),  # the committed example: int8 on PIQA (acc_norm 0.645) in reports/smollm2-decide
+    (85, 100, 0.95),        # 0 flips at 100 documents, accuracy 0.85, one 95% look
+])
+def test_no_flip_is_not_a_pass_where_an_exact_bound_is_below_the_margin(right, n, confidence):
+    """No document flipped. Given the baseline's answers, the candidate's losses among its ``right`` right answers
+    are binomial, and the ratio is at least 1 - their rate; the exact (Clopper-Pearson) bound on that rate leaves
+    the ratio's lower end below 0.97 here (0.968, 0.958, 0.958), so no honest interval passes. The old interval
+    (Dirichlet posterior with half counts) passed all three (lower ends 0.979, 0.972, 0.975)."""
+    exact = ((1 - confidence) / 2) ** (1 / right)  # 1 - the exact upper bound of the loss rate: 0 of right lost
+    assert exact < MARGIN
+    assert verdict(*documents(right, n), confidence) == INCONCLUSIVE
+
+
+def test_no_flip_passes_where_the_exact_bound_clears_the_margin():
+    """0 of 170 right answers lost shows the loss rate below 2.2% (exact one-sided 2.5%), so the ratio above 0.978:
+    a pass at one 95% look is sound, and the score interval (lower end 0.972) gives it; 500 documents at accuracy
+    0.5 without a flip too."""
+    assert 0.025 ** (1 / 170) > MARGIN
+    assert verdict(*documents(170, 200), 0.95) == PASS
+    assert verdict(*documents(250, 500), 0.95) == PASS
+    assert verdict(*documents(170, 200, lost=10), 0.95) == FAIL
+
+
+def reference_score(a, b, c, d, theta, toward):
+    """The continuity-corrected score statistic, written from its definition: the four cells fitted by maximum
+    likelihood under ``both + gained = theta (both + lost)`` (numerically, over the share of ``both``), and the
+    per-document contribution's standard deviation under that fit."""
+    n = a + b + c + d
+
+    def fitted(p11):  # p00 = d / n at the constrained fit (its Lagrange condition); p10 and p01 from the constraint
+        p10 = (1 - d / n - theta * p11) / (1 + theta)  # with p01 = theta p10 - (1 - theta) p11, the four sum to 1
+        return p11, p10, theta * p10 - (1 - theta) * p11
+
+    def nll(p11):
+        p11_, p10, p01 = fitted(p11)
+        if min(p11_, p10, p01) < 0:
+            return 1e300  # outside the constraint's cells
+        return -sum(k * math.log(p) for k, p in ((a, p11_), (b, p10), (c, p01)) if k)
+
+    found = minimize_scalar(nll, bounds=(0, (1 - d / n) / theta), method="bounded", options={"xatol": 1e-12})
+    p11, p10, p01 = fitted(found.x)
+    variance = (1 - theta) ** 2 * p11 + p01 + theta ** 2 * p10
+    return (a + c - theta * (a + b) - toward * 0.5) / math.sqrt(n * variance)
+
+
+@pytest.mark.parametrize("table", [(100, 5, 2, 50), (30, 7, 3, 60), (80, 1, 6, 13), (170, 0, 0, 30),
+                                   (1000, 40, 35, 400)])
+def test_the_ends_are_where_the_score_statistic_meets_the_normal_quantile(table):
+    """Each end of the 95% interval is the ratio at which the score statistic (fitted here numerically) equals
+    the normal quantile: +1.96 at the lower end, -1.96 at the upper."""
+    low, high = (float(x) for x in paired_ratio_bounds(*table, 0.95))
+    assert low < (table[0] + table[2]) / (table[0] + table[1]) < high
+    assert reference_score(*table, low, 1) == pytest.approx(norm.ppf(0.975), abs=1e-4)
+    assert reference_score(*table, high, -1) == pytest.approx(-norm.ppf(0.975), abs=1e-4)
+
+
+def test_no_ratio_without_a_right_baseline_answer():
+    assert all(math.isnan(float(x)) for x in paired_ratio_bounds(0, 0, 3, 47, 0.95))
+    low, high = paired_ratio_bounds(0, 3, 0, 47, 0.95)  # the candidate never right: nothing excludes 0
+    assert float(low) == 0 and reference_score(0, 3, 0, 47, float(high), -1) == pytest.approx(-norm.ppf(0.975),
+                                                                                              abs=1e-4)
