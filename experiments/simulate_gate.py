@@ -24,7 +24,6 @@ the gate used before (kept here only to compare). Results go to a JSON file (``-
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvquant.errors import at_least, run_script, script_parser
+from kvquant.fs import write_file
 from kvquant.runner.gate import look_confidence, looks, paired_ratio_bounds
 from kvquant.runner.gate_config import GateConfig
 
@@ -216,15 +217,15 @@ def write_docs(results: dict, path: Path) -> None:
     text = path.read_text()
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    path.write_text(head + BEGIN + "\n" + "\n".join(table(results)) + "\n" + END + tail)
+    write_file(path, head + BEGIN + "\n" + "\n".join(table(results)) + "\n" + END + tail)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser("simulate_gate", __doc__)
     parser.add_argument("--section", choices=["one-look", "plan", "power"], action="append", default=[])
-    parser.add_argument("--reps", type=int, default=4000, help="draws per cell for kvquant's interval")
-    parser.add_argument("--old-reps", type=int, default=1000, help="of those, draws for the old interval (slow)")
-    parser.add_argument("--power-reps", type=int, default=400, help="draws per document count for old's power")
+    parser.add_argument("--reps", type=at_least(1), default=4000, help="draws per cell for kvquant's interval")
+    parser.add_argument("--old-reps", type=at_least(1), default=1000, help="of those, draws for the old one (slow)")
+    parser.add_argument("--power-reps", type=at_least(1), default=400, help="draws per document count for old's power")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--json", type=Path, default=Path("experiments/simulate_gate.json"))
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
 
         def save(rows, section=section):
             results[section] = [*args.done, *rows]
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
+            write_file(args.json, json.dumps(results, indent=1) + "\n")
 
         args.save = save
         save({"one-look": one_look, "plan": plan, "power": power}[section](args, rng, old))
@@ -247,4 +248,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script("simulate_gate", main))
