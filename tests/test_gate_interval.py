@@ -143,3 +143,29 @@ def test_no_ratio_without_a_right_baseline_answer():
     low, high = paired_ratio_bounds(0, 3, 0, 47, 0.95)  # the candidate never right: nothing excludes 0
     assert float(low) == 0 and reference_score(0, 3, 0, 47, float(high), -1) == pytest.approx(-norm.ppf(0.975),
                                                                                               abs=1e-4)
+
+
+def test_rejudge_accuracy_pairs_each_documents_answers_across_looks(tmp_path, capsys):
+    """experiments/rejudge_accuracy.py: the baseline's and a candidate's answers, first result then looks in order,
+    paired per document and judged with today's interval at the row's own confidence."""
+    import json
+
+    from conftest import experiment
+
+    rejudge = experiment("rejudge_accuracy")
+    partial = tmp_path / "carried"
+    answers = {"baseline": ([1] * 150 + [0] * 50, [1] * 100 + [0] * 100), "int8": ([1] * 150 + [0] * 50,
+                                                                              [1] * 100 + [0] * 100)}
+    for label, (first, look) in answers.items():
+        (partial / label).mkdir(parents=True)
+        (partial / label / "task__piqa.json").write_text(json.dumps({"result": {"acc_norm": first}}))
+        (partial / label / "task__piqa@200-400.json").write_text(json.dumps({"result": {"acc_norm": look}}))
+    row = {"kind": "accuracy", "gated": True, "n": 400, "confidence": 0.99167, "threshold": 0.97, "ci_low": 0.972,
+           "ci_high": 1.03, "verdict": "pass"}
+    (tmp_path / "results.json").write_text(json.dumps({"candidates": [{"name": "int8",
+                                                                        "metrics": {"acc_norm/piqa": row}}]}))
+    rows = rejudge.rejudged(tmp_path, partial)
+    low, high = (float(x) for x in paired_ratio_bounds(250, 0, 0, 150, 0.99167))
+    assert low < 0.97 < high  # 250 right answers, none flipped: not enough at a 6-look plan's confidence
+    assert rows[2] == f"| int8 | acc_norm/piqa | 400 | 0 | 0 | [0.9720, 1.0300] pass | [{low:.4f}, {high:.4f}] " \
+                      "**inconclusive** |"

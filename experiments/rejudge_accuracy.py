@@ -1,0 +1,78 @@
+"""Judge a committed report's gated accuracy rows again with today's interval (issue 53: the paired score interval
+that replaced the Dirichlet one), from the per-document answers its partial results hold, without a model:
+
+    python experiments/rejudge_accuracy.py reports/smollm2-decide --partial reports/smollm2-decide/carried
+
+For every candidate and gated task of ``REPORT/results.json``, the baseline's and the candidate's right-or-wrong
+answers on the same first ``n`` documents (the task's first result, then its sequential looks in order) are paired
+(both right, lost, gained, neither) and judged at the row's own confidence and threshold. Prints one Markdown row
+per gated accuracy metric: the flips, the interval and verdict the report holds, and today's; exit 0. A row whose
+answers are not all in ``--partial`` is named and left out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from kvquant.errors import KVQuantError, run_script, script_parser, visible
+from kvquant.runner.gate import paired_ratio_bounds
+
+
+def answers(partial: Path, label: str, task: str, measure: str) -> list[float] | None:
+    """``label``'s answers on ``task`` (``measure``: acc or acc_norm), its first result then each look in order of
+    its first document; None where it has none."""
+    folder = partial / label
+    parts = []
+    for path in folder.glob(f"task__{task}*.json") if folder.is_dir() else ():
+        look = re.fullmatch(rf"task__{re.escape(task)}(?:@(\d+)-(\d+))?\.json", path.name)
+        if look:
+            parts.append((int(look[1] or 0), json.loads(path.read_text())["result"].get(measure)))
+    if not parts or any(p is None for _, p in parts):
+        return None
+    return [x for _, part in sorted(parts, key=lambda p: p[0]) for x in part]
+
+
+def rejudged(report: Path, partial: Path) -> list[str]:
+    try:
+        doc = json.loads((report / "results.json").read_text())
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{report / 'results.json'}: not a report's results ({err})") from None
+    rows = ["| candidate | metric | n | lost | gained | report: interval, verdict | today: interval, verdict |",
+            "|---|---|---:|---:|---:|---|---|"]
+    for cand in doc["candidates"]:
+        for name, m in cand["metrics"].items():
+            measure, _, task = name.partition("/")
+            if m["kind"] != "accuracy" or not m["gated"]:
+                continue
+            base, got = answers(partial, "baseline", task, measure), answers(partial, cand["name"], task, measure)
+            n = m["n"]
+            if base is None or got is None or len(base) < n or len(got) < n:
+                print(f"rejudge_accuracy: {visible(cand['name'])} {visible(name)}: the answers of {n} documents are "
+                      f"not in {partial}; left out", file=sys.stderr)
+                continue
+            pairs = list(zip(base[:n], got[:n]))
+            both, lost, gained = (sum(p == q for p in pairs) for q in ((1, 1), (1, 0), (0, 1)))
+            low, high = (float(x) for x in paired_ratio_bounds(both, lost, gained, n - both - lost - gained,
+                                                              m["confidence"]))
+            limit = m["threshold"]
+            verdict = "pass" if low >= limit else "fail" if high < limit else "inconclusive"
+            rows.append(f"| {visible(cand['name'])} | {visible(name)} | {n} | {lost} | {gained} | "
+                        f"[{m['ci_low']:.4f}, {m['ci_high']:.4f}] {m['verdict']} | [{low:.4f}, {high:.4f}] "
+                        f"{'**' + verdict + '**' if verdict != m['verdict'] else verdict} |")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = script_parser("rejudge_accuracy", __doc__)
+    parser.add_argument("report", type=Path)
+    parser.add_argument("--partial", type=Path, help="the partial results (default: REPORT/partial)")
+    args = parser.parse_args(argv)
+    print("\n".join(rejudged(args.report, args.partial or args.report / "partial")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_script("rejudge_accuracy", main))
