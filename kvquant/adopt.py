@@ -40,8 +40,9 @@ from kvquant.runner.config import load_config
 from kvquant.runner.overrides import add_set_option
 from kvquant.runner.expected import Expected
 from kvquant.runner.store import ResultStore, RunLock, check_partial
+from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.travel import (check_documents, check_found, check_weights, local_weights, merge, place,
-    read_folder, refuse)
+    read_folder, read_plan, refuse)
 from kvquant.scoring.models import check_model
 
 
@@ -59,6 +60,7 @@ def adopt(config: str, overrides: list[str], folders: list[Path], dry_run: bool)
     code, model_config = report.code_version(), check_model(cfg.model)
     expected = Expected(cfg, model_config, context_length(cfg, model_config))
     read = [f for folder in folders for f in read_folder(folder)]
+    plans = [found for folder in folders for found in read_plan(folder)]
     for found in read:
         check_found(found, code, expected)
     merged = merge(read)
@@ -67,12 +69,15 @@ def adopt(config: str, overrides: list[str], folders: list[Path], dry_run: bool)
         check_partial(partial)
         store = ResultStore(partial, code, [])
         check_weights(merged, local_weights(store, code, cfg.model), partial)
+        plan = PlanRecord(store, LookPlan.of(cfg))
+        plan.adopt(plans, write=False)  # refused here, before anything is written
         if dry_run:
             print(f"kvquant: {_many(len(merged), 'result')} from {_many(len(folders), 'folder')} can be adopted "
                   f"into {partial}; nothing written (--dry-run)")
             return 0
         try:
             placed, kept = place(merged, store)
+            plan.adopt(plans)
         finally:
             store.note_retired()
     print(f"kvquant: adopted {_many(placed, 'result')} from {_many(len(folders), 'folder')} into {partial}, signed "

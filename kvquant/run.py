@@ -58,6 +58,8 @@ from kvquant.runner.search import check_search, search
 from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner.store import ResultStore, RunLock, warn
+from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
+from kvquant.runner.sources import SourceWatch
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 from kvquant.scoring.task_setup import check_answer_tasks, lm_eval_task
 from kvquant.scoring.tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_length, task_dir
@@ -259,18 +261,21 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
-                  planned: dict[str, int]) -> tuple[dict, dict[str, int]]:
+                  planned: dict[str, int], record=None) -> tuple[dict, dict[str, int]]:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
     has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
     (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
-    already scored; then judge again. ``planned``: per gated task, the looks planned. Returns the results with every
-    look, and the size (documents) of each task it looked to extend, but for generated (probe) tasks."""
+    already scored; then judge again. ``planned``: per gated task, the looks planned; ``record``: given each
+    judgement's rows (:meth:`PlanRecord.record`). Returns the results with every look, and the size (documents) of
+    each task it looked to extend, but for generated (probe) tasks."""
     cfg, sizes = session.cfg, {}
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
     while True:
         table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned)
+        if record is not None:
+            record(table)
         decision = decide(table, bits, cfg.gate, at_chance=needles_at_chance(results[BASELINE.label], cfg.gate))
         wanted: dict[str, set[str]] = {}
         hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
@@ -351,25 +356,32 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
     return table, decision, first
 
 
-def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, rows: dict, warnings: list[str]) -> int:
+def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, rows: dict, warnings: list[str],
+            replan: bool = False) -> int:
     """Take ``plan``'s steps for a validated config into ``out_dir`` (held under its lock): calibration, the
     search (its map joins the candidates), the serving shape of a staged run, the candidates (or stages) measured,
     sequential looks, the gate, the report. The config is never rewritten: each step reads it as given. Every
-    process of several takes every step (each holds every result); process 0 alone writes."""
+    process of several takes every step (each holds every result); process 0 alone writes. Before the model loads,
+    the measuring sources are noted (a change under the run stops it at its next signed write) and the plan is
+    settled (:class:`PlanRecord`: a changed one refused, unless ``replan``)."""
     start, processes = time.monotonic(), parallel.current()
+    store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes, SourceWatch())
+    record = PlanRecord(store, LookPlan.of(cfg), replan)
+    record.settle()
     seed_everything(cfg.eval.seed)
     device = parallel.device()  # one GPU per process; the resume keys keep the config's own device
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
-    store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes)
     session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
     try:
-        return take_steps(session, plan, out_dir, command, rows, start)
+        return take_steps(session, plan, out_dir, command, rows, start, record)
     finally:
         store.note_retired()  # where the results it replaced went, also when the run stops early
 
 
-def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, rows: dict, start: float) -> int:
-    """:func:`execute`'s steps, with the model loaded (``session``); ``start``: when the run began."""
+def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, rows: dict, start: float,
+               record: PlanRecord | None = None) -> int:
+    """:func:`execute`'s steps, with the model loaded (``session``); ``start``: when the run began; ``record``: the
+    plan, which keeps every look the gate takes."""
     cfg, store, processes, warnings = session.cfg, session.store, session.processes, session.store.warnings
     chosen, calibration = {c.label: c for c in cfg.stages or cfg.candidates}, {}
     for label in plan.calibrate:
@@ -387,8 +399,12 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     results, sizes = measure(session, candidates, rows), {}
     if plan.looks:
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
-        results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks)
+        results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks,
+                                       record and record.record)
     table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
+    replanned = record and record.record(table)
+    if replanned:  # the verdict line, report.md's header and results.json say the plan changed after the data
+        decision = dataclasses.replace(decision, reason=f"{decision.reason} ({replanned_note(replanned)})")
     staged = staged and dataclasses.replace(staged, first_failing=first)
     # under a launcher a process's code other than 0 reads as a crash (torchrun stops the run and prints a failure
     # report), so each process of several ends 0 once the run is done, whatever the decision; process 0 prints the
@@ -401,7 +417,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
                             round(time.monotonic() - start, 1))
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
-                    calibration, plan)
+                    calibration, plan, replanned)
+    store.check_sources()  # results.json is signed: never of other code than the results it reports
     paths, document = report.write(out_dir, run)
     deployed, undeployed = deploy_beside(out_dir, document)  # nothing to deploy is no bad input: the exit is the gate's
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
@@ -448,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
     add_set_option(parser, "override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print what the run would score and cost, then exit")
+    parser.add_argument("--replan", action="store_true", help="go on where the partial results were measured under "
+                        "another plan, and report the error over every look taken (docs/gate.md)")
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
@@ -463,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg, rows)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):
-            return execute(cfg, plan, out_dir, command, rows, warnings)
+            return execute(cfg, plan, out_dir, command, rows, warnings, args.replan)
 
     def resume_hint() -> str:
         return (f"; finished results are kept in {held[0] / 'partial'}; run the same command to resume"

@@ -14,11 +14,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import hashlib
 import json
 import os
 import platform
-import subprocess
 import uuid
 from importlib import metadata
 from pathlib import Path
@@ -30,12 +28,12 @@ import pandas as pd
 
 from kvquant.errors import ERROR_LOG, script_parser
 from kvquant.fs import output_dir, write_together
-from kvquant.paths import PROJECT_ROOT
 from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate_reports, probe_curve, stage_rows
 from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
 from kvquant.runner.report_lengths import lengths_document, lengths_plot, long_verdicts
 from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
 from kvquant.runner.results import DIVERGENCE, PERPLEXITY, Memory, RunResult
+from kvquant.runner.sources import MEASURING, commit_provenance, source_digest
 from kvquant.signing import recorded, signed_json
 
 # names the tests and earlier callers import from here
@@ -56,25 +54,12 @@ REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png"
                           "searched.yaml", "stages.png", "probe.png", "lengths.png", "DEPLOY.md",
                           "kv_cache_scheme.json", "kv_scales.safetensors", ERROR_LOG})
 
-#: The subpackages whose code computes measured values (the cache, the formats, scoring, the compatibility
-#: modules), hashed whole: a module added to one of them is part of the code version without anyone listing it.
-#: Everything else (the commands, runner, planner, report, integrations) orchestrates, checks or renders: it runs
-#: afresh every time and decides no measured value, so a change there keeps finished results reusable.
-MEASURING = ("cache", "compat", "formats", "scoring")
-
-
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict[str, str]:
     """What measured a result: kvquant's version and a hash of every file in the :data:`MEASURING` subpackages
     (their ``*.py`` and the C++ kernel's source), and the versions of torch, transformers and lm-eval. Part of
     every resume key, so results of other code are recomputed."""
-    root = Path(__file__).parents[1]
-    digest = hashlib.sha256()
-    files = [path for package in MEASURING for path in (root / package).rglob("*")
-             if path.is_file() and path.suffix in (".py", ".cpp")]
-    for path in sorted(files):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    return {"kvquant": _version("kvquant"), "kvquant_source_sha256": digest.hexdigest()[:16],
+    return {"kvquant": _version("kvquant"), "kvquant_source_sha256": source_digest(),
             **{pkg: _version(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
 
 
@@ -147,14 +132,7 @@ def write_benchmark(out: Path, doc: dict, render) -> None:
 def environment() -> dict[str, str]:
     versions = {pkg: _version(pkg) for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets")}
     versions["kvquant_source_sha256"] = code_version()["kvquant_source_sha256"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        commit += " (with uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = commit_provenance(versions["kvquant_source_sha256"])  # the commit only where it holds those sources
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
@@ -221,6 +199,7 @@ def document(run: RunResult, run_id: str, env: dict[str, str] | None = None,
         "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
         "candidates": [_candidate_entry(c) for c in candidates],
         **({"plan": {**dataclasses.asdict(run.plan), "steps": run.plan.steps()}} if run.plan else {}),
+        **({"replanned": run.replanned} if run.replanned else {}),
         **({"calibration": run.calibration} if run.calibration else {}),
         **({"search": run.search.to_dict()} if run.search else {}),
         **({"staged": run.staged.to_dict()} if run.staged else {}),

@@ -56,6 +56,14 @@ def _gate_line(cfg: ExperimentConfig) -> str:
             "of the keys and of the values attention read were quantized (else: not exercised)")
 
 
+def _replanned_line(replanned: dict) -> str:
+    """The header's line on a plan changed after the data (``--replan``): the error over every look taken."""
+    changes = "; then ".join(replanned["changes"])
+    return (f"- **plan changed after the data** ({replanned['plans']} plans: {changes}): a wrong pass has up to "
+            f"{replanned['error']:.1%} chance over the {replanned['looks']} looks of {replanned['metric']} taken under "
+            f"them (union bound; one-sided), not the {replanned['nominal']:.1%} each plan alone keeps")
+
+
 def _header(run: RunResult, run_id: str, env: dict[str, str]) -> list[str]:
     """The decision and everything needed to reproduce the run: command, model, mode, gate, environment."""
     cfg, decision, provenance = run.config, run.decision, run.provenance
@@ -69,6 +77,7 @@ def _header(run: RunResult, run_id: str, env: dict[str, str]) -> list[str]:
         f"- model: `{cfg.model.path}` ({cfg.model.dtype}); evaluation mode: {mode}; seed {cfg.eval.seed}",
         f"- gate: {_gate_line(cfg)}",
         *([f"- steps: {'; '.join(run.plan.steps())}"] if run.plan else []),
+        *([_replanned_line(run.replanned)] if run.replanned else []),
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "

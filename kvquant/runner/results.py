@@ -450,3 +450,6 @@ class RunResult:
     staged: Staged | None = None
     calibration: dict = dataclasses.field(default_factory=dict)
     plan: RunPlan | None = None
+    #: where the partial results were measured under more than one plan (``--replan``): the union bound over every
+    #: look taken, the worst metric's, and what changed (:func:`kvquant.runner.lookplan.replanned_error`)
+    replanned: dict | None = None

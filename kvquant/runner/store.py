@@ -41,16 +41,25 @@ class ResultStore:
     ``<directory>.old-<time>/`` (:meth:`note_retired` warns once how many, and where). Counts what it reused and
     computed. Under several processes, process 0 alone reads and writes the files: it hands every process the
     saved result, or all of them compute it together (``compute`` shares its scoring out). A result measured
-    elsewhere becomes this store's own only when the user adopts it (:meth:`adopt`, ``python -m kvquant.adopt``)."""
+    elsewhere becomes this store's own only when the user adopts it (:meth:`adopt`, ``python -m kvquant.adopt``).
+    ``watch`` (a :class:`~kvquant.runner.sources.SourceWatch`, or None) is checked before every signed write: a
+    change of the measuring sources under the run stops it there, what is written kept and nothing mixed."""
 
-    def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE):
+    def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE,
+                 watch=None):
         self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
+        self.watch = watch
         self.reused, self.computed, self.set_aside = 0, 0, []
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         self.secret = result_key() if processes.main else b""
         #: how long each (candidate, metric) took to measure, where known: this run's own, or what the run that
         #: measured a reused result noted (informational, outside the signature: it only prices more documents)
         self.seconds: dict[tuple[str, str], float] = {}
+
+    def check_sources(self) -> None:
+        """Before a signed write: the measuring sources are still the ones the run started with (else one line)."""
+        if self.watch is not None:
+            self.watch.check()
 
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / result_name(metric)
@@ -76,6 +85,7 @@ class ResultStore:
         self.computed += 1
         if not self.processes.main:
             return result
+        self.check_sources()
         real_dir(self.directory, "partial results")
         real_dir(path.parent, "partial results")
         stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
@@ -96,6 +106,7 @@ class ResultStore:
         path, digest = self._path(candidate, metric), saved["key"]
         if self._read(path, digest, [candidate, metric], "replaced by the adopted one") is not None:
             return False
+        self.check_sources()
         real_dir(self.directory, "partial results")
         real_dir(path.parent, "partial results")
         if os.path.lexists(path):
@@ -182,16 +193,16 @@ def inputs_digest(inputs: dict) -> str:
 def check_partial(directory: Path) -> None:
     """Before a model loads, what a run would read, set aside or replace under ``directory`` (``partial/``): a
     real folder of real candidate folders this user can enter and write, each ``*.json`` in them a file (or a
-    symlink, which is set aside, never followed); else :class:`KVQuantError` naming it (was: an internal error
-    once the first measurement was done). A name starting with ``.`` is none kvquant writes or reads there (its
-    candidates, metrics and results start with a letter or digit): a stray ``.DS_Store``, ``.nfs…`` file or an
-    editor's swap file is left alone."""
+    symlink, which is set aside, never followed), and its plan (:func:`plan_file`); else :class:`KVQuantError`
+    naming it (was: an internal error once the first measurement was done). A name starting with ``.`` is none
+    kvquant writes or reads there (its candidates, metrics and results start with a letter or digit): a stray
+    ``.DS_Store``, ``.nfs…`` file or an editor's swap file is left alone."""
     if not os.path.lexists(directory):
         return
     if not stat.S_ISDIR(os.lstat(directory).st_mode):
         raise KVQuantError(f"partial results: {directory} is not a folder; move it away or write elsewhere "
                            "(--set name=... or --set output_dir=...)")
-    candidates = [Path(e.path) for e in os.scandir(directory) if not e.name.startswith(".")]
+    candidates = [Path(e.path) for e in os.scandir(directory) if not e.name.startswith(".") and not plan_file(e)]
     for folder in [directory, *candidates]:
         info = os.lstat(folder)
         if not stat.S_ISDIR(info.st_mode):
@@ -203,6 +214,13 @@ def check_partial(directory: Path) -> None:
         if entry.name.endswith(".json") and not (entry.is_symlink() or entry.is_file(follow_symlinks=False)):
             raise KVQuantError(f"partial results: {entry.path} is {'a folder' if entry.is_dir() else 'not a file'}, "
                                "not a result kvquant wrote; move it away")
+
+
+def plan_file(entry: os.DirEntry) -> bool:
+    """Whether ``entry`` of a ``partial/`` folder is its plan (``plan.json``, :mod:`kvquant.runner.lookplan`) or one
+    set aside: a regular file, beside the candidates' folders."""
+    return (entry.name == "plan.json" or entry.name.startswith("plan.json.corrupt")) and \
+        entry.is_file(follow_symlinks=False)
 
 
 def result_key() -> bytes:

@@ -15,7 +15,8 @@ from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import read_file
 from kvquant.runner.expected import Expected
 from kvquant.runner.plausible import problem
-from kvquant.runner.store import ResultStore, inputs_digest, result_name
+from kvquant.runner.lookplan import PLAN, read_plan_file
+from kvquant.runner.store import ResultStore, inputs_digest, plan_file, result_name
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ def read_folder(folder: Path) -> list[Found]:
         refuse(f"{folder} is a report folder; name its partial results instead: {folder / 'partial'}")
     found = []
     for entry in _entries(str(folder)):
+        if plan_file(entry):  # the plan the results were measured under: read_plan
+            continue
         if _kind(entry.path) != "a folder":
             refuse(f"{entry.path} is {_kind(entry.path)}; a partial-results folder holds one folder per candidate "
                    "(<candidate>/<metric>.json), so this is not one")
@@ -74,6 +77,18 @@ def read_folder(folder: Path) -> list[Found]:
     if not found:
         refuse(f"{folder} holds no partial results (<candidate>/<metric>.json); name a run's partial/ folder")
     return found
+
+
+def read_plan(folder: Path) -> list[tuple[Path, list[dict]]]:
+    """The plan history ``folder`` carries (``plan.json``, :mod:`kvquant.runner.lookplan`; its signature another
+    machine's, dropped), as ``[(file, history)]``; none where it has no plan file (results of a kvquant before
+    plans were recorded)."""
+    path = folder / PLAN
+    try:
+        found = read_plan_file(path)
+    except (OSError, ValueError, RecursionError) as err:
+        refuse(f"{path} is not a plan kvquant wrote ({one_line(getattr(err, 'strerror', None) or err)[:100]})")
+    return [] if found is None else [(path, found[0])]
 
 
 def read_result(path: Path, candidate: str) -> Found:

@@ -1,0 +1,317 @@
+"""A run's plan, fixed before the data (``partial/plan.json``; docs/gate.md "The plan is fixed"): everything that
+decides which documents and windows are measured and how they are judged — the gate (thresholds, confidence,
+``max_documents``), each gated task's looks and the confidence of each look, the tasks' limits and shots, the
+perplexity sets' windows, the long-context lengths and documents, the seed.
+
+The first run into a report folder records its plan beside its partial results, signed like them; a later run
+whose plan differs is refused with one line naming the first field that changed, before the model loads (nothing
+written or moved), or, with ``--replan``, goes on and keeps every plan in the file's history. Each judgement of a
+gated metric is recorded as a *look* (the documents or windows it read, and its one-sided error, half of
+``1 - confidence``); a re-planned run's error is the union bound over every look taken under any plan: per
+metric, the sum over distinct looks of the largest error any plan judged that look at (a look judged again at a
+narrower width errs only where the wider one did).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvquant.errors import KVQuantError, one_line
+from kvquant.fs import read_file, real_dir, set_aside, write_file
+from kvquant.runner.gate import look_confidence, looks
+from kvquant.runner.store import warn
+
+PLAN = "plan.json"
+#: what a plan file's signature signs besides its history: no other signature under the key is ever a valid one
+DOMAIN = b"kvquant plan.json v1\0"
+
+
+def _plain(value):
+    """``value`` as JSON reads it back (lists for tuples, string keys)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+@dataclass(frozen=True)
+class LookPlan:
+    """What decides which documents a run measures and how it judges them (:meth:`of` a config)."""
+
+    gate: dict
+    #: per gated task with sequential documents: the documents scored at each look, and each look's confidence
+    looks: dict
+    confidence: dict
+    #: per task: its first look's documents (limit), shots and their sampler
+    tasks: dict
+    #: per perplexity set: its text, layout and windows
+    perplexity: dict
+    long_context: dict | None
+    seed: int
+    max_length: int | None
+
+    @classmethod
+    def of(cls, cfg) -> LookPlan:
+        gate, tasks = cfg.gate, cfg.eval.tasks
+        planned = {t: looks(tasks.limit_for(t), gate.max_documents) for t in cfg.gated_tasks()} \
+            if gate.max_documents is not None else {}
+        long = cfg.eval.long_context
+        return cls(gate=_plain(dataclasses.asdict(gate)), looks=_plain(planned),
+                   confidence={t: look_confidence(gate, len(n)) for t, n in planned.items()},
+                   tasks=_plain({t: {"limit": tasks.limit_for(t), "num_fewshot": tasks.fewshot_for(t),
+                                     "fewshot_sampler": tasks.fewshot_sampler} for t in tasks.names}),
+                   perplexity=_plain({p.name: dataclasses.asdict(p) for p in cfg.eval.perplexity}),
+                   long_context=_plain(dataclasses.asdict(long)) if long else None, seed=cfg.eval.seed,
+                   max_length=cfg.model.max_length)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LookPlan:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, dict) or sorted(data) != sorted(fields):
+            raise ValueError("not a plan kvquant wrote")
+        return cls(**{name: data[name] for name in fields})
+
+    def to_dict(self) -> dict:
+        return _plain(dataclasses.asdict(self))
+
+    def flat(self) -> dict:
+        """Every field by its dotted name (``gate.max_documents``, ``looks.lambada_openai``), in order."""
+        out = {}
+
+        def walk(prefix: str, value):
+            if isinstance(value, dict) and value:
+                for key, inner in value.items():
+                    walk(f"{prefix}.{key}" if prefix else str(key), inner)
+            else:
+                out[prefix] = value
+        plain = self.to_dict()
+        for name in (f.name for f in dataclasses.fields(self)):  # in the fields' order: the gate first
+            walk(name, plain[name])
+        return out
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def difference(self, other: LookPlan) -> str | None:
+        """The first field in which this plan differs from ``other`` (an earlier one), as a phrase; None: equal."""
+        mine, theirs = self.flat(), other.flat()
+        for key in [*mine, *(k for k in theirs if k not in mine)]:
+            if mine.get(key, "absent") != theirs.get(key, "absent"):
+                return f"{key} is {_show(mine.get(key, 'absent'))} now, {_show(theirs.get(key, 'absent'))} before"
+        return None
+
+    def spec(self, source: str) -> str:
+        """What decides which data a look at ``n`` documents or windows of ``source`` reads, but ``n`` (a digest):
+        a task's shots and sampler, a perplexity set's text and windows, the long-context documents, the seed."""
+        if source in self.tasks:
+            what = {k: v for k, v in self.tasks[source].items() if k != "limit"}
+        elif source in self.perplexity:
+            what = {**self.perplexity[source], "model.max_length": self.max_length}
+        elif self.long_context and source.partition("@")[0] == self.long_context.get("text"):
+            what = {**self.long_context, "model.max_length": self.max_length}
+        else:
+            what = {}
+        return hashlib.sha256(json.dumps([what, self.seed], sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _show(value) -> str:
+    return json.dumps(value, default=str)[:60]
+
+
+def look_errors(history: list[dict]) -> dict[str, dict[str, float]]:
+    """Per metric, every distinct look taken under any plan of ``history`` and the largest one-sided error it was
+    judged at."""
+    union: dict[str, dict[str, float]] = {}
+    for entry in history:
+        for metric, taken in entry["looks"].items():
+            mine = union.setdefault(metric, {})
+            for look, error in taken.items():
+                mine[look] = max(mine.get(look, 0.0), float(error))
+    return union
+
+
+def replanned_error(history: list[dict], nominal: float) -> dict | None:
+    """Where ``history`` holds more than one plan: the union bound of the worst metric over every look taken under
+    any of them (:func:`look_errors`), with the plans' changes; else None (one plan: at most ``nominal``)."""
+    if len(history) < 2:
+        return None
+    totals = {m: (sum(taken.values()), len(taken)) for m, taken in look_errors(history).items() if taken}
+    metric = max(totals, key=lambda m: totals[m][0]) if totals else None
+    plans = [LookPlan.from_dict(e["plan"]) for e in history]
+    return {"error": totals[metric][0] if metric else 0.0, "looks": totals[metric][1] if metric else 0,
+            "metric": metric, "nominal": nominal, "plans": len(history),
+            "changes": [later.difference(earlier) for earlier, later in zip(plans, plans[1:])],
+            "errors": {m: total for m, (total, _) in sorted(totals.items())}}
+
+
+def replanned_note(replanned: dict) -> str:
+    """The phrase a re-planned run adds to its verdict line and decision."""
+    return (f"re-planned: error up to {replanned['error']:.1%} over {replanned['looks']} looks of "
+            f"{replanned['metric']} under {replanned['plans']} plans, not {replanned['nominal']:.1%}")
+
+
+def _signature(history: list, secret: bytes) -> str:
+    text = json.dumps(history, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret, DOMAIN + text.encode(), hashlib.sha256).hexdigest()
+
+
+def parse_history(data) -> list[dict]:
+    """A plan file's history, checked for its shape (ValueError: not one kvquant wrote)."""
+    history = data.get("history") if isinstance(data, dict) else None
+    if not isinstance(history, list) or not history:
+        raise ValueError("holds no plan history")
+    for entry in history:
+        if not (isinstance(entry, dict) and isinstance(entry.get("looks"), dict)
+                and entry.get("digest") == LookPlan.from_dict(entry.get("plan")).digest()):
+            raise ValueError("a plan in its history is not one kvquant wrote (its digest does not match)")
+        for taken in entry["looks"].values():
+            if not isinstance(taken, dict) or not all(isinstance(e, (int, float)) and 0 <= e <= 1
+                                                      for e in taken.values()):
+                raise ValueError("its looks are not errors kvquant recorded")
+    return history
+
+
+def read_plan_file(path: Path) -> tuple[list[dict], str] | None:
+    """The history and signature in ``path`` (a regular file, never followed through a link), None where absent;
+    ValueError where it is not a plan file kvquant wrote."""
+    if not os.path.lexists(path):
+        return None
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise ValueError("it is not a regular file")
+    data = json.loads(read_file(path).decode("utf-8"))
+    return parse_history(data), str(data.get("signature"))
+
+
+def merge_histories(first: list[dict], second: list[dict]) -> list[dict] | None:
+    """One history of two whose plans agree as far as the shorter goes (one went on re-planning from the other),
+    every look of both kept; None where they went different ways."""
+    longer, shorter = (first, second) if len(first) >= len(second) else (second, first)
+    if [e["digest"] for e in longer[:len(shorter)]] != [e["digest"] for e in shorter]:
+        return None
+    merged = []
+    for i, entry in enumerate(longer):
+        both = [entry, *([shorter[i]] if i < len(shorter) else [])]
+        merged.append({**entry, "looks": look_errors(both)})
+    return merged
+
+
+def entry(plan: LookPlan) -> dict:
+    return {"plan": plan.to_dict(), "digest": plan.digest(), "looks": {}}
+
+
+class PlanRecord:
+    """A run's plan and the history of plans its partial results were measured under (``<partial>/plan.json``,
+    signed with the store's key). :meth:`settle` (before the model loads) refuses a changed plan unless
+    ``replan``; :meth:`record` keeps the looks each judgement takes; :meth:`replanned` is the re-planned error."""
+
+    def __init__(self, store, plan: LookPlan, replan: bool = False):
+        self.store, self.plan, self.replan = store, plan, replan
+        self.path = store.directory / PLAN
+        self.history: list[dict] = []
+
+    def settle(self) -> None:
+        """Read the recorded plan, compare, and write this run's (a first plan, or one more with ``replan``);
+        a changed plan without ``replan`` raises :class:`KVQuantError` with nothing written or moved. Process 0
+        alone reads and writes; every process of several stops with its line."""
+        refused = None
+        if self.store.processes.main:
+            try:
+                self._settle()
+            except KVQuantError as err:
+                refused = str(err)
+        refused = self.store.processes.broadcast(refused)
+        if refused is not None:
+            raise KVQuantError(refused)
+
+    def recorded(self, move: bool = True) -> list[dict] | None:
+        """The history in this run's plan file where this user's key signed it; None where there is none, or
+        where it does not verify (then, with ``move``, set aside with a warning: its looks are not counted)."""
+        try:
+            found = read_plan_file(self.path)
+            if found is not None and not hmac.compare_digest(found[1], _signature(found[0], self.store.secret)):
+                raise ValueError("its signature does not verify: edited, or written by another user or machine")
+        except (OSError, ValueError, RecursionError) as err:
+            if os.path.lexists(self.path) and stat.S_ISDIR(os.lstat(self.path).st_mode):
+                raise KVQuantError(f"{self.path} is a folder, not the plan kvquant wrote; move it away") from None
+            if move:
+                aside = set_aside(self.path)
+                warn(self.store.warnings, f"{self.path} is unusable ({one_line(err)[:100]}); moved to {aside.name}: "
+                     "looks taken under the plans it recorded are not counted")
+            return None
+        return None if found is None else found[0]
+
+    def adopt(self, carried: list[tuple[Path, list[dict]]], write: bool = True) -> None:
+        """Merge the plan histories ``carried`` with the partial results adopted (each ``(file, history)``; their
+        signatures are another machine's, so the user vouches for them as for the results) into this run's, and
+        (``write``) keep them: a history that went another way than another's, or whose last plan is not this
+        config's, refuses with one line (nothing written)."""
+        merged = self.recorded(move=False) or []
+        for path, history in carried:
+            change = self.plan.difference(LookPlan.from_dict(history[-1]["plan"]))
+            if change is not None:
+                raise KVQuantError(f"adopt: {path}: its results were measured under another plan ({change}); adopt "
+                                   "them under that plan's config, then run with --replan; nothing adopted")
+            joined = merge_histories(merged, history) if merged else history
+            if joined is None:
+                raise KVQuantError(f"adopt: {path} records plans that went another way than those of the results "
+                                   "adopted with it or already here; adopt one of them; nothing adopted")
+            merged = joined
+        if carried and write:
+            self.history = merged
+            self.write()
+
+    def _settle(self) -> None:
+        history = self.recorded()
+        found = None if history is None else (history, "")
+        if found is None:
+            if any(self.store.directory.glob("*/*.json")):
+                warn(self.store.warnings, f"the partial results in {self.store.directory} carry no recorded plan "
+                     "(measured before kvquant recorded plans): this run's plan is recorded from now on, and looks "
+                     "taken earlier under another plan, if any, are not counted")
+            self.history = [entry(self.plan)]
+            self.write()
+        else:
+            self.history = found[0]
+            last = LookPlan.from_dict(self.history[-1]["plan"])
+            change = self.plan.difference(last)
+            if change is not None and not self.replan:
+                raise KVQuantError(
+                    f"the partial results in {self.store.directory} were measured under another plan ({change}); a "
+                    "plan raised after the data inflates the error: rerun with the plan they were measured under, "
+                    "or with --replan to go on and report the error over every look taken")
+            if change is not None:
+                self.history = [*self.history, entry(self.plan)]
+                self.write()
+
+    def write(self) -> None:
+        if not self.store.processes.main:
+            return
+        self.store.check_sources()
+        real_dir(self.store.directory, "partial results")
+        write_file(self.path, json.dumps({"history": self.history,
+                                          "signature": _signature(self.history, self.store.secret)}, indent=1))
+
+    def record(self, rows) -> dict | None:
+        """Keep the looks the gate's ``rows`` took (each gated row: its documents or windows, its one-sided error)
+        under the current plan, written at once where any is new; returns :meth:`replanned` (None in a process
+        other than 0, which keeps no history)."""
+        if not self.history:
+            return None
+        taken, new = self.history[-1]["looks"], False
+        for row in rows:
+            if not row.gated or self.plan.gate.get("decide_on") == "point":
+                continue
+            look, error = f"{row.n}@{self.plan.spec(row.metric.source)}", (1 - row.confidence) / 2
+            mine = taken.setdefault(row.metric.name, {})
+            if mine.get(look, -1.0) < error:
+                mine[look], new = error, True
+        if new:
+            self.write()
+        return self.replanned()
+
+    def replanned(self) -> dict | None:
+        return replanned_error(self.history, (1 - self.plan.gate["confidence"]) / 2)

@@ -1,0 +1,187 @@
+"""The plan is fixed before the data (issue 53 item 2): a run whose plan (looks, margins, windows, limits) differs
+from the one its partial results were measured under is refused with one line before the model loads, or, with
+``--replan``, goes on and states the error over every look taken under any plan."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvquant import run
+from kvquant.run import main
+from kvquant.runner.config import load_config
+from kvquant.runner.results import MetricId, MetricRow
+
+ROOT = Path(__file__).parents[1]
+
+TINY = """
+name: tiny
+output_dir: {out}
+candidates:
+  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
+eval:
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 128}}
+gate: {{bootstrap: 1000}}
+"""
+
+
+def snapshot(folder: Path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_a_changed_plan_under_the_same_partials_is_refused_or_replanned(tmp_path, capsys, monkeypatch):
+    """The windows doubled after the data (as smollm2-decide's WikiText-2 windows were): refused with one line
+    naming the field, before the model loads, nothing written or moved (was: measured again and reported at the
+    plan's nominal error); with --replan, the verdict line, report.md and results.json state the union bound over
+    both looks (2 x 2.5% = 5%)."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    out_dir = tmp_path / "reports" / "tiny"
+    assert main([str(path)]) == 0
+    before = snapshot(out_dir)
+    capsys.readouterr()
+    real_load = run.load_model
+
+    def trap(*args, **kwargs):
+        raise AssertionError("the model was loaded for a plan that should have been refused")
+
+    monkeypatch.setattr(run, "load_model", trap)
+    changed = ["--set", "eval.perplexity.0.max_length=64"]
+    assert main([str(path), *changed]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "another plan" in err
+    assert "perplexity.tinystories.max_length is 64 now, 128 before" in err and "--replan" in err
+    assert snapshot(out_dir) == before  # nothing written or moved
+    assert not list(out_dir.parent.glob("tiny/partial.old-*"))
+    assert json.loads((out_dir / "partial" / "plan.json").read_text())["history"][0]["looks"]
+
+    monkeypatch.setattr(run, "load_model", real_load)
+    assert main([str(path), *changed, "--replan"]) == 0
+    printed = capsys.readouterr().out
+    note = "re-planned: error up to 5.0% over 2 looks of ppl/tinystories under 2 plans, not 2.5%"
+    assert note in printed
+    doc = json.loads((out_dir / "results.json").read_text())
+    assert note in doc["reason"]
+    assert doc["replanned"]["error"] == pytest.approx(0.05) and doc["replanned"]["plans"] == 2
+    assert doc["replanned"]["changes"] == ["perplexity.tinystories.max_length is 64 now, 128 before"]
+    assert "plan changed after the data" in (out_dir / "report.md").read_text()
+    # the same changed plan again: no third plan, the same error; back to the first plan needs --replan too
+    assert main([str(path), *changed]) == 0
+    assert json.loads((out_dir / "results.json").read_text())["replanned"]["error"] == pytest.approx(0.05)
+    capsys.readouterr()
+    assert main([str(path)]) == 2
+
+
+def test_an_edited_plan_file_is_set_aside_and_said(tmp_path, capsys, monkeypatch):
+    """A plan file that does not verify (edited, or another machine's) is set aside with a warning that the looks
+    it recorded are not counted, never trusted; the run records its own plan."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    assert main([str(path)]) == 0
+    plan = tmp_path / "reports" / "tiny" / "partial" / "plan.json"
+    doc = json.loads(plan.read_text())
+    doc["history"][0]["plan"]["gate"]["confidence"] = 0.5
+    plan.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main([str(path)]) == 0
+    assert "plan.json is unusable" in capsys.readouterr().err
+    assert plan.with_name("plan.json.corrupt").exists() and plan.exists()
+
+
+def rows(label: str, metric: MetricId, counts, confidence: float) -> list[MetricRow]:
+    return [MetricRow(label, metric, 0.5, 0.5, n, True, confidence=confidence) for n in counts]
+
+
+def test_smollm2_decides_history_gives_the_union_bound_over_every_look():
+    """smollm2-decide's three plans (git: 776345c, f83b73d, c62dd49): looks to 1,600 with 24 windows of 512
+    tokens, then to 3,200 with 16 windows of 1,024, then to 5,153. LAMBADA was judged at 200..1,600 at 99.375%,
+    3,200 at 99.5% and 5,153 at 99.58%: 4 x 0.625% + 0.5% + 0.417% = 3.42% one-sided; WikiText-2's KL on two
+    sets of windows: 2 x 2.5% = 5%. A look judged again at a narrower width adds nothing."""
+    from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_error
+    from kvquant.runner.store import ResultStore
+
+    config = ROOT / "configs" / "smollm2-decide.yaml"
+    plans = [load_config(config, ["gate.max_documents=1600", "eval.perplexity.0.limit=24",
+                                  "eval.perplexity.0.max_length=512"]),
+             load_config(config, ["gate.max_documents=3200"]), load_config(config)]
+    history = []
+    lambada, kl = MetricId("acc", "lambada_openai"), MetricId("kl", "wikitext2")
+    for cfg in plans:
+        plan = LookPlan.of(cfg)
+        record = PlanRecord(ResultStore(Path("/nonexistent"), {}, []), plan)
+        record.history = [*history, {"plan": plan.to_dict(), "digest": plan.digest(), "looks": {}}]
+        record.write = lambda: None
+        taken = plan.looks["lambada_openai"]
+        record.record(rows("fp8_e4m3", lambada, taken, plan.confidence["lambada_openai"]))
+        record.record(rows("int8", kl, [cfg.eval.perplexity[0].limit], cfg.gate.confidence))
+        history = record.history
+    bound = replanned_error(history, 0.025)
+    assert bound["errors"]["acc/lambada_openai"] == pytest.approx(4 * 0.025 / 4 + 0.025 / 5 + 0.025 / 6)
+    assert round(bound["errors"]["acc/lambada_openai"], 4) == 0.0342
+    assert bound["errors"]["kl/wikitext2"] == pytest.approx(0.05)
+    assert bound["metric"] == "kl/wikitext2" and bound["plans"] == 3
+    assert bound["changes"][0].startswith("gate.max_documents is 3200 now, 1600 before")
+    assert replanned_error(history[:1], 0.025) is None  # one plan: its own Bonferroni bound holds
+
+
+def test_the_plan_holds_what_decides_the_documents_and_their_judgement():
+    """Every input that decides which documents are measured or how they are judged is a field of the plan:
+    looks, each look's confidence, margins, windows, task limits and shots, the seed."""
+    from kvquant.runner.lookplan import LookPlan
+
+    cfg = load_config(ROOT / "configs" / "smollm2-decide.yaml")
+    plan = LookPlan.of(cfg)
+    assert plan.looks["lambada_openai"] == [200, 400, 800, 1600, 3200, 5153]
+    assert plan.confidence["lambada_openai"] == pytest.approx(1 - 0.05 / 6)
+    for change, field in [("gate.min_relative_accuracy=0.96", "gate.min_relative_accuracy"),
+                          ("gate.max_kl_divergence=0.02", "gate.max_kl_divergence"),
+                          ("eval.tasks.limit=100", "looks.arc_easy"),
+                          ("eval.perplexity.0.limit=8", "perplexity.wikitext2.limit"),
+                          ("eval.seed=7", "seed")]:
+        other = LookPlan.of(load_config(ROOT / "configs" / "smollm2-decide.yaml", [change]))
+        assert other.digest() != plan.digest()
+        assert other.difference(plan).startswith(field), (change, other.difference(plan))
+    assert LookPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    same = load_config(ROOT / "configs" / "smollm2-decide.yaml", ["eval.batch_size=4"])
+    assert LookPlan.of(same).difference(plan) is None  # how fast, not what: no plan change
+
+
+def test_partial_results_folder_with_a_plan_is_checked_not_refused(tmp_path):
+    """check_partial takes the plan file beside the candidates' folders; a symlink in its place is refused."""
+    from kvquant.errors import KVQuantError
+    from kvquant.runner.store import check_partial
+
+    partial = tmp_path / "partial"
+    (partial / "int8").mkdir(parents=True)
+    (partial / "plan.json").write_text("{}")
+    check_partial(partial)
+    os.unlink(partial / "plan.json")
+    os.symlink(tmp_path / "elsewhere", partial / "plan.json")
+    with pytest.raises(KVQuantError, match="symlink"):
+        check_partial(partial)
+
+
+def test_adopt_carries_the_plan_and_refuses_a_conflicting_one(tmp_path, capsys, monkeypatch):
+    """Partial results adopted from another sitting bring the plan they were measured under: carried into this
+    run's plan file (its history and looks), so a later run under a raised plan is refused here too; a folder
+    whose plan is not this config's is refused with one line, nothing adopted."""
+    from kvquant.adopt import main as adopt
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    assert main([str(path)]) == 0
+    there = tmp_path / "reports" / "tiny" / "partial"
+    assert adopt([str(path), str(there), "--set", "name=elsewhere", "--set", "gate.max_perplexity_ratio=1.04"]) == 2
+    assert "measured under another plan (gate.max_perplexity_ratio is 1.04 now, 1.05 before" in capsys.readouterr().err
+    assert not (tmp_path / "reports" / "elsewhere").exists()
+    assert adopt([str(path), str(there), "--set", "name=elsewhere"]) == 0
+    carried = json.loads((tmp_path / "reports" / "elsewhere" / "partial" / "plan.json").read_text())["history"]
+    assert carried == json.loads((there / "plan.json").read_text())["history"]
+    capsys.readouterr()
+    assert main([str(path), "--set", "name=elsewhere", "--set", "gate.max_perplexity_ratio=1.04"]) == 2
+    assert "another plan" in capsys.readouterr().err
