@@ -273,7 +273,10 @@ class PlanRecord:
                      "(measured before kvquant recorded plans): this run's plan is recorded from now on, and looks "
                      "taken earlier under another plan, if any, are not counted")
             self.history = [entry(self.plan)]
-            self.write()
+            if os.path.lexists(self.store.directory):
+                self.write()
+            else:  # with the first result: a run stopped before any leaves no folder behind
+                self.store.first_write = self.write
         else:
             self.history = found[0]
             last = LookPlan.from_dict(self.history[-1]["plan"])

@@ -49,6 +49,9 @@ class ResultStore:
                  watch=None):
         self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
         self.watch = watch
+        #: written once, before the first signed write (a run's first plan, :mod:`kvquant.runner.lookplan`), so a
+        #: run that writes nothing leaves nothing behind
+        self.first_write = None
         self.reused, self.computed, self.set_aside = 0, 0, []
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         self.secret = result_key() if processes.main else b""
@@ -60,6 +63,9 @@ class ResultStore:
         """Before a signed write: the measuring sources are still the ones the run started with (else one line)."""
         if self.watch is not None:
             self.watch.check()
+        if self.first_write is not None:
+            first, self.first_write = self.first_write, None
+            first()
 
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / result_name(metric)
