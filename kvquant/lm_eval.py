@@ -8,14 +8,19 @@ lm-eval's own ``lm_eval`` command does not discover models from other packages; 
 flags. Offline copies of the data directory's tasks are named ``<task>_local``.
 
 Before lm-eval starts, the task names and (for ``--model kvquant``) the model arguments are checked the way
-``kvquant.run`` checks a config: a bad one is one line and exit 2, with no model loaded. Exit codes as
+``kvquant.run`` checks a config: a bad one is one line and exit 2, with no model loaded; so is whatever lm-eval
+itself refuses before it hands its model the first request (an unknown task, ``--samples``, a model id it cannot
+load, ``--fewshot_as_multiturn`` without a chat template, a hub task offline), its log lines held back until then so
+the refusal is the one line. Exit codes as
 ``kvquant.run``: 0 done, 2 bad input, 3 internal error (traceback in a log file), 130 interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
 import glob
 import inspect
 import math
@@ -31,7 +36,7 @@ from kvquant.runner.config import MAX_SEED, Candidate, EvalConfig, ModelConfig, 
 from kvquant.yaml_reader import load_yaml, read_text_file
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel
-from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, guarded
+from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, guarded, one_line
 from kvquant.fs import check_env_dirs, check_trusted
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number
@@ -184,7 +189,7 @@ def check_model_name(name: str | None) -> None:
 
 def check_flags(flags: dict) -> None:
     """The values lm-eval would refuse only once it runs (or accept and misuse), refused before it starts."""
-    if not flags.get("tasks"):
+    if not _task_names(flags):
         raise KVQuantError("--tasks is required (comma-separated task names; see `python -m kvquant.lm_eval ls "
                            "tasks`)")
     check_model_name(flags.get("model"))
@@ -192,6 +197,8 @@ def check_flags(flags: dict) -> None:
         check_limit(flags["limit"])
     if flags.get("samples") and flags.get("limit") is not None:
         raise KVQuantError("--samples and --limit cannot be used together: --samples names the documents")
+    if flags.get("samples"):
+        check_samples(flags["samples"], _task_names(flags))
     if flags.get("num_fewshot") is not None:
         whole_number(flags["num_fewshot"], "--num_fewshot", 0)
     if "batch_size" in flags or flags.get("max_batch_size") is not None:
@@ -205,6 +212,35 @@ def check_flags(flags: dict) -> None:
         check_output_path(flags["output_path"])
     if flags.get("device"):
         check_device("--device", flags["device"])
+
+
+def check_samples(value, tasks: list[str]) -> None:
+    """``--samples`` as lm-eval reads it (a mapping, JSON text, or a JSON file's name) maps tasks of ``--tasks`` to
+    lists of document indices (whole numbers >= 0)."""
+    import json
+
+    samples = value
+    if isinstance(value, str):
+        try:
+            samples = json.loads(value)
+        except ValueError:
+            if not Path(value).is_file():
+                raise KVQuantError(f"--samples: {value!r:.80} is neither JSON nor a file; give "
+                                   '\'{"task": [0, 1, 2]}\' or a JSON file holding that') from None
+            try:
+                samples = json.loads(read_text_file(Path(value), "--samples file"))
+            except ValueError as err:
+                raise KVQuantError(f"--samples: {value}: not valid JSON ({one_line(err)})") from None
+    if not isinstance(samples, dict) or not samples:
+        raise KVQuantError(f"--samples must map task names to lists of document indices, got "
+                           f"{type(samples).__name__} {str(samples)!r:.80}")
+    for task, docs in samples.items():
+        if task not in tasks:
+            raise KVQuantError(f"--samples: {str(task)!r:.80} is not among --tasks ({', '.join(tasks)})")
+        if not isinstance(docs, list) or not docs or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in docs):
+            raise KVQuantError(f"--samples: {task!r} must map to a list of document indices (whole numbers >= 0), "
+                               f"got {str(docs)!r:.80}")
 
 
 def _task_names(flags: dict) -> list[str]:
@@ -319,11 +355,85 @@ def _checked_evaluate(argv: list[str]) -> int:
 
     sys.argv = [sys.argv[0], *argv]
     try:
-        with fewshot.task_files_checked():  # shots a task's own YAML sets: bounded, and fitted by the model
-            cli_evaluate()
+        with fewshot.task_files_checked(), until_scoring() as phase:  # shots a task's own YAML sets: bounded
+            try:
+                cli_evaluate()
+            except Exception as err:
+                if phase.scoring or isinstance(err, (KVQuantError, AssertionError)):
+                    raise
+                raise KVQuantError(f"lm-eval refused its arguments before scoring anything: {type(err).__name__}: "
+                                   f"{one_line(err)}{offline_hint(argv)}") from None
     except SystemExit as stop:  # lm-eval's own usage errors and --help
         return stop.code if isinstance(stop.code, int) else 2
     return EXIT_PASS
+
+
+class _Held:
+    """Stands in for ``sys.stderr`` while lm-eval reads its arguments: what it writes is held (its log lines) and
+    written out once scoring starts, or dropped where it refuses them, so a refusal is one line."""
+
+    def __init__(self, real):
+        self.real, self.held, self.scoring = real, [], False
+
+    def write(self, text: str) -> int:
+        if self.scoring:
+            return self.real.write(text)
+        self.held.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.scoring:
+            self.real.flush()
+
+    def start(self) -> None:
+        self.scoring = True
+        self.real.write("".join(self.held))
+        self.held.clear()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+REQUEST_TYPES = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+
+@contextlib.contextmanager
+def until_scoring():
+    """Marks when lm-eval first hands its model requests (``phase.scoring``): every failure before is its reading of
+    the arguments (tasks, samples, the model's id, chat templates), one line and exit 2; after, a failure of the
+    evaluation itself. stderr is held until then (:class:`_Held`), and written out when it comes."""
+    import lm_eval.evaluator
+
+    phase, evaluate = _Held(sys.stderr), lm_eval.evaluator.evaluate
+
+    def marked(lm, *args, **kwargs):
+        for name in REQUEST_TYPES:
+            method = getattr(lm, name, None)
+            if method is not None:
+                setattr(lm, name, functools.partial(_first, phase, method))
+        return evaluate(lm, *args, **kwargs)
+
+    sys.stderr, lm_eval.evaluator.evaluate = phase, marked
+    try:
+        yield phase
+    finally:
+        if not phase.scoring and not isinstance(sys.exc_info()[1], Exception):  # done, or argparse's usage: shown
+            phase.start()
+        sys.stderr, lm_eval.evaluator.evaluate = phase.real, evaluate
+
+
+def _first(phase: _Held, method, *args, **kwargs):
+    if not phase.scoring:
+        phase.start()
+    return method(*args, **kwargs)
+
+
+def offline_hint(argv: list[str]) -> str:
+    """Where lm-eval could not reach the hub for a task the data directory holds: the offline copy's name."""
+    from kvquant.scoring.tasks import resolve_task
+
+    local = [f"{t} -> {resolve_task(t)}" for t in _task_names(lm_eval_flags(argv)) if resolve_task(t) != t]
+    return f" (the data directory's offline copies: {', '.join(local)})" if local else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,7 @@ from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_conf
 from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.runner.search import check_search, search
+from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length
 from kvquant.runner.store import ResultStore, RunLock, warn
@@ -133,6 +134,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
         for i, rung in enumerate(cfg.search.ladder):
             check_candidate(rung, shape, f"search.ladder[{i}] ({rung.label})")
         check_search(cfg, shape, model_dtype(cfg.model), tokenizer, context, rows, folder)
+    check_disjoint(cfg, tokenizer, context, rows)
     return plan_steps(cfg), rows, preflight_warnings(cfg, model_config, evicting)
 
 

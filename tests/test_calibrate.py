@@ -178,3 +178,62 @@ def test_an_unnamed_candidate_keeps_its_label_once_calibrated():
     plain = Candidate("vllm_fp8", calibrate="tensor")
     calibrated = calibrate.with_scales(plain, {"0": {"k_scale": 0.1, "v_scale": 0.2}})
     assert calibrated.label == plain.label == "vllm_fp8" and calibrated.calibrate is None
+
+
+STORIES = "local:text/tinystories/validation-first1000.jsonl"
+STREAM = {"name": "tinystories", "source": STORIES, "layout": "stream", "limit": 2, "max_length": 64}
+OVERLAPS = [  # (case, the eval section, the refusal's words); issue 58: each ran and passed (exit 0)
+    # the long documents are cut from the same rows: tokens 128-255, the calibration windows, inside the second one
+    ("long-context", {"perplexity": [STREAM], "long_context": {"text": "tinystories", "lengths": [64, 128],
+                                                                "documents": 2}},
+     "are evaluated too, by eval.long_context (text 'tinystories')"),
+    # another set reads the same text cut otherwise (longer windows), so it is not "cut alike" and reads on
+    ("another-set", {"perplexity": [STREAM, {**STREAM, "name": "longer", "max_length": 128, "limit": 4}]},
+     "are evaluated too, by perplexity set 'longer'"),
+    # the same stories as documents, 20 of them: the stream's calibration windows are in the first few
+    ("documents-layout", {"perplexity": [STREAM, {"name": "docs", "source": STORIES, "limit": 20}]},
+     "are evaluated too, by perplexity set 'docs'"),
+    # overlapping windows: window `limit` (the first calibration one) shares 32 tokens with the last evaluated one
+    ("stride", {"perplexity": [{**STREAM, "stride": 32}]}, "are evaluated too, by perplexity set 'tinystories'"),
+    # tinystories_lastword reads stories 500-999 of the same file; documents 500-509 as calibration windows
+    ("task", {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 500, "max_length": 64}],
+              "tasks": {"names": ["tinystories_lastword"], "limit": 8}},
+     "are evaluated too, by task 'tinystories_lastword'"),
+]
+
+
+def overlap_config(tmp_path, evaluation: dict) -> str:
+    gated = [p["name"] for p in evaluation["perplexity"]][:1]
+    cfg = {"name": "overlap", "output_dir": str(tmp_path / "reports"), "model": {"path": "local:models/stories260K/hf"},
+           "candidates": [{"quantizer": "vllm_fp8", "name": "fp8", "calibrate": "tensor"}],
+           "calibration": {"windows": 2}, "eval": {**evaluation, "memory_probe_tokens": 64},
+           "gate": {"perplexity": gated, "tasks": evaluation.get("tasks", {}).get("names", [])}}
+    path = tmp_path / "overlap.yaml"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("evaluation, needle", [c[1:] for c in OVERLAPS], ids=[c[0] for c in OVERLAPS])
+def test_calibration_windows_that_are_evaluated_are_refused(tmp_path, no_model_load, capsys, evaluation, needle):
+    """Issue 58: a calibrated candidate took its calibration windows from text that a long-context set, another
+    perplexity set or a task then evaluated, and the run passed: scales judged on the data they were fitted to."""
+    code = main([overlap_config(tmp_path, evaluation)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, lines)
+    assert "calibration.windows: the calibration windows of perplexity set 'tinystories'" in lines[0], lines[0]
+    assert needle in lines[0] and "judged on its own data" in lines[0], lines[0]
+    assert not (tmp_path / "reports").exists()
+
+
+def test_calibration_apart_from_every_evaluated_set_is_taken(tmp_path, no_model_load, monkeypatch):
+    """The same texts read apart (the long documents after nothing calibrated, the other set within the evaluated
+    windows, the task's stories after the calibration windows) pass the check and reach the model."""
+    from kvquant.run import preflight
+
+    evaluation = {"perplexity": [{**STREAM, "limit": 8}, {**STREAM, "name": "shorter", "max_length": 32, "limit": 4},
+                                 {"name": "docs", "source": STORIES, "limit": 1}],
+                  "long_context": {"text": "tinystories", "lengths": [64, 128], "documents": 2},
+                  "tasks": {"names": ["tinystories_lastword"], "limit": 8}}
+    cfg = load_config(overlap_config(tmp_path, evaluation))
+    plan, _, _ = preflight(cfg)  # no refusal
+    assert plan.calibrate == ("fp8",)

@@ -460,3 +460,42 @@ def test_failed_run_does_not_damage_a_finished_report(env, capsys, monkeypatch, 
     assert kvquant.run.main(fill(fresh, env)) == 2
     assert not (tmp_path / "new" / "finished").exists()
     assert "cannot load model (simulated)" in capsys.readouterr().err
+
+
+LM_EVAL_ARGUMENT_CASES = [  # (case, argv after --model kvquant --model_args pretrained=..., the line's words);
+    # issue 58: each was lm-eval's own argument error, exit 3 "internal error" with a log
+    ("no-tasks", ["--tasks", ","], "--tasks is required"),
+    ("samples-not-json", ["--tasks", "tinystories_lastword", "--samples", "notjson"],
+     "--samples: 'notjson' is neither JSON nor a file"),
+    ("samples-other-task", ["--tasks", "tinystories_lastword", "--samples", '{"x": [1]}'],
+     "--samples: 'x' is not among --tasks (tinystories_lastword)"),
+    ("samples-not-indices", ["--tasks", "tinystories_lastword", "--samples", '{"tinystories_lastword": ["a"]}'],
+     "--samples: 'tinystories_lastword' must map to a list of document indices"),
+    ("multiturn-without-chat", ["--tasks", "tinystories_lastword", "--fewshot_as_multiturn", "--num_fewshot", "1",
+                                "--limit", "2"], "`fewshot_as_multiturn` is True, `apply_chat_template` must be set"),
+    ("multiturn-no-template", ["--tasks", "tinystories_lastword", "--fewshot_as_multiturn", "--apply_chat_template",
+                               "--num_fewshot", "1", "--limit", "2"], "lm-eval refused its arguments before scoring"),
+    ("hub-task-offline", ["--tasks", "arc_easy", "--limit", "2"],
+     "(the data directory's offline copies: arc_easy -> arc_easy_local)"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", [c[1:] for c in LM_EVAL_ARGUMENT_CASES],
+                         ids=[c[0] for c in LM_EVAL_ARGUMENT_CASES])
+def test_lm_evals_own_argument_errors_are_one_line(env, capsys, monkeypatch, argv, needle):
+    monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}", *argv])
+    captured = capsys.readouterr()
+    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant.lm_eval")
+
+
+def test_a_bad_pretrained_id_for_lm_evals_own_model_is_one_line(env, capsys, monkeypatch):
+    """Issue 58: ``--model hf`` with a model id the hub cannot give (offline) was exit 3, an internal error."""
+    monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = lm_eval_cli.main(["--model", "hf", "--model_args", "pretrained=no-such/model-xyz", *TASK])
+    captured = capsys.readouterr()
+    assert_one_clear_line(code, captured.out, captured.err, "lm-eval refused its arguments before scoring anything: "
+                          "OSError", "kvquant.lm_eval")

@@ -370,3 +370,26 @@ def test_context_from_plans_only_the_setting_the_report_measured(tmp_path, monke
     code = main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4", "--cache", "int2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "leave out --cache" in err
+
+
+def test_context_from_a_huge_results_json_is_refused_within_the_planners_time(tmp_path, monkeypatch, capsys):
+    """Issue 58: a signed results.json of 143-248 MiB (a long filler beside the verdicts) took the planner 10.6-23 s
+    to verify and parse, past its 10 s promise; it reads at most 16 MiB now (export still takes up to 256)."""
+    import time
+
+    from kvquant.plan import main
+    from kvquant.signing import signed_json
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "rep"
+    folder.mkdir()
+    doc = {"decision": "pass", "long_context": LENGTHS, "config": {"model": {"path": "llama-3.1-8b"}},
+           "candidates": [{"name": "int4", "settings": {**INT4, "quantizer": "int4"}, "verdict": "pass"}],
+           "filler": "x" * (17 * 2**20)}
+    (folder / "results.json").write_text(signed_json(doc))
+    start = time.monotonic()
+    code = main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4"])
+    took = time.monotonic() - start
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "more than the 16,777,216 the planner reads" in lines[0], lines
+    assert took < 2, took

@@ -300,3 +300,26 @@ def test_a_gate_on_kl_divergence_gates_the_search_on_it_too(tmp_path):
     below = [c for c in found["checked"] if c["step"] < found["step"]]
     assert below and all(c["metrics"]["kl/tinystories"] > 0.001 and not c["passed"] for c in below)
     assert found["step"] > 0 and "int8" in found["map"].values()
+
+
+@pytest.mark.parametrize("change, message", [
+    # the long documents are cut from the rows whose windows after the limit the search calibrates on
+    (["eval.long_context={text: tinystories, lengths: [64, 128], documents: 40}"],
+     "search.windows: the calibration windows of perplexity set 'tinystories' (rows 7-10 of "),
+    # the task's calibration documents (stories ~520-540) are evaluated by a perplexity set of 600 stories
+    (["eval.perplexity=[{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 600, "
+      "max_length: 64}, {name: wiki, source: local:text/wikitext-2-raw-v1/test-00000-of-00001.parquet, limit: 2, "
+      "max_length: 64}]", "gate.perplexity=[wiki]"],
+     "search.documents: task 'tinystories_lastword' documents 20-35 (rows "),
+])
+def test_a_search_split_that_is_evaluated_is_refused_before_the_model_loads(tmp_path, no_model_load, capsys,
+                                                                            change, message):
+    """Issue 58: the search's windows or task documents were evaluated by a long context or a perplexity set reading
+    the same text (the map judged on the data it was chosen on); the run went ahead."""
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path / "reports"))
+    code = main([str(path), *[a for c in change for a in ("--set", c)]])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], (code, lines)
+    assert "are evaluated too" in lines[0]
+    assert not (tmp_path / "reports").exists()

@@ -75,9 +75,9 @@ def _open_dir(report_dir: Path) -> int:
     return fd
 
 
-def open_results(report_dir: Path) -> int:
+def open_results(report_dir: Path, limit: int = MAX_BYTES, reader: str = "a report holds") -> int:
     """A descriptor of ``report_dir/results.json``, opened for reading once the directory and the file are checked
-    (see the module docstring: whose file, how large)."""
+    (see the module docstring: whose file, how large: at most ``limit`` bytes, what ``reader`` says of it)."""
     path, dir_fd = report_dir / "results.json", _open_dir(report_dir)
     try:
         fd = os.open("results.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -93,18 +93,21 @@ def open_results(report_dir: Path) -> int:
             raise KVQuantError(f"{path} is not a regular file; kvquant exports only the results.json its runner "
                                "wrote")
         _own(info, path)
-        if info.st_size > MAX_BYTES:
-            raise KVQuantError(f"{path} is {info.st_size:,} bytes, more than the {MAX_BYTES:,} a report holds; {WROTE}")
+        if info.st_size > limit:
+            raise KVQuantError(f"{path} is {info.st_size:,} bytes, more than the {limit:,} {reader}; {WROTE}")
     except KVQuantError:
         os.close(fd)
         raise
     return fd
 
 
-def read_results(report_dir: Path) -> bytes:
-    """The bytes of ``report_dir/results.json`` (:func:`open_results`)."""
-    with os.fdopen(open_results(report_dir), "rb") as f:
-        return f.read(MAX_BYTES + 1)
+def read_results(report_dir: Path, limit: int = MAX_BYTES, reader: str = "a report holds") -> bytes:
+    """The bytes of ``report_dir/results.json`` (:func:`open_results`), at most ``limit``."""
+    with os.fdopen(open_results(report_dir, limit, reader), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:  # grown since it was checked
+        raise KVQuantError(f"{report_dir / 'results.json'} is more than the {limit:,} bytes {reader}; {WROTE}")
+    return data
 
 
 def load_report(report_dir: Path, trust_unsigned: bool = False) -> Report:
@@ -114,11 +117,13 @@ def load_report(report_dir: Path, trust_unsigned: bool = False) -> Report:
     return checked_report(doc, report_dir / "results.json")
 
 
-def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str) -> dict:
+def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str, limit: int = MAX_BYTES,
+                      reader: str = "a report holds") -> dict:
     """``results.json`` of a report directory, read and parsed, its signature verified under this user's key
-    unless ``trust_unsigned`` (else one line: ``why_signed`` says why the command needs it)."""
+    unless ``trust_unsigned`` (else one line: ``why_signed`` says why the command needs it); at most ``limit``
+    bytes (``reader``: who bounds it so, for the refusal)."""
     path = report_dir / "results.json"
-    data = read_results(report_dir)
+    data = read_results(report_dir, limit, reader)
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeError, ValueError, RecursionError) as err:

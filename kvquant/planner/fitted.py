@@ -42,6 +42,12 @@ def candidate_setting(doc: dict, label: str, folder) -> str:
     return json.dumps({k: v for k, v in found[0]["settings"].items() if k not in DERIVED}, sort_keys=True)
 
 
+#: The largest results.json ``--context-from`` reads: verifying one is a parse and a canonical dump of the whole
+#: file, ~0.07 s per MiB on 2 cores, so the planner answers within its 10 s (the largest committed report: 0.24 MiB;
+#: export reads up to 256 MiB).
+PLAN_MAX_BYTES = 16 * 2**20
+
+
 def fitted_context(text: str, trust_unsigned: bool = False) -> FittedContext:
     """``REPORT_DIR:CANDIDATE`` → the candidate's ``passes_up_to`` in that report, its summary, the model and the
     setting it was measured with (:class:`FittedContext`), read from the report's ``results.json`` signed by this
@@ -53,7 +59,8 @@ def fitted_context(text: str, trust_unsigned: bool = False) -> FittedContext:
     if not sep or not folder or not label:
         raise KVQuantError(f"--context-from: {text[:120]!r} must be REPORT_DIR:CANDIDATE, e.g. "
                            "reports/smollm2-long-gate:int4-g32")
-    doc = verified_document(Path(folder), trust_unsigned, "the planner takes a context only from your own run")
+    doc = verified_document(Path(folder), trust_unsigned, "the planner takes a context only from your own run",
+                            PLAN_MAX_BYTES, "the planner reads (a report's results.json holds well under 1 MiB)")
     verdicts = doc.get("long_context", {}).get("candidates") if isinstance(doc.get("long_context"), dict) else None
     if not isinstance(verdicts, dict) or not verdicts:
         raise KVQuantError(f"--context-from: {folder} holds no length verdict (its run measured no long context: "
