@@ -103,7 +103,7 @@ def test_min_context_gates_the_long_rows_up_to_it(metric, min_context, gated):
     assert is_gated(metric, GateConfig(max_kl_divergence=0.05, min_context=min_context)) is gated
 
 
-def _row(candidate, metric, value, low, high, baseline=1.0, n=40):
+def _row(candidate, metric, value, low, high, baseline=1.0, n=100):
     return MetricRow(candidate, metric, value, baseline, n, False, low, high, 1.0, 0.95)
 
 
