@@ -25,7 +25,7 @@ TOO_FEW = "too few documents"
 #: from :data:`MIN_PASS`; the trend per doubling decides either way from :data:`MIN_TREND`.
 MIN_FAIL = 12
 MIN_PASS = 96
-MIN_TREND = 24
+MIN_TREND = 32
 
 
 def needed(kind: str, verdict: str) -> int | None:
