@@ -21,6 +21,7 @@ its interval, against the bucket's end).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -32,8 +33,10 @@ import torch
 from kvquant.errors import KVQuantError, run_script, script_parser
 from kvquant.fs import output_dir, read_file, real_dir, write_file, write_together
 from kvquant.runner.config import load_config
+from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
-from kvquant.runner.positions import EDGES, bucket_means, buckets, trend
+from kvquant.runner.positions import EDGES, bucket_means, buckets, trend, trend_verdict
+from kvquant.runner.results import DIVERGENCE
 from kvquant.runner.report import code_version, environment
 from kvquant.runner.report_plots import _png, _pyplot
 from kvquant.scoring.data import windows
@@ -100,14 +103,23 @@ def summarise(cfg, per_doc: list[dict], edges) -> dict:
     return out
 
 
+def bucket_verdict(k: dict, limit: float) -> tuple[str, int | None]:
+    """A bucket's KL verdict at ``limit`` (the gate's rule on its 95% interval), or too few documents to decide it
+    (:func:`kvquant.runner.counts.settle`): ``(verdict, documents needed or None)``."""
+    verdict = PASS if k["high"] <= limit else FAIL if k["low"] > limit else INCONCLUSIVE
+    return settle(DIVERGENCE, verdict, k["documents"])
+
+
 def length_verdicts(doc: dict, limit: float) -> dict[str, str]:
     """Per candidate, the longest context whose every position bucket's mean KL is shown at or below ``limit``
-    (the gate's rule, :func:`kvquant.runner.gate.longest_passing`, on the buckets' 95% intervals)."""
+    (the gate's rule, :func:`kvquant.runner.gate.longest_passing`, on the buckets' 95% intervals; a bucket of too
+    few documents decides nothing)."""
     out = {}
     for label, r in doc["candidates"].items():
-        found = [(k["stop"], {"kl": PASS if k["high"] <= limit else FAIL if k["low"] > limit else INCONCLUSIVE})
-                 for k in r["kl"]]
-        out[label] = longest_passing(found).describe()
+        judged = [(k["stop"], k["documents"], *bucket_verdict(k, limit)) for k in r["kl"]]
+        short = min(((n, need) for _, n, v, need in judged if v == TOO_FEW), default=None)
+        found = longest_passing([(stop, {"kl": v}) for stop, _, v, _ in judged])
+        out[label] = dataclasses.replace(found, shortfall=short).describe()
     return out
 
 
@@ -171,22 +183,29 @@ def render(doc: dict) -> str:
              f"{doc['chunk_size']} tokens at a time; {doc['seconds']:.0f} s of measuring in all (sittings added up)",
              "- statistic: per bucket, the mean over documents of each document's mean KL (nats) over its positions "
              "there, 95% bootstrap interval over documents; trend: the factor by which KL grows per doubling of the "
-             "position (ln KL on log2 position), with its interval", ""]
+             "position (ln KL on log2 position), with its interval; a bucket or trend over fewer documents than its "
+             "interval needs (docs/gate.md: too few documents) decides nothing", ""]
     if doc.get("max_kl_divergence") is not None:
         limit = doc["max_kl_divergence"]
         lines += [f"Longest context shown safe at mean KL <= {limit} nats per position (every bucket up to it, 95% "
                   "interval; the gate's rule):", "", "| candidate | longest context |", "|---|---|",
                   *(f"| {label} | {text} |" for label, text in length_verdicts(doc, limit).items()), ""]
     lines += ["![mean KL by position bucket, 95% intervals](kl.png)", ""]
+    limit = doc.get("max_kl_divergence")
     for label, r in doc["candidates"].items():
-        t = r["trend"]
+        t = r["trend"]  # judged again: the counts may be newer than the measurement
         lines += [f"## {label}", "", f"Trend: x{t['factor']:.3f} per doubling [{t['low']:.3f}, {t['high']:.3f}]: "
-                  f"**{t['verdict']}**; quantized share of keys read {r['quantized_key_share']:.3f}.", "",
-                  "| positions | documents | mean KL | 95% interval | top-1 agreement | 95% interval |",
-                  "|---|---:|---:|---|---:|---|"]
+                  f"**{trend_verdict(t['low'], t['high'], doc['documents'])}**; quantized share of keys read "
+                  f"{r['quantized_key_share']:.3f}.", "",
+                  "| positions | documents | mean KL | 95% interval | top-1 agreement | 95% interval |"
+                  + (f" KL <= {limit} |" if limit is not None else ""),
+                  "|---|---:|---:|---|---:|---|" + ("---|" if limit is not None else "")]
         for k, a in zip(r["kl"], r["top1"]):
+            verdict, need = bucket_verdict(k, limit) if limit is not None else (None, None)
+            shown = "" if verdict is None else f" {too_few(k['documents'], need) if need else verdict} |"
             lines.append(f"| {k['start']}-{k['stop']} | {k['documents']} | {k['mean']:.5f} | "
-                         f"[{k['low']:.5f}, {k['high']:.5f}] | {a['mean']:.4f} | [{a['low']:.4f}, {a['high']:.4f}] |")
+                         f"[{k['low']:.5f}, {k['high']:.5f}] | {a['mean']:.4f} | [{a['low']:.4f}, {a['high']:.4f}] |"
+                         + shown)
         lines.append("")
     return "\n".join(lines)
 

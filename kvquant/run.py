@@ -58,6 +58,7 @@ from kvquant.runner.search import check_search, search
 from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length
+from kvquant.runner.counts import count_warnings
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.sources import SourceWatch
@@ -164,10 +165,11 @@ def check_settings(cfg: ExperimentConfig, shape) -> list[Candidate]:
 
 
 def preflight_warnings(cfg: ExperimentConfig, model_config, evicting: list[Candidate]) -> list[str]:
-    """What preflight warns of (each also printed): the model's context against the config's lengths, and a chunk
+    """What preflight warns of (each also printed): the model's context against the config's lengths, fewer
+    windows or long documents than a verdict needs (:func:`kvquant.runner.counts.count_warnings`), and a chunk
     wider than an evicting setting's window."""
     warnings = []
-    for message in context_warnings(cfg, model_config):
+    for message in [*context_warnings(cfg, model_config), *count_warnings(cfg)]:
         warn(warnings, message)
     for c in evicting:
         window = c.spec.eviction.window

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.gate import (FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, paired_interval, decide, judge,
-    looks)
+from kvquant.runner.counts import MIN_FAIL, MIN_PASS
+from kvquant.runner.gate import (FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, TOO_FEW, paired_interval, decide,
+    judge, looks, verdict_text)
 from kvquant.runner.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
 
 POLICY = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, decide_on="point")
@@ -22,7 +23,7 @@ def acc(candidate, value, baseline=0.5, ci=(math.nan, math.nan), gated=True, met
 
 
 def ppl(candidate, value, baseline=4.0, ci=(math.nan, math.nan)):
-    return MetricRow(candidate, MetricId("ppl", "text"), value, baseline, 50, True, *ci)
+    return MetricRow(candidate, MetricId("ppl", "text"), value, baseline, 100, True, *ci)
 
 
 def test_relative_scores():
@@ -65,8 +66,8 @@ def test_interval_verdicts_at_their_boundaries():
 
 
 def test_divergence_metrics_are_lower_or_higher_is_better():
-    kl = lambda v, ci: MetricRow("a", MetricId("kl", "text"), v, 0.0, 50, True, *ci)  # noqa: E731
-    top = lambda v, ci: MetricRow("a", MetricId("top1", "text"), v, 1.0, 50, True, *ci)  # noqa: E731
+    kl = lambda v, ci: MetricRow("a", MetricId("kl", "text"), v, 0.0, 100, True, *ci)  # noqa: E731
+    top = lambda v, ci: MetricRow("a", MetricId("top1", "text"), v, 1.0, 100, True, *ci)  # noqa: E731
     assert judge(kl(0.005, (0.004, 0.01)), TEST).verdict == PASS  # the upper bound reaches the maximum
     assert judge(kl(0.011, (0.0100001, 0.02)), TEST).verdict == FAIL
     assert judge(kl(0.009, (0.008, 0.0101)), TEST).verdict == INCONCLUSIVE
@@ -193,3 +194,44 @@ def test_paired_interval_perplexity():
     low, high = paired_interval(PERPLEXITY, base, cand, 500, 0.9, seed=0)
     point = math.exp((base[:, 0].sum() - cand[:, 0].sum()) / base[:, 1].sum())
     assert low <= point <= high < 1
+
+
+def kl_rows(n, ci, candidate="a", source="text"):
+    return MetricRow(candidate, MetricId("kl", source), sum(ci) / 2, 0.0, n, True, *ci)
+
+
+def test_a_3_window_fail_is_too_few_documents():
+    """Issue 53 item 3: a bootstrap over 3 windows is about their minimum and maximum (gemma3-long's fp8 at 0-512:
+    [0.00463, 0.01581]); its interval wholly above the threshold is no FAIL, nor a decision of the run."""
+    row = kl_rows(3, (0.0132, 0.0486))  # gemma3-long's int4 g32 at 0-512
+    v = judge(row, TEST)
+    assert v.verdict == TOO_FEW and verdict_text(v) == f"too few documents (n = 3 of the {MIN_FAIL} needed)"
+    d = decide([row], {"a": 5.0}, TEST)
+    assert d.decision == "inconclusive" and d.statuses == {"a": INCONCLUSIVE} and not d.passed["a"]
+    assert f"too few documents (n = 3 of the {MIN_FAIL} needed), counted as inconclusive" in d.reason
+
+
+def test_each_end_needs_its_own_count():
+    """A fail reads the lower end of a loss and holds from MIN_FAIL windows; a pass reads the upper end, which
+    misses more on skewed losses, and needs MIN_PASS; below MIN_FAIL even an open interval is too few."""
+    failing, passing, open_ = (0.02, 0.03), (0.002, 0.004), (0.008, 0.012)
+    assert judge(kl_rows(MIN_FAIL, failing), TEST).verdict == FAIL
+    assert judge(kl_rows(MIN_FAIL - 1, failing), TEST).verdict == TOO_FEW
+    assert judge(kl_rows(MIN_PASS, passing), TEST).verdict == PASS
+    v = judge(kl_rows(MIN_PASS - 1, passing), TEST)
+    assert verdict_text(v) == f"too few documents (n = {MIN_PASS - 1} of the {MIN_PASS} needed)"
+    assert judge(kl_rows(MIN_FAIL, open_), TEST).verdict == INCONCLUSIVE
+    assert judge(kl_rows(MIN_FAIL - 1, open_), TEST).verdict == TOO_FEW
+    assert judge(ppl("a", 4.5, ci=(0.8, 0.9)), TEST).verdict == FAIL  # 100 windows
+    assert judge(dataclasses.replace(ppl("a", 4.5, ci=(0.8, 0.9)), n=4), TEST).verdict == TOO_FEW
+    # accuracy and flips are no bootstrap: no count (a score interval, an exact one)
+    assert judge(dataclasses.replace(acc("a", 0.40, ci=(0.5, 0.9)), n=3), TEST).verdict == FAIL
+
+
+def test_too_few_documents_is_never_a_pass_for_the_candidate():
+    good = acc("a", 0.5, ci=(0.98, 1.02))
+    d = decide([good, kl_rows(40, (0.002, 0.004))], {"a": 5.0}, TEST)
+    assert d.decision == "inconclusive" and d.statuses["a"] == INCONCLUSIVE
+    # another candidate's shown failure still fails it
+    d = decide([acc("b", 0.3, ci=(0.5, 0.8)), kl_rows(3, (0.02, 0.03), candidate="b")], {"b": 5.0}, TEST)
+    assert d.decision == "fail" and d.statuses["b"] == FAIL

@@ -82,8 +82,8 @@ def test_a_bucket_passes_only_if_all_its_metrics_pass():
     ([(True, {"a": P})], "length bucket True is not a positive integer"),
     ([(1024.0, {"a": P})], "length bucket 1024.0 is not a positive integer"),
     ([(1024, {"a": P}), (2048, {})], "length bucket 2048 has no gated long-context metric"),
-    ([(1024, {"a": NOT_GATED})], "length bucket 1024: verdicts must be pass, fail, inconclusive or not exercised, "
-                                 "got 'not gated'"),
+    ([(1024, {"a": NOT_GATED})], "length bucket 1024: verdicts must be pass, fail, inconclusive, too few documents "
+                                 "or not exercised, got 'not gated'"),
     ([(1024, {"a": "PASS", "b": P})], "got 'PASS'"),
 ])
 def test_bad_buckets_are_refused(buckets, message):

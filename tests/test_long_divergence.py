@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from kvquant.runner.counts import MIN_FAIL, MIN_PASS, MIN_TREND
 from kvquant.runner.positions import buckets
 from tests.conftest import experiment
 
@@ -53,12 +54,21 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     again = json.loads((out / "results.json").read_text())
     assert again["candidates"] == doc["candidates"]
     int8, int2 = (doc["candidates"][c]["kl"][0] for c in ("int8", "int2"))
-    assert int8["high"] <= 0.05 < int2["low"]  # so the one bucket passes for int8 and fails for int2
-    assert script.length_verdicts(again, 0.05) == {"int8": "passes up to 300", "int2": "passes at no length, fails "
-                                                   "from 300"}
-    assert "| int2 | passes at no length, fails from 300 |" in (out / "report.md").read_text()
+    assert int8["high"] <= 0.05 < int2["low"]  # the one bucket's intervals lie on either side of 0.05, but
+    # over 2 documents they decide nothing (docs/gate.md: a fail needs MIN_FAIL documents)
+    few = f"passes at no length, too few documents at 300 (n = 2 of the {MIN_FAIL} needed)"
+    assert script.length_verdicts(again, 0.05) == {"int8": few, "int2": few}
+    report = (out / "report.md").read_text()
+    assert f"| int2 | {few} |" in report and f"too few documents (n = 2 of the {MIN_TREND} needed)" in report
+    # the same bucket over enough documents decides (rendered from a results.json with the count raised)
+    enough = {**again, "documents": MIN_FAIL, "candidates": {label: {**r, "kl": [{**k, "documents": MIN_FAIL}
+                                                                                 for k in r["kl"]]}
+                                                             for label, r in again["candidates"].items()}}
+    assert script.length_verdicts(enough, 0.05) == {"int8": f"passes at no length, too few documents at 300 (n = "
+                                                    f"{MIN_FAIL} of the {MIN_PASS} needed)",
+                                                    "int2": "passes at no length, fails from 300"}
     script.main([str(config), "--out", str(out), "--render-only", "--max-kl-divergence", "1e-9"])  # no model: rendered
-    assert "| int8 | passes at no length, fails from 300 |" in (out / "report.md").read_text()
+    assert f"| int8 | {few} |" in (out / "report.md").read_text()
     assert json.loads((out / "results.json").read_text())["candidates"] == doc["candidates"]
 
     # other inputs (a longer window): measured again, so the model loads

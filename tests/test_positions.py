@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from kvquant.runner.positions import bucket_means, buckets, check_edges, trend
+from kvquant.runner.counts import MIN_TREND
+from kvquant.runner.positions import bucket_means, buckets, check_edges, trend, trend_verdict
 
 EDGES = (0, 2, 4, 8)
 
@@ -43,24 +44,35 @@ def test_trend_recovers_the_growth_per_doubling():
     """KL proportional to the position: each bucket's mean is c times its mean position, so ln KL on log2 position
     has slope ln 2 exactly, whatever each document's constant: twice per doubling."""
     edges = (0, 4, 8, 16, 32, 64)
-    t = trend(power_law(1.0, [0.01, 0.03, 0.02, 0.05]), edges, iters=300)
+    t = trend(power_law(1.0, [0.01 * (1 + i % 5) for i in range(MIN_TREND)]), edges, iters=300)
     assert t.factor == pytest.approx(2.0, rel=1e-12)
     assert t.verdict == "grows" and t.low <= 2.0 <= t.high
+
+
+def test_a_trend_over_too_few_documents_decides_nothing():
+    """The same exact growth over 4 documents: the interval is as narrow, but a percentile bootstrap over 4
+    documents misses 10-14% at each end (docs/gate.md), so it is not said to grow."""
+    t = trend(power_law(1.0, [0.01, 0.03, 0.02, 0.05]), (0, 4, 8, 16, 32, 64), iters=300)
+    assert t.factor == pytest.approx(2.0, rel=1e-12)
+    assert t.verdict == f"too few documents (n = 4 of the {MIN_TREND} needed)"
+    assert trend_verdict(1.5, 2.5, MIN_TREND - 1).startswith("too few documents")
+    assert (trend_verdict(1.5, 2.5, MIN_TREND), trend_verdict(0.5, 0.9, MIN_TREND),
+            trend_verdict(0.9, 1.1, MIN_TREND)) == ("grows", "shrinks", "undecided")
 
 
 def test_trend_of_flat_and_falling_divergence():
     edges = (0, 4, 8, 16, 32, 64)
     rng = np.random.default_rng(0)
-    flat = [[0.02 * math.exp(rng.normal(0, 0.5)) for _ in range(64)] for _ in range(12)]
+    flat = [[0.02 * math.exp(rng.normal(0, 0.5)) for _ in range(64)] for _ in range(MIN_TREND)]
     t = trend(flat, edges, iters=500)
     assert t.verdict == "undecided" and t.low < 1.0 < t.high
-    falling = trend(power_law(-0.5, [0.1, 0.2, 0.15]), edges, iters=300)
+    falling = trend(power_law(-0.5, [0.1, 0.2, 0.15] * (MIN_TREND // 3)), edges, iters=300)
     assert falling.verdict == "shrinks" and falling.factor < 1.0
 
 
 def test_trend_needs_two_documents_and_two_buckets():
-    assert trend([[0.1] * 64], (0, 4, 8, 16, 32, 64)).verdict == "undecided"
-    one_bucket = trend(power_law(1.0, [0.1, 0.2], length=4), (0, 4, 8))
+    assert trend([[0.1] * 64], (0, 4, 8, 16, 32, 64)).verdict.startswith("too few documents (n = 1 of")
+    one_bucket = trend(power_law(1.0, [0.1, 0.2] * (MIN_TREND // 2), length=4), (0, 4, 8))
     assert one_bucket.verdict == "undecided" and math.isnan(one_bucket.factor)
 
 

@@ -9,7 +9,9 @@ baseline's and the candidate's outcome of each kept together) is compared with t
 
 - **pass**: the whole interval is on the good side (the candidate is shown to lose no more than the margin);
 - **fail**: the whole interval is on the bad side (shown to lose more);
-- **inconclusive**: it straddles the threshold; the verdict says about how many documents would decide it.
+- **inconclusive**: it straddles the threshold; the verdict says about how many documents would decide it;
+- **too few documents**: a bootstrap interval over fewer documents (windows) than its end needs to hold its error
+  (:mod:`kvquant.runner.counts`, from a simulation): never a pass or a fail; for the decision, as inconclusive.
 
 A gated metric whose requests read less than ``gate.min_quantized_share`` of their keys or values quantized is
 **not exercised** (the accuracy says nothing about the quantizer) and cannot count toward a pass. With sequential
@@ -23,22 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from statistics import NormalDist
 
 import numpy as np
 
-from kvquant.errors import is_python_int
 from kvquant.runner.config import ExperimentConfig
+from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.flips import flips
+from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
 from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY, Decision, Measured, MetricId,
     MetricRow, Verdict, BUCKET, bucket_end, relative_score)
 from kvquant.scoring.needles import needle_chance, needle_task
 
-__all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "Decision",
-           "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
+__all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "TOO_FEW",
+           "Decision", "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
            "longest_passing", "looks", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score",
            "threshold"]
 
@@ -226,6 +228,10 @@ def judge(row: MetricRow, policy: GateConfig) -> Verdict:
         verdict = Verdict(row, limit, row.statistic, FAIL)
     else:
         verdict = Verdict(row, limit, row.statistic, INCONCLUSIVE, more=more_documents(row, limit))
+    # too few documents for the end a verdict reads (fewer than the smallest count: for any verdict): no decision
+    settled, need = settle(row.kind, verdict.verdict, row.n)
+    if settled == TOO_FEW:
+        verdict = Verdict(row, limit, row.statistic, TOO_FEW, point=point, more=need - row.n)
     # a loss shown through a mostly unquantized cache is still a loss; only a pass (or the hope of one) needs the
     # quantizer to have been read
     exercised = math.isnan(row.quantized_share) or row.quantized_share >= policy.min_quantized_share
@@ -252,10 +258,16 @@ def bounded(v: Verdict, sizes: dict[str, int]) -> Verdict:
 
 
 def status(verdicts: list[Verdict]) -> str:
-    """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is, else not exercised
-    if any is, else pass."""
-    found = {v.verdict for v in verdicts}
+    """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is inconclusive or has too
+    few documents (a row that cannot be decided is as open as one that straddles), else not exercised if any is,
+    else pass."""
+    found = {INCONCLUSIVE if v.verdict == TOO_FEW else v.verdict for v in verdicts}
     return next((s for s in (FAIL, INCONCLUSIVE, NOT_EXERCISED) if s in found), PASS)
+
+
+def verdict_text(v: Verdict) -> str:
+    """A verdict as a report writes it: ``too few documents (n = 3 of the 20 needed)``, else the verdict."""
+    return too_few(v.row.n, v.row.n + v.more) if v.verdict == TOO_FEW and v.more else v.verdict
 
 
 def duration(seconds: float) -> str:
@@ -274,6 +286,9 @@ def _open(v: Verdict) -> str:
     if v.verdict == NOT_EXERCISED:
         return (f"{v.row.metric.name} not exercised ({v.row.quantized_share:.0%} of what attention read was "
                 "quantized)")
+    if v.verdict == TOO_FEW:
+        return (f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} vs {v.threshold:.4f}: "
+                f"{verdict_text(v)}, counted as inconclusive")
     return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{more}"
 
 
@@ -329,8 +344,8 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
                     for name, length in too_long.items()]
         return Decision(FAIL, None, passed, verdicts, f"no setting passes ({basis}); " + "; ".join(failing),
                         statuses)
-    undecided = [f"{v.row.candidate}: {_open(v)}" for v in verdicts if v.verdict in (INCONCLUSIVE, NOT_EXERCISED)
-                 and statuses[v.row.candidate] != FAIL]
+    undecided = [f"{v.row.candidate}: {_open(v)}" for v in verdicts
+                 if v.verdict in (INCONCLUSIVE, TOO_FEW, NOT_EXERCISED) and statuses[v.row.candidate] != FAIL]
     undecided += [f"{name}: no gated metric was left to judge (a needle task whose baseline is not shown above "
                   "chance is left out)" for name in bits_per_element if name not in gated]
     return Decision(INCONCLUSIVE, None, passed, verdicts, f"no setting is shown to pass ({basis}); undecided: "
@@ -372,14 +387,18 @@ def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig,
     length; the needle tasks of ``at_chance`` (:func:`needles_at_chance`) are left out (they say nothing of a
     cache)."""
     buckets: dict[str, dict[int, dict[str, str]]] = {}
+    short: dict[str, tuple[int, int]] = {}  # per candidate, the fewest documents of a too-few row, and its need
     for row in rows:
         length = metric_length(row.metric)
         if length is None or not selected(row.metric, policy) or row.metric.source in at_chance:
             continue
-        verdict = judge(dataclasses.replace(row, gated=True), policy).verdict
+        v = judge(dataclasses.replace(row, gated=True), policy)
         family = f"{row.metric.measure}/{row.metric.source.rpartition(BUCKET)[0] or row.metric.source}"
-        buckets.setdefault(row.candidate, {}).setdefault(length, {})[family] = verdict
-    return {label: longest_passing(sorted(found.items())) for label, found in buckets.items()}
+        buckets.setdefault(row.candidate, {}).setdefault(length, {})[family] = v.verdict
+        if v.verdict == TOO_FEW:
+            short[row.candidate] = min(short.get(row.candidate, (row.n, row.n + v.more)), (row.n, row.n + v.more))
+    return {label: dataclasses.replace(longest_passing(sorted(found.items())), shortfall=short.get(label))
+            for label, found in buckets.items()}
 
 
 def needles_at_chance(baseline: Measured, policy: GateConfig) -> frozenset[str]:
@@ -436,82 +455,3 @@ def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[
     low, high = found.rate_interval
     return MetricRow(accuracy.candidate, MetricId("flips", accuracy.metric.source), found.rate, 0.0, found.n, True,
                      low, high, accuracy.quantized_share, accuracy.confidence)
-
-
-def _length(tokens: int) -> str:
-    """A length as a report writes it: ``4K`` for a multiple of 1024, else the number."""
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
-
-
-@dataclass(frozen=True)
-class LengthVerdict:
-    """One candidate's verdict over context lengths (:func:`longest_passing`): ``passes_up_to`` the longest
-    length shown safe (None: none), ``fails_from`` the shortest failing length (None: none fails), and the lengths
-    between the two that are undecided: ``inconclusive`` and ``not_exercised`` (each increasing)."""
-
-    passes_up_to: int | None
-    fails_from: int | None
-    inconclusive: tuple[int, ...] = ()
-    not_exercised: tuple[int, ...] = ()
-
-    def describe(self) -> str:
-        """E.g. ``passes up to 4K, fails from 16K, inconclusive at 8K``; ``no length buckets`` for none."""
-        if self == LengthVerdict(None, None):
-            return "no length buckets"
-        parts = [f"passes up to {_length(self.passes_up_to)}" if self.passes_up_to else "passes at no length"]
-        parts += [f"fails from {_length(self.fails_from)}"] if self.fails_from else []
-        for name, lengths in (("inconclusive", self.inconclusive), ("not exercised", self.not_exercised)):
-            parts += [f"{name} at {', '.join(_length(n) for n in lengths)}"] if lengths else []
-        return ", ".join(parts)
-
-
-def _bucket_status(length: int, verdicts: Mapping[str, str]) -> str:
-    """A length bucket's status from its gated metrics' verdicts, with :func:`status`'s precedence."""
-    unknown = sorted(set(verdicts.values()) - {PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED})
-    if unknown:
-        raise ValueError(f"length bucket {length}: verdicts must be pass, fail, inconclusive or not exercised, got "
-                         f"{', '.join(map(repr, unknown))}")
-    found = set(verdicts.values())
-    return next((s for s in (FAIL, INCONCLUSIVE, NOT_EXERCISED) if s in found), PASS)
-
-
-def longest_passing(buckets: Sequence[tuple[int, Mapping[str, str]]]) -> LengthVerdict:
-    """The longest context one candidate is shown safe at, from its per-length-bucket verdicts.
-
-    ``buckets``: ``(length, {gated long-context metric: verdict})`` ordered by length (strictly increasing
-    positive integers), each with at least one metric (a bucket is judged on the metrics it has: needles may be
-    measured at some lengths only); a verdict is :data:`PASS`,
-    :data:`FAIL`, :data:`INCONCLUSIVE` or :data:`NOT_EXERCISED`. Anything else is a ``ValueError``.
-
-    The rule: a bucket **passes** only if every one of its metrics passes; it **fails** if any metric fails;
-    else it is **inconclusive** if any metric is, else **not exercised** (some metric read too little of the
-    cache quantized). Not exercised is not a pass: like inconclusive, it stops the claim. Then:
-
-    - ``passes_up_to`` = the longest length L such that every bucket up to L passes: the last of the passing
-      buckets at the start (None if the first bucket does not pass). A shorter bucket that does not pass caps it,
-      even where longer buckets pass again;
-    - ``fails_from`` = the shortest failing bucket (None if none fails);
-    - ``inconclusive`` / ``not_exercised`` = the lengths with that status after ``passes_up_to`` and before
-      ``fails_from`` (all after ``passes_up_to`` where nothing fails): what more documents could decide.
-
-    No bucket gives ``LengthVerdict(None, None)``.
-    """
-    statuses = []
-    for i, (length, verdicts) in enumerate(buckets):
-        if not is_python_int(length) or length < 1:
-            raise ValueError(f"length bucket {length!r} is not a positive integer")
-        if i and length <= buckets[i - 1][0]:
-            raise ValueError(f"length buckets out of order or repeated: {length} after {buckets[i - 1][0]}")
-        if not verdicts:
-            raise ValueError(f"length bucket {length} has no gated long-context metric")
-        statuses.append((length, _bucket_status(length, verdicts)))
-    passes_up_to = None
-    for length, s in statuses:
-        if s != PASS:
-            break
-        passes_up_to = length
-    fails_from = next((length for length, s in statuses if s == FAIL), None)
-    between = [(n, s) for n, s in statuses
-               if (passes_up_to is None or n > passes_up_to) and (fails_from is None or n < fails_from)]
-    return LengthVerdict(passes_up_to, fails_from, tuple(n for n, s in between if s == INCONCLUSIVE),
-                         tuple(n for n, s in between if s == NOT_EXERCISED))

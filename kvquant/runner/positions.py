@@ -11,7 +11,9 @@ returns (no model, no files).
 - **Trend**: ``ln KL`` of each (document, bucket) regressed on ``log2`` of the bucket's mean position (one
   pooled least-squares slope ``b``); ``exp(b)`` is the factor by which the divergence grows per doubling of the
   position, with a bootstrap interval over documents. It *grows* where the whole interval of ``b`` is above 0,
-  *shrinks* where it is below, and is *flat or undecided* otherwise.
+  *shrinks* where it is below, and is *flat or undecided* otherwise; over fewer than
+  :data:`kvquant.runner.counts.MIN_TREND` documents it is *too few documents*, whatever the interval (a percentile
+  bootstrap over fewer misses too often: ``docs/gate.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvquant.runner.counts import MIN_TREND, too_few
 
 #: Default bucket edges (positions): 0-512, 512-1K, 1-2K, 2-4K, 4-8K, 8-16K, 16-32K.
 EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -84,7 +88,7 @@ def buckets(per_position: list[list[float]], edges=EDGES, iters: int = 2000, con
 class Trend:
     """How fast the divergence grows with position: ``factor`` (``exp`` of the slope of ``ln KL`` on ``log2``
     position: the divergence is multiplied by it per doubling) and its interval; ``verdict`` ``grows``,
-    ``shrinks`` or ``undecided``."""
+    ``shrinks``, ``undecided`` or ``too few documents (n = 3 of the 24 needed)`` (:func:`trend_verdict`)."""
 
     factor: float
     low: float
@@ -118,11 +122,19 @@ def trend(per_position: list[list[float]], edges=EDGES, iters: int = 2000, confi
 
     b = slope(range(len(points)))
     if len(points) < 2 or math.isnan(b):
-        return Trend(math.exp(b) if not math.isnan(b) else math.nan, math.nan, math.nan, "undecided")
+        return Trend(math.exp(b) if not math.isnan(b) else math.nan, math.nan, math.nan,
+                     trend_verdict(math.nan, math.nan, len(points)))
     rng = np.random.default_rng(seed)
     draws = np.array([slope(rng.integers(0, len(points), len(points))) for _ in range(iters)])
     draws = draws[~np.isnan(draws)]
     alpha = (1 - confidence) / 2
     low, high = np.quantile(draws, [alpha, 1 - alpha], method="inverted_cdf")
-    verdict = "grows" if low > 0 else "shrinks" if high < 0 else "undecided"
-    return Trend(math.exp(b), math.exp(low), math.exp(high), verdict)
+    return Trend(math.exp(b), math.exp(low), math.exp(high), trend_verdict(math.exp(low), math.exp(high), len(points)))
+
+
+def trend_verdict(low: float, high: float, documents: int) -> str:
+    """What a trend's interval ``[low, high]`` of the factor per doubling says over ``documents`` documents:
+    ``grows`` (above 1), ``shrinks`` (below 1), ``undecided``, or too few documents to say either."""
+    if documents < MIN_TREND:
+        return too_few(documents, MIN_TREND)
+    return "grows" if low > 1 else "shrinks" if high < 1 else "undecided"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, selected
+from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, selected, verdict_text
 from kvquant.runner.report_plots import _png, _pyplot
 from kvquant.runner.results import ACCURACY, AGREEMENT, DIVERGENCE, RunResult, Verdict, bucket_end
 from kvquant.scoring.needles import needle_chance, needle_task
@@ -43,7 +43,7 @@ def lengths_document(run: RunResult) -> dict:
 def _cell(v: Verdict, digits: int) -> str:
     row = v.row
     value = row.value if row.kind in (DIVERGENCE, AGREEMENT) else row.relative
-    shown = "" if v.verdict == "not gated" else f" {v.verdict}"
+    shown = "" if v.verdict == "not gated" else f" {verdict_text(v)}"
     return f"{value:.{digits}f} [{row.ci_low:.{digits}f}, {row.ci_high:.{digits}f}]{shown}"
 
 

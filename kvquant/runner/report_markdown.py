@@ -7,7 +7,7 @@ stages; rendered from the typed :class:`~kvquant.runner.results.RunResult` and t
 from __future__ import annotations
 
 from kvquant.runner.config import ExperimentConfig
-from kvquant.runner.gate import duration, looks
+from kvquant.runner.gate import TOO_FEW, duration, looks, verdict_text
 from kvquant.runner.report_facts import CandidateReport, MetricReport, StageRow, probe_curve, stage_rows
 from kvquant.runner.report_lengths import lengths_section
 from kvquant.runner.results import (DIVERGENCE, LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged,
@@ -120,6 +120,8 @@ def _candidates_section(candidates: tuple[CandidateReport, ...], baseline: Memor
 def _verdict_cell(m: MetricReport) -> str:
     """The verdict as the metrics table states it: gated or not, point estimate, documents still needed."""
     row, verdict = m.row, m.verdict
+    if verdict.verdict == TOO_FEW and row.gated:
+        return verdict_text(verdict)  # "too few documents (n = 3 of the 12 needed)": as inconclusive, not a pass
     text = verdict.verdict.upper() if row.gated else "not gated"
     if verdict.point and row.gated:
         text += " (point estimate)"
