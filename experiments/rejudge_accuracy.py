@@ -17,7 +17,8 @@ import re
 import sys
 from pathlib import Path
 
-from kvquant.errors import KVQuantError, run_script, script_parser, visible
+from kvquant.errors import KVQuantError, is_python_int, run_script, script_parser, visible
+from kvquant.fs import read_file
 from kvquant.runner.gate import paired_ratio_bounds
 
 
@@ -25,21 +26,55 @@ def answers(partial: Path, label: str, task: str, measure: str) -> list[float] |
     """``label``'s answers on ``task`` (``measure``: acc or acc_norm), its first result then each look in order of
     its first document; None where it has none."""
     folder = partial / label
+    if folder.is_symlink():
+        raise KVQuantError(f"{folder} is a symlink, not a candidate's folder of answers")
     parts = []
     for path in folder.glob(f"task__{task}*.json") if folder.is_dir() else ():
         look = re.fullmatch(rf"task__{re.escape(task)}(?:@(\d+)-(\d+))?\.json", path.name)
         if look:
-            parts.append((int(look[1] or 0), json.loads(path.read_text())["result"].get(measure)))
+            result = load(path).get("result")
+            part = result.get(measure) if isinstance(result, dict) else None
+            if part is not None and not (isinstance(part, list) and all(x in (0, 1) for x in part)):
+                raise KVQuantError(f"{path}: its {measure!r} is not a list of right-or-wrong answers (0 or 1)")
+            parts.append((int(look[1] or 0), part))
     if not parts or any(p is None for _, p in parts):
         return None
     return [x for _, part in sorted(parts, key=lambda p: p[0]) for x in part]
 
 
+def load(path: Path) -> dict:
+    """The JSON object in the regular file ``path`` (never through a symlink or from a FIFO); one line where not."""
+    try:
+        doc = json.loads(read_file(path))
+    except (OSError, ValueError, RecursionError) as err:
+        raise KVQuantError(f"{path}: not a report's results ({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(doc, dict):
+        raise KVQuantError(f"{path}: not a report's results (a JSON {type(doc).__name__}, not an object)")
+    return doc
+
+
+def checked(metric: dict, where: str) -> tuple[int, float, float]:
+    """A gated accuracy row's ``n`` (a positive integer), ``confidence`` (in (0, 1)) and ``threshold`` (finite)."""
+    n, confidence, limit = metric.get("n"), metric.get("confidence"), metric.get("threshold")
+    if not (is_python_int(n) and n > 0):
+        raise KVQuantError(f"{where}: n is {str(n)[:40]}, not a positive number of documents")
+    if not (isinstance(confidence, float) and 0 < confidence < 1):
+        raise KVQuantError(f"{where}: confidence is {str(confidence)[:40]}, not in (0, 1)")
+    if not (isinstance(limit, (int, float)) and not isinstance(limit, bool) and abs(limit) < float("inf")):
+        raise KVQuantError(f"{where}: threshold is {str(limit)[:40]}, not a number")
+    return n, confidence, float(limit)
+
+
 def rejudged(report: Path, partial: Path) -> list[str]:
     try:
-        doc = json.loads((report / "results.json").read_text())
-    except (OSError, ValueError) as err:
-        raise KVQuantError(f"{report / 'results.json'}: not a report's results ({err})") from None
+        return _rejudged(report, partial)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise KVQuantError(f"{report / 'results.json'}: not a report's results (a field missing or of "
+                           f"another kind: {str(err)[:80]})") from None
+
+
+def _rejudged(report: Path, partial: Path) -> list[str]:
+    doc = load(report / "results.json")
     rows = ["| candidate | metric | n | lost | gained | report: interval, verdict | today: interval, verdict |",
             "|---|---|---:|---:|---:|---|---|"]
     for cand in doc["candidates"]:
@@ -48,7 +83,7 @@ def rejudged(report: Path, partial: Path) -> list[str]:
             if m["kind"] != "accuracy" or not m["gated"]:
                 continue
             base, got = answers(partial, "baseline", task, measure), answers(partial, cand["name"], task, measure)
-            n = m["n"]
+            n, confidence, limit = checked(m, f"{report / 'results.json'}: {visible(cand['name'])} {visible(name)}")
             if base is None or got is None or len(base) < n or len(got) < n:
                 print(f"rejudge_accuracy: {visible(cand['name'])} {visible(name)}: the answers of {n} documents are "
                       f"not in {partial}; left out", file=sys.stderr)
@@ -56,8 +91,7 @@ def rejudged(report: Path, partial: Path) -> list[str]:
             pairs = list(zip(base[:n], got[:n]))
             both, lost, gained = (sum(p == q for p in pairs) for q in ((1, 1), (1, 0), (0, 1)))
             low, high = (float(x) for x in paired_ratio_bounds(both, lost, gained, n - both - lost - gained,
-                                                              m["confidence"]))
-            limit = m["threshold"]
+                                                              confidence))
             verdict = "pass" if low >= limit else "fail" if high < limit else "inconclusive"
             rows.append(f"| {visible(cand['name'])} | {visible(name)} | {n} | {lost} | {gained} | "
                         f"[{m['ci_low']:.4f}, {m['ci_high']:.4f}] {m['verdict']} | [{low:.4f}, {high:.4f}] "

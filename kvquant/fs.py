@@ -126,6 +126,13 @@ def private_dir(path: str | Path, what: str) -> Path:
     others, under ancestors no other user can swap; else :class:`KVQuantError` naming ``what`` (e.g. the
     environment variable that set it)."""
     path = Path(path).expanduser().absolute()
+    # nothing is created inside a folder another user could change: where ``path`` is missing, its nearest existing
+    # ancestor is checked first (with that folder's own ancestors), so a refused folder leaves no trace there
+    existing = None if os.path.lexists(path) else next((p for p in path.parents if p.exists()), None)
+    early = _unsafe_ancestor(existing / "_") if existing is not None else None
+    if early:
+        raise KVQuantError(f"{what}: refusing {path}: {early}; kvquant loads code and data from it, so it must be a "
+                           "folder only you can write")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path = path.parent.resolve() / path.name

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, OneLineParser, guarded, one_line, parse_args
-from kvquant.fs import cache_dir
+from kvquant.fs import cache_dir, private_dir
 from kvquant.wheel_data import Unavailable, WheelPart, assemble as assemble_wheels
 
 PACKAGE_PREFIX = "package:"
@@ -202,7 +202,11 @@ def packaged_file(name: str, key: str = "model.path", rebuild: bool = False, dow
         if package.wheels and not download:
             raise PackageMissing(f"model {PACKAGE_PREFIX}{package.name} is not prepared here: "
                                  f"{install_hint(package)}")
-        target.parent.mkdir(parents=True, exist_ok=True)
+        # the model's own folder as private as the cache: never a symlink, a file or another user's folder
+        private_dir(target.parent, "$KVQUANT_CACHE_DIR")
+        if target.is_dir() and not target.is_symlink():
+            raise KVQuantError(f"{target} is a directory, not {package.name}'s file; move it away and run python -m "
+                               f"kvquant.packaged --rebuild {package.name}")
         if target.is_symlink() or target.exists():
             target.unlink()
         _assemble(package, target)

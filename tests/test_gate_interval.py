@@ -169,3 +169,54 @@ def test_rejudge_accuracy_pairs_each_documents_answers_across_looks(tmp_path, ca
     assert low < 0.97 < high  # 250 right answers, none flipped: not enough at a 6-look plan's confidence
     assert rows[2] == f"| int8 | acc_norm/piqa | 400 | 0 | 0 | [0.9720, 1.0300] pass | [{low:.4f}, {high:.4f}] " \
                       "**inconclusive** |"
+
+
+@pytest.mark.parametrize("odd", ["answers_not_0_1", "answer_nan", "n_negative", "n_float", "confidence_1",
+                                 "results_a_list", "no_candidates", "results_fifo", "partial_bad_json",
+                                 "candidate_folder_symlink"])
+def test_rejudge_accuracy_refuses_a_hostile_report_in_one_line(tmp_path, capsys, odd):
+    """A results.json or partial answers no run writes: one line and exit 2, never exit 3, a hang on a FIFO, or a
+    silent verdict (answers of 2 or NaN were counted as "neither"; n = -5 paired all but the last 5)."""
+    import json
+    import os
+
+    from conftest import experiment
+
+    rejudge = experiment("rejudge_accuracy")
+    partial = tmp_path / "partial"
+    row = {"kind": "accuracy", "gated": True, "n": 4, "confidence": 0.95, "threshold": 0.97, "ci_low": 0.5,
+           "ci_high": 1.2, "verdict": "inconclusive"}
+    doc = {"candidates": [{"name": "int8", "metrics": {"acc/piqa": row}}]}
+    answers = {"baseline": [1, 1, 0, 1], "int8": [1, 0, 0, 1]}
+    if odd == "answers_not_0_1":
+        answers["int8"] = [2, 2, 2, 2]
+    elif odd == "answer_nan":
+        answers["int8"] = [float("nan"), 1, 0, 1]
+    elif odd == "n_negative":
+        row["n"] = -5
+    elif odd == "n_float":
+        row["n"] = 2.5
+    elif odd == "confidence_1":
+        row["confidence"] = 1.0
+    elif odd == "results_a_list":
+        doc = [doc]
+    elif odd == "no_candidates":
+        doc = {}
+    for label, got in answers.items():
+        (partial / label).mkdir(parents=True)
+        (partial / label / "task__piqa.json").write_text(json.dumps({"result": {"acc": got}}))
+    if odd == "results_fifo":
+        os.mkfifo(tmp_path / "results.json")
+    else:
+        (tmp_path / "results.json").write_text(json.dumps(doc))
+    if odd == "partial_bad_json":
+        (partial / "int8" / "task__piqa.json").write_text("{")
+    elif odd == "candidate_folder_symlink":
+        (partial / "int8" / "task__piqa.json").unlink()
+        (partial / "int8").rmdir()
+        (partial / "int8").symlink_to(partial / "baseline")
+    from kvquant.errors import run_script
+
+    assert run_script("rejudge_accuracy", lambda: rejudge.main([str(tmp_path)])) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("rejudge_accuracy: error: "), err

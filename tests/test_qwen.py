@@ -11,6 +11,7 @@
 """
 
 import hashlib
+import os
 import shutil
 import sys
 import zipfile
@@ -448,3 +449,30 @@ def test_a_quantized_cache_reads_what_the_reference_reads(qwen, ids, name, key, 
     want = stream(model, prompt, FakeQuantReference(model, key, value), 40)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
     assert kl(stream(model, prompt, DynamicCache(config=model.config), 40), got) > 1e-5
+
+
+@pytest.mark.parametrize("odd", ["symlink", "file", "foreign", "directory_at_target"])
+def test_an_odd_model_folder_in_the_cache_is_refused_in_one_line_and_never_written_through(fake_wheels, cache,
+                                                                                             capsys, tmp_path, odd):
+    """``$KVQUANT_CACHE_DIR/gguf/NAME`` a symlink (the file was written through it), a file or another user's
+    folder (exit 3, or written into), or a directory where the file goes on ``--rebuild`` (exit 3): one line."""
+    folder = target(cache).parent
+    folder.parent.mkdir(parents=True, mode=0o700)
+    cache.chmod(0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if odd == "symlink":
+        folder.symlink_to(elsewhere)
+    elif odd == "file":
+        folder.write_text("x")
+    elif odd == "foreign":
+        if os.getuid() != 0:
+            pytest.skip("needs root to give a folder to another user")
+        folder.mkdir(mode=0o700)
+        os.chown(folder, 4242, -1)
+    else:
+        target(cache).mkdir(parents=True)
+        folder.chmod(0o700)
+    line = refused_line(capsys, ["--rebuild", "fake-wheels"])
+    assert "fake-wheels" in line or str(folder) in line
+    assert list(elsewhere.iterdir()) == []

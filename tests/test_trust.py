@@ -506,3 +506,20 @@ def test_how_long_a_result_took_is_kept_beside_it_and_read_back_when_it_is_reuse
     again = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
     assert again.get_or_compute("int4", "task/arc", {"k": 1}, pytest.fail) == {"acc": [1.0]}
     assert again.seconds == {("int4", "task/arc"): 30.0} and again.reused == 1
+
+
+@pytest.mark.parametrize("make", ["foreign_owner", "world_writable"])
+def test_private_dir_creates_nothing_inside_a_folder_others_can_change(tmp_path, make):
+    """A refused private folder leaves no trace: ``$KVQUANT_CACHE_DIR`` pointing into another user's folder (or a
+    world-writable one) made ``gguf/`` there before refusing it."""
+    parent = tmp_path / "theirs"
+    parent.mkdir()
+    if make == "foreign_owner":
+        if os.getuid() != 0:
+            pytest.skip("needs root to give a folder to another user")
+        os.chown(parent, 4242, -1)
+    else:
+        parent.chmod(0o777)
+    with pytest.raises(KVQuantError, match="refusing .*only you can write"):
+        private_dir(parent / "cache" / "gguf", "$KVQUANT_CACHE_DIR")
+    assert list(parent.iterdir()) == []
