@@ -40,8 +40,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 
 import kvquant
 from kvquant.cache import stored_bytes
-from kvquant.errors import at_least, run_script, script_parser
-from kvquant.fs import output_dir, write_file
+from kvquant.errors import KVQuantError, at_least, run_script, script_parser
+from kvquant.fs import output_dir, read_json, write_file
 from kvquant.runner.report import environment
 
 QUANTIZERS = {  # name -> make_cache arguments
@@ -599,7 +599,9 @@ def main(argv=None):
     parser.add_argument("--render", action="store_true", help="rewrite report.md from --out's results.json only")
     args = parser.parse_args(argv)
     if args.render:
-        results = json.loads((args.out / "results.json").read_text())
+        results = read_json(args.out / "results.json", "--render")
+        if not isinstance(results.get("environment"), dict):
+            raise KVQuantError(f"--render: {args.out / 'results.json'} is not a results.json gpu_check writes")
         write_file(output_dir(args.out, "--out") / "report.md", render(results, args, results.get("command")))
         return
     if not torch.cuda.is_available():

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from kvquant.errors import at_least, run_script, script_parser
-from kvquant.fs import write_file
+from kvquant.fs import read_json, write_file
 from kvquant.runner.gate import look_confidence, looks, paired_ratio_bounds
 from kvquant.runner.gate_config import GateConfig
 
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=Path("experiments/simulate_gate.json"))
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
     args = parser.parse_args(argv)
-    results = json.loads(args.json.read_text()) if args.json.exists() else {}
+    results = read_json(args.json, "--json", missing={})
     old = Old()
     for section in args.section:  # a section stopped part way goes on from its last cell (same draws)
         rng = np.random.default_rng([args.seed, ["one-look", "plan", "power"].index(section)])

@@ -23,9 +23,12 @@ USAGE = f"usage: kvquant {{{','.join(COMMANDS)}}} [ARGS ...] (kvquant COMMAND --
 def main(argv: list[str] | None = None) -> int:
     """Exit code of the chosen command's ``main``; 2 with one line for no command or an unknown one."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if not argv:
+        print(f"kvquant: error: no command; {USAGE}", file=sys.stderr)
+        return 2
     module = COMMANDS.get(argv[0].replace("-", "_"))
     if module is None:
         from kvquant.errors import visible

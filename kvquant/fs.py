@@ -299,6 +299,26 @@ def read_file(path: Path) -> bytes:
         return f.read()
 
 
+def read_json(path: Path, what: str, missing: dict | None = None) -> dict:
+    """The JSON object in the regular file ``path`` (:func:`read_file`: never through a symlink, never a FIFO);
+    ``missing`` where there is no file (None: that is refused too); anything else is one :class:`KVQuantError`
+    naming ``what``."""
+    import json
+
+    try:
+        doc = json.loads(read_file(path))
+    except FileNotFoundError:
+        if missing is not None:
+            return missing
+        raise KVQuantError(f"{what}: {path} does not exist") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise KVQuantError(f"{what}: {path} is not a JSON file this command reads "
+                           f"({getattr(err, 'strerror', None) or str(err)[:100]})") from None
+    if not isinstance(doc, dict):
+        raise KVQuantError(f"{what}: {path} holds a JSON {type(doc).__name__}, not the object this command writes")
+    return doc
+
+
 def set_aside(path: Path, suffix: str = ".corrupt", folder: Path | None = None) -> Path:
     """Move ``path`` (a file or a symlink, not followed) to ``<path><suffix>`` (in ``folder`` where given, else
     beside it), or ``<path><suffix>.1``, ``.2``, ... where that is taken: an earlier set-aside file is never

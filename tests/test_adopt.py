@@ -248,6 +248,13 @@ IMPOSSIBLE = [  # (case, the file edited, the edit, what the refusal says); issu
     ("empty", "int4/task__tinystories_lastword.json", lambda r: {}, "it holds neither 'acc' nor 'acc_norm'"),
     ("huge-integer", "int4/ppl__tinystories.json", lambda r: {**r, "extra": 10 ** 400},
      "holds an integer of 401 digits"),
+    # the hostile probe of this turn: adopted, then the run that reused them exited 3
+    ("reads-unknown", "int4/ppl__tinystories.json", lambda r: {**r, "reads": {"foo": 1}},
+     "its 'reads' are not the four counts a run writes"),
+    ("reads-more-quantized", "int4/ppl__tinystories.json", lambda r: {**r, "reads": {
+        "keys_quantized": 9, "keys": 8, "values_quantized": 0, "values": 8}}, "quantized <= read"),
+    ("lengths-negative", "int4/task__tinystories_lastword.json", lambda r: {**r, "lengths": [-1] * 5},
+     "its 'lengths' are not request lengths"),
 ]
 
 

@@ -157,3 +157,27 @@ def test_a_name_too_long_for_the_file_system_is_bad_input_in_every_command(capsy
     assert run_script("kvquant", opens) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(" + f"{len(str(tmp_path)) + 301:,}" + " characters) is a name too long" in err
+
+
+@pytest.mark.parametrize("script, args, planted, needle", [
+    ("gpu_check", ["--render", "--out", "{tmp}"], None, "results.json does not exist"),
+    ("gpu_check", ["--render", "--out", "{tmp}"], "[1, 2]", "holds a JSON list"),
+    ("gpu_check", ["--render", "--out", "{tmp}"], "{}", "is not a results.json gpu_check writes"),
+    ("simulate_gate", ["--json", "{tmp}/results.json"], "{not json", "is not a JSON file this command reads"),
+    ("simulate_gate", ["--json", "{tmp}/results.json"], "[]", "holds a JSON list"),
+])
+def test_a_scripts_own_json_that_it_cannot_read_is_one_line(tmp_path, capsys, script, args, planted, needle):
+    """The hostile probe of this turn: each was exit 3 (a traceback in a log), and a FIFO hung."""
+    if planted is not None:
+        (tmp_path / "results.json").write_text(planted)
+    module = experiment(script)
+    assert run_script(script, lambda: module.main([a.format(tmp=tmp_path) for a in args])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
+    os.mkfifo(tmp_path / "results.json")
+    module = experiment("gpu_check")
+    assert run_script("gpu_check", lambda: module.main(["--render", "--out", str(tmp_path)])) == 2
+    assert "is not a JSON file this command reads" in capsys.readouterr().err

@@ -35,11 +35,29 @@ class Shape:
 def problem(kind: str, result: dict, shape: Shape | None, seconds) -> str | None:
     """Why ``result`` (with its ``seconds``) is no result of ``kind`` (``ppl``, ``kl``, ``long``, ``task``,
     ``memory``, or another kind: numbers checked only) a run could have written for ``shape``; None: it could."""
-    found = _numbers(result, "result") or _seconds(seconds)
+    found = _numbers(result, "result") or _seconds(seconds) or _reads(result)
     if found or kind == "memory":
         return found or _memory(result)
     check = {"ppl": _perplexity, "kl": _divergence, "long": _long, "task": _task}.get(kind)
     return check(result, shape) if check and shape is not None else None
+
+
+#: what a result's ``reads`` holds (:class:`kvquant.cache.reads.Reads`): counts of the keys and values attention read
+READS = ("keys_quantized", "keys", "values_quantized", "values")
+
+
+def _reads(result: dict) -> str | None:
+    """Why a result's ``reads`` (where it has them) and ``lengths`` are no counts a run wrote, else None."""
+    reads, lengths = result.get("reads"), result.get("lengths")
+    if reads is not None:
+        if not (isinstance(reads, dict) and set(reads) == set(READS)
+                and all(isinstance(reads[k], int) and not isinstance(reads[k], bool) and reads[k] >= 0 for k in READS)
+                and reads["keys_quantized"] <= reads["keys"] and reads["values_quantized"] <= reads["values"]):
+            return f"its 'reads' are not the four counts a run writes ({', '.join(READS)}; quantized <= read)"
+    if lengths is not None and not (isinstance(lengths, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in lengths)):
+        return "its 'lengths' are not request lengths (positive numbers of tokens)"
+    return None
 
 
 #: what a memory result must hold (what the report reads of it): each a number >= 0

@@ -43,9 +43,9 @@ def _gate_line(cfg: ExperimentConfig) -> str:
         how = ("**decided on the point estimate alone (`decide_on: point`): not a statistical test**; "
                f"{gate.confidence:.0%} paired bootstrap intervals are shown")
     else:
-        how = (f"paired non-inferiority: pass when the {gate.confidence:.0%} paired interval (accuracy: Dirichlet "
-               f"posterior of the paired outcomes; windows: {gate.bootstrap} bootstrap resamples) clears the "
-               "threshold, fail when it lies beyond it, else inconclusive")
+        how = (f"paired non-inferiority: pass when the {gate.confidence:.0%} paired interval (accuracy: the score "
+               f"interval of the paired ratio; windows: {gate.bootstrap} bootstrap resamples, none decided by fewer "
+               "than docs/gate.md's counts) clears the threshold, fail when it lies beyond it, else inconclusive")
     if gate.max_documents:
         plans = "; ".join(f"{task} after {', '.join(map(str, looks(cfg.eval.tasks.limit_for(task), cap)))}"
                           for task, cap in ((t, gate.max_documents) for t in cfg.gated_tasks()))
