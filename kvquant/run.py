@@ -50,15 +50,14 @@ from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PA
     needles_at_chance)
 from kvquant.scoring.session import (BASELINE, Session, check_long_documents, evaluation_split, measure, probe_counts,
     probe_tokens, task_size)
-from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype, trained_context
+from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
 from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.runner.search import check_search, search
 from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner import preview
-from kvquant.runner.preflight import check_report_dir, context_length
-from kvquant.runner.counts import count_warnings
+from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.sources import SourceWatch
@@ -71,19 +70,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
-    """Sequences past the model's trained context, and perplexity windows cut shorter than configured."""
-    trained = trained_context(model_config)
-    out = []
-    if trained and cfg.model.max_length and cfg.model.max_length > trained:
-        out.append(f"model.max_length {cfg.model.max_length} is past the model's trained context ({trained} "
-                   "positions): scores on longer sequences measure extrapolation, not the model")
-    limit = context_length(cfg, model_config)
-    out += [f"perplexity set {p.name!r}: max_length {p.max_length} is cut to the model's {limit} tokens"
-            for p in cfg.eval.perplexity if p.max_length > limit]
-    return out
 
 
 def plan_steps(cfg: ExperimentConfig) -> RunPlan:
@@ -162,21 +148,6 @@ def check_settings(cfg: ExperimentConfig, shape) -> list[Candidate]:
                            "sequence in one forward, which reads every token; set eval.mode: streaming (with a "
                            "chunk_size below the window)")
     return evicting
-
-
-def preflight_warnings(cfg: ExperimentConfig, model_config, evicting: list[Candidate]) -> list[str]:
-    """What preflight warns of (each also printed): the model's context against the config's lengths, fewer
-    windows or long documents than a verdict needs (:func:`kvquant.runner.counts.count_warnings`), and a chunk
-    wider than an evicting setting's window."""
-    warnings = []
-    for message in [*context_warnings(cfg, model_config), *count_warnings(cfg)]:
-        warn(warnings, message)
-    for c in evicting:
-        window = c.spec.eviction.window
-        if cfg.eval.chunk_size > window:
-            warn(warnings, f"{c.label}: eval.chunk_size {cfg.eval.chunk_size} is above its window {window}: a chunk "
-                 "reads up to chunk_size - 1 tokens beyond the window")
-    return warnings
 
 
 def placeholder_scales(candidate: Candidate, shape, where: str) -> Candidate:
@@ -372,6 +343,7 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes, SourceWatch())
     record = PlanRecord(store, LookPlan.of(cfg), replan)
     record.settle()
+    say(warnings)
     seed_everything(cfg.eval.seed)
     device = parallel.device()  # one GPU per process; the resume keys keep the config's own device
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
@@ -483,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = Path(cfg.output_dir) / cfg.name
         plan, rows, warnings = preflight(cfg)
         if args.dry_run:
+            say(warnings)
             return dry_run(cfg, rows)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):

@@ -66,7 +66,7 @@ def test_trend_of_flat_and_falling_divergence():
     flat = [[0.02 * math.exp(rng.normal(0, 0.5)) for _ in range(64)] for _ in range(MIN_TREND)]
     t = trend(flat, edges, iters=500)
     assert t.verdict == "undecided" and t.low < 1.0 < t.high
-    falling = trend(power_law(-0.5, [0.1, 0.2, 0.15] * (MIN_TREND // 3)), edges, iters=300)
+    falling = trend(power_law(-0.5, [0.1, 0.2, 0.15] * -(-MIN_TREND // 3)), edges, iters=300)
     assert falling.verdict == "shrinks" and falling.factor < 1.0
 
 

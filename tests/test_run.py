@@ -233,6 +233,8 @@ def test_a_model_past_its_trained_context_is_warned(tmp_path, capsys):
     _, _, warnings = run.preflight(cfg)
     assert "model.max_length 2048 is past the model's trained context (512 positions)" in warnings[0]
     assert "max_length 4096 is cut to the model's 2048 tokens" in warnings[1]
+    assert capsys.readouterr().err == ""  # said when the run starts, so that a refusal after preflight is one line
+    run.say(warnings)
     assert "kvquant: warning: model.max_length 2048" in capsys.readouterr().err
 
 

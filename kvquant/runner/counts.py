@@ -12,6 +12,10 @@ The losses are skewed toward bad documents (a few windows diverge much more than
 bootstrap misses most on that side, which is the end a pass reads; so a pass needs more documents than a fail.
 The accuracy interval (a score interval for paired 0/1 answers) and the flip rate's exact interval are not
 bootstraps: their error is simulated on their own (``experiments/simulate_gate.py``) and they have no count here.
+
+The gate holds position buckets (long contexts) and trends to these counts. A perplexity set's windows are not held
+to them yet: the same simulation says a pass over fewer than 96 windows is too optimistic there too, and the fix
+that would need fewer (a skew-correcting interval) is the next step (docs/gate.md).
 """
 
 from __future__ import annotations
@@ -55,22 +59,10 @@ def too_few(n: int, need: int) -> str:
 
 
 def count_warnings(cfg) -> list[str]:
-    """What a config's counts cannot decide, said before the model loads: a gated perplexity set with fewer
-    windows than a fail needs (or than a pass needs), and long documents fewer than a position bucket needs. A
-    warning, not a refusal: such a row is judged "too few documents" and cannot pass, but the run still shows
-    what its other metrics decide (and a small config still exercises the pipeline)."""
-    from kvquant.runner.gate import threshold
-
+    """What a config's counts cannot decide, said before the run starts: long documents fewer than a position
+    bucket needs. A warning, not a refusal: such a row is judged "too few documents" and cannot pass, but the run
+    still shows what its other metrics decide (and a small config still exercises the pipeline)."""
     gate, out = cfg.gate, []
-    kinds = [k for k in (PERPLEXITY, DIVERGENCE, AGREEMENT) if threshold(k, gate) == threshold(k, gate)]
-    for spec in cfg.eval.perplexity:
-        gated = gate.perplexity is None or spec.name in gate.perplexity
-        if not gated or not kinds or spec.limit is None:
-            continue
-        if spec.limit < MIN_PASS:
-            what = "nothing" if spec.limit < MIN_FAIL else "a fail only"
-            out.append(f"eval.perplexity {spec.name}: {spec.limit} windows decide {what} (a fail needs {MIN_FAIL}, "
-                       f"a pass {MIN_PASS}; docs/gate.md): fewer are judged \"{TOO_FEW}\", never a pass")
     long = cfg.eval.long_context
     if long is not None and (gate.max_kl_divergence is not None or gate.min_top1_agreement is not None) \
             and long.documents < MIN_PASS:
