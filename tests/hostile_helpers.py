@@ -22,3 +22,16 @@ def tiny_run(name: str, candidate: str, tasks_limit: int, **gate) -> dict:
 def set_args(*overrides: str) -> list[str]:
     """``--set`` before each override, as kvquant.run and kvquant.plan take them."""
     return [a for o in overrides for a in ("--set", o)]
+
+
+#: the smallest run of the runner's tests (int8 on two tinystories windows), its report folder ``{out}`` to fill in
+TINY = """
+name: tiny
+output_dir: {out}
+candidates:
+  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
+eval:
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 128}}
+gate: {{bootstrap: 1000}}
+"""

@@ -12,19 +12,10 @@ from kvquant import run
 from kvquant.run import main
 from kvquant.runner.config import load_config
 from kvquant.runner.results import MetricId, MetricRow
+from hostile_helpers import TINY
 
 ROOT = Path(__file__).parents[1]
 
-TINY = """
-name: tiny
-output_dir: {out}
-candidates:
-  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
-eval:
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 128}}
-gate: {{bootstrap: 1000}}
-"""
 
 
 def snapshot(folder: Path) -> dict:

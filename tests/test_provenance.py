@@ -9,19 +9,10 @@ import sys
 from pathlib import Path
 
 import kvquant
+from hostile_helpers import TINY
 from kvquant.paths import data_dir
 from kvquant.runner import report
 
-TINY = """
-name: tiny
-output_dir: {out}
-candidates:
-  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
-eval:
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 128}}
-gate: {{bootstrap: 1000}}
-"""
 
 # Runs kvquant from a copy of its package: after the first partial result is written, a measuring module is added
 # to the copy's kvquant/scoring/ (as a checkout switched under a running process changes its sources).

@@ -17,6 +17,7 @@ from kvquant.runner import report
 from kvquant.runner.config import load_config
 from kvquant.errors import KVQuantError
 from kvquant.run import main
+from hostile_helpers import TINY
 
 ROOT = Path(__file__).parents[1]
 
@@ -107,16 +108,6 @@ def test_killed_run_resumes_without_recomputing(tmp_path):
     assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]
 
 
-TINY = """
-name: tiny
-output_dir: {out}
-candidates:
-  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
-eval:
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 2, max_length: 128}}
-gate: {{bootstrap: 1000}}
-"""
 
 
 def read_report(out_dir):
