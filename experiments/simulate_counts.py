@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from kvquant.errors import at_least, run_script, script_parser
-from kvquant.fs import read_file, write_file
+from kvquant.fs import read_file, read_json, write_file
 
 SEED = 20261207
 GRID = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 192, 256)
@@ -167,7 +167,7 @@ def table(results: dict, reps: int, iters: int) -> str:
 
 
 def write_docs(text: str, path: Path) -> None:
-    doc = read_file(path)
+    doc = read_file(path).decode("utf-8")
     start, stop = doc.index(BEGIN) + len(BEGIN), doc.index(END)
     write_file(path, doc[:start] + "\n" + text + "\n" + doc[stop:])
 
@@ -180,10 +180,15 @@ def main(argv=None) -> int:
     parser.add_argument("--root", type=Path, default=Path("reports"), help="where the committed reports are")
     parser.add_argument("--json", type=Path, default=Path("experiments/simulate_counts.json"))
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
+    parser.add_argument("--render", action="store_true", help="simulate nothing: the table from --json's results")
     args = parser.parse_args(argv)
-    results = simulate(args)
-    write_file(args.json, json.dumps({"reps": args.reps, "iters": args.iters, "seed": args.seed, "bound": BOUND,
-                                      "results": results}, indent=1) + "\n")
+    if args.render:
+        done = read_json(args.json, "--render")
+        results, args.reps, args.iters = done["results"], done["reps"], done["iters"]
+    else:
+        results = simulate(args)
+        write_file(args.json, json.dumps({"reps": args.reps, "iters": args.iters, "seed": args.seed, "bound": BOUND,
+                                          "results": results}, indent=1) + "\n")
     text = table(results, args.reps, args.iters)
     print(text)
     if args.write_docs:
