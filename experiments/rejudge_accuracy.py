@@ -12,13 +12,12 @@ answers are not all in ``--partial`` is named and left out.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, is_python_int, run_script, script_parser, visible
-from kvquant.fs import read_file
+from kvquant.fs import read_json
 from kvquant.runner.gate import paired_ratio_bounds
 
 
@@ -32,7 +31,7 @@ def answers(partial: Path, label: str, task: str, measure: str) -> list[float] |
     for path in folder.glob(f"task__{task}*.json") if folder.is_dir() else ():
         look = re.fullmatch(rf"task__{re.escape(task)}(?:@(\d+)-(\d+))?\.json", path.name)
         if look:
-            result = load(path).get("result")
+            result = read_json(path, "partial answers").get("result")
             part = result.get(measure) if isinstance(result, dict) else None
             if part is not None and not (isinstance(part, list) and all(x in (0, 1) for x in part)):
                 raise KVQuantError(f"{path}: its {measure!r} is not a list of right-or-wrong answers (0 or 1)")
@@ -40,17 +39,6 @@ def answers(partial: Path, label: str, task: str, measure: str) -> list[float] |
     if not parts or any(p is None for _, p in parts):
         return None
     return [x for _, part in sorted(parts, key=lambda p: p[0]) for x in part]
-
-
-def load(path: Path) -> dict:
-    """The JSON object in the regular file ``path`` (never through a symlink or from a FIFO); one line where not."""
-    try:
-        doc = json.loads(read_file(path))
-    except (OSError, ValueError, RecursionError) as err:
-        raise KVQuantError(f"{path}: not a report's results ({getattr(err, 'strerror', None) or err})") from None
-    if not isinstance(doc, dict):
-        raise KVQuantError(f"{path}: not a report's results (a JSON {type(doc).__name__}, not an object)")
-    return doc
 
 
 def checked(metric: dict, where: str) -> tuple[int, float, float]:
@@ -74,7 +62,7 @@ def rejudged(report: Path, partial: Path) -> list[str]:
 
 
 def _rejudged(report: Path, partial: Path) -> list[str]:
-    doc = load(report / "results.json")
+    doc = read_json(report / "results.json", "report")
     rows = ["| candidate | metric | n | lost | gained | report: interval, verdict | today: interval, verdict |",
             "|---|---|---:|---:|---:|---|---|"]
     for cand in doc["candidates"]:
