@@ -355,10 +355,10 @@ WIKITEXT = "local:text/wikitext-2-raw-v1/test-00000-of-00001.parquet"
 
 
 def model_spec(name: str):
-    """kvquant's :class:`~kvquant.runner.config.ModelConfig` of a known model (:data:`MODELS`) or of a ``.gguf``
+    """kvquant's :class:`~kvquant.runner.model_config.ModelConfig` of a known model (:data:`MODELS`) or of a ``.gguf``
     file, and
     the GGUF's path."""
-    from kvquant.runner.config import ModelConfig
+    from kvquant.runner.model_config import ModelConfig
     from kvquant.scoring.models import _gguf_path, resolve_model_path
 
     if name in MODELS:
