@@ -6,6 +6,6 @@
 - :mod:`.vllm` and :mod:`.sglang` the serving engines' formats (vLLM's ``--kv-cache-dtype`` values, SGLang's mxfp8),
   :mod:`.engine_math` the arithmetic they share
 - :mod:`.llamacpp` llama.cpp's cache types (q8_0, q4_0, ...), its rotation and its query arithmetic;
-  :mod:`.llamacpp_gguf` what llama.cpp does with a GGUF model that transformers does not (K's channel order, the
-  weights' matmuls)
+  :mod:`.llamacpp_gguf` and :mod:`.llamacpp_matmuls` what llama.cpp does with a GGUF model that transformers does
+  not (K's channel order; the activations of the weights' matmuls)
 """

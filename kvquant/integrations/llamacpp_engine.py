@@ -11,7 +11,7 @@ window's tokens, ``type_k = type_v`` the cache type, flash attention on, ``n_thr
 cache's own log lines ``attn_rot_k = ...``/``attn_rot_v = ...`` are checked against what was asked.
 
 kvquant's side: the GGUF loaded by :func:`kvquant.scoring.models.load_model` (transformers dequantizes its weights to
-float32; :mod:`kvquant.formats.llamacpp_gguf` quantizes the activations as llama.cpp's matmuls do), one forward per
+float32; :mod:`kvquant.formats.llamacpp_matmuls` quantizes the activations as llama.cpp's matmuls do), one forward per
 window
 through ``make_cache(model, "llamacpp_<type>", attn_rot=...)`` (simulated mode: every K/V quantized as it is
 written, the query converted to K's dot-product type), against ``make_cache(model, "llamacpp_f16")``: the states
