@@ -37,7 +37,8 @@ from kvquant.runner.model_config import ModelConfig, check_device
 from kvquant.yaml_reader import load_yaml, read_text_file
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel
-from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, guarded, one_line
+from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, one_line
+from kvquant.exits import guarded
 from kvquant.fs import check_env_dirs, check_trusted
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number
