@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def experiment(name: str):
     path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where its dataclasses look up their module's names
     spec.loader.exec_module(module)
     return module
 
