@@ -4,6 +4,7 @@
     python experiments/layout_rules.py --check    # exit 1 naming each breach that is not a listed debt, and each
                                                   # listed debt that is gone or smaller than listed
     python experiments/layout_rules.py --render   # rewrites docs/layout.md's figures between its markers
+    python experiments/layout_rules.py --package OTHER/kvquant   # another checkout's figures (before/after)
 
 What is read: every ``kvquant/**/*.py`` parsed with :mod:`ast` (nothing imported or run). An import is every
 ``import`` / ``from ... import`` statement anywhere in a file: at the top, inside a function (a lazy import is still
@@ -392,7 +393,7 @@ def figures(found: Structure) -> str:
     package = next(iter(found.sources.values())).path.split("/")[0]
     listed = breaches(found)
     lines = [
-        "| | now |", "|---|---:|",
+        "| | count |", "|---|---:|",
         f"| files (`.py`) | {len(found.sources)} |",
         f"| rooms (a folder drawn as one) | {found.rooms.number_of_nodes()} |",
         f"| floors | {max(found.floors.values())} |",
@@ -417,10 +418,10 @@ def figures(found: Structure) -> str:
 
 
 def render(doc: Path, text: str) -> str:
-    """``doc``'s text with ``text`` between :data:`BEGIN` and :data:`END`."""
+    """``doc``'s text with ``text`` between :data:`BEGIN` and :data:`END` (ValueError where it lacks them)."""
     old = doc.read_text()
     if old.count(BEGIN) != 1 or old.count(END) != 1:
-        raise SystemExit(f"{doc}: needs one {BEGIN!r} and one {END!r}")
+        raise ValueError(f"{doc}: needs one {BEGIN!r} and one {END!r}")
     head, rest = old.split(BEGIN)
     return f"{head}{BEGIN}\n{text}\n{END}{rest.split(END)[1]}"
 
@@ -429,11 +430,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 naming each breach not listed")
     parser.add_argument("--render", action="store_true", help="rewrite docs/layout.md's figures section")
+    parser.add_argument("--package", type=Path, help="another checkout's kvquant/ folder (figures and --check; "
+                        "e.g. a worktree of an older commit)")
     args = parser.parse_args(argv)
-    found = structure(ROOT / "kvquant")
+    if args.render and args.package:
+        parser.error("--render writes this checkout's docs/layout.md, from this checkout's package: no --package")
+    package = args.package or ROOT / "kvquant"
+    if not (package / "__init__.py").is_file():
+        parser.error(f"{package} is no package folder (it holds no __init__.py)")
+    found = structure(package)
     if args.render:
+        from kvquant.fs import write_file  # imported here: the figures and --check need no torch
+
         doc = ROOT / "docs" / "layout.md"
-        doc.write_text(render(doc, figures(found)))
+        try:
+            write_file(doc, render(doc, figures(found)))
+        except ValueError as err:
+            parser.error(str(err))
     if args.check:
         problems = judge(breaches(found), {**DEBTS, **EXCEPTIONS})
         print("\n".join(problems) or "layout rules: no breach but the listed ones")

@@ -132,3 +132,46 @@ def test_check_exits_1_naming_each_breach_of_a_package(fake, tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "module size: kvquant/__init__.py (501)" in out
     assert "listed but gone (remove it from the list): upward import: kvquant/scoring/ -> kvquant/runner/" in out
+
+
+TRACED = {
+    "__init__.py": "",
+    "low/__init__.py": "from pkg.low.store import keep\n",
+    "low/store.py": "def keep(value, other=None):\n    return [value]\n",
+    "high/__init__.py": "",
+    "high/use.py": "from pkg.low import keep\nfrom pkg import mid\n\n\nclass Runner:\n"
+                   "    def go(self, setting, unrelated):\n"  # line 6
+                   "        local = setting.name\n"
+                   "        self.step(local)\n"  # 8
+                   "        mid.relay(x=local)\n"  # 9
+                   "        keep(unrelated)\n"
+                   "        return len(setting)\n\n"
+                   "    def step(self, value):\n"
+                   "        return keep(value, other=1)\n\n\n"  # 14
+                   "def back(items):\n    return items\n",
+    "mid.py": "def relay(x):\n    from pkg.high.use import back\n\n    box = []\n    box.append(x)\n"
+              "    back(box)\n"  # 6
+              "    return x.method(x)\n",  # 7
+}
+
+
+def test_a_trace_follows_the_parameter_through_a_package_face_a_method_and_a_container_and_counts_the_climb(
+        tmp_path):
+    tracer = experiment("layout_trace")
+    root = tmp_path / "pkg"
+    for name, text in TRACED.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    found = rules.structure(root)
+    assert found.floors["pkg/high/"] > found.floors["pkg/mid.py"]  # mid's import of high/ is the lazy one
+    got = tracer.trace(found, "pkg/high/use.py:Runner.go", "setting")
+    assert [(s.caller, s.line, s.callee, s.param) for s in got.steps] == [
+        ("pkg/high/use.py:Runner.go", 8, "pkg/high/use.py:Runner.step", "value"),
+        ("pkg/high/use.py:Runner.go", 9, "pkg/mid.py:relay", "x"),
+        ("pkg/high/use.py:Runner.step", 14, "pkg/low/store.py:keep", "value"),  # through low/__init__.py
+        ("pkg/mid.py:relay", 6, "pkg/high/use.py:back", "items"),  # in the list it was appended to
+    ]
+    assert got.lost == ["pkg/mid.py:7 x.method"]
+    text = tracer.report(found, got)
+    assert text.splitlines()[-3] == "files visited: 3; call sites followed: 4; back up a floor: 1"
+    assert "pkg/mid.py:relay:6 -> pkg/high/use.py:back (items), floor 1 -> 2  BACK UP" in text
