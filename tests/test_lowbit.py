@@ -315,3 +315,23 @@ def test_on_the_tiny_model_fewer_bits_err_more_and_an_outlier_helps(model, story
         for name in ("lloyd_max", "normal_float"):
             got = model(ids, cache=kvquant.make_cache(model, name), use_cache=True).logits
             assert not torch.allclose(got, exact, atol=1e-3)
+
+
+@pytest.mark.parametrize("sinks, residual, length", [(0, 16, 60), (4, 16, 60), (3, 5, 9), (2, 30, 20)])
+def test_the_share_a_window_leaves_quantized_is_the_documented_formula(model, sinks, residual, length):
+    """docs/quantizers.md: a document of ``L`` tokens fed in one forward reads a quantized share of
+    ``((L - S)(L - S + 1) - R(R + 1)) / (L (L + 1))`` (none when ``L - S <= R``), by the cache's own read counter;
+    one more token decoded then reads ``(L + 1 - S - R) / (L + 1)`` quantized."""
+    from kvquant.cache.reads import Reads
+
+    cache = kvquant.make_cache(model, "lloyd_max", sink_tokens=sinks, residual_length=residual)
+    cache.reads = Reads()
+    ids = torch.randint(3, 500, (1, length + 1), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        model(ids[:, :length], cache=cache, use_cache=True)
+    quantized = max((length - sinks) * (length - sinks + 1) - residual * (residual + 1), 0)
+    assert cache.reads.quantized_share == pytest.approx(quantized / (length * (length + 1)), abs=1e-12)
+    cache.reads = Reads()
+    with torch.no_grad():
+        model(ids[:, length:], cache=cache, use_cache=True)
+    assert cache.reads.quantized_share == pytest.approx(max(length + 1 - sinks - residual, 0) / (length + 1))
