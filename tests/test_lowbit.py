@@ -287,14 +287,6 @@ def test_key_offsets_per_layer_through_the_model(model):
 
 
 # -- smoke on the tiny model ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def real_kv(model, story_ids):
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(story_ids[:, :320], cache=cache, use_cache=True)
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def kv_mse(name, options, real_kv):
     """Mean squared error over the real keys and values of every layer of stories260K (head_dim 8)."""
     key, value = kvquant.get_quantizer(name, **options).codecs(8)
