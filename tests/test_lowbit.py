@@ -135,6 +135,10 @@ def test_at_equal_bits_lloyd_max_beats_rotated_min_max_integers_on_gaussian_vect
             sum(t.numel() * t.element_size() for t in uniform.encode(x).values())
         assert relative_mse(lloyd, x) < margin * relative_mse(uniform, x)
         assert relative_mse(lloyd, x) == pytest.approx(MAX_1960[bits][1], rel=0.05)  # the Gaussian's MSE
+    x = gaussian_states(64)
+    lloyd = kvquant.get_quantizer("lloyd_max", scale_dtype="float32").codecs(64)[0]
+    uniform = kvquant.get_quantizer("int4", key_axis="token", group_size=64, rotation="hadamard").codecs(64)[0]
+    assert relative_mse(uniform, x) < relative_mse(lloyd, x)
 
 
 # -- dense and sparse outliers ----------------------------------------------------------------------------------
@@ -282,8 +286,9 @@ def test_key_offsets_per_layer_through_the_model(model):
         kvquant.make_cache(model, "lloyd_max", key_offset=[1.0, 2.0, 3.0])
     with pytest.raises(KVQuantError, match="key_offset has 2 rows .* for a layer of 4 KV heads"):
         kvquant.make_cache(model, "lloyd_max", key_offset=[[0.0] * head_dim] * 2)
-    with pytest.raises(KVQuantError, match="key_offset must be a list of head_dim finite numbers"):
-        kvquant.get_quantizer("lloyd_max", key_offset=[math.nan])
+    for bad in ([math.nan], [1e39], [10**400], [True], [], [[1.0], [1.0, 2.0]], "0.5"):
+        with pytest.raises(KVQuantError, match="key_offset must be a list of head_dim numbers finite in float32"):
+            kvquant.get_quantizer("lloyd_max", key_offset=bad)
 
 
 # -- smoke on the tiny model ------------------------------------------------------------------------------------
@@ -301,6 +306,7 @@ def test_on_the_tiny_model_fewer_bits_err_more_and_an_outlier_helps(model, story
     mse = {bits: kv_mse("lloyd_max", {"key_bits": bits, "value_bits": bits}, real_kv) for bits in (2, 3, 4)}
     assert mse[2] > 2 * mse[3] > 4 * mse[4]
     assert kv_mse("lloyd_max", {"key_bits": 3, "value_bits": 3, "outliers": 1}, real_kv) < mse[3] / 2
+    assert kv_mse("int4", {"key_axis": "token", "group_size": 8}, real_kv) < mse[4] / 2  # head_dim 8: reversed
     ids = story_ids[:, :120]
     with torch.no_grad():
         exact = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits

@@ -254,17 +254,19 @@ class KeyOffset(Quantizer):
     def _offset_rows(self) -> tuple:
         value = self.key_offset
 
+        def number(v) -> bool:  # finite in float32, where the offset is applied
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= F32_MAX
+
         def numbers(row) -> bool:
-            return isinstance(row, (list, tuple)) and bool(row) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in row)
+            return isinstance(row, (list, tuple)) and bool(row) and all(number(v) for v in row)
 
         if numbers(value):
             return tuple(float(v) for v in value)
         if isinstance(value, (list, tuple)) and value and all(numbers(r) for r in value) and \
                 len({len(r) for r in value}) == 1:
             return tuple(tuple(float(v) for v in row) for row in value)
-        raise KVQuantError(f"{self.name}: key_offset must be a list of head_dim finite numbers, or one such list per "
-                           f"KV head, got {short_repr(value)}")
+        raise KVQuantError(f"{self.name}: key_offset must be a list of head_dim numbers finite in float32, or one such "
+                           f"list per KV head, got {short_repr(value)}")
 
     def codecs(self, head_dim: int) -> tuple[Codec, Codec]:
         key, value = super().codecs(head_dim)
