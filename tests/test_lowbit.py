@@ -333,3 +333,36 @@ def test_the_share_a_window_leaves_quantized_is_the_documented_formula(model, si
     with torch.no_grad():
         model(ids[:, length:], cache=cache, use_cache=True)
     assert cache.reads.quantized_share == pytest.approx(max(length + 1 - sinks - residual, 0) / (length + 1))
+
+
+def test_per_layer_settings_residual_windows_and_rotation_compose_and_are_counted(model):
+    """stories260K (5 layers, 4 KV heads, head_dim 8, float32): per layer its own codebook, bits, outliers and
+    rotation, a residual window of 6; ``memory_report()['per_layer']`` equals the closed form: per quantized token and
+    head of each stream ``D b / 8`` bytes of codes, 2 of fp16 scale, ``k`` (1 + 4) of outlier index and float32 value;
+    the window's tokens ``4 D`` bytes each. Layer 0 reads what its setting reads alone."""
+    layers = {0: {"quantizer": "normal_float", "key_bits": 2, "value_bits": 3},
+              1: {"outliers": 2},
+              2: {"rotation": None, "key_bits": 3},
+              "3-4": {"quantizer": "int4", "group_size": 8}}
+    cache = kvquant.make_cache(model, "lloyd_max", residual_length=6, layers=layers)
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    heads, d, tokens, residual = 4, 8, 40, 6
+    quantized = tokens - residual
+
+    def codebook(bits, outliers=0):
+        return heads * (quantized * (d * bits // 8 + 2 + outliers * 5) + residual * d * 4)
+
+    grouped = quantized // 8 * 8  # int4 keys: whole groups of 8 tokens, a scale and zero per channel and group
+    int4_keys = heads * (grouped * (d // 2) + grouped // 8 * d * 4 + (tokens - grouped) * d * 4)
+    int4_values = heads * (quantized * (d // 2 + 4) + residual * d * 4)
+    expected = [codebook(2) + codebook(3), 2 * codebook(4, 2), codebook(3) + codebook(4), int4_keys + int4_values,
+                int4_keys + int4_values]
+    assert [entry["total_bytes"] for entry in cache.memory_report()["per_layer"]] == expected
+    # layer 0 sees the same states whatever the cache (later layers see the cache's effect on earlier ones)
+    alone = kvquant.make_cache(model, "normal_float", key_bits=2, value_bits=3, residual_length=6)
+    with torch.no_grad():
+        model(ids, cache=alone, use_cache=True)
+    empty = [torch.zeros(1, heads, 0, d) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers[0].update(*empty), alone.layers[0].update(*empty)))
