@@ -286,6 +286,11 @@ def test_key_offsets_per_layer_through_the_model(model):
         kvquant.make_cache(model, "lloyd_max", key_offset=[1.0, 2.0, 3.0])
     with pytest.raises(KVQuantError, match="key_offset has 2 rows .* for a layer of 4 KV heads"):
         kvquant.make_cache(model, "lloyd_max", key_offset=[[0.0] * head_dim] * 2)
+    layer = build_cache([None], "lloyd_max", head_dim=8, key_offset=[-100.0] * 8, scale_dtype="float32",
+                        residual_length=0).layers[0]
+    with pytest.raises(KVQuantError, match="keys minus key_offset overflow their dtype torch.float16"):
+        layer.update(torch.full((1, 1, 2, 8), 65504.0, dtype=torch.float16), torch.ones(1, 1, 2, 8).half())
+    assert layer.cumulative_length == 0
     for bad in ([math.nan], [1e39], [10**400], [True], [], [[1.0], [1.0, 2.0]], "0.5"):
         with pytest.raises(KVQuantError, match="key_offset must be a list of head_dim numbers finite in float32"):
             kvquant.get_quantizer("lloyd_max", key_offset=bad)

@@ -195,8 +195,14 @@ class OffsetCodec(WrappingCodec):
         self.inner.check_heads(heads, name)
 
     def check(self, x, name):
+        """Keys whose difference from the offset overflows their dtype (float16 near its maximum) are refused."""
         self.check_heads(x.shape[1], name)
-        self.inner.check(self._shift(x), name)
+        if x.device.type == "meta" or not x.numel():
+            return
+        shifted = self._shift(x)
+        if not bool(torch.isfinite(shifted).all()):
+            raise KVQuantError(f"{name} minus key_offset overflow their dtype {x.dtype}")
+        self.inner.check(shifted, name)
 
     def _offset(self, x: torch.Tensor) -> torch.Tensor:
         offset = self.offset.to(x.device)
