@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvquant.paths import resolve
 from kvquant.runner.config import load_config
@@ -75,6 +75,16 @@ def story_ids(tokenizer, stories):
     """One real story of a few hundred tokens, ``[1, T]`` with BOS."""
     ids = next(tokenizer(s).input_ids for s in stories if 300 <= len(tokenizer(s).input_ids) <= 512)
     return torch.tensor([ids])
+
+
+@pytest.fixture(scope="session")
+def real_kv(model, story_ids):
+    """The keys and values of every layer of stories260K after the first 320 tokens of :func:`story_ids`:
+    ``[(keys, values)]``, each ``[1, 4, 320, 8]``."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(story_ids[:, :320], cache=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @pytest.fixture
