@@ -118,6 +118,24 @@ def test_the_gguf_header_gives_head_size_and_bos():
     assert meta == {"architecture": "llama", "head_dim": 64, "add_bos": False, "bos": 1}
 
 
+def test_qwen_is_a_known_model_read_in_the_models_own_channel_order():
+    """``--model qwen2.5``: the packaged GGUF (skipped where make setup has not prepared it); a qwen2 GGUF keeps Q/K
+    as the model computes them (llama.cpp's NEOX RoPE: no permutation), so kvquant's K stays in the model's order."""
+    from kvquant import packaged
+    from kvquant.formats.llamacpp_gguf import rope_layout_of
+
+    try:
+        packaged.packaged_file(engine.MODELS["qwen2.5"][0].removeprefix("package:"))
+    except packaged.PackageMissing as err:
+        pytest.skip(f"the Qwen2.5 GGUF is not prepared here ({err})")
+    spec, gguf = engine.model_spec("qwen2.5")
+    assert gguf.name == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" and spec.gguf_file == gguf.name
+    assert engine.gguf_metadata(gguf) == {"architecture": "qwen2", "head_dim": 64, "add_bos": False, "bos": 151643}
+    import transformers
+
+    assert rope_layout_of(transformers.Qwen2Config()) == "neox"
+
+
 def test_the_rotation_switch_is_set_only_while_a_context_is_made(monkeypatch):
     monkeypatch.setenv(engine.ROT_ENV, "0")
     with engine.rotation_env(False):

