@@ -1,4 +1,4 @@
-"""Storage roles (kvquant/cache/roles.py): each codec declares the role of every tensor it stores, so
+"""Storage roles (kvquant/formats/roles.py): each codec declares the role of every tensor it stores, so
 ``memory_report()`` and the planner file codes under ``payload_bytes``, every per-group metadata (scales, zero points,
 minimums, shared exponents, norms) under ``scale_bytes`` and only states kept at the model's precision under
 ``full_precision_bytes``; a stored tensor of no declared role is refused at the first write; the fused kernels number
@@ -18,7 +18,7 @@ import torch
 
 import kvquant
 from kvquant.cache import build_cache, fused, triton_attend
-from kvquant.cache.roles import StorageRole, StreamKind, check_roles
+from kvquant.formats.roles import StorageRole, StreamKind, check_roles
 from kvquant.cache.streams import stream
 from kvquant.errors import KVQuantError
 from kvquant.planner.shapes import ModelShape, Planner

@@ -12,8 +12,8 @@ token-by-token feeding (streaming mode) therefore both attend to quantized K/V.
 - :mod:`.spec` :class:`CacheSpec`, one cache setting, typed and validated once
 - :mod:`.build` :func:`make_cache`, :func:`build_cache`, per-layer settings, :func:`simulate_memory`,
   :func:`spec_memory`
-- :mod:`.memory` ``memory_report()`` sums and :func:`stored_bytes`; :mod:`.padding`, :mod:`.checks`
-- :mod:`.roles` the storage roles codecs declare for what they store, and the fused kernels' stream kinds
+- :mod:`.memory` ``memory_report()`` sums (by the roles of :mod:`kvquant.formats.roles`) and :func:`stored_bytes`;
+  :mod:`.padding`, :mod:`.checks`
 - :mod:`.observe` :class:`ObservingCache`, which hands every layer's new states to a callback (calibration)
 """
 

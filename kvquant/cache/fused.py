@@ -35,7 +35,7 @@ import torch
 from kvquant.cache import kernels
 from kvquant.compat.transformers import attn_implementation, recording_attentions
 from kvquant.errors import KVQuantError
-from kvquant.cache.roles import StreamKind
+from kvquant.formats.roles import StreamKind
 from kvquant.cache.storage import Store, _rank
 from kvquant.cache.streams import Stream, stream
 

@@ -16,7 +16,7 @@ from kvquant.cache.reads import Reads
 from kvquant.cache import fused, query
 from kvquant.cache.checks import STATES, check_states, fits, shown
 from kvquant.cache.padding import Padding
-from kvquant.cache.roles import by_category
+from kvquant.formats.roles import by_category
 from kvquant.cache.storage import Store, left_align
 from kvquant.cache.streams import fusable
 

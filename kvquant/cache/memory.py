@@ -1,7 +1,7 @@
 """Memory accounting: a cache's per-layer byte counts summed into ``memory_report()``, and the bytes any
 transformers cache holds (for benchmarks against transformers' own caches).
 
-The breakdown's categories are the storage roles codecs declare (:class:`~kvquant.cache.roles.StorageRole`):
+The breakdown's categories are the storage roles codecs declare (:class:`~kvquant.formats.roles.StorageRole`):
 ``payload_bytes`` the codes, ``scale_bytes`` every per-group metadata (scales, zero points, minimums, shared
 exponents, norms), ``full_precision_bytes`` states at the model's precision (sinks, the tail, the fp16 baseline).
 Their sum is ``stored_bytes`` (also ``total_bytes``, the name every earlier reader uses): what holds tokens.

@@ -32,7 +32,7 @@ import torch
 
 from kvquant.formats.quantizers import Codec
 from kvquant.cache.reads import Run, last_runs
-from kvquant.cache.roles import check_roles
+from kvquant.formats.roles import check_roles
 
 
 def _rank(real: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from kvquant.cache.roles import StreamKind
+from kvquant.formats.roles import StreamKind
 from kvquant.cache.streams import Stream
 
 tl = None  # triton.language, bound in the kernels' own namespace by _kernels()

@@ -1,6 +1,7 @@
 """The cache formats: how keys and values are stored, value for value (measuring code, hashed whole).
 
 - :mod:`.ops` pure tensor arithmetic (integer codes, bit packing, fp8 casts, SQNR, rotations)
+- :mod:`.roles` the storage role of each tensor a codec stores, and the fused kernels' stream kinds
 - :mod:`.quantizers` the codec and quantizer base classes, the registry; :mod:`.research` kvquant's research formats
   (int8/int4/int2, fp8 e4m3/e5m2, the fp16 baseline)
 - :mod:`.vllm` and :mod:`.sglang` the serving engines' formats (vLLM's ``--kv-cache-dtype`` values, SGLang's mxfp8),

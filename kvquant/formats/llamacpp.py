@@ -62,7 +62,7 @@ from typing import ClassVar
 import torch
 
 from kvquant.formats import ops
-from kvquant.cache.roles import StorageRole
+from kvquant.formats.roles import StorageRole
 from kvquant.formats.engine_math import hadamard_transform, round_half_away
 from kvquant.formats.llamacpp_gguf import GgufOrderCodec
 from kvquant.errors import KVQuantError

@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvquant.cache.roles import StorageRole
+from kvquant.formats.roles import StorageRole
 from kvquant.errors import InternalError, KVQuantError
 from kvquant.formats import ops
 from kvquant.formats.quantizers import (F32_MAX, Codec, Quantizer, WrappingCodec, check_int_option,

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from kvquant.formats import ops
-from kvquant.cache.roles import StorageRole
+from kvquant.formats.roles import StorageRole
 from kvquant.errors import KVQuantError, check_int, is_python_int
 from kvquant.registry import Registry
 

@@ -13,7 +13,7 @@ import torch
 from kvquant.cache import kernels
 
 from kvquant.formats import ops
-from kvquant.cache.roles import StorageRole
+from kvquant.formats.roles import StorageRole
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import (Codec, Quantizer, check_choice, check_int_option, check_tokens,
     register_quantizer)

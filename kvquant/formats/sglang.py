@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.formats import ops
-from kvquant.cache.roles import StorageRole
+from kvquant.formats.roles import StorageRole
 from kvquant.formats.engine_math import E4M3_MAX, F32_HALF, F32_HELD, e4m3_saturated
 from kvquant.formats.quantizers import Alike, Codec, register_quantizer
 

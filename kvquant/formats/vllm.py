@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvquant.formats import ops
-from kvquant.cache.roles import StorageRole
+from kvquant.formats.roles import StorageRole
 from kvquant.errors import KVQuantError
 from kvquant.formats.engine_math import (E4M3_MAX, F32_HALF, F32_HELD, FP16_MAX, e2m1_codes, e2m1_values,
     e4m3_saturated, hadamard_transform, largest_power_of_two_divisor, lloyd_max_centroids, pack_nibbles, rht,

@@ -37,7 +37,7 @@ from kvquant.cache import kernels
 from kvquant.cache import FP16_BYTES, KVQuantLayer, build_cache, check_importance
 from kvquant.cache.layer import block_tokens
 from kvquant.cache.memory import STORED_KEYS
-from kvquant.cache.roles import by_category
+from kvquant.formats.roles import by_category
 from kvquant.errors import InternalError, KVQuantError
 from kvquant.formats.quantizers import Quantizer
 

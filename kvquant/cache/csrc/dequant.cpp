@@ -218,7 +218,7 @@ void dequantize_slots_into(const torch::Tensor& payload, const torch::Tensor& sc
 // dequantized copy is), softmax in fp32 over each query's first hi[b, i] read tokens, then accumulate the values
 // the same way: the dequantized history is never materialized.
 
-// The stream kinds, numbered by kvquant/cache/roles.py StreamKind (Python passes its values; the numbers here must
+// The stream kinds, numbered by kvquant/formats/roles.py StreamKind (Python passes its values; the numbers here must
 // be the same: tests/test_storage_roles.py reads this line).
 enum Kind : int64_t { KIND_INT = 0, KIND_FP8_E4M3 = 1, KIND_FP8_E5M2 = 2, KIND_FULL = 3 };
 
