@@ -317,14 +317,15 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
 
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
            pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
-           at_chance: frozenset[str] = frozenset()) -> Decision:
+           at_chance: frozenset[str] = frozenset(), counted: bool = True) -> Decision:
     """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
     (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
     passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
     decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
-    than it holds."""
-    verdicts = [bounded(timed(judge(r, policy), pace or {}), sizes or {}) for r in rows]
+    than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
+    windows, which picks a map and decides nothing)."""
+    verdicts = [bounded(timed(judge(r, policy, counted), pace or {}), sizes or {}) for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
