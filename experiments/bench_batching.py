@@ -16,9 +16,10 @@ import pandas as pd
 import torch
 
 import kvquant
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
-from kvquant.runner.config import ModelConfig
+from kvquant.runner.model_config import ModelConfig
 from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.models import load_model
 from kvquant.runner.report import environment

@@ -28,7 +28,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedC
 import kvquant
 from kvquant.cache import kernels
 from kvquant.cache import stored_bytes
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
 from kvquant.runner.report import environment
 

@@ -21,7 +21,8 @@ import time
 import torch
 
 import kvquant
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.cache import Store
 
 HEADS, HEAD_DIM, CHUNK = 8, 128, 2048

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
 from kvquant.paths import data_dir
 from kvquant.runner.report import environment

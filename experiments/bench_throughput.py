@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from kvquant.cache import CacheSpec
-from kvquant.errors import at_least, run_script
+from kvquant.errors import at_least
+from kvquant.exits import run_script
 from kvquant.runner.preview import recorded_requests
 from kvquant.runner.report import (benchmark_doc, benchmark_end, benchmark_lines, benchmark_parser, benchmark_start,
                                    write_benchmark)

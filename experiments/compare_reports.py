@@ -17,7 +17,8 @@ import re
 import sys
 from pathlib import Path
 
-from kvquant.errors import KVQuantError, guarded, parse_args, script_parser, visible
+from kvquant.errors import KVQuantError, parse_args, script_parser, visible
+from kvquant.exits import guarded
 
 #: results.json keys that record the run, not its results
 PROVENANCE = {"run_id", "environment", "signature", "command", "output_dir", "seconds"}

@@ -15,7 +15,8 @@ import math
 import sys
 from pathlib import Path
 
-from kvquant.errors import KVQuantError, guarded, parse_args, script_parser, visible
+from kvquant.errors import KVQuantError, parse_args, script_parser, visible
+from kvquant.exits import guarded
 
 
 def results(report_dir: Path) -> dict[str, dict]:

@@ -40,7 +40,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 
 import kvquant
 from kvquant.cache import stored_bytes
-from kvquant.errors import KVQuantError, at_least, run_script, script_parser
+from kvquant.errors import KVQuantError, at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import output_dir, read_json, write_file
 from kvquant.runner.report import environment
 

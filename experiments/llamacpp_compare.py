@@ -22,7 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvquant.errors import OneLineParser, guarded, parse_args
+from kvquant.errors import OneLineParser, parse_args
+from kvquant.exits import guarded
 from kvquant.fs import output_dir, real_dir, write_together
 from kvquant.integrations.llamacpp_compare import MATMULS, compare, to_json
 from kvquant.integrations.llamacpp_engine import MODELS, QUANTIZED, Setting

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from kvquant.errors import KVQuantError, run_script, script_parser
+from kvquant.errors import KVQuantError, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import output_dir, read_file, real_dir, write_file, write_together
 from kvquant.runner.config import load_config
 from kvquant.runner.counts import TOO_FEW, settle, too_few

@@ -24,7 +24,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvquant.errors import at_least, run_script
+from kvquant.errors import at_least
+from kvquant.exits import run_script
 from kvquant.paths import data_dir
 from kvquant.scoring.passkey import probe_documents
 

@@ -16,7 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from kvquant.errors import KVQuantError, is_python_int, run_script, script_parser, visible
+from kvquant.errors import KVQuantError, is_python_int, script_parser, visible
+from kvquant.exits import run_script
 from kvquant.fs import read_json
 from kvquant.runner.gate import paired_ratio_bounds
 

@@ -46,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import read_file, read_json, write_file
 
 SEED = 20261207

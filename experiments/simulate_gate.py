@@ -31,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import read_json, write_file
 from kvquant.runner.gate import look_confidence, looks, paired_ratio_bounds
 from kvquant.runner.gate_config import GateConfig

@@ -31,7 +31,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvquant.errors import OneLineParser, guarded, parse_args
+from kvquant.errors import OneLineParser, parse_args
+from kvquant.exits import guarded
 from kvquant.fs import check_env_dirs
 from kvquant.importpath import drop_working_dir
 from kvquant.runner.preflight import check_report_dir, context_length

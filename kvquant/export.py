@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from kvquant.integrations.deploy import export
-from kvquant.errors import OneLineParser, guarded, parse_args
+from kvquant.errors import OneLineParser, parse_args
+from kvquant.exits import guarded
 from kvquant.importpath import drop_working_dir
 
 

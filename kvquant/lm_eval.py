@@ -32,11 +32,13 @@ import torch
 
 from kvquant.compat.lm_eval import int_or_none_list, parser_actions, run_parser
 from kvquant.runner.binding import build
-from kvquant.runner.config import MAX_SEED, Candidate, EvalConfig, ModelConfig, check_device
+from kvquant.runner.config import MAX_SEED, Candidate, EvalConfig
+from kvquant.runner.model_config import ModelConfig, check_device
 from kvquant.yaml_reader import load_yaml, read_text_file
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel
-from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, guarded, one_line
+from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, one_line
+from kvquant.exits import guarded
 from kvquant.fs import check_env_dirs, check_trusted
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number

@@ -29,7 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.errors import KVQuantError, OneLineParser, guarded, one_line, parse_args
+from kvquant.errors import KVQuantError, OneLineParser, one_line, parse_args
+from kvquant.exits import guarded
 from kvquant.fs import cache_dir, private_dir
 from kvquant.wheel_data import Unavailable, WheelPart, assemble as assemble_wheels
 

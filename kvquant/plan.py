@@ -22,7 +22,8 @@ import sys
 import torch
 
 from kvquant.cache.storage import Store
-from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args, visible
+from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, parse_args, visible
+from kvquant.exits import guarded
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.models import DTYPES
 from kvquant.planner.cost import MAX_LAYER_KINDS

@@ -42,7 +42,8 @@ from kvquant.scoring.calibrate import calibrated, check_calibration
 from kvquant.runner.config import Candidate, ExperimentConfig, Stage, load_config
 from kvquant.runner.overrides import add_set_option
 from kvquant.integrations.deploy import deploy_beside
-from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, guarded, parse_args
+from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, parse_args
+from kvquant.exits import guarded
 from kvquant.scoring.fewshot import check_runner_fewshot
 from kvquant.importpath import drop_working_dir
 from kvquant.fs import check_env_dirs

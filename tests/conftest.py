@@ -1,12 +1,13 @@
 import importlib.util
 import json
+import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvquant.paths import resolve
 from kvquant.runner.config import load_config
@@ -32,6 +33,7 @@ def experiment(name: str):
     path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where its dataclasses look up their module's names
     spec.loader.exec_module(module)
     return module
 
@@ -73,6 +75,16 @@ def story_ids(tokenizer, stories):
     """One real story of a few hundred tokens, ``[1, T]`` with BOS."""
     ids = next(tokenizer(s).input_ids for s in stories if 300 <= len(tokenizer(s).input_ids) <= 512)
     return torch.tensor([ids])
+
+
+@pytest.fixture(scope="session")
+def real_kv(model, story_ids):
+    """The keys and values of every layer of stories260K after the first 320 tokens of :func:`story_ids`:
+    ``[(keys, values)]``, each ``[1, 4, 320, 8]``."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(story_ids[:, :320], cache=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @pytest.fixture

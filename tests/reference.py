@@ -136,3 +136,19 @@ def layer_bytes(tokens, window, setting, heads, head_dim, elt):
     keys = stream_bytes(tokens, window, group, bits, head_dim, sinks, residual, heads, head_dim, elt)
     values = stream_bytes(tokens, window, 1, bits, head_dim // value_group, sinks, residual, heads, head_dim, elt)
     return keys + values
+
+
+def codebook_fake_quant(x: torch.Tensor, levels: torch.Tensor, statistic: str,
+                        scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Non-uniform codes per token and head, in float64: ``s`` = the vector's norm / sqrt(D) (``"rms"``) or its
+    largest |x| (``"absmax"``), rounded to ``scale_dtype``; each ``x / s`` replaced by the nearest of ``levels``
+    (by distance: no midpoints); read ``s * level`` (0 where ``s`` is 0)."""
+    x64 = x.double()
+    if statistic == "rms":
+        s = x64.norm(dim=-1, keepdim=True) / x.shape[-1] ** 0.5
+    else:
+        s = x64.abs().amax(-1, keepdim=True)
+    s = s.to(scale_dtype).double()
+    u = x64 / torch.where(s > 0, s, torch.ones_like(s))
+    nearest = (u.unsqueeze(-1) - levels.double()).abs().argmin(-1)
+    return (levels.double()[nearest] * s).to(x.dtype)

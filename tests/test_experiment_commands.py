@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import experiment
-from kvquant.errors import KVQuantError, run_script
+from kvquant.errors import KVQuantError
+from kvquant.exits import run_script
 from kvquant.runner.report import write_benchmark
 
 ROOT = Path(__file__).parents[1]

@@ -215,7 +215,7 @@ def test_rejudge_accuracy_refuses_a_hostile_report_in_one_line(tmp_path, capsys,
         (partial / "int8" / "task__piqa.json").unlink()
         (partial / "int8").rmdir()
         (partial / "int8").symlink_to(partial / "baseline")
-    from kvquant.errors import run_script
+    from kvquant.exits import run_script
 
     assert run_script("rejudge_accuracy", lambda: rejudge.main([str(tmp_path)])) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

@@ -22,7 +22,8 @@ import kvquant.cache.kernels
 import kvquant.run
 from kvquant import lm_eval as lm_eval_cli
 from kvquant import plan
-from kvquant.runner.config import ModelConfig, PerplexitySet
+from kvquant.runner.config import PerplexitySet
+from kvquant.runner.model_config import ModelConfig
 from kvquant.runner.gate_config import GateConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.scorer import Scorer

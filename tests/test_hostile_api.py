@@ -267,7 +267,8 @@ def test_make_cache_rejects_what_is_no_model_or_config_instance(model, kind):
 
 def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, capsys):
     """Was: ``KVQuantError("internal error ...")``, which the commands report as bad input (exit 2)."""
-    from kvquant.errors import EXIT_INTERNAL, InternalError, guarded
+    from kvquant.errors import EXIT_INTERNAL, InternalError
+    from kvquant.exits import guarded
 
     cache = written(model)
     cache.layers[0].k.evicted[1] += 1  # what a bookkeeping bug would leave behind

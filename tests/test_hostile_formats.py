@@ -206,7 +206,9 @@ def variants() -> list:
         out += [(name, {}), (name, {"rotation": "hadamard"})]
     return out + [("int4", {"scale_dtype": "float32"}), ("fp8_e4m3", {"scale_dtype": "float32"}),
                   ("vllm_fp8", {"k_scale": 1e36, "v_scale": 1e-30}),
-                  ("vllm_nvfp4", {"k_scale": 1e36, "v_scale": 1e-30})]
+                  ("vllm_nvfp4", {"k_scale": 1e36, "v_scale": 1e-30}),
+                  ("lloyd_max", {"outliers": 1, "scale_dtype": "float32"}),
+                  ("normal_float", {"key_offset": [3.0] * 64, "outliers": 2})]
 
 
 VARIANTS = variants()

@@ -17,7 +17,7 @@ from llamacpp_reference import F32
 import kvquant.scoring.models
 from kvquant.integrations import llamacpp_compare as comparison
 from kvquant.integrations import llamacpp_engine as engine
-from kvquant.formats import llamacpp_gguf
+from kvquant.formats import llamacpp_matmuls
 from kvquant.errors import KVQuantError
 from kvquant.integrations.llamacpp_engine import Setting
 from kvquant.paths import resolve
@@ -118,6 +118,24 @@ def test_the_gguf_header_gives_head_size_and_bos():
     assert meta == {"architecture": "llama", "head_dim": 64, "add_bos": False, "bos": 1}
 
 
+def test_qwen_is_a_known_model_read_in_the_models_own_channel_order():
+    """``--model qwen2.5``: the packaged GGUF (skipped where make setup has not prepared it); a qwen2 GGUF keeps Q/K
+    as the model computes them (llama.cpp's NEOX RoPE: no permutation), so kvquant's K stays in the model's order."""
+    from kvquant import packaged
+    from kvquant.formats.llamacpp_gguf import rope_layout_of
+
+    try:
+        packaged.packaged_file(engine.MODELS["qwen2.5"][0].removeprefix("package:"))
+    except packaged.PackageMissing as err:
+        pytest.skip(f"the Qwen2.5 GGUF is not prepared here ({err})")
+    spec, gguf = engine.model_spec("qwen2.5")
+    assert gguf.name == "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" and spec.gguf_file == gguf.name
+    assert engine.gguf_metadata(gguf) == {"architecture": "qwen2", "head_dim": 64, "add_bos": False, "bos": 151643}
+    import transformers
+
+    assert rope_layout_of(transformers.Qwen2Config()) == "neox"
+
+
 def test_the_rotation_switch_is_set_only_while_a_context_is_made(monkeypatch):
     monkeypatch.setenv(engine.ROT_ENV, "0")
     with engine.rotation_env(False):
@@ -215,7 +233,7 @@ def test_q8_0_and_q8_1_activations_are_what_ggml_quantizes():
 
     x = activation_rows(96)
     for kind in ("q8_0", "q8_1"):  # q8_1's codes and d are q8_0's; its s is not used by value here
-        got = llamacpp_gguf.activations(x, kind).numpy()
+        got = llamacpp_matmuls.activations(x, kind).numpy()
         for r, row in enumerate(x.numpy().astype(F32)):
             want = [v for b in range(3) for v in ref_dequantize("q8_0", ref_q8_0(row[b * 32: b * 32 + 32], "x86")[0])]
             assert np.array_equal(got[r], np.array(want, dtype=F32)), (kind, r)
@@ -225,7 +243,7 @@ def test_q8_k_activations_are_quantize_row_q8_k_ref():
     from llamacpp_reference import ref_q8_k
 
     x = activation_rows(512)
-    got = llamacpp_gguf.activations(x, "q8_K").numpy()
+    got = llamacpp_matmuls.activations(x, "q8_K").numpy()
     for r, row in enumerate(x.numpy().astype(F32)):
         want = ref_q8_k(row[:256]) + ref_q8_k(row[256:])
         assert np.array_equal(got[r], np.array(want, dtype=F32)), r
@@ -234,9 +252,9 @@ def test_q8_k_activations_are_quantize_row_q8_k_ref():
 
 def test_float_weights_read_float_activations():
     x = activation_rows(64).double()
-    assert torch.equal(llamacpp_gguf.activations(x.float(), "f16"), x.float().half().float())
-    assert torch.equal(llamacpp_gguf.activations(x.float(), "bf16"), x.float().bfloat16().float())
-    assert torch.equal(llamacpp_gguf.activations(x.float(), "f32"), x.float())
+    assert torch.equal(llamacpp_matmuls.activations(x.float(), "f16"), x.float().half().float())
+    assert torch.equal(llamacpp_matmuls.activations(x.float(), "bf16"), x.float().bfloat16().float())
+    assert torch.equal(llamacpp_matmuls.activations(x.float(), "f32"), x.float())
 
 
 def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
@@ -247,15 +265,15 @@ def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     model = transformers.LlamaForCausalLM(config).eval()
     linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    types = llamacpp_gguf.weight_types(gguf, linear)
+    types = llamacpp_matmuls.weight_types(gguf, linear)
     assert types.pop("lm_head") == "Q8_0"  # tied: token_embd
     assert len(types) == 14 and set(types.values()) == {"Q4_1"}
-    handles = llamacpp_gguf.emulate_matmuls(model, gguf)
+    handles = llamacpp_matmuls.emulate_matmuls(model, gguf)
     x = activation_rows(64)
     q_proj, down = model.model.layers[0].self_attn.q_proj, model.model.layers[1].mlp.down_proj
-    assert torch.equal(q_proj(x), torch.nn.functional.linear(llamacpp_gguf.activations(x, "q8_1"), q_proj.weight))
+    assert torch.equal(q_proj(x), torch.nn.functional.linear(llamacpp_matmuls.activations(x, "q8_1"), q_proj.weight))
     h = torch.randn(4, 96)
-    assert torch.equal(down(h), torch.nn.functional.linear(llamacpp_gguf.activations(h, "q8_1"), down.weight))
+    assert torch.equal(down(h), torch.nn.functional.linear(llamacpp_matmuls.activations(h, "q8_1"), down.weight))
     for handle in handles:
         handle.remove()
     assert torch.equal(q_proj(x), torch.nn.functional.linear(x, q_proj.weight))

@@ -16,7 +16,8 @@ import transformers
 from transformers import DynamicCache
 
 import kvquant
-from reference import FakeQuantReference, Spec
+from kvquant.formats.lowbit import lloyd_max_gaussian, normal_float
+from reference import FakeQuantReference, Spec, codebook_fake_quant
 
 WINDOW = 24
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
@@ -37,6 +38,13 @@ SETTINGS = {
     "int8": ({"group_size": GROUP}, Spec("int", 8, "channel", GROUP), Spec("int", 8, "token", GROUP)),
     "int4": ({"group_size": GROUP}, Spec("int", 4, "channel", GROUP), Spec("int", 4, "token", GROUP)),
     "int2": ({}, Spec("int", 2, "channel", 32), Spec("int", 2, "token", 16)),  # default groups: 32 tokens, 16 channels
+    # unrotated here (the rotation around them: test_lowbit.py); the levels are checked there against their definition
+    "lloyd_max": ({"rotation": None, "key_bits": 3, "value_bits": 2},
+                  Spec("fn", fn=lambda x: codebook_fake_quant(x, lloyd_max_gaussian(3).float(), "rms")),
+                  Spec("fn", fn=lambda x: codebook_fake_quant(x, lloyd_max_gaussian(2).float(), "rms"))),
+    "normal_float": ({"rotation": None},
+                     Spec("fn", fn=lambda x: codebook_fake_quant(x, normal_float(4).float(), "absmax")),
+                     Spec("fn", fn=lambda x: codebook_fake_quant(x, normal_float(4).float(), "absmax"))),
 }
 
 

@@ -4,7 +4,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import kvquant
 from kvquant.formats.ops import sqnr_db
@@ -67,14 +66,6 @@ def test_a_new_quantizer_is_one_class_and_one_decorator():
             register_quantizer("test_identity")(TestIdentity)
     finally:
         del QUANTIZERS.classes["test_identity"]
-
-
-@pytest.fixture(scope="module")
-def real_kv(model, story_ids):
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(story_ids[:, :320], cache=cache, use_cache=True)
-    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _read(codec, x):

@@ -29,7 +29,7 @@ from kvquant import packaged, wheel_data
 from kvquant.errors import KVQuantError
 from kvquant.formats.ops import sqnr_db
 from kvquant.planner.shapes import resolve_model, shape_from_config
-from kvquant.runner.config import ModelConfig
+from kvquant.runner.model_config import ModelConfig
 from kvquant.scoring.models import load_model, resolve_model_path
 from kvquant.wheel_data import WheelPart
 from reference import FakeQuantReference, Spec
@@ -476,3 +476,20 @@ def test_an_odd_model_folder_in_the_cache_is_refused_in_one_line_and_never_writt
     line = refused_line(capsys, ["--rebuild", "fake-wheels"])
     assert "fake-wheels" in line or str(folder) in line
     assert list(elsewhere.iterdir()) == []
+
+
+def test_the_outlier_layers_are_found_from_the_key_bias(gguf_reader):
+    """The rule of kvquant/runner/outliers.py on the GGUF's key biases finds the four layers the issue names (0, 1, 2,
+    8), with every other layer at most 4.6 x the median and the lowest of the four at 12.6 x; per KV head, layer 1's
+    and layer 8's outlier sits in one head only."""
+    from kvquant.runner.outliers import layer_statistics, margin, outliers
+
+    biases = {int(t.name.split(".")[1]): np.asarray(t.data, dtype=np.float64).reshape(2, 64)
+              for t in gguf_reader.tensors if t.name.endswith("attn_k.bias")}
+    stats = layer_statistics([biases[i] for i in range(24)], "norm")
+    values = [s.value for s in stats]
+    assert outliers(values) == [0, 1, 2, 8]
+    low, high = margin(values)
+    assert (round(low, 1), round(high, 1)) == (12.6, 4.6)
+    assert [round(h) for h in stats[1].heads] == [21, 227] and [round(h) for h in stats[8].heads] == [278, 19]
+    assert stats[8].largest == -211.0 and stats[8].channel == (0, 31)

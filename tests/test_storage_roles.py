@@ -69,6 +69,9 @@ LAYOUTS = {
     # minimum, per token and head
     "vllm_turboquant_4bit_nc": (Layout(4, 2), Layout(4, 4)),
     "vllm_turboquant_k8v4": (Layout(8, 0), Layout(4, 4)),
+    # non-uniform codebooks (kvquant/formats/lowbit.py): 4-bit codes, one fp16 scale (RMS or largest |x|) per token
+    # and head
+    "lloyd_max": per_token(4, 2), "normal_float": per_token(4, 2),
 }
 
 
@@ -119,7 +122,7 @@ def test_the_planner_files_the_bytes_as_the_cache_does(name):
     assert {key: plan[key] for key in CATEGORIES} == {key: report[key] for key in CATEGORIES} == expected(name)
 
 
-@pytest.mark.parametrize("name", ["vllm_turboquant_4bit_nc", "sglang_mxfp8", "llamacpp_q4_1"])
+@pytest.mark.parametrize("name", ["vllm_turboquant_4bit_nc", "sglang_mxfp8", "llamacpp_q4_1", "lloyd_max"])
 def test_sinks_and_the_residual_window_are_the_full_precision_bytes(name):
     settings = {"sink_tokens": 4, "residual_length": 16}
     report, plan = written_report(name, **settings), planned(name, **settings)

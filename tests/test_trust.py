@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 import kvquant.run
-from kvquant.errors import KVQuantError, write_error_log
+from kvquant.errors import KVQuantError
+from kvquant.exits import write_error_log
 from kvquant.fs import private_dir, set_aside, write_together
 from kvquant.paths import data_dir
 from kvquant.runner.store import LOCK, ResultStore, RunLock
@@ -431,7 +432,8 @@ def test_the_planner_refuses_an_option_set_twice():
 
 def test_a_sigterm_while_an_error_is_being_reported_still_exits_143():
     """The signal can land while guarded() prints an error line; it escaped as a raw traceback with exit 1."""
-    from kvquant.errors import EXIT_TERMINATED, Terminated, guarded
+    from kvquant.errors import EXIT_TERMINATED
+    from kvquant.exits import Terminated, guarded
 
     class Late(KVQuantError):
         def __str__(self):  # the SIGTERM handler fires while the message is formatted

@@ -5,7 +5,9 @@
   (int8/int4/int2, fp8 e4m3/e5m2, the fp16 baseline)
 - :mod:`.vllm` and :mod:`.sglang` the serving engines' formats (vLLM's ``--kv-cache-dtype`` values, SGLang's mxfp8),
   :mod:`.engine_math` the arithmetic they share
+- :mod:`.lowbit` low-bit research formats: Lloyd-Max and normal-float codebooks, dense-and-sparse outliers, a key
+  offset
 - :mod:`.llamacpp` llama.cpp's cache types (q8_0, q4_0, ...), its rotation and its query arithmetic;
-  :mod:`.llamacpp_gguf` what llama.cpp does with a GGUF model that transformers does not (K's channel order, the
-  weights' matmuls)
+  :mod:`.llamacpp_gguf` and :mod:`.llamacpp_matmuls` what llama.cpp does with a GGUF model that transformers does
+  not (K's channel order; the activations of the weights' matmuls)
 """

@@ -49,7 +49,8 @@ model's attention read it (:mod:`kvquant.cache.query`). Not emulated: llama.cpp'
 products and softmax, the fp16 accumulator of an f16 V with fewer than 64 query rows
 (``ops.cpp:8941-8945, 8995-9008``), and a model whose layers differ in head size (llama.cpp then rotates no layer,
 ``llama-kv-cache.cpp:194-206``; kvquant decides per layer). What llama.cpp does with a GGUF model itself, beyond
-its cache (K's channel order, quantized activations in its matmuls): :mod:`kvquant.formats.llamacpp_gguf`.
+its cache: K's channel order (:mod:`kvquant.formats.llamacpp_gguf`), quantized activations in its matmuls
+(:mod:`kvquant.formats.llamacpp_matmuls`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ import torch
 from kvquant.formats import ops
 from kvquant.cache.roles import StorageRole
 from kvquant.formats.engine_math import hadamard_transform, round_half_away
+from kvquant.formats.llamacpp_gguf import GgufOrderCodec
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import Codec, Quantizer, WrappingCodec, register_quantizer
 
@@ -446,8 +448,6 @@ class LlamaCppQuantizer(Quantizer):
         value = GgmlCodec(value_type, self.cpu, VEC_DOT_TYPE[value_type])
         key = AttnRotCodec(key, key_block) if key_block else key
         if self.rope_layout == "norm":
-            from kvquant.formats.llamacpp_gguf import GgufOrderCodec  # (that module builds on this one)
-
             key = GgufOrderCodec(key, head_dim)
         return (key,
                 AttnRotCodec(value, value_block) if value_block else value)

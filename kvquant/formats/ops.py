@@ -58,6 +58,31 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes
 
 
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-bit codes densely along the last dimension, for any ``bits`` in 1-8 (3 bits: 8 codes in 3
+    bytes). Widths that divide 8 use :func:`pack_bits`'s block layout; the others (3, 5, 6, 7) a bit stream: bit
+    ``j`` of channel ``i``'s code is bit ``(i * bits + j) % 8`` of byte ``(i * bits + j) // 8`` (little-endian).
+
+    q: ``[..., D]`` uint8 codes ``< 2**bits``, ``D * bits`` a multiple of 8. Returns ``[..., D * bits // 8]`` uint8.
+    """
+    if 8 % bits == 0:
+        return pack_bits(q, bits)
+    if q.shape[-1] * bits % 8:
+        raise ValueError(f"cannot pack {q.shape[-1]} codes of {bits} bits into whole bytes")
+    shifts = torch.arange(bits, device=q.device, dtype=torch.uint8)
+    stream = ((q.unsqueeze(-1) >> shifts) & 1).flatten(-2).unflatten(-1, (-1, 8))  # [..., D * bits / 8, 8] bits
+    return (stream << torch.arange(8, device=q.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``[..., Dp]`` uint8 -> ``[..., Dp * 8 // bits]`` uint8 codes."""
+    if 8 % bits == 0:
+        return unpack_bits(packed, bits)
+    stream = (packed.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
+    bitwise = stream.flatten(-2).unflatten(-1, (-1, bits))  # [..., D, bits]
+    return (bitwise << torch.arange(bits, device=packed.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
 def minmax_quantize(
     x: torch.Tensor, bits: int, dim: int, scale_dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

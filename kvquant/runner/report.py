@@ -95,7 +95,7 @@ def benchmark_start(args):
     average now, and the model ``args.model`` / ``args.gguf_file`` (float32, CPU): ``(model, tokenizer, load)``."""
     import torch
 
-    from kvquant.runner.config import ModelConfig
+    from kvquant.runner.model_config import ModelConfig
     from kvquant.scoring.models import load_model
 
     if args.threads:
