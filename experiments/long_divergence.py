@@ -135,8 +135,8 @@ def plot(doc: dict) -> bytes:
     line per candidate, and the limit of ``--max-kl-divergence`` when given."""
     fig, ax = _pyplot().subplots(figsize=(7, 4.5))
     for label, (ends, mean, low, high) in curves(doc).items():
-        below = [max(m - lo, 0) for m, lo in zip(mean, low)]
-        above = [max(hi - m, 0) for m, hi in zip(mean, high)]
+        below = [max(m - lo, 0) if math.isfinite(lo) else 0 for m, lo in zip(mean, low)]  # unbounded: no bar
+        above = [max(hi - m, 0) if math.isfinite(hi) else 0 for m, hi in zip(mean, high)]
         ax.errorbar(ends, mean, yerr=[below, above], fmt="o-", capsize=3, label=label)
     if doc.get("max_kl_divergence") is not None:
         ax.axhline(doc["max_kl_divergence"], color="red", ls="--", lw=1, label="limit")

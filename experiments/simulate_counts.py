@@ -167,10 +167,24 @@ def table(results: dict, reps: int, iters: int) -> str:
     return "\n".join(lines)
 
 
-def write_docs(text: str, path: Path) -> None:
+def write_docs(text: str, path: Path, begin: str = BEGIN, end: str = END) -> None:
+    """``text`` between the markers ``begin`` and ``end`` of ``path`` (the simulations' tables in docs/gate.md)."""
     doc = read_file(path).decode("utf-8")
-    start, stop = doc.index(BEGIN) + len(BEGIN), doc.index(END)
+    start, stop = doc.index(begin) + len(begin), doc.index(end)
     write_file(path, doc[:start] + "\n" + text + "\n" + doc[stop:])
+
+
+def saved_or_simulated(args, simulate, bound: float) -> dict:
+    """``--render``: the results saved in ``--json`` (their draws, resamples and seed put into ``args``); else
+    ``simulate(args)``'s, saved there first."""
+    if args.render:
+        done = read_json(args.json, "--render")
+        args.reps, args.iters, args.seed = done["reps"], done["iters"], done["seed"]
+        return done["results"]
+    results = simulate(args)
+    write_file(args.json, json.dumps({"reps": args.reps, "iters": args.iters, "seed": args.seed, "bound": bound,
+                                      "results": results}, indent=1) + "\n")
+    return results
 
 
 def main(argv=None) -> int:
@@ -183,13 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
     parser.add_argument("--render", action="store_true", help="simulate nothing: the table from --json's results")
     args = parser.parse_args(argv)
-    if args.render:
-        done = read_json(args.json, "--render")
-        results, args.reps, args.iters = done["results"], done["reps"], done["iters"]
-    else:
-        results = simulate(args)
-        write_file(args.json, json.dumps({"reps": args.reps, "iters": args.iters, "seed": args.seed, "bound": BOUND,
-                                          "results": results}, indent=1) + "\n")
+    results = saved_or_simulated(args, simulate, BOUND)
     text = table(results, args.reps, args.iters)
     print(text)
     if args.write_docs:

@@ -197,7 +197,7 @@ def test_paired_interval_perplexity():
 
 
 def kl_rows(n, ci, candidate="a", source="text@512"):
-    """A gated KL row of a position bucket (the rows the counts hold today: docs/gate.md)."""
+    """A gated KL row of a position bucket over ``n`` documents."""
     return MetricRow(candidate, MetricId("kl", source), sum(ci) / 2, 0.0, n, True, *ci)
 
 
@@ -224,9 +224,9 @@ def test_each_end_needs_its_own_count():
     assert judge(kl_rows(MIN_FAIL, open_), TEST).verdict == INCONCLUSIVE
     assert judge(kl_rows(MIN_FAIL - 1, open_), TEST).verdict == TOO_FEW
     assert judge(ppl("a", 4.5, ci=(0.8, 0.9)), TEST).verdict == FAIL  # 100 windows
-    # a perplexity set's windows are not held to the counts yet (docs/gate.md): 4 windows still judged
-    assert judge(dataclasses.replace(ppl("a", 4.5, ci=(0.8, 0.9)), n=4), TEST).verdict == FAIL
-    assert judge(kl_rows(3, failing, source="text"), TEST).verdict == FAIL
+    # a perplexity set's windows are held to the same counts (tests/test_windows.py)
+    assert judge(dataclasses.replace(ppl("a", 4.5, ci=(0.8, 0.9)), n=MIN_FAIL - 1), TEST).verdict == TOO_FEW
+    assert judge(kl_rows(3, failing, source="text"), TEST).verdict == TOO_FEW
     # accuracy and flips are no bootstrap: no count (a score interval, an exact one)
     assert judge(dataclasses.replace(acc("a", 0.40, ci=(0.5, 0.9)), n=3), TEST).verdict == FAIL
 

@@ -3,6 +3,7 @@ it kept, a rerun measures nothing (reads documents/, loads no model) and writes 
 other inputs is measured again."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -54,16 +55,17 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     again = json.loads((out / "results.json").read_text())
     assert again["candidates"] == doc["candidates"]
     int8, int2 = (doc["candidates"][c]["kl"][0] for c in ("int8", "int2"))
-    assert int8["high"] <= 0.05 < int2["low"]  # the one bucket's intervals lie on either side of 0.05, but
-    # over 2 documents they decide nothing (docs/gate.md: a fail needs MIN_FAIL documents)
+    assert int8["mean"] <= 0.05 < int2["mean"]  # the one bucket's means lie on either side of 0.05, but over 2
+    # documents the studentized interval is unbounded and decides nothing (docs/gate.md: a fail needs MIN_FAIL)
+    assert (int8["low"], int8["high"]) == (-math.inf, math.inf)
     few = f"passes at no length, too few documents at 300 (n = 2 of the {MIN_FAIL} needed)"
     assert script.length_verdicts(again, 0.05) == {"int8": few, "int2": few}
     report = (out / "report.md").read_text()
     assert f"| int2 | {few} |" in report and f"too few documents (n = 2 of the {MIN_TREND} needed)" in report
     # the same bucket over enough documents decides (rendered from a results.json with the count raised)
-    enough = {**again, "documents": MIN_FAIL, "candidates": {label: {**r, "kl": [{**k, "documents": MIN_FAIL}
-                                                                                 for k in r["kl"]]}
-                                                             for label, r in again["candidates"].items()}}
+    enough = {**again, "documents": MIN_FAIL, "candidates": {
+        label: {**r, "kl": [{**k, "documents": MIN_FAIL, "low": 0.9 * k["mean"], "high": 1.1 * k["mean"]}
+                            for k in r["kl"]]} for label, r in again["candidates"].items()}}
     assert script.length_verdicts(enough, 0.05) == {"int8": f"passes at no length, too few documents at 300 (n = "
                                                     f"{MIN_FAIL} of the {MIN_PASS} needed)",
                                                     "int2": "passes at no length, fails from 300"}

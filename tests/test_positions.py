@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from kvquant.runner.bootstrap import studentized
 from kvquant.runner.counts import MIN_TREND
 from kvquant.runner.positions import bucket_means, buckets, check_edges, trend, trend_verdict
 
@@ -29,8 +30,9 @@ def test_buckets_weigh_each_document_alike_and_skip_unreached_ones():
     assert got[0].low <= got[0].mean <= got[0].high and got[0].low < got[0].high
     # one document: a mean, no interval
     assert got[2].mean == 9.0 and math.isnan(got[2].low) and math.isnan(got[2].high)
-    # the interval resamples documents: bounded by the smallest and largest document mean
-    assert 2.0 <= got[0].low and got[0].high <= 15.0
+    # the interval is the studentized bootstrap over documents (the gate's), on the seeded stream's first draw
+    idx = np.random.default_rng(3).integers(0, 3, size=(500, 3))
+    np.testing.assert_allclose((got[0].low, got[0].high), studentized(np.array([2.0, 3.0, 15.0]), None, idx, 0.95))
     again = buckets(docs, EDGES + (16,), iters=500, seed=3)  # seeded: the same intervals
     assert [(b.low, b.high) for b in again[:2]] == [(b.low, b.high) for b in got[:2]]
 

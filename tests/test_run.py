@@ -29,10 +29,11 @@ candidates:
   - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
 eval:
   perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 12, max_length: 256}}
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 96, max_length: 128}}
     - {{name: wikitext2, source: local:text/wikitext-2-raw-v1/wiki.test.raw, layout: stream, limit: 3, max_length: 256}}
   tasks: {{names: [tinystories_lastword], limit: 30}}
-gate: {{bootstrap: 1000, tasks: []}}   # 30 documents cannot show non-inferiority: the task is reported, not gated
+gate: {{bootstrap: 1000, tasks: [], perplexity: [tinystories]}}   # 30 documents cannot show non-inferiority: the
+# task is reported, not gated; 3 windows of wikitext2 decide nothing (a pass needs 96: kvquant.runner.counts)
 """
 
 
@@ -57,7 +58,7 @@ def test_end_to_end_report(tmp_path, capsys):
         for entry in cand["metrics"].values():
             assert {"value", "baseline", "relative", "threshold", "passed", "n"} <= set(entry)
     ppl = by_name["int2"]["metrics"]["ppl/tinystories"]
-    assert ppl["value"] > ppl["baseline"] and ppl["n"] == 12 and ppl["tokens"] == ppl["baseline_tokens"]
+    assert ppl["value"] > ppl["baseline"] and ppl["n"] == 96 and ppl["tokens"] == ppl["baseline_tokens"]
     assert by_name["int2"]["metrics"]["acc/tinystories_lastword"]["n"] == 30
     for name in ("results.csv", "report.md", "plot.png", "config.resolved.yaml"):
         assert (out_dir / name).stat().st_size > 0
@@ -124,7 +125,7 @@ def provenance(doc: dict) -> dict:
 def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_path, capsys, monkeypatch):
     path = write_config(tmp_path, TINY)
     out_dir = tmp_path / "reports" / "tiny"
-    assert main([str(path)]) == 0
+    assert main([str(path)]) == 4  # TINY: 2 windows, too few documents to decide: inconclusive
     first = read_report(out_dir)
     assert provenance(first) == {"computed": 5, "reused_from_partial": 0, "set_aside": []}  # ppl, kl, memory
     for name in ("report.md", "config.resolved.yaml"):  # the three files describe the same run
@@ -133,7 +134,7 @@ def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_pat
     victim = out_dir / "partial" / "int8" / "ppl__tinystories.json"
     victim.write_text(victim.read_text()[:40])  # a truncated write
     capsys.readouterr()
-    assert main([str(path)]) == 0
+    assert main([str(path)]) == 4
     err = capsys.readouterr().err
     assert str(victim) in err and "moved to ppl__tinystories.json.corrupt and recomputed" in err
     second = read_report(out_dir)
@@ -142,7 +143,7 @@ def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_pat
     assert "1 measured in this run, 4 reused" in (out_dir / "report.md").read_text()
     real = report.code_version()
     monkeypatch.setattr(report, "code_version", lambda: {**real, "kvquant_source_sha256": "other-code"})
-    assert main([str(path)]) == 0
+    assert main([str(path)]) == 4
     assert read_report(out_dir)["results"]["computed"] == 5  # results of other code are not reused
 
 
@@ -193,7 +194,7 @@ def test_a_busy_report_directory_is_refused_and_a_stale_lock_taken_over(tmp_path
     finally:
         holder.kill()
         holder.wait()
-    assert main([str(path)]) == 0  # its process is gone: the lock is taken over
+    assert main([str(path)]) == 4  # its process is gone: the lock is taken over
     assert "taking over" in capsys.readouterr().err and not (out_dir / ".lock").exists()
 
 
@@ -240,10 +241,11 @@ def test_eviction_needs_streaming_and_a_chunk_wider_than_its_window_is_warned(tm
     with pytest.raises(KVQuantError, match=r"^int8: eviction acts between forwards"):
         run.preflight(load_config(path, [EVICTING]))
     _, _, warnings = run.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=100"]))
-    assert warnings == ["int8: eval.chunk_size 100 is above its window 64: a chunk reads up to chunk_size - 1 "
-                        "tokens beyond the window"]
+    few = "eval.perplexity tinystories: 2 windows decide nothing"  # TINY's windows (kvquant.runner.counts)
+    assert [w for w in warnings if not w.startswith(few)] == [
+        "int8: eval.chunk_size 100 is above its window 64: a chunk reads up to chunk_size - 1 tokens beyond the window"]
     _, _, warnings = run.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=64"]))
-    assert warnings == []
+    assert [w for w in warnings if not w.startswith(few)] == []
 
 
 def test_each_task_is_gated_on_its_standard_metric():
@@ -352,7 +354,7 @@ def test_the_runner_takes_the_plans_steps_not_the_configs(tmp_path, monkeypatch)
                         "candidates:\n  - {{quantizer: int4, name: int4, options: {{residual_length: 0}}}}\n")
     planned = run.plan_steps
     monkeypatch.setattr(run, "plan_steps", lambda cfg: dataclasses.replace(planned(cfg), candidates=("int8",)))
-    assert main([str(write_config(tmp_path, text))]) in (0, 1)
+    assert main([str(write_config(tmp_path, text))]) == 4
     doc = read_report(tmp_path / "reports" / "tiny")
     assert [c["name"] for c in doc["candidates"]] == ["int8"]
     assert doc["plan"]["candidates"] == ["int8"]

@@ -183,7 +183,7 @@ def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tm
                                  dtype=torch.float32)["bits_per_element"] for r in cfg.search.ladder)
     budget = low + 2.5 * (high - low) / 5  # between step 2 and step 3
     code = main([str(path), "--set", f"search.max_bits={budget}", "--set", "eval.memory_probe_tokens=128"])
-    assert code in (0, 1)
+    assert code in (0, 1, 4)  # 6 windows decide no pass (kvquant.runner.counts): the search is what is tested
     # the sensitivities show progress in a log too (stderr is not a terminal here), 5 layers x 1 rung
     err = capsys.readouterr().err
     assert "search: layer sensitivity: 100%" in err and "5/5" in err, err[-2000:]

@@ -1,21 +1,19 @@
-"""The fewest documents a bootstrap interval decides with (issue 53 item 3). See ``docs/gate.md``.
+"""The fewest documents (windows) an interval decides with (issue 53 item 3). See ``docs/gate.md``.
 
-kvquant's intervals over documents or windows (a perplexity set's perplexity ratio, KL and top-1; a position
-bucket's KL and top-1; the trend of KL per doubling of the position) are percentile bootstraps, and over few
-documents they are too narrow: ``experiments/simulate_counts.py`` measured how often each end misses the true
-value, for per-document spreads taken from the committed long reports. The counts below are where each end's miss
-comes within ``BOUND`` of nominal. Below its count a verdict that rests on that end is **too few documents**:
-never a pass or a fail, and, like inconclusive, never a pass for the candidate.
+Every interval of kvquant over documents or windows is a bootstrap: a perplexity set's perplexity ratio, KL and
+top-1 over windows and a position bucket's KL and top-1 over documents are the studentized bootstrap of a mean
+(:mod:`kvquant.runner.bootstrap`); the trend of KL per doubling of the position a percentile bootstrap of a slope
+(:mod:`kvquant.runner.positions`). Over few documents each is too narrow: ``experiments/simulate_windows.py``
+(the means) and ``experiments/simulate_counts.py`` (the trend) measured how often each end misses the true value,
+for per-window spreads taken from the committed reports and skewed parametric ones. The counts below are where
+each end's miss comes within the simulations' bound of nominal. Below its count a verdict that rests on that end
+is **too few documents**: never a pass or a fail, and, like inconclusive, never a pass for the candidate.
 
 A verdict reads one end of the interval: a pass the end toward the threshold on the good side, a fail the other.
-The losses are skewed toward bad documents (a few windows diverge much more than the rest), and a percentile
-bootstrap misses most on that side, which is the end a pass reads; so a pass needs more documents than a fail.
-The accuracy interval (a score interval for paired 0/1 answers) and the flip rate's exact interval are not
-bootstraps: their error is simulated on their own (``experiments/simulate_gate.py``) and they have no count here.
-
-The gate holds position buckets (long contexts) and trends to these counts. A perplexity set's windows are not held
-to them yet: the same simulation says a pass over fewer than 96 windows is too optimistic there too, and the fix
-that would need fewer (a skew-correcting interval) is the next step (docs/gate.md).
+The losses are skewed toward bad windows, and an interval misses most on that side, the end a pass reads; so a pass
+needs more documents than a fail. The accuracy interval (a score interval for paired 0/1 answers) and the flip
+rate's exact interval are not bootstraps: their error is simulated on their own (``experiments/simulate_gate.py``)
+and they have no count here.
 """
 
 from __future__ import annotations
@@ -24,11 +22,16 @@ from kvquant.runner.results import ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPL
 
 TOO_FEW = "too few documents"
 
-#: From ``experiments/simulate_counts.py`` (seed 20261207, 4,000 draws per cell; ``docs/gate.md``): a mean over
-#: documents (windows, or documents in a position bucket) decides a fail from :data:`MIN_FAIL` documents and a pass
-#: from :data:`MIN_PASS`; the trend per doubling decides either way from :data:`MIN_TREND`.
-MIN_FAIL = 12
+#: From ``experiments/simulate_windows.py`` (seed 20261208, 2,000 draws per cell; ``docs/gate.md``): the studentized
+#: bootstrap of a mean over windows (a perplexity set) or documents (a position bucket) decides a pass from
+#: :data:`MIN_PASS` (lognormal sigma 0.5 and gamma 2 spreads need it; the committed SmolLM2 windows 12) and a fail
+#: from :data:`MIN_FAIL`: its lower end stays within the bound at every n of the grid, and 4 is the fewest windows
+#: whose 95% interval can be bounded (over n windows a resample repeats one window with chance n^(1-n), and its
+#: t is infinite: 11% at 3 windows, beyond the 2.5% each end reads; 1.6% at 4).
+MIN_FAIL = 4
 MIN_PASS = 96
+#: From ``experiments/simulate_counts.py`` (seed 20261207, 4,000 draws per cell): the trend per doubling decides
+#: either way from :data:`MIN_TREND` documents.
 MIN_TREND = 32
 
 
@@ -59,14 +62,22 @@ def too_few(n: int, need: int) -> str:
 
 
 def count_warnings(cfg) -> list[str]:
-    """What a config's counts cannot decide, said before the run starts: long documents fewer than a position
-    bucket needs. A warning, not a refusal: such a row is judged "too few documents" and cannot pass, but the run
-    still shows what its other metrics decide (and a small config still exercises the pipeline)."""
+    """What a config's counts cannot decide, said before the run starts: a gated perplexity set's windows or the
+    long documents fewer than a pass needs. A warning, not a refusal: such a row is judged "too few documents" and
+    cannot pass, but the run still shows what its other metrics decide (and a small config still exercises the
+    pipeline)."""
     gate, out = cfg.gate, []
+    for spec in cfg.eval.perplexity:
+        if (gate.perplexity is None or spec.name in gate.perplexity) and spec.limit is not None \
+                and spec.limit < MIN_PASS:
+            out.append(f"eval.perplexity {spec.name}: {spec.limit} windows {_decide(spec.limit)}")
     long = cfg.eval.long_context
     if long is not None and (gate.max_kl_divergence is not None or gate.min_top1_agreement is not None) \
             and long.documents < MIN_PASS:
-        what = "no position bucket" if long.documents < MIN_FAIL else "a bucket's fail only"
-        out.append(f"eval.long_context.documents: {long.documents} documents decide {what} (a fail needs "
-                   f"{MIN_FAIL}, a pass {MIN_PASS}; docs/gate.md)")
+        out.append(f"eval.long_context.documents: {long.documents} documents {_decide(long.documents)}")
     return out
+
+
+def _decide(n: int) -> str:
+    what = "nothing" if n < MIN_FAIL else "a fail only"
+    return f"decide {what} (a fail needs {MIN_FAIL}, a pass {MIN_PASS}; docs/gate.md)"

@@ -4,14 +4,16 @@ Each gated metric gets one of three verdicts from a paired test of non-inferiori
 score (candidate / baseline accuracy, baseline / candidate perplexity: higher is better, 1.0 is no loss), or the
 value itself for the divergence metrics (mean KL divergence from the baseline, lower is better; top-1 agreement,
 higher is better). The paired interval of the statistic (for 0/1 accuracies a score interval of the ratio of paired
-proportions, :func:`paired_ratio_bounds`; otherwise a paired bootstrap, documents or windows resampled with the
-baseline's and the candidate's outcome of each kept together) is compared with the threshold:
+proportions, :func:`paired_ratio_bounds`; otherwise a paired studentized bootstrap, :mod:`kvquant.runner.bootstrap`,
+documents or windows resampled with the baseline's and the candidate's outcome of each kept together) is compared
+with the threshold:
 
 - **pass**: the whole interval is on the good side (the candidate is shown to lose no more than the margin);
 - **fail**: the whole interval is on the bad side (shown to lose more);
 - **inconclusive**: it straddles the threshold; the verdict says about how many documents would decide it;
-- **too few documents**: a bootstrap interval over fewer documents (windows) than its end needs to hold its error
-  (:mod:`kvquant.runner.counts`, from a simulation): never a pass or a fail; for the decision, as inconclusive.
+- **too few documents**: a bootstrap interval (a perplexity set's windows, a position bucket's documents) over fewer
+  than its end needs to hold its error (:mod:`kvquant.runner.counts`, from a simulation): never a pass or a fail;
+  for the decision, as inconclusive.
 
 A gated metric whose requests read less than ``gate.min_quantized_share`` of their keys or values quantized is
 **not exercised** (the accuracy says nothing about the quantizer) and cannot count toward a pass. With sequential
@@ -30,6 +32,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from kvquant.runner.bootstrap import studentized
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate_config import GateConfig
@@ -160,9 +163,10 @@ def paired_interval(
     """The paired interval of a metric's statistic at ``confidence`` (two-sided).
 
     accuracy: ``baseline``/``candidate`` are per-document scores ``[n]`` (:func:`ratio_interval`). The others by a
-    paired bootstrap over windows (``iters`` resamples; at least 2 windows): perplexity from
-    per-window ``[n, 2]`` rows of (summed NLL, tokens) of both; divergence / agreement from the candidate's
-    per-window ``[n, 2]`` rows of (sum, positions) (``baseline`` unused).
+    paired studentized bootstrap over windows (:func:`kvquant.runner.bootstrap.studentized`, ``iters`` resamples; at
+    least 2 windows): perplexity from per-window ``[n, 2]`` rows of (summed NLL, tokens) of both (the interval of
+    the log of the ratio, ``sum(baseline NLL - candidate NLL) / sum(baseline tokens)``, exponentiated); divergence /
+    agreement from the candidate's per-window ``[n, 2]`` rows of (sum, positions) (``baseline`` unused).
     """
     candidate = np.asarray(candidate, dtype=float)
     n = len(candidate)
@@ -173,11 +177,9 @@ def paired_interval(
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
     if kind == PERPLEXITY:
         baseline = np.asarray(baseline, dtype=float)
-        stats = np.exp((baseline[idx, 0].sum(1) - candidate[idx, 0].sum(1)) / baseline[idx, 1].sum(1))
+        low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
     else:
-        stats = candidate[idx, 0].sum(1) / candidate[idx, 1].sum(1)
-    alpha = (1 - confidence) / 2
-    low, high = np.quantile(stats, [alpha, 1 - alpha], method="inverted_cdf")
+        low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
     return float(low), float(high)
 
 
@@ -210,8 +212,9 @@ def more_documents(row: MetricRow, limit: float) -> int | None:
     return max(math.ceil(row.n * (half / distance) ** 2) - row.n, 1)
 
 
-def judge(row: MetricRow, policy: GateConfig) -> Verdict:
-    """The verdict on one row (see the module docstring)."""
+def judge(row: MetricRow, policy: GateConfig, counted: bool = True) -> Verdict:
+    """The verdict on one row (see the module docstring); ``counted=False``: not held to the counts of
+    :mod:`kvquant.runner.counts` (for an interval of another method, whose counts differ)."""
     limit = threshold(row.kind, policy)
     point = policy.decide_on == "point"
     if not row.gated or math.isnan(limit):
@@ -228,9 +231,9 @@ def judge(row: MetricRow, policy: GateConfig) -> Verdict:
         verdict = Verdict(row, limit, row.statistic, FAIL)
     else:
         verdict = Verdict(row, limit, row.statistic, INCONCLUSIVE, more=more_documents(row, limit))
-    # a position bucket over too few documents for the end a verdict reads (fewer than the smallest count: for any
-    # verdict): no decision. Perplexity sets' windows are not held to the counts yet (docs/gate.md says why)
-    settled, need = settle(row.kind, verdict.verdict, row.n) if bucket_end(row.metric) is not None else (None, None)
+    # over too few windows or documents for the end a verdict reads (fewer than the smallest count: for any
+    # verdict): no decision
+    settled, need = settle(row.kind, verdict.verdict, row.n) if counted else (None, None)
     if settled == TOO_FEW:
         verdict = Verdict(row, limit, row.statistic, TOO_FEW, point=point, more=need - row.n)
     # a loss shown through a mostly unquantized cache is still a loss; only a pass (or the hope of one) needs the
@@ -314,14 +317,15 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
 
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
            pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
-           at_chance: frozenset[str] = frozenset()) -> Decision:
+           at_chance: frozenset[str] = frozenset(), counted: bool = True) -> Decision:
     """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
     (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
     passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
     decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
-    than it holds."""
-    verdicts = [bounded(timed(judge(r, policy), pace or {}), sizes or {}) for r in rows]
+    than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
+    windows, which picks a map and decides nothing)."""
+    verdicts = [bounded(timed(judge(r, policy, counted), pace or {}), sizes or {}) for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing

@@ -7,7 +7,8 @@ returns (no model, no files).
   value in a bucket is the mean over its positions there; a bucket's value is the mean over the documents that
   reach it, each document weighing the same (a long document does not outvote the others).
 - **Intervals** resample documents (paired by construction: a document's KL is already its candidate against
-  the baseline on the same tokens), ``iters`` times, seeded.
+  the baseline on the same tokens), ``iters`` times, seeded: a bucket's is the studentized bootstrap the gate uses
+  (:func:`kvquant.runner.bootstrap.studentized`), the trend's a percentile bootstrap of its slope.
 - **Trend**: ``ln KL`` of each (document, bucket) regressed on ``log2`` of the bucket's mean position (one
   pooled least-squares slope ``b``); ``exp(b)`` is the factor by which the divergence grows per doubling of the
   position, with a bootstrap interval over documents. It *grows* where the whole interval of ``b`` is above 0,
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvquant.runner.bootstrap import studentized
 from kvquant.runner.counts import MIN_TREND, too_few
 
 #: Default bucket edges (positions): 0-512, 512-1K, 1-2K, 2-4K, 4-8K, 8-16K, 16-32K.
@@ -70,7 +72,6 @@ def buckets(per_position: list[list[float]], edges=EDGES, iters: int = 2000, con
     edges = check_edges(edges)
     means = bucket_means(per_position, edges)
     rng = np.random.default_rng(seed)
-    alpha = (1 - confidence) / 2
     out = []
     for b, (start, stop) in enumerate(zip(edges, edges[1:])):
         reached = means[~np.isnan(means[:, b]), b]
@@ -78,8 +79,8 @@ def buckets(per_position: list[list[float]], edges=EDGES, iters: int = 2000, con
             continue
         low = high = math.nan
         if reached.size >= 2:
-            stats = reached[rng.integers(0, reached.size, size=(iters, reached.size))].mean(1)
-            low, high = (float(x) for x in np.quantile(stats, [alpha, 1 - alpha], method="inverted_cdf"))
+            idx = rng.integers(0, reached.size, size=(iters, reached.size))
+            low, high = (float(x) for x in studentized(reached, None, idx, confidence))
         out.append(Bucket(start, stop, int(reached.size), float(reached.mean()), low, high))
     return out
 

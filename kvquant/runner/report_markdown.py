@@ -44,8 +44,9 @@ def _gate_line(cfg: ExperimentConfig) -> str:
                f"{gate.confidence:.0%} paired bootstrap intervals are shown")
     else:
         how = (f"paired non-inferiority: pass when the {gate.confidence:.0%} paired interval (accuracy: the score "
-               f"interval of the paired ratio; windows: {gate.bootstrap} bootstrap resamples, none decided by fewer "
-               "than docs/gate.md's counts) clears the threshold, fail when it lies beyond it, else inconclusive")
+               f"interval of the paired ratio; windows: a studentized bootstrap of {gate.bootstrap} resamples, none "
+               "decided by fewer than docs/gate.md's counts) clears the threshold, fail when it lies beyond it, "
+               "else inconclusive")
     if gate.max_documents:
         plans = "; ".join(f"{task} after {', '.join(map(str, looks(cfg.eval.tasks.limit_for(task), cap)))}"
                           for task, cap in ((t, gate.max_documents) for t in cfg.gated_tasks()))
@@ -161,11 +162,12 @@ def _metrics_section(candidates: tuple[CandidateReport, ...], baseline: Memory) 
         "1.0 = no loss), or the value of `kl/` (mean KL divergence of the candidate's next-token distribution "
         "from the baseline's, nats per position) and `top1/` (share of positions whose most likely token is "
         "the baseline's) and `flips/` (share of a task's documents whose answer went from right to wrong or from "
-        "wrong to right; exact interval). Interval: paired bootstrap over documents (tasks) or windows "
-        "(perplexity sets), at the confidence shown. Quantized share: of the keys and of the values attention "
-        "read (per query, causally, over every layer), the smaller share stored quantized; bits at median: the "
-        "cache's bits per element at the median request length (the bits column of the candidates is at "
-        f"{baseline.measured['tokens']} tokens). Perplexity rows: summed NLL and token counts are in results.json.",
+        "wrong to right; exact interval). Interval: the paired score interval (tasks) or the paired studentized "
+        "bootstrap over windows (perplexity sets), at the confidence shown. Quantized share: of the keys and of "
+        "the values attention read (per query, causally, over every layer), the smaller share stored quantized; "
+        "bits at median: the cache's bits per element at the median request length (the bits column of the "
+        f"candidates is at {baseline.measured['tokens']} tokens). Perplexity rows: summed NLL and token counts "
+        "are in results.json.",
         ""]
 
 
@@ -180,9 +182,9 @@ def _divergence_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
     if not rows:
         return []
     lines = ["## Divergence from the baseline", "", "Per position, KL(baseline || candidate) of the next-token "
-             "distributions (nats), with paired bootstrap intervals over windows; top-1: positions whose most likely "
-             "token is unchanged.", "", "| candidate | set | mean KL | median KL | p99 KL | top-1 agreement |",
-             "|---|---|---|---|---|---|"]
+             "distributions (nats), with paired studentized bootstrap intervals over windows; top-1: positions whose "
+             "most likely token is unchanged.", "",
+             "| candidate | set | mean KL | median KL | p99 KL | top-1 agreement |", "|---|---|---|---|---|---|"]
     for c, m in rows:
         source = m.row.metric.source
         top = c.metric(MetricId("top1", source))

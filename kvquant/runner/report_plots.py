@@ -5,6 +5,7 @@ reports of :mod:`kvquant.runner.report_facts`."""
 from __future__ import annotations
 
 import io
+import math
 
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.report_facts import CandidateReport, StageRow
@@ -59,8 +60,8 @@ def quality_plot(candidates: tuple[CandidateReport, ...], cfg: ExperimentConfig)
         line = _named_curve(ax, pts, label=metric)
         offset = (i - len(metrics) / 2) * 0.04  # side by side, so intervals do not hide each other
         ax.errorbar([x + offset for x, _, _ in entries], [row.relative for _, row, _ in entries],
-                    yerr=[[max(row.relative - row.ci_low, 0) for _, row, _ in entries],
-                          [max(row.ci_high - row.relative, 0) for _, row, _ in entries]],
+                    yerr=[[_reach(row.relative - row.ci_low) for _, row, _ in entries],
+                          [_reach(row.ci_high - row.relative) for _, row, _ in entries]],
                     fmt="none", ecolor=line.get_color(), alpha=0.5, capsize=2)
     _accuracy_threshold(ax, cfg)
     ax.axhline(1 / cfg.gate.max_perplexity_ratio, color="orange", ls=":", lw=1,
@@ -99,3 +100,8 @@ def probe_plot(curve: dict[str, dict[int, tuple[float, int]]], cfg: ExperimentCo
     ax.set_title(f"{cfg.name}: long-range probe ({cfg.eval.mode} mode)")
     ax.legend(fontsize=8, loc="lower left")
     return _png(fig)
+
+
+def _reach(x: float) -> float:
+    """An error bar's length: none where the interval is unbounded (a studentized interval over too few windows)."""
+    return max(x, 0) if math.isfinite(x) else 0.0

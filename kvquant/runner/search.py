@@ -241,7 +241,8 @@ class _Search:
         label = _label(self.maps[m])
         self.results[label] = self.measure(map_candidate(self.ladder, self.maps[m], label), label, tasks=True)
         table = metric_rows(self.cfg, self.results, [label], baseline=CALIBRATION_BASELINE)
-        passed = decide(table, {label: self.map_bits(m)}, self.gate).passed[label]
+        # picks the map, decides nothing (the evaluation split's gate does, held to the counts): not counted
+        passed = decide(table, {label: self.map_bits(m)}, self.gate, counted=False).passed[label]
         self.checked[m] = {"step": m, "bits_per_element": self.map_bits(m), "passed": passed,
                            "metrics": {row.metric.name: row.statistic for row in table if row.gated}}
         if self.session.processes.main:
