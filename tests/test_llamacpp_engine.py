@@ -147,20 +147,26 @@ def test_block_sums_cut_each_window_on_its_own():
     assert sums.tolist() == [[1, 2], [5, 2], [4, 1], [2, 2], [1, 1]]
 
 
-def made_up(values: dict[str, tuple[float, float]], positions: int = 256, windows: int = 2) -> dict:
-    """Per label: llama.cpp's and kvquant's KL drawn around the given means (exponential, seeded)."""
+def made_up(values: dict[str, tuple[float, ...]], positions: int = 256, windows: int = 2) -> dict:
+    """Per label: llama.cpp's and kvquant's KL (then llama.cpp's and the verdict's against the model: a tenth of
+    them unless given) drawn around the given means (exponential, seeded)."""
     rng = np.random.default_rng(1)
     found = {}
     for label, means in values.items():
+        means = means if len(means) == 4 else (*means, means[0] / 10, means[1] / 10)
         found[label] = {side: {"kl": [rng.exponential(m, positions) for _ in range(windows)],
-                               "top1": [np.ones(positions, bool)] * windows} for side, m in zip(engine.SIDES, means)}
+                               "top1": [np.ones(positions, bool)] * windows}
+                        for side, m in zip((*engine.SIDES, *engine.MODEL_SIDES), means)}
+    found[engine.F16_LABEL] = {side: {"kl": [np.full(positions, m)] * windows, "top1": [np.ones(positions, bool)]}
+                               for side, m in (("llamacpp_model", 0.004), ("kvquant_model", 0.0036))}
     return found
 
 
 def test_the_rows_verdicts_and_checks_by_value():
     settings = [Setting("q8_0", True), Setting("q4_0", True), Setting("q8_0", False), Setting("q4_0", False),
                 Setting("q5_0", True), Setting("q5_0", False)]
-    found = made_up({"q8_0 rot on": (0.004, 0.0041), "q4_0 rot on": (0.05, 0.03), "q8_0 rot off": (0.005, 0.0002),
+    found = made_up({"q8_0 rot on": (0.004, 0.0041, 0.0042, 0.0002), "q4_0 rot on": (0.05, 0.03),
+                     "q8_0 rot off": (0.005, 0.0002),
                      "q4_0 rot off": (0.15, 0.16), "q5_0 rot on": (0.0005, 0.0001), "q5_0 rot off": (0.04, 0.00005)})
     rows, draws = comparison.summarize(found, settings)
     by = {r.setting.label: r for r in rows}
@@ -181,8 +187,13 @@ def test_the_rows_verdicts_and_checks_by_value():
     assert checks["rotation"]["q4_0"]["llamacpp"] < 0 and checks["rotation"]["q4_0"]["kvquant"] < 0
     assert checks["rotation"]["q5_0"]["llamacpp"] < 0 < checks["rotation"]["q5_0"]["kvquant"]
     assert not checks["rotation_same_direction"]
-    text = comparison.summary_text(rows, checks)
+    q8 = by["q8_0 rot on"]
+    assert q8.kl["verdict"][0] == pytest.approx(np.concatenate(found["q8_0 rot on"]["verdict"]["kl"]).mean())
+    text = comparison.summary_text(rows, checks, comparison.f16_offsets(found))
     assert "| q4_0 | on |" in text and "**missed**" in text and "target: not met" in text
+    assert f"| met | {comparison.fmt(q8.kl['llamacpp_model'][0])} [" in text  # beside the target: against the model
+    assert f"| {comparison.fmt(q8.kl['verdict'][0])} [" in text
+    assert "f16 cache against the model's own computation: llama.cpp 0.0040, kvquant's emulation 0.0036" in text
 
 
 def test_a_swap_llama_cpp_cannot_separate_is_named_as_noise():
@@ -327,7 +338,8 @@ def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypa
     settings = [Setting("q8_0", True), Setting("q4_0", False)]
     windows = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
     first = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
-    assert len(calls) == 3 * 2 * 3 and len(list(tmp_path.glob("window-*.npz"))) == 3
+    # per window: llama.cpp's f16 and two settings; kvquant's fp16 (the model's own), two verdicts, f16, two
+    assert len(calls) == 3 * 9 and len(list(tmp_path.glob("window-*.npz"))) == 3
     calls.clear()
     again = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
     assert calls == []
@@ -336,7 +348,7 @@ def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypa
             for what in ("kl", "top1"):
                 assert all(np.array_equal(x, y) for x, y in zip(first[label][side][what], again[label][side][what]))
     engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
-    assert len(calls) == 18  # other inputs: every window measured again
+    assert len(calls) == 27  # other inputs: every window measured again
     calls.clear()
     window_2 = tmp_path / "window-0002.npz"
     window_2.unlink()  # as if interrupted during window 2
