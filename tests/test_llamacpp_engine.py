@@ -291,6 +291,23 @@ def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
         run.close()
 
 
+def test_the_ubatch_and_flash_attention_reach_llama_cpp():
+    """An f16 cache read in ubatches of 32 query rows, or without flash attention, gives other logits than the
+    whole window in one ubatch (other arithmetic: docs/quantizers.md, what an engine format's KL means), each the
+    same when repeated."""
+    pytest.importorskip("llama_cpp")
+    spec, gguf = engine.model_spec("smollm2")
+    run = engine.Engine(gguf, threads=2)
+    try:
+        ids = engine.token_windows(kvquant.scoring.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 96)[0]
+        whole = run.logits(ids)
+        for options in ({"ubatch": 32}, {"flash": False}):
+            got = run.logits(ids, **options)
+            assert torch.equal(run.logits(ids, **options), got) and not torch.equal(got, whole), options
+    finally:
+        run.close()
+
+
 @pytest.mark.slow
 def test_llama_cpp_and_kvquant_agree_on_a_smollm2_window():
     """One 256-token WikiText-2 window, q8_0 and q4_0 rotated (llama.cpp's default) and q4_0 unrotated: each kvquant

@@ -198,15 +198,17 @@ class Engine:
             raise InternalError(f"llama_tokenize needs {-n} tokens, more than {len(out)}")
         return list(out[:n])
 
-    def _context(self, n: int, setting: Setting | None):
-        """A context for ``n`` tokens in one batch, the cache ``setting`` (None: f16), flash attention on."""
+    def _context(self, n: int, setting: Setting | None, ubatch: int | None = None, flash: bool = True):
+        """A context for ``n`` tokens in one batch, the cache ``setting`` (None: f16), ``ubatch`` tokens a ubatch
+        (None: all ``n``), flash attention on unless ``flash`` is False."""
         lib = self.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n
+        params.n_ctx = params.n_batch = n
+        params.n_ubatch = min(ubatch or n, n)
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k, params.type_v = (GGML_TYPES[t] for t in (setting.types if setting else ("f16", "f16")))
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         del _LOG[:]
         with rotation_env(setting is None or setting.rotation):
             ctx = lib.llama_init_from_model(self.model, params)
@@ -223,11 +225,13 @@ class Engine:
         if not flags or any(bool(int(on)) != wanted[stream] for stream, on in flags):
             raise InternalError(f"llama.cpp's cache for {setting.label} logs {flags or 'no attn_rot'}")
 
-    def logits(self, ids: list[int], setting: Setting | None = None) -> torch.Tensor:
+    def logits(self, ids: list[int], setting: Setting | None = None, ubatch: int | None = None,
+               flash: bool = True) -> torch.Tensor:
         """``[len(ids), n_vocab]`` float32: the next-token logits at every position of ``ids`` read through the cache
-        ``setting`` (None: f16)."""
+        ``setting`` (None: f16), in one batch of ``ubatch``-token ubatches (None: one ubatch), flash attention on
+        unless ``flash`` is False (llama.cpp then refuses a quantized V)."""
         lib, n = self.lib, len(ids)
-        ctx = self._context(n, setting)
+        ctx = self._context(n, setting, ubatch, flash)
         batch = lib.llama_batch_init(n, 0, 1)
         try:
             for i, token in enumerate(ids):
