@@ -194,6 +194,11 @@ def test_the_rows_verdicts_and_checks_by_value():
     assert f"| met | {comparison.fmt(q8.kl['llamacpp_model'][0])} [" in text  # beside the target: against the model
     assert f"| {comparison.fmt(q8.kl['verdict'][0])} [" in text
     assert "f16 cache against the model's own computation: llama.cpp 0.0040, kvquant's emulation 0.0036" in text
+    doc = comparison.to_json({"rows": rows, "checks": checks, "found": found, "meta": {}}, block=32)
+    kept = doc["blocks"][engine.F16_LABEL]["llamacpp_model"]["kl"]  # [sum, positions] per block of 32
+    assert len(kept) == 2 * 256 // 32 and kept[0] == pytest.approx([0.004 * 32, 32])
+    rows_by = {(row["type"], row["rotation"]): row for row in doc["rows"]}
+    assert rows_by["q8_0", True]["kl"]["verdict"][0] == pytest.approx(q8.kl["verdict"][0])
 
 
 def test_a_swap_llama_cpp_cannot_separate_is_named_as_noise():
