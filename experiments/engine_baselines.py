@@ -1,6 +1,6 @@
 """Why an engine format has two KL divergences (issue 53, item 4): the same GGUF and the same WikiText-2 windows
 through kvquant with float32 matmuls (the model's own computation), kvquant with llama.cpp's quantized matmuls
-(:func:`kvquant.formats.llamacpp_gguf.emulate_matmuls`) and llama.cpp itself (flash attention on with whole-window
+(:func:`kvquant.formats.llamacpp_matmuls.emulate_matmuls`) and llama.cpp itself (flash attention on with whole-window
 ubatches, the tiled path; on with ubatches of 32, the path a decode takes; off), each with its 16-bit cache and a
 quantized one, and the mean per-token KL divergence of every pair that matters:
 
@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvquant.errors import run_script, script_parser
+from kvquant.errors import script_parser
+from kvquant.exits import run_script
 
 PROG = "engine_baselines"
 
@@ -81,14 +82,21 @@ def pairs(types: list[str]) -> list[tuple[str, str, str]]:
 
 
 def run(args) -> int:
-    from kvquant.formats.llamacpp_gguf import emulate_matmuls
+    from kvquant.formats.llamacpp_matmuls import emulate_matmuls
     from kvquant.integrations import llamacpp_engine as le
     from kvquant.scoring.models import load_model, load_tokenizer
 
+    from kvquant.errors import check_int
+
+    check_int("--windows", args.windows, minimum=1, maximum=1000)
+    check_int("--length", args.length, minimum=64, maximum=32768)
+    check_int("--threads", args.threads, minimum=1, maximum=256)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     torch.set_num_threads(args.threads)
     spec, gguf = le.model_spec(args.model)
     meta = le.gguf_metadata(gguf)
+    le.check_settings([le.Setting(t, True) for t in types], meta["head_dim"])  # before anything loads
+    le.import_llama_cpp()
     engine = le.Engine(gguf, args.threads)
     model, _ = load_model(spec)
     ids = le.token_windows(load_tokenizer(spec), meta, args.windows, args.length)

@@ -104,6 +104,17 @@ def test_other_bad_arguments_are_one_line(capsys, nothing_loads, argv, needle):
     assert needle in refused(capsys, argv)
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--types", "q3_k"], "cache type 'q3_k' is not a quantized type llama.cpp allows"),
+    (["--windows", "0"], "--windows must be an integer >= 1"),
+])
+def test_engine_baselines_refuses_in_one_line_before_anything_loads(capsys, nothing_loads, monkeypatch, argv, needle):
+    monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("llama.cpp loaded a model"))
+    assert experiment("engine_baselines").main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("engine_baselines: error: ") and needle in err[0], err
+
+
 def test_a_damaged_gguf_is_one_line(capsys, nothing_loads, tmp_path):
     bad = tmp_path / "damaged.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(64))
