@@ -6,6 +6,7 @@ are checked by value on made-up data; the comparison itself runs on a slice of S
 importable (``pip install -e ".[llamacpp]"``), asserting the agreement ``reports/llamacpp-compare`` reports there.
 """
 
+import contextlib
 import os
 import sys
 
@@ -291,37 +292,38 @@ def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
 # --- llama.cpp itself (where llama_cpp is importable: pip install -e ".[llamacpp]") ----------------------------
 
 
-def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
-    """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
-    for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""
+@contextlib.contextmanager
+def smollm2_in_llama_cpp(length: int):
+    """llama.cpp's SmolLM2 (2 threads) and the first WikiText-2 window of ``length`` tokens."""
     pytest.importorskip("llama_cpp")
     spec, gguf = engine.model_spec("smollm2")
     run = engine.Engine(gguf, threads=2)
     try:
-        ids = engine.token_windows(kvquant.scoring.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 128)[0]
+        tokenizer = kvquant.scoring.models.load_tokenizer(spec)
+        yield run, engine.token_windows(tokenizer, engine.gguf_metadata(gguf), 1, length)[0]
+    finally:
+        run.close()
+
+
+def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
+    """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
+    for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""
+    with smollm2_in_llama_cpp(128) as (run, ids):
         f16 = run.logits(ids)
         assert torch.equal(run.logits(ids), f16)
         assert torch.equal(run.logits(ids, Setting("f32", True)), f16)
         assert not torch.equal(run.logits(ids, Setting("bf16", True)), f16)
-    finally:
-        run.close()
 
 
 def test_the_ubatch_and_flash_attention_reach_llama_cpp():
     """An f16 cache read in ubatches of 32 query rows, or without flash attention, gives other logits than the
     whole window in one ubatch (other arithmetic: docs/quantizers.md, what an engine format's KL means), each the
     same when repeated."""
-    pytest.importorskip("llama_cpp")
-    spec, gguf = engine.model_spec("smollm2")
-    run = engine.Engine(gguf, threads=2)
-    try:
-        ids = engine.token_windows(kvquant.scoring.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 96)[0]
+    with smollm2_in_llama_cpp(96) as (run, ids):
         whole = run.logits(ids)
         for options in ({"ubatch": 32}, {"flash": False}):
             got = run.logits(ids, **options)
             assert torch.equal(run.logits(ids, **options), got) and not torch.equal(got, whole), options
-    finally:
-        run.close()
 
 
 @pytest.mark.slow
