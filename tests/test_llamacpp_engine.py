@@ -6,6 +6,7 @@ are checked by value on made-up data; the comparison itself runs on a slice of S
 importable (``pip install -e ".[llamacpp]"``), asserting the agreement ``reports/llamacpp-compare`` reports there.
 """
 
+import contextlib
 import os
 import sys
 
@@ -104,6 +105,17 @@ def test_other_bad_arguments_are_one_line(capsys, nothing_loads, argv, needle):
     assert needle in refused(capsys, argv)
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--types", "q3_k"], "cache type 'q3_k' is not a quantized type llama.cpp allows"),
+    (["--windows", "0"], "--windows must be an integer >= 1"),
+])
+def test_engine_baselines_refuses_in_one_line_before_anything_loads(capsys, nothing_loads, monkeypatch, argv, needle):
+    monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("llama.cpp loaded a model"))
+    assert experiment("engine_baselines").main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("engine_baselines: error: ") and needle in err[0], err
+
+
 def test_a_damaged_gguf_is_one_line(capsys, nothing_loads, tmp_path):
     bad = tmp_path / "damaged.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(64))
@@ -165,20 +177,26 @@ def test_block_sums_cut_each_window_on_its_own():
     assert sums.tolist() == [[1, 2], [5, 2], [4, 1], [2, 2], [1, 1]]
 
 
-def made_up(values: dict[str, tuple[float, float]], positions: int = 256, windows: int = 2) -> dict:
-    """Per label: llama.cpp's and kvquant's KL drawn around the given means (exponential, seeded)."""
+def made_up(values: dict[str, tuple[float, ...]], positions: int = 256, windows: int = 2) -> dict:
+    """Per label: llama.cpp's and kvquant's KL (then llama.cpp's and the verdict's against the model: a tenth of
+    them unless given) drawn around the given means (exponential, seeded)."""
     rng = np.random.default_rng(1)
     found = {}
     for label, means in values.items():
+        means = means if len(means) == 4 else (*means, means[0] / 10, means[1] / 10)
         found[label] = {side: {"kl": [rng.exponential(m, positions) for _ in range(windows)],
-                               "top1": [np.ones(positions, bool)] * windows} for side, m in zip(engine.SIDES, means)}
+                               "top1": [np.ones(positions, bool)] * windows}
+                        for side, m in zip((*engine.SIDES, *engine.MODEL_SIDES), means)}
+    found[engine.F16_LABEL] = {side: {"kl": [np.full(positions, m)] * windows, "top1": [np.ones(positions, bool)]}
+                               for side, m in (("llamacpp_model", 0.004), ("kvquant_model", 0.0036))}
     return found
 
 
 def test_the_rows_verdicts_and_checks_by_value():
     settings = [Setting("q8_0", True), Setting("q4_0", True), Setting("q8_0", False), Setting("q4_0", False),
                 Setting("q5_0", True), Setting("q5_0", False)]
-    found = made_up({"q8_0 rot on": (0.004, 0.0041), "q4_0 rot on": (0.05, 0.03), "q8_0 rot off": (0.005, 0.0002),
+    found = made_up({"q8_0 rot on": (0.004, 0.0041, 0.0042, 0.0002), "q4_0 rot on": (0.05, 0.03),
+                     "q8_0 rot off": (0.005, 0.0002),
                      "q4_0 rot off": (0.15, 0.16), "q5_0 rot on": (0.0005, 0.0001), "q5_0 rot off": (0.04, 0.00005)})
     rows, draws = comparison.summarize(found, settings)
     by = {r.setting.label: r for r in rows}
@@ -199,8 +217,18 @@ def test_the_rows_verdicts_and_checks_by_value():
     assert checks["rotation"]["q4_0"]["llamacpp"] < 0 and checks["rotation"]["q4_0"]["kvquant"] < 0
     assert checks["rotation"]["q5_0"]["llamacpp"] < 0 < checks["rotation"]["q5_0"]["kvquant"]
     assert not checks["rotation_same_direction"]
-    text = comparison.summary_text(rows, checks)
+    q8 = by["q8_0 rot on"]
+    assert q8.kl["verdict"][0] == pytest.approx(np.concatenate(found["q8_0 rot on"]["verdict"]["kl"]).mean())
+    text = comparison.summary_text(rows, checks, comparison.f16_offsets(found))
     assert "| q4_0 | on |" in text and "**missed**" in text and "target: not met" in text
+    assert f"| met | {comparison.fmt(q8.kl['llamacpp_model'][0])} [" in text  # beside the target: against the model
+    assert f"| {comparison.fmt(q8.kl['verdict'][0])} [" in text
+    assert "f16 cache against the model's own computation: llama.cpp 0.0040, kvquant's emulation 0.0036" in text
+    doc = comparison.to_json({"rows": rows, "checks": checks, "found": found, "meta": {}}, block=32)
+    kept = doc["blocks"][engine.F16_LABEL]["llamacpp_model"]["kl"]  # [sum, positions] per block of 32
+    assert len(kept) == 2 * 256 // 32 and kept[0] == pytest.approx([0.004 * 32, 32])
+    rows_by = {(row["type"], row["rotation"]): row for row in doc["rows"]}
+    assert rows_by["q8_0", True]["kl"]["verdict"][0] == pytest.approx(q8.kl["verdict"][0])
 
 
 def test_a_swap_llama_cpp_cannot_separate_is_named_as_noise():
@@ -282,20 +310,38 @@ def test_every_linear_layer_of_smollm2_finds_its_gguf_weight_type():
 # --- llama.cpp itself (where llama_cpp is importable: pip install -e ".[llamacpp]") ----------------------------
 
 
-def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
-    """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
-    for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""
+@contextlib.contextmanager
+def smollm2_in_llama_cpp(length: int):
+    """llama.cpp's SmolLM2 (2 threads) and the first WikiText-2 window of ``length`` tokens."""
     pytest.importorskip("llama_cpp")
     spec, gguf = engine.model_spec("smollm2")
     run = engine.Engine(gguf, threads=2)
     try:
-        ids = engine.token_windows(kvquant.scoring.models.load_tokenizer(spec), engine.gguf_metadata(gguf), 1, 128)[0]
+        tokenizer = kvquant.scoring.models.load_tokenizer(spec)
+        yield run, engine.token_windows(tokenizer, engine.gguf_metadata(gguf), 1, length)[0]
+    finally:
+        run.close()
+
+
+def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
+    """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
+    for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""
+    with smollm2_in_llama_cpp(128) as (run, ids):
         f16 = run.logits(ids)
         assert torch.equal(run.logits(ids), f16)
         assert torch.equal(run.logits(ids, Setting("f32", True)), f16)
         assert not torch.equal(run.logits(ids, Setting("bf16", True)), f16)
-    finally:
-        run.close()
+
+
+def test_the_ubatch_and_flash_attention_reach_llama_cpp():
+    """An f16 cache read in ubatches of 32 query rows, or without flash attention, gives other logits than the
+    whole window in one ubatch (other arithmetic: docs/quantizers.md, what an engine format's KL means), each the
+    same when repeated."""
+    with smollm2_in_llama_cpp(96) as (run, ids):
+        whole = run.logits(ids)
+        for options in ({"ubatch": 32}, {"flash": False}):
+            got = run.logits(ids, **options)
+            assert torch.equal(run.logits(ids, **options), got) and not torch.equal(got, whole), options
 
 
 @pytest.mark.slow
@@ -345,7 +391,8 @@ def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypa
     settings = [Setting("q8_0", True), Setting("q4_0", False)]
     windows = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
     first = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
-    assert len(calls) == 3 * 2 * 3 and len(list(tmp_path.glob("window-*.npz"))) == 3
+    # per window: llama.cpp's f16 and two settings; kvquant's fp16 (the model's own), two verdicts, f16, two
+    assert len(calls) == 3 * 9 and len(list(tmp_path.glob("window-*.npz"))) == 3
     calls.clear()
     again = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
     assert calls == []
@@ -354,7 +401,7 @@ def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypa
             for what in ("kl", "top1"):
                 assert all(np.array_equal(x, y) for x, y in zip(first[label][side][what], again[label][side][what]))
     engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
-    assert len(calls) == 18  # other inputs: every window measured again
+    assert len(calls) == 27  # other inputs: every window measured again
     calls.clear()
     window_2 = tmp_path / "window-0002.npz"
     window_2.unlink()  # as if interrupted during window 2

@@ -3,7 +3,8 @@ cache type
 and rotation, each side's mean per-token KL divergence from its own f16 cache with a 95% interval, the ratio
 kvquant / llama.cpp with its interval, top-1 agreement, and the target of issue 37: wherever llama.cpp's KL is at
 least 1e-3, kvquant's within +-20% of it or the two intervals overlapping; the same order of types; rotation's
-effect in the same direction.
+effect in the same direction. Beside them, each against the model's own computation: llama.cpp's setting, each
+engine's f16 cache, and the verdict ``make_cache`` gives (docs/quantizers.md: what an engine format's KL means).
 
 Intervals: a bootstrap over blocks of 32 consecutive positions (inside a window), resampled with replacement, the
 same resamples for both sides and every setting (so the ratio's interval is paired). Blocks, not single tokens,
@@ -13,6 +14,7 @@ a spread. Both sides see the same windows, so the spread that windows share canc
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -21,8 +23,8 @@ import numpy as np
 import torch
 
 from kvquant.errors import KVQuantError
-from kvquant.integrations.llamacpp_engine import (SIDES, Engine, Setting, check_settings, gguf_metadata,
-    import_llama_cpp, measure, model_spec, same_tokens, token_windows)
+from kvquant.integrations.llamacpp_engine import (F16_LABEL, MODEL_SIDES, SIDES, Engine, Setting, check_settings,
+    gguf_metadata, import_llama_cpp, measure, model_spec, same_tokens, token_windows)
 
 #: how kvquant's side multiplies the GGUF's weights: llama.cpp's quantized activations, or float32 (transformers)
 MATMULS = ("llamacpp", "float32")
@@ -37,8 +39,9 @@ def block_sums(per_window: list[np.ndarray], block: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Row:
-    """One setting on both sides: mean KL and its interval per side, the ratio kvquant / llama.cpp and its
-    interval, top-1 agreement per side."""
+    """One setting on both sides: mean KL and its interval per side (:data:`SIDES`, each against its own f16 cache,
+    and :data:`MODEL_SIDES`, against the model's own computation), the ratio kvquant / llama.cpp and its interval,
+    top-1 agreement per side."""
 
     setting: Setting
     kl: dict[str, tuple[float, float, float]]
@@ -67,18 +70,19 @@ def summarize(found: dict, settings: list[Setting], block: int = 32, iters: int 
               confidence: float = 0.95) -> tuple[list[Row], dict[str, np.ndarray]]:
     """The rows, and every (label, side)'s bootstrap draws of the mean KL: blocks of ``block`` consecutive
     positions resampled with replacement, the same resamples for both sides and every setting (paired)."""
-    sums = {(s.label, side): block_sums(found[s.label][side]["kl"], block) for s in settings for side in SIDES}
+    sums = {(s.label, side): block_sums(found[s.label][side]["kl"], block) for s in settings
+            for side in (*SIDES, *MODEL_SIDES)}
     n = len(next(iter(sums.values())))
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
     draws = {key: v[idx, 0].sum(1) / v[idx, 1].sum(1) for key, v in sums.items()}
     rows = []
     for s in settings:
         kl = {side: (float(sums[s.label, side][:, 0].sum() / sums[s.label, side][:, 1].sum()),
-                     *_interval(draws[s.label, side], confidence)) for side in SIDES}
+                     *_interval(draws[s.label, side], confidence)) for side in (*SIDES, *MODEL_SIDES)}
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = draws[s.label, "kvquant"] / draws[s.label, "llamacpp"]
             ratio = kl["kvquant"][0] / kl["llamacpp"][0] if kl["llamacpp"][0] else float("nan")
-        top1 = {side: float(np.concatenate(found[s.label][side]["top1"]).mean()) for side in SIDES}
+        top1 = {side: float(np.concatenate(found[s.label][side]["top1"]).mean()) for side in (*SIDES, *MODEL_SIDES)}
         rows.append(Row(s, kl, (ratio, *_interval(ratios, confidence)), top1))
     return rows, {f"{label}|{side}": d for (label, side), d in draws.items()}
 
@@ -112,16 +116,24 @@ def fmt(value: float) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    """The side-by-side markdown table."""
+    """The side-by-side markdown table: each side against its own f16 cache (the target's columns), then against
+    the model's own computation (llama.cpp's setting, and kvquant's verdict: docs/quantizers.md)."""
     lines = ["| type | rotation | llama.cpp KL [95% CI] | kvquant KL [95% CI] | kvquant / llama.cpp [95% CI] "
-             "| top-1 llama.cpp | top-1 kvquant | target |", "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| top-1 llama.cpp | top-1 kvquant | target | llama.cpp KL from the model [95% CI] "
+             "| verdict KL (make_cache) [95% CI] |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
-        kl = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in (r.kl[side] for side in SIDES)]
+        kl = [f"{fmt(m)} [{fmt(lo)}, {fmt(hi)}]" for m, lo, hi in (r.kl[side] for side in (*SIDES, *MODEL_SIDES))]
         verdict = ("met" if r.within else "**missed**") if r.gated else "n/a (KL < 1e-3)"
         lines.append(f"| {r.setting.kind} | {'on' if r.setting.rotation else 'off'} | {kl[0]} | {kl[1]} | "
                      f"{r.ratio[0]:.3f} [{r.ratio[1]:.3f}, {r.ratio[2]:.3f}] | {r.top1['llamacpp']:.3f} | "
-                     f"{r.top1['kvquant']:.3f} | {verdict} |")
+                     f"{r.top1['kvquant']:.3f} | {verdict} | {kl[2]} | {kl[3]} |")
     return "\n".join(lines)
+
+
+def f16_offsets(found: dict) -> dict[str, float]:
+    """Each engine's own f16 cache against the model's own computation, mean KL: llama.cpp's and kvquant's
+    emulation of it."""
+    return {side: float(np.concatenate(measured["kl"]).mean()) for side, measured in found[F16_LABEL].items()}
 
 
 def verdicts(rows: list[Row], draws: dict[str, np.ndarray]) -> dict[str, object]:
@@ -139,9 +151,12 @@ def _swap(pair: dict) -> str:
     return f"{'/'.join(pair['pair'])} ({noise})"
 
 
-def summary_text(rows: list[Row], checks: dict[str, object]) -> str:
+def summary_text(rows: list[Row], checks: dict[str, object], offsets: dict[str, float]) -> str:
     """The table and the target's verdicts, as printed."""
-    out = [table(rows), ""]
+    out = [table(rows), "",
+           f"each engine's f16 cache against the model's own computation: llama.cpp {fmt(offsets['llamacpp_model'])}, "
+           f"kvquant's emulation {fmt(offsets['kvquant_model'])} (the verdict on a type is its KL from the model's "
+           "own computation: docs/quantizers.md)"]
     for rot, check in checks["orders"].items():
         out.append(f"order of types, rotation {rot}: llama.cpp {' < '.join(check['orders']['llamacpp'])}; "
                    f"kvquant {' < '.join(check['orders']['kvquant'])}: "
@@ -184,21 +199,31 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
             raise KVQuantError(f"WikiText-2 holds {len(ids)} windows of {length} tokens, fewer than {windows}")
         agree = same_tokens(engine, tokenizer, tokenizer.decode(ids[0][1:]))
         loaded, _ = load_model(spec)
-        if matmul == "llamacpp":
-            emulate_matmuls(loaded, gguf)
+
+        @contextlib.contextmanager
+        def emulated():  # kvquant's engine side only: the verdict is measured with the model's own matmuls
+            handles = emulate_matmuls(loaded, gguf) if matmul == "llamacpp" else []
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
+
         start = time.perf_counter()
         from kvquant.runner.report import code_version
 
         inputs = f"{gguf}|{Path(gguf).stat().st_size}|{matmul}|{threads}|{code_version()}"
-        found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs,
+        found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs, emulated=emulated,
                         **({"rope_layout": rope_layout} if rope_layout else {}))
         seconds = time.perf_counter() - start
     finally:
         engine.close()
     rows, draws = summarize(found, settings)
     checks = verdicts(rows, draws)
-    return {"rows": rows, "checks": checks, "text": summary_text(rows, checks), "found": found,
+    offsets = f16_offsets(found)
+    return {"rows": rows, "checks": checks, "text": summary_text(rows, checks, offsets), "found": found,
             "meta": {"model": model, "gguf": str(gguf), **meta, "windows": windows, "length": length,
+                     "f16_against_the_model": offsets,
                      "threads": threads, "matmul": matmul, "rope_layout": rope_layout or "the model's",
                      "same_tokenization": agree, "seconds": round(seconds, 1)}}
 

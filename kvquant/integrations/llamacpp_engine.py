@@ -19,6 +19,11 @@ rounded to fp16 and, with 64 or more query rows, the query kept in float32, as l
 attention computes a whole-window batch (``ggml-cpu/ops.cpp`` tiled path; an f32 cache is cast to f16 for flash
 attention, ``src/llama-graph.cpp:2650-2658``, and measures the same).
 
+Beside each engine's number, the verdict (docs/quantizers.md, what an engine format's KL means): the model's own
+computation (``make_cache(model, "fp16")``, transformers' float32 matmuls) as the reference, against which llama.cpp's
+setting, each engine's f16 cache and ``make_cache(model, "llamacpp_<type>")`` (what every kvquant path gates) are
+measured too.
+
 Both sides read the same token ids (kvquant's tokenizer; each window's first token is the BOS where the GGUF says
 ``tokenizer.ggml.add_bos_token``, as ``llama-perplexity`` does, ``tools/perplexity/perplexity.cpp:1799-1801``).
 At most one window's logits per side (reference and one setting) are held.
@@ -193,15 +198,17 @@ class Engine:
             raise InternalError(f"llama_tokenize needs {-n} tokens, more than {len(out)}")
         return list(out[:n])
 
-    def _context(self, n: int, setting: Setting | None):
-        """A context for ``n`` tokens in one batch, the cache ``setting`` (None: f16), flash attention on."""
+    def _context(self, n: int, setting: Setting | None, ubatch: int | None = None, flash: bool = True):
+        """A context for ``n`` tokens in one batch, the cache ``setting`` (None: f16), ``ubatch`` tokens a ubatch
+        (None: all ``n``), flash attention on unless ``flash`` is False."""
         lib = self.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n
+        params.n_ctx = params.n_batch = n
+        params.n_ubatch = min(ubatch or n, n)
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k, params.type_v = (GGML_TYPES[t] for t in (setting.types if setting else ("f16", "f16")))
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         del _LOG[:]
         with rotation_env(setting is None or setting.rotation):
             ctx = lib.llama_init_from_model(self.model, params)
@@ -218,11 +225,13 @@ class Engine:
         if not flags or any(bool(int(on)) != wanted[stream] for stream, on in flags):
             raise InternalError(f"llama.cpp's cache for {setting.label} logs {flags or 'no attn_rot'}")
 
-    def logits(self, ids: list[int], setting: Setting | None = None) -> torch.Tensor:
+    def logits(self, ids: list[int], setting: Setting | None = None, ubatch: int | None = None,
+               flash: bool = True) -> torch.Tensor:
         """``[len(ids), n_vocab]`` float32: the next-token logits at every position of ``ids`` read through the cache
-        ``setting`` (None: f16)."""
+        ``setting`` (None: f16), in one batch of ``ubatch``-token ubatches (None: one ubatch), flash attention on
+        unless ``flash`` is False (llama.cpp then refuses a quantized V)."""
         lib, n = self.lib, len(ids)
-        ctx = self._context(n, setting)
+        ctx = self._context(n, setting, ubatch, flash)
         batch = lib.llama_batch_init(n, 0, 1)
         try:
             for i, token in enumerate(ids):
@@ -244,13 +253,15 @@ class Engine:
 
 
 @torch.inference_mode()
-def kvquant_logits(model, ids: list[int], setting: Setting | None = None, **options) -> torch.Tensor:
+def kvquant_logits(model, ids: list[int], setting: Setting | None = None, own: bool = False,
+                   **options) -> torch.Tensor:
     """``[len(ids), vocab]`` float32 logits of one forward over ``ids`` through kvquant's emulation of the cache
-    ``setting`` (None: ``llamacpp_f16``) with ``options`` beside the setting's own (e.g. ``rope_layout``)."""
+    ``setting`` (None: ``llamacpp_f16``; with ``own``, the model's own computation: ``fp16``) with ``options``
+    beside the setting's own (e.g. ``rope_layout``)."""
     from kvquant.cache import make_cache
 
-    name, own = setting.quantizer() if setting else ("llamacpp_f16", {})
-    cache = make_cache(model, name, **own, **options)
+    name, settings = setting.quantizer() if setting else ("fp16" if own else "llamacpp_f16", {})
+    cache = make_cache(model, name, **settings, **options)
     device = model.get_input_embeddings().weight.device
     out = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True)
     return out.logits[0].float().cpu()
@@ -272,43 +283,73 @@ def divergence(reference: torch.Tensor, got: torch.Tensor) -> tuple[np.ndarray, 
 # --------------------------------------------------------------------------------------------------
 # Measuring both sides
 
+#: each side against its own f16 cache: llama.cpp's, and kvquant's emulation of it (issue 37 compares these two)
 SIDES = ("llamacpp", "kvquant")
+#: against the model's own computation (kvquant's ``fp16`` cache, float32 matmuls): llama.cpp's setting, and the
+#: verdict (``make_cache(model, setting)``, what every kvquant path gates: docs/quantizers.md)
+MODEL_SIDES = ("llamacpp_model", "verdict")
+#: the label under which each engine's own f16 cache against the model's own computation is kept
+#: (``llamacpp_model``: llama.cpp's; ``kvquant_model``: kvquant's emulation of it)
+F16_LABEL = "f16"
 
 
 def measure(engine: Engine, model, windows: list[list[int]], settings: list[Setting],
             progress=lambda message: None, saved: Path | None = None, inputs: str = "",
-            **options) -> dict[str, dict[str, dict[str, list]]]:
+            emulated=contextlib.nullcontext, **options) -> dict[str, dict[str, dict[str, list]]]:
     """``{label: {side: {"kl": [per-position KL per window], "top1": [per-position agreement per window]}}}``:
-    each window's positions ``0 .. n-2`` (those predicting a token of the window). Window by window, llama.cpp then
-    kvquant, each side's f16 reference first: one reference and one setting's logits are held at a time.
+    each window's positions ``0 .. n-2`` (those predicting a token of the window). Sides: :data:`SIDES` (each
+    engine against its own f16 cache) and :data:`MODEL_SIDES` (against the model's own computation: ``model`` with
+    kvquant's ``fp16`` cache, outside ``emulated``); :data:`F16_LABEL` holds each engine's f16 cache against the
+    model's own computation. Window by window: the model's own logits, llama.cpp, kvquant's verdict, then
+    kvquant's emulation of the engine inside ``emulated()`` (a context manager: llama.cpp's matmuls, or nothing).
     ``options``: kvquant's, for every setting (:func:`kvquant_logits`). ``saved``: a folder where each finished
-    window is kept (:func:`window_file`), so that an interrupted comparison resumes at the next window; ``inputs``
+    window is kept (:func:`window_file`), so that an interrupted comparison resumes at the next one; ``inputs``
     names everything else that decides the numbers (model file, matmuls, code version), part of each window's key."""
-    found = {s.label: {side: {"kl": [], "top1": []} for side in SIDES} for s in settings}
-    runs = {"llamacpp": lambda ids, s: engine.logits(ids, s),
-            "kvquant": lambda ids, s: kvquant_logits(model, ids, s, **(options if s else {}))}
+    found = {s.label: {side: {"kl": [], "top1": []} for side in (*SIDES, *MODEL_SIDES)} for s in settings}
+    found[F16_LABEL] = {side: {"kl": [], "top1": []} for side in ("llamacpp_model", "kvquant_model")}
     for w, ids in enumerate(windows, 1):
-        key = window_key(ids, settings, f"{inputs}|{sorted(options.items())}")
+        key = window_key(ids, settings, f"{inputs}|{sorted(options.items())}|model reference")
         kept = load_window(saved, w, key) if saved else None
-        for side, run in runs.items():
-            if kept is not None:
-                for s in settings:
-                    found[s.label][side]["kl"].append(kept[f"{s.label}|{side}|kl"])
-                    found[s.label][side]["top1"].append(kept[f"{s.label}|{side}|top1"])
-                continue
-            reference = run(ids, None)[:-1]
-            for s in settings:
-                kl, same = divergence(reference, run(ids, s)[:-1])
-                found[s.label][side]["kl"].append(kl)
-                found[s.label][side]["top1"].append(same)
-                progress(f"window {w}/{len(windows)} {side} {s.label}: KL {kl.mean():.5f}")
-            del reference
-        if kept is not None:
+        if kept is None:
+            kept = _measure_window(engine, model, ids, settings, emulated, options,
+                                   lambda m, w=w: progress(f"window {w}/{len(windows)} {m}"))
+            if saved:
+                save_window(saved, w, key, kept)
+        else:
             progress(f"window {w}/{len(windows)}: kept from {window_file(saved, w)}")
-        elif saved:
-            save_window(saved, w, key, {f"{label}|{side}|{what}": values[-1] for label, sides in found.items()
-                                        for side, measured in sides.items() for what, values in measured.items()})
+        for label, sides in found.items():
+            for side, measured in sides.items():
+                for what, values in measured.items():
+                    values.append(kept[f"{label}|{side}|{what}"])
     return found
+
+
+def _measure_window(engine, model, ids, settings, emulated, options, progress) -> dict[str, np.ndarray]:
+    """One window's ``{"label|side|kl": ..., "label|side|top1": ...}`` (:func:`measure`): at most the model's own
+    logits, one engine's f16 logits and one setting's are held at once."""
+    out = {}
+
+    def compare(label, side, reference, got):
+        kl, same = divergence(reference, got)
+        out[f"{label}|{side}|kl"], out[f"{label}|{side}|top1"] = kl, same
+        if label != F16_LABEL:
+            progress(f"{side} {label}: KL {kl.mean():.5f}")
+
+    own = kvquant_logits(model, ids, None, own=True)[:-1]
+    reference = engine.logits(ids, None)[:-1]
+    compare(F16_LABEL, "llamacpp_model", own, reference)
+    for s in settings:
+        got = engine.logits(ids, s)[:-1]
+        compare(s.label, "llamacpp", reference, got)
+        compare(s.label, "llamacpp_model", own, got)
+        compare(s.label, "verdict", own, kvquant_logits(model, ids, s, own=True)[:-1])
+    del reference
+    with emulated():
+        reference = kvquant_logits(model, ids, None, **options)[:-1]
+        compare(F16_LABEL, "kvquant_model", own, reference)
+        for s in settings:
+            compare(s.label, "kvquant", reference, kvquant_logits(model, ids, s, **options)[:-1])
+    return out
 
 
 def window_key(ids: list[int], settings: list[Setting], inputs: str) -> str:

@@ -160,7 +160,9 @@ def _metrics_section(candidates: tuple[CandidateReport, ...], baseline: Memory) 
     return lines + [
         "", "Statistic: the relative score (candidate / baseline accuracy, baseline / candidate perplexity; "
         "1.0 = no loss), or the value of `kl/` (mean KL divergence of the candidate's next-token distribution "
-        "from the baseline's, nats per position) and `top1/` (share of positions whose most likely token is "
+        "from the baseline's, nats per position; the baseline is the model's own computation, for an engine's "
+        "format too, not the engine's own 16-bit cache: docs/quantizers.md, what an engine format's KL means) "
+        "and `top1/` (share of positions whose most likely token is "
         "the baseline's) and `flips/` (share of a task's documents whose answer went from right to wrong or from "
         "wrong to right; exact interval). Interval: the paired score interval (tasks) or the paired studentized "
         "bootstrap over windows (perplexity sets), at the confidence shown. Quantized share: of the keys and of "
