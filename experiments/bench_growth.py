@@ -15,17 +15,21 @@ with the ratio chunked / 1.25x.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
 
 import kvquant
-from kvquant.errors import at_least, script_parser
+from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.cache import Store
 
 HEADS, HEAD_DIM, CHUNK = 8, 128, 2048
+#: the most one row's token can take while measured: keys and values in bfloat16, twice (the pool's reserve and the
+#: rows read back with ``--read``)
+BYTES_PER_TOKEN = 2 * 2 * HEADS * HEAD_DIM * 2
 UNBOUNDED = 1 << 62
 
 
@@ -63,14 +67,22 @@ def run(quantizer: str, context: int, steps: int, rows: int, chunk_tokens: int,
 
 def main(argv=None) -> None:
     parser = script_parser("bench_growth", __doc__)
-    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--contexts", type=at_least(1, 1 << 24), nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--quantizers", nargs="+", default=["int4", "fp8_e4m3"])
-    parser.add_argument("--steps", type=at_least(1), default=1024)
-    parser.add_argument("--rows", type=at_least(1), default=2)
-    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--steps", type=at_least(1, 1 << 24), default=1024)
+    parser.add_argument("--rows", type=at_least(1, 1024), default=2)
+    parser.add_argument("--repeats", type=at_least(1, 1000), default=3)
     parser.add_argument("--read", action="store_true", help="each step also reads every row back (Store.read), as "
                         "a decode step without fused decode does")
     args = parser.parse_args(argv)
+    for quantizer in args.quantizers:  # a name it does not know, before anything is printed or measured
+        kvquant.get_quantizer(quantizer)
+    tokens = args.rows * (max(args.contexts) + args.steps)
+    need, have = tokens * BYTES_PER_TOKEN, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise KVQuantError(f"--rows {args.rows} x (the longest context {max(args.contexts):,} + --steps "
+                           f"{args.steps:,}) tokens need about {need / 2**30:,.1f} GiB, more than this machine's "
+                           f"{have / 2**30:,.1f} GiB")
     default = Store.CHUNK_TOKENS
     policies = {"1.25x": UNBOUNDED, "chunked": default}
     print(f"bench_growth: {HEADS} KV heads x {HEAD_DIM}, bfloat16, {args.rows} rows, prefill in chunks of {CHUNK}, "

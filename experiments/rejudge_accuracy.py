@@ -66,16 +66,18 @@ def _rejudged(report: Path, partial: Path) -> list[str]:
     doc = read_json(report / "results.json", "report")
     rows = ["| candidate | metric | n | lost | gained | report: interval, verdict | today: interval, verdict |",
             "|---|---|---:|---:|---:|---|---|"]
+    gated, left_out = 0, []
     for cand in doc["candidates"]:
         for name, m in cand["metrics"].items():
             measure, _, task = name.partition("/")
             if m["kind"] != "accuracy" or not m["gated"]:
                 continue
+            gated += 1
             base, got = answers(partial, "baseline", task, measure), answers(partial, cand["name"], task, measure)
             n, confidence, limit = checked(m, f"{report / 'results.json'}: {visible(cand['name'])} {visible(name)}")
             if base is None or got is None or len(base) < n or len(got) < n:
-                print(f"rejudge_accuracy: {visible(cand['name'])} {visible(name)}: the answers of {n} documents are "
-                      f"not in {partial}; left out", file=sys.stderr)
+                left_out.append(f"rejudge_accuracy: {visible(cand['name'])} {visible(name)}: the answers of {n} "
+                                f"documents are not in {visible(partial)}; left out")
                 continue
             pairs = list(zip(base[:n], got[:n]))
             both, lost, gained = (sum(p == q for p in pairs) for q in ((1, 1), (1, 0), (0, 1)))
@@ -85,6 +87,13 @@ def _rejudged(report: Path, partial: Path) -> list[str]:
             rows.append(f"| {visible(cand['name'])} | {visible(name)} | {n} | {lost} | {gained} | "
                         f"[{m['ci_low']:.4f}, {m['ci_high']:.4f}] {m['verdict']} | [{low:.4f}, {high:.4f}] "
                         f"{'**' + verdict + '**' if verdict != m['verdict'] else verdict} |")
+    if not gated:  # an empty table with exit 0 would read as "nothing changed"
+        raise KVQuantError(f"{visible(report / 'results.json')} holds no gated accuracy row: nothing to rejudge")
+    if len(rows) == 2:
+        raise KVQuantError(f"the answers of none of the {gated} gated accuracy rows of {visible(report)} are in "
+                           f"{visible(partial)}: nothing rejudged (name the partial results with --partial)")
+    if left_out:
+        print("\n".join(left_out), file=sys.stderr)
     return rows
 
 

@@ -46,9 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvquant.errors import at_least, script_parser
+from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
-from kvquant.fs import read_file, read_json, write_file
+from kvquant.fs import marked_section, read_json, writable_target, write_file
+from kvquant.runner.gate_config import MAX_BOOTSTRAP
 
 SEED = 20261207
 GRID = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 192, 256)
@@ -56,11 +57,16 @@ BOUND = 0.035
 NOMINAL = 0.025
 REPORTS = ("smollm2-long", "smollm2-long-engines", "gemma3-where")
 BEGIN, END = "<!-- simulate_counts: begin -->", "<!-- simulate_counts: end -->"
+DOCS = Path("docs/gate.md")
+#: the most samples per cell (each resampled ``iters`` times: more is hours, not minutes)
+MAX_DRAWS = 100_000
 
 
 def per_document(report: Path) -> tuple[list[np.ndarray], list[int]]:
     """Each candidate's ``[documents, buckets]`` per-document mean KL of a committed long report."""
-    doc = json.loads(read_file(report / "results.json"))
+    doc = read_json(report / "results.json", "--root")
+    if not isinstance(doc.get("candidates"), dict) or "edges" not in doc:
+        raise KVQuantError(f"--root: {report / 'results.json'} is not a long report of experiments/long_divergence.py")
     return [np.asarray(c["per_document_kl"], dtype=float) for c in doc["candidates"].values()], doc["edges"]
 
 
@@ -169,18 +175,18 @@ def table(results: dict, reps: int, iters: int) -> str:
 
 def write_docs(text: str, path: Path, begin: str = BEGIN, end: str = END) -> None:
     """``text`` between the markers ``begin`` and ``end`` of ``path`` (the simulations' tables in docs/gate.md)."""
-    doc = read_file(path).decode("utf-8")
-    start, stop = doc.index(begin) + len(begin), doc.index(end)
-    write_file(path, doc[:start] + "\n" + text + "\n" + doc[stop:])
+    head, tail = marked_section(path, begin, end, "--write-docs")
+    write_file(path, head + begin + "\n" + text + "\n" + end + tail)
 
 
 def saved_or_simulated(args, simulate, bound: float) -> dict:
     """``--render``: the results saved in ``--json`` (their draws, resamples and seed put into ``args``); else
-    ``simulate(args)``'s, saved there first."""
+    ``simulate(args)``'s, saved there first (``--json`` checked writable before the simulation, not after it)."""
     if args.render:
         done = read_json(args.json, "--render")
         args.reps, args.iters, args.seed = done["reps"], done["iters"], done["seed"]
         return done["results"]
+    writable_target(args.json, "--json")
     results = simulate(args)
     write_file(args.json, json.dumps({"reps": args.reps, "iters": args.iters, "seed": args.seed, "bound": bound,
                                       "results": results}, indent=1) + "\n")
@@ -189,19 +195,22 @@ def saved_or_simulated(args, simulate, bound: float) -> dict:
 
 def main(argv=None) -> int:
     parser = script_parser("simulate_counts", __doc__)
-    parser.add_argument("--reps", type=at_least(100), default=4000, help="samples per cell")
-    parser.add_argument("--iters", type=at_least(100), default=1000, help="bootstrap resamples (gate.bootstrap)")
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--reps", type=at_least(100, MAX_DRAWS), default=4000, help="samples per cell")
+    parser.add_argument("--iters", type=at_least(100, MAX_BOOTSTRAP), default=1000,
+                        help="bootstrap resamples (gate.bootstrap)")
+    parser.add_argument("--seed", type=at_least(0), default=SEED)
     parser.add_argument("--root", type=Path, default=Path("reports"), help="where the committed reports are")
     parser.add_argument("--json", type=Path, default=Path("experiments/simulate_counts.json"))
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
     parser.add_argument("--render", action="store_true", help="simulate nothing: the table from --json's results")
     args = parser.parse_args(argv)
+    if args.write_docs:  # before the simulation, not after it
+        marked_section(DOCS, BEGIN, END, "--write-docs")
     results = saved_or_simulated(args, simulate, BOUND)
     text = table(results, args.reps, args.iters)
     print(text)
     if args.write_docs:
-        write_docs(text, Path("docs/gate.md"))
+        write_docs(text, DOCS)
     return 0
 
 

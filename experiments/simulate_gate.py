@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvquant.errors import at_least, script_parser
+from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
-from kvquant.fs import read_json, write_file
+from kvquant.fs import marked_section, read_json, writable_target, write_file
 from kvquant.runner.gate import look_confidence, looks, paired_ratio_bounds
 from kvquant.runner.gate_config import GateConfig
 
@@ -47,6 +47,9 @@ PLAN_LOOKS = 6
 POWER_DOCUMENTS = tuple(50 * 2 ** k for k in range(11))  # 50 .. 51,200
 SEED = 20261206
 BEGIN, END = "<!-- simulate_gate: begin -->", "<!-- simulate_gate: end -->"
+DOCS = Path("docs/gate.md")
+#: the most draws per cell (a cell holds ``reps`` tables of four counts; more than this is hours, not minutes)
+MAX_REPS = 1_000_000
 
 
 def old_dirichlet_interval(table, confidences, draws: int = 20_000, seed: int = 0) -> list[tuple[float, float]]:
@@ -215,23 +218,30 @@ def table(results: dict) -> list[str]:
 
 
 def write_docs(results: dict, path: Path) -> None:
-    text = path.read_text()
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
+    head, tail = marked_section(path, BEGIN, END, "--write-docs")
     write_file(path, head + BEGIN + "\n" + "\n".join(table(results)) + "\n" + END + tail)
 
 
 def main(argv=None) -> int:
     parser = script_parser("simulate_gate", __doc__)
     parser.add_argument("--section", choices=["one-look", "plan", "power"], action="append", default=[])
-    parser.add_argument("--reps", type=at_least(1), default=4000, help="draws per cell for kvquant's interval")
-    parser.add_argument("--old-reps", type=at_least(1), default=1000, help="of those, draws for the old one (slow)")
-    parser.add_argument("--power-reps", type=at_least(1), default=400, help="draws per document count for old's power")
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--reps", type=at_least(1, MAX_REPS), default=4000,
+                        help="draws per cell for kvquant's interval")
+    parser.add_argument("--old-reps", type=at_least(1, MAX_REPS), default=1000,
+                        help="of those, draws for the old one (slow)")
+    parser.add_argument("--power-reps", type=at_least(1, MAX_REPS), default=400,
+                        help="draws per document count for old's power")
+    parser.add_argument("--seed", type=at_least(0), default=SEED)
     parser.add_argument("--json", type=Path, default=Path("experiments/simulate_gate.json"))
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
     args = parser.parse_args(argv)
     results = read_json(args.json, "--json", missing={})
+    writable_target(args.json, "--json")  # before the simulation, not after it
+    if not args.section and not args.write_docs:
+        raise KVQuantError("nothing to do: name a --section (one-look, plan, power) to simulate, or --write-docs to "
+                           "render the table from --json's results")
+    if args.write_docs:
+        marked_section(DOCS, BEGIN, END, "--write-docs")
     old = Old()
     for section in args.section:  # a section stopped part way goes on from its last cell (same draws)
         rng = np.random.default_rng([args.seed, ["one-look", "plan", "power"].index(section)])
@@ -244,7 +254,7 @@ def main(argv=None) -> int:
         args.save = save
         save({"one-look": one_look, "plan": plan, "power": power}[section](args, rng, old))
     if args.write_docs:
-        write_docs(results, Path("docs/gate.md"))
+        write_docs(results, DOCS)
     return 0
 
 

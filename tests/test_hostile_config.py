@@ -64,6 +64,9 @@ CONFIG_CASES = [  # (id, the --set overrides, what the refusal says)
     ("flips-without-tasks", ["gate.max_flip_rate=0.1"], "gate.max_flip_rate: flips are counted on the documents of "
                                                         "gated tasks"),
     ("flips-rate-beyond-one", ["gate.max_flip_rate=1.5"], "gate.max_flip_rate must be in (0, 1)"),
+    # probe 58 (n03): sequential documents with no gated task were accepted and did nothing
+    ("max-documents-without-tasks", ["gate.max_documents=80"], "gate.max_documents: sequential documents are "
+                                                               "scored on gated tasks only, and none is gated"),
     # a task without a right or wrong answer per document: was an internal error (exit 3) while loading it
     ("flips-on-a-task-without-answers", ["eval.tasks.names=[wikitext]", "gate.tasks=[wikitext]",
                                          "gate.max_flip_rate=0.1"],

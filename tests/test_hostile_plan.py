@@ -485,3 +485,14 @@ def test_a_key_value_cache_option_reads_booleans(capsys, value):
     """``llamacpp_q4_0:attn_rot=false`` was refused as "got 'false'": the key=value form read no booleans."""
     assert plan.main(["--model", "llama-3.1-8b", "--context", "64", "--cache", f"llamacpp_q4_0:attn_rot={value}"]) == 0
     assert "llamacpp_q4_0" in capsys.readouterr().out
+
+
+def test_an_unknown_cache_setting_lists_each_valid_one_once():
+    """Probe 58 (l15): the refusal listed fp16 twice (a full-precision name and the identity quantizer)."""
+    from kvquant.errors import KVQuantError
+    from kvquant.planner.shapes import parse_setting
+
+    with pytest.raises(KVQuantError) as refused:
+        parse_setting("int3")
+    listed = str(refused.value).split("use one of ")[1].split(", ")
+    assert listed.count("fp16") == 1 and len(listed) == len(set(listed)) and {"bf16", "fp32", "int4"} <= set(listed)

@@ -413,3 +413,13 @@ def test_the_kvquant_script_never_imports_a_kvquant_module_planted_in_the_workin
     assert marker.exists() and unsafe.returncode != 0  # the risk the script avoids, shown
     bad = subprocess.run([str(script), "nope"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("kvquant: error: unknown command 'nope'")
+
+
+def test_an_unknown_command_with_escape_sequences_is_shown_inert_once(capsys):
+    """Probe 58 (x03): the console script's unknown command was escaped, then quoted with ``repr``, which doubled
+    every backslash (``'\\\\u001b[2J'``): what the user typed is shown as ``\\u001b`` once, never sent raw."""
+    from kvquant import cli
+
+    assert cli.main(["\x1b[2J\x07x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvquant: error: unknown command '\\u001b[2J\\u0007x'; usage: kvquant") and "\x1b" not in err

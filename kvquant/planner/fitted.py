@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, visible
+from kvquant.planner.shapes import MAX_CONTEXT
 
 #: what a report's settings hold beside the cache's options: what the quantizer derived from the model's head_dim
 #: (:meth:`kvquant.cache.KVQuantCache.derived`), not options a cache is made with
@@ -73,9 +74,9 @@ def fitted_context(text: str, trust_unsigned: bool = False) -> FittedContext:
     if length is None:
         raise KVQuantError(f"--context-from: {label} is shown safe at no context in {folder} "
                            f"({found.get('summary', 'no summary')}); there is no fitted context to plan for")
-    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-        raise KVQuantError(f"--context-from: {folder}: {label}'s passes_up_to is {length!r}, not a positive number "
-                           "of tokens")
+    if not isinstance(length, int) or isinstance(length, bool) or not 1 <= length <= MAX_CONTEXT:
+        raise KVQuantError(f"--context-from: {folder}: {label}'s passes_up_to is {str(length)[:40]}, not a number "
+                           f"of tokens in 1..{MAX_CONTEXT:,}")
     config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
     model = config.get("model", {}).get("path") if isinstance(config.get("model"), dict) else None
     return FittedContext(label, length, str(found.get("summary", "")), model if isinstance(model, str) else None,

@@ -200,7 +200,7 @@ def parse_setting(text: str) -> dict:
             raise KVQuantError(f"cache setting {text!r}: {name} takes no options")
         return {"quantizer": "fp16"}
     if name not in available_quantizers():
-        valid = ", ".join([*FULL_PRECISION, *available_quantizers()])
+        valid = ", ".join(dict.fromkeys([*FULL_PRECISION, *available_quantizers()]))  # fp16 is both: named once
         raise KVQuantError(f"unknown cache setting {name!r}; use one of {valid}")
     return {"quantizer": name, **options}
 

@@ -343,9 +343,7 @@ class ExperimentConfig:
                     f"gate.{key}: divergence from the baseline is measured on perplexity sets (or long documents), "
                     "and none is gated; add one to eval.perplexity (and gate.perplexity) or eval.long_context")
         check_long_context(self)
-        require(self.gate.max_flip_rate is None or bool(self.gated_tasks()),
-                "gate.max_flip_rate: flips are counted on the documents of gated tasks (a right or wrong answer "
-                "each), and none is gated; gate a task (gate.tasks) or drop max_flip_rate")
+        self.gate.check_gated_tasks(self.gated_tasks())
         if self.gate.max_documents is not None:
             for task in self.gated_tasks():
                 limit = self.eval.tasks.limit_for(task)

@@ -104,6 +104,14 @@ class GateConfig:
                 "1 - confidence chance, so a lower one turns undecided results into passes")
         self._check_bootstrap()
 
+    def check_gated_tasks(self, gated: list[str]) -> None:
+        """Settings that act on gated tasks need one (``gated``: the config's): flips are counted, and sequential
+        documents scored, on gated tasks only, so without one the setting would silently do nothing."""
+        for key, what in (("max_flip_rate", "flips are counted on the documents of gated tasks (a right or wrong "
+                           "answer each)"), ("max_documents", "sequential documents are scored on gated tasks only")):
+            require(getattr(self, key) is None or bool(gated),
+                    f"gate.{key}: {what}, and none is gated; gate a task (gate.tasks) or drop {key}")
+
     def _check_bootstrap(self) -> None:
         """Enough resamples for the interval's ends (:data:`MIN_BOOTSTRAP`, :data:`MIN_TAIL_RESAMPLES`)."""
         tail = (1 - self.confidence) / 2
