@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvquant.errors import KVQuantError, run_script, script_parser
+from kvquant.errors import KVQuantError, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
 from kvquant.runner.config import load_config
 from kvquant.runner.outliers import FACTOR, layer_statistics, margin, median, outlier_table, outliers

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvquant.errors import KVQuantError, run_script, script_parser, visible
+from kvquant.errors import KVQuantError, script_parser, visible
+from kvquant.exits import run_script
 from kvquant.fs import read_json
 from kvquant.runner.counts import TOO_FEW, too_few
 from kvquant.runner.gate import judge, paired_interval, status, verdict_text

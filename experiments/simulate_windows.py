@@ -50,7 +50,8 @@ from statistics import NormalDist
 import numpy as np
 from scipy.stats import t as student
 
-from kvquant.errors import at_least, run_script, script_parser
+from kvquant.errors import at_least, script_parser
+from kvquant.exits import run_script
 from kvquant.fs import read_json
 from kvquant.runner.bootstrap import studentized
 
