@@ -343,8 +343,9 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     start, processes = time.monotonic(), parallel.current()
     store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes, SourceWatch())
     record = PlanRecord(store, LookPlan.of(cfg), replan)
-    say(warnings)  # preflight's; the plan's own warnings are printed as they are found, once
-    record.settle()
+    found = len(warnings)  # preflight's, printed once the plan is settled (a refusal stays one line)
+    record.settle()  # the plan's own warnings are printed as they are found, once
+    say(warnings[:found])
     seed_everything(cfg.eval.seed)
     device = parallel.device()  # one GPU per process; the resume keys keep the config's own device
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)

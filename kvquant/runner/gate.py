@@ -177,7 +177,8 @@ def paired_interval(
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
     if kind == PERPLEXITY:
         baseline = np.asarray(baseline, dtype=float)
-        low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
+        with np.errstate(over="ignore"):  # an unbounded log-ratio interval (too few windows) is an unbounded ratio
+            low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
     else:
         low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
     return float(low), float(high)

@@ -134,22 +134,34 @@ def look_errors(history: list[dict]) -> dict[str, dict[str, float]]:
     return union
 
 
+#: a history entry's mark: the plan record before it did not verify and was set aside with ``--replan``, so the
+#: looks taken before it are unknown
+UNKNOWN_BEFORE = "unknown_before"
+
+
 def replanned_error(history: list[dict], nominal: float) -> dict | None:
     """Where ``history`` holds more than one plan: the union bound of the worst metric over every look taken under
-    any of them (:func:`look_errors`), with the plans' changes; else None (one plan: at most ``nominal``)."""
-    if len(history) < 2:
+    any of them (:func:`look_errors`), with the plans' changes; where it begins after a plan record that did not
+    verify (:data:`UNKNOWN_BEFORE`), the error is unknown (``None``); else None (one plan: at most ``nominal``)."""
+    unknown = any(e.get(UNKNOWN_BEFORE) for e in history)
+    if len(history) < 2 and not unknown:
         return None
     totals = {m: (sum(taken.values()), len(taken)) for m, taken in look_errors(history).items() if taken}
     metric = max(totals, key=lambda m: totals[m][0]) if totals else None
     plans = [LookPlan.from_dict(e["plan"]) for e in history]
-    return {"error": totals[metric][0] if metric else 0.0, "looks": totals[metric][1] if metric else 0,
-            "metric": metric, "nominal": nominal, "plans": len(history),
-            "changes": [later.difference(earlier) for earlier, later in zip(plans, plans[1:])],
+    changes = [later.difference(earlier) for earlier, later in zip(plans, plans[1:])]
+    return {"error": None if unknown else totals[metric][0] if metric else 0.0,
+            "looks": totals[metric][1] if metric else 0, "metric": metric, "nominal": nominal,
+            "plans": len(history) + unknown,
+            "changes": ["an unverifiable plan record, set aside", *changes] if unknown else changes,
             "errors": {m: total for m, (total, _) in sorted(totals.items())}}
 
 
 def replanned_note(replanned: dict) -> str:
     """The phrase a re-planned run adds to its verdict line and decision."""
+    if replanned["error"] is None:
+        return (f"re-planned after an unverifiable plan record: the error over the looks taken before it is "
+                f"unknown, not {replanned['nominal']:.1%}")
     return (f"re-planned: error up to {replanned['error']:.1%} over {replanned['looks']} looks of "
             f"{replanned['metric']} under {replanned['plans']} plans, not {replanned['nominal']:.1%}")
 
@@ -265,10 +277,22 @@ class PlanRecord:
             self.write()
 
     def _settle(self) -> None:
+        measured = any(self.store.directory.glob("*/*.json"))
+        if measured and os.path.lexists(self.path) and self.recorded(move=False) is None:
+            if not self.replan:  # never set the record aside silently: the run would claim the nominal error
+                raise KVQuantError(
+                    f"{self.path} does not verify (edited, or written by another user or machine): the plan the "
+                    f"partial results in {self.store.directory} were measured under is unknown; rerun with --replan "
+                    "to go on (the verdict then says the error over the earlier looks is unknown), or move the "
+                    "folder away to start afresh")
+            self.recorded()  # set aside, said
+            self.history = [{**entry(self.plan), UNKNOWN_BEFORE: True}]
+            self.write()
+            return
         history = self.recorded()
         found = None if history is None else (history, "")
         if found is None:
-            if any(self.store.directory.glob("*/*.json")):
+            if measured:
                 warn(self.store.warnings, f"the partial results in {self.store.directory} carry no recorded plan "
                      "(measured before kvquant recorded plans): this run's plan is recorded from now on, and looks "
                      "taken earlier under another plan, if any, are not counted")
