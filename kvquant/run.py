@@ -54,6 +54,7 @@ from kvquant.scoring.models import check_model, load_model, load_tokenizer, mode
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
 from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
+from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.runner.search import check_search, search
 from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner import preview
@@ -89,6 +90,8 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     check_processes(cfg, parallel.current().world)
     model_config = check_model(cfg.model)
     shape = shape_from_config(model_config, cfg.model.path)
+    for setting in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]:
+        check_rope_layout(model_config, setting.quantizer, setting.options, f"{setting.label}: options")
     evicting = check_settings(cfg, shape)
     context = context_length(cfg, model_config)
     if cfg.serving:
