@@ -14,7 +14,8 @@ or below NATS (the gate's rule); ``--render-only`` renders the report again from
 measuring (the measuring code may have changed since: the documents' keys hold its version).
 
 Resumable: each document's numbers are kept in ``OUT/documents/doc-N.json`` (with the inputs they came from; a file
-of other inputs is measured again), so an interrupted run goes on where it stopped. Each file is signed under this
+of other inputs is set aside as ``doc-N.json.old``, never overwritten, and measured again), so an interrupted run
+goes on where it stopped. Each file is signed under this
 user's key (:mod:`kvquant.signing`, as partial results are): one of this run's inputs whose signature does not verify
 (edited by hand, written by another user or machine, or by a version before signed documents, as the committed
 ``reports/*/documents`` were) is never reused: it is set aside (``doc-N.json.unsigned``, beside it, never
@@ -77,12 +78,12 @@ def measure(cfg, args) -> list[dict]:
     for d, window in enumerate(docs):
         path, key = partial / f"doc-{d}.json", inputs(cfg, window)
         kept = kept_document(path)
-        if kept is not None and kept.get("inputs") == key:
-            why = unverified(kept, DOCUMENT_DOMAIN)
+        if kept is not None:
+            why = unverified(kept, DOCUMENT_DOMAIN) if kept.get("inputs") == key else "it is of other inputs"
             if why is None:
                 out.append(kept["result"])
                 continue
-            aside = set_aside(path, ".unsigned")
+            aside = set_aside(path, ".unsigned" if kept.get("inputs") == key else ".old")
             print(f"long_divergence: {path} is not reused: {why}; moved to {aside.name} and measured again",
                   flush=True)
         start = time.perf_counter()

@@ -71,9 +71,12 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     assert f"| int8 | {few} |" in (out / "report.md").read_text()
     assert json.loads((out / "results.json").read_text())["candidates"] == doc["candidates"]
 
-    # other inputs (a longer window): measured again, so the model loads
+    # other inputs (a longer window): measured again, so the model loads; the finished file of the earlier inputs is
+    # set aside first, never overwritten (issue 58)
+    before = (out / "documents" / "doc-0.json").read_text()
     with pytest.raises(pytest.fail.Exception, match="loaded the model"):
         script.main([str(config), "--set", "eval.perplexity.0.max_length=310", "--out", str(out)])
+    assert (out / "documents" / "doc-0.json.old").read_text() == before
 
 
 @pytest.mark.parametrize("tamper", ["edited", "unsigned"])
