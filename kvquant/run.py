@@ -85,9 +85,9 @@ def plan_steps(cfg: ExperimentConfig) -> RunPlan:
 def preflight(cfg: ExperimentConfig, first_look: bool = False) -> tuple[RunPlan, dict[str, list[str]], list[str]]:
     """Check everything a run needs before loading anything heavy: the report directory, the model (path, GGUF
     file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
-    perplexity set's text and every task name (``first_look``, for the cost preview: the tasks' first look only,
-    its probe documents written nowhere but this process's own task folder). Returns the run's plan, the
-    perplexity rows and warnings."""
+    perplexity set's text and every task name (``first_look``, for the cost preview: the few-shot contexts and probe
+    documents of the documents it prices only, the probes written nowhere but this process's own task folder).
+    Returns the run's plan, the perplexity rows and warnings."""
     check_env_dirs()
     check_report_dir(Path(cfg.output_dir) / cfg.name)
     check_processes(cfg, parallel.current().world)
@@ -121,7 +121,7 @@ def preflight(cfg: ExperimentConfig, first_look: bool = False) -> tuple[RunPlan,
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
     check_fewshot(cfg, folder)
     check_runner_fewshot(cfg, lambda: tokenizer or load_tokenizer(cfg.model), context, folder or task_dir(),
-                         first_look)
+                         preview.SAMPLE_DOCUMENTS if first_look else None)
     if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
         check_calibration(cfg, tokenizer, context, rows)
     if cfg.search:

@@ -17,6 +17,8 @@ from kvquant.runner.gate import looks
 from kvquant.runner.report import code_version
 from kvquant.runner.store import ResultStore
 from kvquant.scoring.session import Session
+from kvquant.scoring.task_setup import lm_eval_task
+from kvquant.scoring.tasks import task_dir
 from tests.hostile_helpers import tiny_run
 
 
@@ -106,6 +108,7 @@ def test_a_dry_run_builds_one_look_loads_each_task_once_and_writes_nothing(tmp_p
     signing key is made)."""
     cfg = config(tmp_path / "reports")
     cfg["eval"]["tasks"]["names"] = cfg["gate"]["tasks"] = [task]
+    cfg["eval"]["tasks"]["limit"] = 40  # more than the preview builds: priced from its first 32 documents
     cfg["gate"]["max_documents"] = 1_000_000
     path = tmp_path / "huge.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -116,10 +119,13 @@ def test_a_dry_run_builds_one_look_loads_each_task_once_and_writes_nothing(tmp_p
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(cache))
     monkeypatch.chdir(cwd)
     calls = {"load": 0, "build": 0}
+    built = []
 
     def counted(what, real):
         def call(*args, **kwargs):
             calls[what] += 1
+            if what == "build":
+                built.append(args[4])  # the documents whose requests are built
             return real(*args, **kwargs)
         return call
 
@@ -127,9 +133,11 @@ def test_a_dry_run_builds_one_look_loads_each_task_once_and_writes_nothing(tmp_p
     monkeypatch.setattr(preview, "evaluate_task", counted("build", preview.evaluate_task))
     assert run.main([str(path), "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert calls == {"load": 1, "build": 1}
-    most = 10_000 if task.startswith("needle") else 1000  # needles: at most 10,000 written; the lastword task's size
-    taken = len({min(n, most) for n in looks(8, 1_000_000)})  # 8, 16, ..., then the last capped at ``most``
-    assert f"| baseline | task/{task} | 8 |" in printed and f"| 0 of {taken} | {most} |" in printed
+    assert calls == {"load": 1, "build": 1} and built == [list(range(preview.SAMPLE_DOCUMENTS))]
     assert not (tmp_path / "reports").exists() and os.listdir(cwd) == [] and os.listdir(tasks) == []
     assert not (cache / "keys" / "partial-results.key").exists()
+    # needles: at most 10,000 written; the lastword task: its size
+    most = 10_000 if task.startswith("needle") else len(lm_eval_task(task, task_dir()).eval_docs)
+    taken = len({min(n, most) for n in looks(40, 1_000_000)})  # 40, 80, ..., then the last capped at ``most``
+    row = next(line for line in printed.splitlines() if line.startswith(f"| baseline | task/{task} |"))
+    assert row.startswith(f"| baseline | task/{task} | 40 |") and f"| 0 of {taken} | {most} |" in row, row

@@ -6,9 +6,10 @@ costs, and a time from a short timing probe of each setting on this machine.
 
 Tokens are those of every request a scorer is handed, context + continuation, counted as the run's scorer records
 them (``Scorer.lengths``, kept in every result as ``lengths``): a task's first look is built here by lm-eval with the
-model's tokenizer exactly as the run builds it, with a recorder in place of the scorer (each task loaded once);
-perplexity and long-context windows are cut as the run cuts them. Later looks are priced from counts, never built:
-the first look's tokens per document times the documents each look adds (so the preview takes the same time whatever
+model's tokenizer exactly as the run builds it (its first :data:`SAMPLE_DOCUMENTS` documents where it holds more),
+with a recorder in place of the scorer (each task loaded once); perplexity and long-context windows are cut as the
+run cuts them. Larger looks are priced from counts, never built: the tokens per document of those built times the
+documents each look holds (so the preview takes the same time whatever
 ``gate.max_documents`` is, and writes no probe document beyond the first look's). A result the run would reuse from
 the report folder's signed partial results (:meth:`kvquant.runner.store.ResultStore.reusable`: read, never moved)
 costs nothing, and the preview says how many there are. Streaming mode with prefix sharing runs a shared context
@@ -37,6 +38,9 @@ from kvquant.scoring.tasks import probe_length
 
 #: Request tokens each setting's timing probe scores (at least one whole request).
 PROBE_TOKENS = 1024
+#: Documents of a task whose requests are built to price it: its first look where that holds no more (exact), else
+#: these first ones, their tokens per document times the documents of each look.
+SAMPLE_DOCUMENTS = 32
 
 
 @dataclass(frozen=True)
@@ -107,37 +111,41 @@ def request_tokens(requests: list) -> int:
 
 
 def task_costs(session: Session, reuse, task: str, labels: list[str], samples: dict) -> list[Cost]:
-    """Every scorer's pass over ``task``: the first look's documents (built once, as the run builds them), and the
-    most a sequential gate may add (its looks, up to ``gate.max_documents`` or the task's end, as
-    :func:`kvquant.run.add_documents` takes them), priced at the first look's tokens per document."""
+    """Every scorer's pass over ``task``: the first look's documents, and the most a sequential gate may add (its
+    looks, up to ``gate.max_documents`` or the task's end, as :func:`kvquant.run.add_documents` takes them), priced
+    from the requests of the first look (built once, as the run builds them) or of its first
+    :data:`SAMPLE_DOCUMENTS` documents where it holds more: their tokens per document times each look's documents."""
     cfg, folder = session.cfg, session.folder()
     found = lm_eval_task(task, folder, cfg.eval.tasks.fewshot_sampler)  # the only time it is loaded
+    size = probe_counts(cfg)[task] if probe_length(task) is not None else len(found.eval_docs)
+    first = min(cfg.eval.tasks.limit_for(task) or size, size)
     lm = task_lm(session.model, session.tokenizer, BASELINE, cfg, session.maxlen)
     lm.scorer = Recorder()
-    name, evaluated = evaluate_task(lm, cfg, task, folder, found=found)
-    first, requests = len(evaluated["samples"][name]), lm.scorer.requests
+    built = None if first <= SAMPLE_DOCUMENTS else list(range(SAMPLE_DOCUMENTS))  # the first look, or a sample
+    name, evaluated = evaluate_task(lm, cfg, task, folder, built, found=found)
+    sampled, requests = len(evaluated["samples"][name]), lm.scorer.requests
     samples.setdefault(f"task/{task}", requests)
     parts: list[range | None] = [None]  # the first look, then each later look's documents
     if task in cfg.gated_tasks() and cfg.gate.max_documents is not None:
-        size = probe_counts(cfg)[task] if probe_length(task) is not None else len(found.eval_docs)
         scored = first
         for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents):
             if min(n, size) > scored:
                 parts.append(range(scored, min(n, size)))
                 scored = min(n, size)
     tokens = request_tokens(requests)
-    added = [len(p) for p in parts[1:]]
+    counts = [first, *(len(p) for p in parts[1:])]  # documents of each look
+
+    def per(spent: int) -> list[int]:  # ``spent`` for the documents built, for each look's documents
+        return [round(spent * n / max(sampled, 1)) for n in counts]
+
     out = []
     for label in labels:
         key = reuse.key(label)
         kept = [reuse(label, f"task/{task}" + (f"@{p.start}-{p.stop}" if p is not None else ""),
                       session.task_key(key, task, p)) for p in parts]
-        spent = fed(session, requests, label)
-        more = [round(spent * n / max(first, 1)) for n in added]
-        out.append(Cost(label, f"task/{task}", first, tokens, first + sum(added),
-                        tokens + sum(round(tokens * n / max(first, 1)) for n in added),
-                        fed=0 if kept[0] else spent,
-                        most_fed=sum(n for n, k in zip([spent, *more], kept) if not k),
+        each, spent = per(tokens), per(fed(session, requests, label))
+        out.append(Cost(label, f"task/{task}", first, each[0], sum(counts), sum(each),
+                        fed=0 if kept[0] else spent[0], most_fed=sum(n for n, k in zip(spent, kept) if not k),
                         reused=sum(kept), results=len(parts)))
     return out
 
@@ -265,8 +273,9 @@ def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], par
               f"{cfg.eval.chunk_size}, batch {cfg.eval.batch_size}",
               f"reused: {total['reused']} of {total['results']} results (a task's: one per look) the run would take "
               f"from {partial or 'the partial results'} (signed, of these inputs), priced 0 s",
-              "most: every planned look taken, each look's tokens estimated from the first look's per document "
-              "(later looks are not built)",
+              f"most: every planned look taken; a look of more than {SAMPLE_DOCUMENTS} documents is priced from the "
+              f"tokens per document of the first {SAMPLE_DOCUMENTS} (not built; the run checks every look's few-shot "
+              "contexts before its model loads)",
               "time: model tokens per second of each setting in a timing probe on this machine: " +
               (", ".join(f"{label} {r:,.0f}/s" for label, r in rate.items()) or "none needed (nothing to measure)")]
     left = [what for what, there in (("calibration", any(c.calibrate for c in [*cfg.candidates, *cfg.stages])),
