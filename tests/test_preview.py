@@ -100,7 +100,7 @@ def test_the_preview_states_the_tokens_the_run_then_scores(tmp_path, capsys, mod
     assert all(c.reused == 0 and c.most_fed > 0 for c in reseeded)
 
 
-@pytest.mark.parametrize("task", ["tinystories_lastword", "needle_single_256"])
+@pytest.mark.parametrize("task", ["tinystories_lastword", "needle_single_480"])
 def test_a_dry_run_builds_one_look_loads_each_task_once_and_writes_nothing(tmp_path, capsys, monkeypatch, task):
     """Issue 58: with ``gate.max_documents`` 1,000,000 the preview built every look's requests (and wrote 10,000
     needle documents): > 110 s. Now each task is loaded once and its first look built once, later looks priced from
