@@ -36,8 +36,10 @@ from kvquant.scoring.session import (BASELINE, SHARED_BASELINE, Session, evaluat
 from kvquant.scoring.task_setup import lm_eval_task
 from kvquant.scoring.tasks import probe_length
 
-#: Request tokens each setting's timing probe scores (at least one whole request).
-PROBE_TOKENS = 1024
+#: Request tokens each setting's timing probe scores, after a warm-up of WARM_UP tokens (a probe of 1,024 tokens,
+#: warmed up on as many, was most of a dry run's time with six settings of SmolLM2 on 2 shared cores)
+PROBE_TOKENS = 256
+WARM_UP = 64
 #: Documents of a task whose requests are built to price it: its first look where that holds no more (exact), else
 #: these first ones, their tokens per document times the documents of each look.
 SAMPLE_DOCUMENTS = 32
@@ -219,7 +221,8 @@ def costs(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[st
 
 def rates(session: Session, samples: dict[str, list], settings: set[str]) -> dict[str, float]:
     """Tokens fed to the model per second by each of ``settings``' scorers on this machine: the first requests of the
-    first measurement, up to :data:`PROBE_TOKENS` request tokens, scored once untimed (a warm-up) and once timed."""
+    first measurement, up to :data:`PROBE_TOKENS` request tokens (a longer first request cut to them), scored once
+    timed after a warm-up on its first :data:`WARM_UP` tokens."""
     requests = next(iter(samples.values()), [])
     probe, total = [], 0
     for context, continuation in requests:
@@ -227,11 +230,15 @@ def rates(session: Session, samples: dict[str, list], settings: set[str]) -> dic
             break
         probe.append((context, continuation))
         total += len(context) + len(continuation)
+    if total > PROBE_TOKENS:  # one request longer than the probe: its first tokens, half of them scored
+        ids = [*probe[0][0], *probe[0][1]][:PROBE_TOKENS]
+        probe = [(ids[: len(ids) // 2], ids[len(ids) // 2 :])]
+    warm = [*probe[0][0], *probe[0][1]][:WARM_UP] if probe else []
     cfg, out = session.cfg, {}
     for candidate in [c for c in [BASELINE, *(cfg.stages or cfg.candidates)] if c.label in settings]:
         scorer = Scorer(session.model, candidate.spec, cfg.eval.mode, cfg.eval.chunk_size,
                         batch_size=cfg.eval.batch_size, share_prefix=shares_prefix(candidate))
-        scorer.score_many(probe[:1])
+        scorer.score_many([(warm[: len(warm) // 2], warm[len(warm) // 2 :])])
         before, start = scorer.fed, time.perf_counter()
         scorer.score_many(probe)
         out[candidate.label] = (scorer.fed - before) / max(time.perf_counter() - start, 1e-9)
