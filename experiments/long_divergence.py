@@ -14,9 +14,14 @@ or below NATS (the gate's rule); ``--render-only`` renders the report again from
 measuring (the measuring code may have changed since: the documents' keys hold its version).
 
 Resumable: each document's numbers are kept in ``OUT/documents/doc-N.json`` (with the inputs they came from; a file
-of other inputs is measured again), so an interrupted run goes on where it stopped. Writes ``OUT/results.json``
-and ``OUT/report.md`` (command, machine, date), and ``OUT/kl.png`` (each candidate's mean KL per position bucket with
-its interval, against the bucket's end).
+of other inputs is set aside as ``doc-N.json.old``, never overwritten, and measured again), so an interrupted run
+goes on where it stopped. Each file is signed under this
+user's key (:mod:`kvquant.signing`, as partial results are): one of this run's inputs whose signature does not verify
+(edited by hand, written by another user or machine, or by a version before signed documents, as the committed
+``reports/*/documents`` were) is never reused: it is set aside (``doc-N.json.unsigned``, beside it, never
+overwriting an earlier one), said so, and measured again, so the report never rests on numbers nobody measured here.
+Writes ``OUT/results.json`` and ``OUT/report.md`` (command, machine, date), and ``OUT/kl.png`` (each candidate's mean
+KL per position bucket with its interval, against the bucket's end).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 from kvquant.errors import KVQuantError, script_parser
 from kvquant.exits import run_script
-from kvquant.fs import output_dir, read_file, real_dir, write_file, write_together
+from kvquant.fs import output_dir, read_file, real_dir, set_aside, write_file, write_together
 from kvquant.runner.config import load_config
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
@@ -45,6 +50,7 @@ from kvquant.scoring.longctx import position_divergences
 from kvquant.scoring.models import load_model, load_tokenizer
 from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.session import BASELINE
+from kvquant.signing import DOCUMENT_DOMAIN, signed_json, unverified
 
 
 def inputs(cfg, window) -> dict:
@@ -73,9 +79,14 @@ def measure(cfg, args) -> list[dict]:
     for d, window in enumerate(docs):
         path, key = partial / f"doc-{d}.json", inputs(cfg, window)
         kept = kept_document(path)
-        if kept is not None and kept.get("inputs") == key:
-            out.append(kept["result"])
-            continue
+        if kept is not None:
+            why = unverified(kept, DOCUMENT_DOMAIN) if kept.get("inputs") == key else "it is of other inputs"
+            if why is None:
+                out.append(kept["result"])
+                continue
+            aside = set_aside(path, ".unsigned" if kept.get("inputs") == key else ".old")
+            print(f"long_divergence: {path} is not reused: {why}; moved to {aside.name} and measured again",
+                  flush=True)
         start = time.perf_counter()
         got = position_divergences(make("baseline", BASELINE.spec), [make(c.label, c.spec) for c in cfg.candidates],
                                    [window.ids],
@@ -84,7 +95,7 @@ def measure(cfg, args) -> list[dict]:
                             "keys_quantized": g["reads"]["keys_quantized"], "keys": g["reads"]["keys"]}
                   for c, g in zip(cfg.candidates, got)}
         result["_seconds"] = time.perf_counter() - start
-        write_file(path, json.dumps({"inputs": key, "result": result}))
+        write_file(path, signed_json({"inputs": key, "result": result}, DOCUMENT_DOMAIN, indent=None))
         print(f"long_divergence: document {d + 1}/{len(docs)} ({len(window.ids)} tokens) in "
               f"{result['_seconds']:.0f} s", flush=True)
         out.append(result)

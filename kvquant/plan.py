@@ -172,7 +172,7 @@ def render(plan: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 2 bad input (one line), 3 internal error (traceback in a log file), 130 interrupted."""
     drop_working_dir()
-    parser = OneLineParser("kvquant.plan", prog="python -m kvquant.plan", description=__doc__,
+    parser = OneLineParser("kvquant", prog="python -m kvquant.plan", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"known name ({', '.join(KNOWN_MODELS)}), a directory or "
                         "config.json, or a hub id")
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    return guarded("kvquant.plan", lambda: _print_plan(args))
+    return guarded("kvquant", lambda: _print_plan(args))
 
 
 def model_warning(fitted: FittedContext, model: str) -> str | None:
@@ -232,7 +232,7 @@ def _print_plan(args) -> int:
         plan["context_from"] = {"report": args.context_from, "verdict": fitted.summary, "model": fitted.model,
                                 "warning": warning}
         if warning:
-            print(f"kvquant.plan: warning: {warning}", file=sys.stderr)
+            print(f"kvquant: warning: {warning}", file=sys.stderr)
     print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
           if args.json else render(plan))
     return EXIT_PASS

@@ -55,16 +55,18 @@ from kvquant.scoring.models import check_model, load_model, load_tokenizer, mode
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
 from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
+from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.runner.search import check_search, search
 from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
-from kvquant.runner.store import ResultStore, RunLock, warn
+from kvquant.runner.store import ResultStore, RunLock, result_key, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.sources import SourceWatch
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 from kvquant.scoring.task_setup import check_answer_tasks, lm_eval_task
-from kvquant.scoring.tasks import check_task_data, check_tasks, prepare_probe_tasks, probe_length, task_dir
+from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, probe_length, scratch_tasks,
+    task_dir)
 
 
 def seed_everything(seed: int) -> None:
@@ -81,15 +83,19 @@ def plan_steps(cfg: ExperimentConfig) -> RunPlan:
                 search=cfg.search.name if cfg.search else None, staged=bool(cfg.stages), looks=planned_looks(cfg))
 
 
-def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], list[str]]:
+def preflight(cfg: ExperimentConfig, first_look: bool = False) -> tuple[RunPlan, dict[str, list[str]], list[str]]:
     """Check everything a run needs before loading anything heavy: the report directory, the model (path, GGUF
     file, tokenizer, device, config), every candidate's quantizer options on the model's shapes, every
-    perplexity set's text and every task name. Returns the run's plan, the perplexity rows and warnings."""
+    perplexity set's text and every task name (``first_look``, for the cost preview: the few-shot contexts and probe
+    documents of the documents it prices only, the probes written nowhere but this process's own task folder).
+    Returns the run's plan, the perplexity rows and warnings."""
     check_env_dirs()
     check_report_dir(Path(cfg.output_dir) / cfg.name)
     check_processes(cfg, parallel.current().world)
     model_config = check_model(cfg.model)
     shape = shape_from_config(model_config, cfg.model.path)
+    for setting in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]:
+        check_rope_layout(model_config, setting.quantizer, setting.options, f"{setting.label}: options")
     evicting = check_settings(cfg, shape)
     context = context_length(cfg, model_config)
     if cfg.serving:
@@ -104,7 +110,7 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     check_answer_tasks(cfg.eval.tasks.names, "eval.tasks.names", cfg.gate.max_flip_rate is not None)
     if cfg.eval.tasks.names:
         task_dir()  # the folder lm-eval will load task files from: private, or refused now
-    probes = probe_counts(cfg)
+    probes = probe_counts(cfg, first_look)
     tokenizer = load_tokenizer(cfg.model) if probes or cfg.search or cfg.serving or cfg.calibration or \
         cfg.eval.long_context else None
     if cfg.eval.long_context:
@@ -115,7 +121,8 @@ def preflight(cfg: ExperimentConfig) -> tuple[RunPlan, dict[str, list[str]], lis
     if probes:  # documents are cut with the model's tokenizer: write and check them now
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
     check_fewshot(cfg, folder)
-    check_runner_fewshot(cfg, lambda: tokenizer or load_tokenizer(cfg.model), context, folder or task_dir())
+    check_runner_fewshot(cfg, lambda: tokenizer or load_tokenizer(cfg.model), context, folder or task_dir(),
+                         preview.SAMPLE_DOCUMENTS if first_look else None)
     if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
         check_calibration(cfg, tokenizer, context, rows)
     if cfg.search:
@@ -412,8 +419,10 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
 def dry_run(cfg: ExperimentConfig, rows: dict) -> int:
     """The cost preview of a checked config (:mod:`kvquant.runner.preview`): printed, nothing written."""
     model, tokenizer = load_model(cfg.model)
-    session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path))
-    print(preview.render(cfg, *preview.preview(session, rows)))
+    session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path), first_look=True)
+    partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
+    store = ResultStore(partial, report.code_version(), [], secret=key) if key is not None else None
+    print(preview.render(cfg, *preview.preview(session, rows, store), partial))
     return 0
 
 
@@ -455,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
-        plan, rows, warnings = preflight(cfg)
+        if args.dry_run:  # task files go to this process's own folder, removed at exit
+            scratch_tasks()
+        plan, rows, warnings = preflight(cfg, args.dry_run)
         if args.dry_run:
             say(warnings)
             return dry_run(cfg, rows)

@@ -20,9 +20,14 @@ SIGNATURE = "signature"
 DOMAIN = b"kvquant results.json v1\0"
 
 
-def _signature(doc: dict, key: bytes) -> str:
+#: what the signature of a long-context document file (``experiments/long_divergence.py``'s ``documents/doc-N.json``)
+#: signs besides the file, so that neither a report's nor a partial result's signature is ever a valid one for it
+DOCUMENT_DOMAIN = b"kvquant long-context document v1\0"
+
+
+def _signature(doc: dict, key: bytes, domain: bytes = DOMAIN) -> str:
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
-    return hmac.new(key, DOMAIN + text.encode("ascii"), hashlib.sha256).hexdigest()
+    return hmac.new(key, domain + text.encode("ascii"), hashlib.sha256).hexdigest()
 
 
 def recorded(doc: dict) -> dict:
@@ -31,22 +36,23 @@ def recorded(doc: dict) -> dict:
     return json.loads(json.dumps(doc, default=float))
 
 
-def signed_json(doc: dict) -> str:
-    """``results.json``'s text: ``doc`` as JSON (indented, values JSON cannot hold written as floats) with its
-    signature under this user's key as its last key."""
+def signed_json(doc: dict, domain: bytes = DOMAIN, indent: int | None = 2) -> str:
+    """``results.json``'s text (``domain``: :data:`DOCUMENT_DOMAIN` for a long-context document file's): ``doc`` as
+    JSON (values JSON cannot hold written as floats) with its signature under this user's key as its last key."""
     plain = recorded(doc)
     if SIGNATURE in plain:
         raise ValueError(f"a report document has no key {SIGNATURE!r} of its own")
-    return json.dumps({**plain, SIGNATURE: _signature(plain, result_key())}, indent=2)
+    return json.dumps({**plain, SIGNATURE: _signature(plain, result_key(), domain)}, indent=indent)
 
 
-def unverified(doc: dict) -> str | None:
-    """Why ``doc`` (a parsed ``results.json``) is not one this user's kvquant signed, else None."""
+def unverified(doc: dict, domain: bytes = DOMAIN) -> str | None:
+    """Why ``doc`` (a parsed ``results.json``, or a file signed under ``domain``) is not one this user's kvquant
+    signed, else None."""
     signature = doc.get(SIGNATURE)
     if signature is None:
-        return "it carries no signature (written by hand, or by a kvquant older than signed reports)"
+        return "it carries no signature (written by hand, or by a kvquant older than signed files)"
     body = {k: v for k, v in doc.items() if k != SIGNATURE}
     if not (isinstance(signature, str) and signature.isascii()) or not hmac.compare_digest(
-            signature, _signature(body, result_key())):
+            signature, _signature(body, result_key(), domain)):
         return "its signature does not verify (edited after the run, or written by another user or machine)"
     return None

@@ -224,3 +224,23 @@ def test_rejudge_accuracy_refuses_a_hostile_report_in_one_line(tmp_path, capsys,
     assert run_script("rejudge_accuracy", lambda: rejudge.main([str(tmp_path)])) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("rejudge_accuracy: error: "), err
+
+
+@pytest.mark.parametrize("args, needle", [
+    ((100, -1, 2, 50, 0.95), "lost must count documents .*got -1$"),
+    ((100, 5, 2.5, 50, 0.95), "gained must count documents .*got 2.5"),
+    ((10, 30, 30, -40, 0.95), "neither must count documents .*got -40$"),  # flips beyond the 30 documents
+    ((float("nan"), 5, 2, 50, 0.95), "both must count documents .*got nan$"),
+    (([100, 0], [5, 0], [2, 0], [50, 0], 0.95), "a table of 0 documents has no interval"),
+    ((0, 0, 0, 0, 0.95), "a table of 0 documents"),
+    ((100, 5, 2, 50, 0), "confidence must be a number in \\(0, 1\\), got 0"),
+    ((100, 5, 2, 50, 1.0), "confidence must be a number in \\(0, 1\\), got 1.0"),
+    ((100, 5, 2, 50, -0.5), "confidence must be"),
+    ((100, 5, 2, 50, "0.95"), "confidence must be"),
+    (([100, 90], [5, 4, 3], 2, 50, 0.95), "counts must be numbers or arrays of one shape"),
+])
+def test_bad_counts_or_confidence_are_one_clear_error(args, needle):
+    """Issue 58: direct calls with counts no table holds, or a confidence outside (0, 1), were a traceback deep
+    inside (NormalDist, a shape mismatch) or a wrong interval (a negative count read as documents)."""
+    with pytest.raises(ValueError, match=f"^paired_ratio_bounds: {needle}"):
+        paired_ratio_bounds(*args)

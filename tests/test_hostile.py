@@ -314,7 +314,7 @@ def test_planner_refuses(env, capsys, argv, needle):
     before = snapshot(env["finished"])
     code = plan.main(fill(argv, env))
     captured = capsys.readouterr()
-    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant.plan")
+    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant")
     assert snapshot(env["finished"]) == before
 
 
@@ -325,7 +325,7 @@ def test_lm_eval_refuses(env, capsys, monkeypatch, model_args, needle):
     args = [a.replace("{data}", str(data_dir())) for a in model_args]
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", *args, *TASK])
     captured = capsys.readouterr()
-    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant.lm_eval")
+    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant")
     assert snapshot(env["finished"]) == before
 
 
@@ -337,7 +337,7 @@ def test_lm_eval_refuses_unknown_tasks(env, capsys, monkeypatch, tasks, needle):
     monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}", "--tasks", tasks])
     captured = capsys.readouterr()
-    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant.lm_eval")
+    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant")
 
 
 @pytest.fixture(scope="module")
@@ -489,7 +489,7 @@ def test_lm_evals_own_argument_errors_are_one_line(env, capsys, monkeypatch, arg
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}", *argv])
     captured = capsys.readouterr()
-    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant.lm_eval")
+    assert_one_clear_line(code, captured.out, captured.err, needle, "kvquant")
 
 
 def test_a_bad_pretrained_id_for_lm_evals_own_model_is_one_line(env, capsys, monkeypatch):
@@ -499,4 +499,4 @@ def test_a_bad_pretrained_id_for_lm_evals_own_model_is_one_line(env, capsys, mon
     code = lm_eval_cli.main(["--model", "hf", "--model_args", "pretrained=no-such/model-xyz", *TASK])
     captured = capsys.readouterr()
     assert_one_clear_line(code, captured.out, captured.err, "lm-eval refused its arguments before scoring anything: "
-                          "OSError", "kvquant.lm_eval")
+                          "OSError", "kvquant")

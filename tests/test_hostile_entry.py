@@ -26,7 +26,7 @@ STORIES = "local:text/tinystories/validation-first1000.jsonl"
 NAIVE = ["--model", "kvquant", "--tasks", "tinystories_lastword"]
 
 
-def assert_one_line(code: int, err: str, needle: str, prog: str = "kvquant.lm_eval") -> str:
+def assert_one_line(code: int, err: str, needle: str, prog: str = "kvquant") -> str:
     assert code == 2, (code, err)
     visible = [line.rsplit("\r", 1)[-1] for line in err.splitlines()]  # what a terminal shows after progress bars
     progress = ("%|", "examples/s]")  # tqdm bars of work that ran before the refusal
@@ -390,3 +390,20 @@ def test_a_separator_that_is_not_text_is_refused(tmp_path, separator, needle):
     path.write_text(json.dumps({"text": "Once upon a time."}) + "\n")
     with pytest.raises(KVQuantError, match=re.escape(needle)):
         load_rows(PerplexitySet(name="t", source=str(path), layout="stream", separator=separator))
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("plan", ["--model", "llama-3.1-8b", "--context", "0"]),
+    ("export", ["/nonexistent/report"]),
+    ("adopt", ["/nonexistent/config.yaml", "/nonexistent/partial"]),
+    ("run", ["/nonexistent/config.yaml"]),
+    ("packaged", ["no-such-package"]),
+])
+def test_every_command_names_itself_kvquant_in_its_one_line(capsys, command, argv):
+    """Issue 58: one-line errors began ``kvquant.plan:``, ``kvquant.packaged:`` or ``kvquant:`` by command; every
+    command is ``kvquant COMMAND`` (the console script docs/trust.md recommends), so each line begins ``kvquant:``."""
+    from kvquant import cli
+
+    assert cli.main([command, *argv]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvquant: error: "), lines

@@ -180,7 +180,7 @@ def test_lm_eval_refuses_a_second_spelling_of_a_probe_before_loading(no_model_lo
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={model}", "--tasks",
                              "passkey_64,passkey_0064", "--limit", "2"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err == ("kvquant.lm_eval: error: --tasks: 'passkey_0064': write passkey_64 (a distance "
+    assert code == 2 and err == ("kvquant: error: --tasks: 'passkey_0064': write passkey_64 (a distance "
                                  "without leading zeros: one spelling per probe, so none is measured and gated twice)")
 
 
@@ -257,7 +257,7 @@ def run_lm_eval(monkeypatch, capsys, *args) -> tuple[int, list[str], str]:
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args",
                              f"pretrained={resolve('local:models/stories260K/hf')},max_length=64", *args])
     captured = capsys.readouterr()
-    ours = [line for line in captured.err.splitlines() if line.startswith("kvquant.lm_eval")]
+    ours = [line for line in captured.err.splitlines() if line.startswith("kvquant: ")]
     return code, ours, captured.err + captured.out
 
 
@@ -294,7 +294,7 @@ def test_shots_a_task_file_sets_must_fit_the_model_before_any_request_is_scored(
     monkeypatch.setattr("kvquant.scoring.scorer.Scorer.score_many", lambda *a, **k: pytest.fail("a request was scored"))
     code, ours, text = run_lm_eval(monkeypatch, capsys, "--tasks", str(task_yaml(tmp_path, 5)), "--limit", "2")
     assert code == 2 and len(ours) == 1 and "Traceback" not in text, text[-3000:]
-    assert ours[0].startswith("kvquant.lm_eval: error: num_fewshot (its task file's): task 'mytask' with 5 few-shot "
+    assert ours[0].startswith("kvquant: error: num_fewshot (its task file's): task 'mytask' with 5 few-shot "
                               "examples needs contexts of up to") and "the model's context is 64" in ours[0], ours
 
 

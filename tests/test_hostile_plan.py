@@ -45,7 +45,7 @@ def assert_refused(capsys, argv: list[str], needle: str) -> None:
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert code == 2, (code, captured.err[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("kvquant.plan: error: "), captured.err
+    assert len(lines) == 1 and lines[0].startswith("kvquant: error: "), captured.err
     assert needle in lines[0], (needle, lines[0])
     assert not captured.out and "Traceback" not in captured.err
 

@@ -177,8 +177,8 @@ def test_launcher_variables_that_are_not_numbers(name, value, tmp_path, monkeypa
 def test_planner_model_name_too_long_for_the_file_system(capsys):
     model = "x" * 5000
     assert plan.main(["--model", model, "--context", "4096"]) == 2
-    line = one_line(capsys, "kvquant.plan")
-    assert line.startswith(f"kvquant.plan: error: --model {model[:60]!r}...") and "(5,000 characters)" in line
+    line = one_line(capsys, "kvquant")
+    assert line.startswith(f"kvquant: error: --model {model[:60]!r}...") and "(5,000 characters)" in line
     assert "File name too long" in line and len(line) < 400
 
 
@@ -195,7 +195,7 @@ def test_planner_per_head_scales_are_per_model_under_tensor_parallel(tmp_path, c
     rows = json.loads(capsys.readouterr().out)["settings"]
     assert rows[0]["kv_bytes"] == rows[1]["kv_bytes"] > 0  # a scale's value never changes the bytes
     assert plan.main([*argv, "--cache", per_head.replace("0.2]", "0.2, 0.3]")]) == 2
-    assert "k_scale has 3 per-head scales for a model of 2 KV heads" in one_line(capsys, "kvquant.plan")
+    assert "k_scale has 3 per-head scales for a model of 2 KV heads" in one_line(capsys, "kvquant")
 
 
 # R22: kvquant's own get_task_dict call printed lm-eval's DeprecationWarning before a refusal's one line

@@ -86,12 +86,12 @@ def test_a_model_folder_that_needs_its_own_code_is_refused_even_when_the_user_an
     if entry == "run":
         code, prog = kvquant.run.main([str(write_config(tmp_path, model={"path": str(folder)}))]), "kvquant"
     elif entry == "plan":
-        code, prog = plan.main(["--model", str(folder), "--context", "16"]), "kvquant.plan"
+        code, prog = plan.main(["--model", str(folder), "--context", "16"]), "kvquant"
     else:
         monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
         code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={folder}",
                                  "--tasks", "tinystories_lastword", "--limit", "2"])
-        prog = "kvquant.lm_eval"
+        prog = "kvquant"
     out, err = capsys.readouterr()
     line = one_line(code, err, prog, str(folder))
     assert "auto_map" in line or "custom code" in line, line
@@ -112,7 +112,7 @@ def test_the_planner_on_a_terminal_never_prompts_for_a_model_folders_code(tmp_pa
     finally:
         os.close(slave)
         os.close(master)
-    one_line(proc.returncode, proc.stderr, "kvquant.plan", str(folder))
+    one_line(proc.returncode, proc.stderr, "kvquant", str(folder))
     assert "Do you wish" not in proc.stdout + proc.stderr
     assert not marker.exists(), "the model folder's Python ran"
 
@@ -134,11 +134,11 @@ def plant(folder: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("module, args, prog", [
     ("kvquant.run", ["{config}"], "kvquant"),
-    ("kvquant.plan", ["--model", "llama-3.1-8b", "--context", "0"], "kvquant.plan"),
+    ("kvquant.plan", ["--model", "llama-3.1-8b", "--context", "0"], "kvquant"),
     ("kvquant.export", ["{work}/no-such-report"], "kvquant"),
     ("kvquant.adopt", ["{config}", "{work}/no-such-partial"], "kvquant"),
     ("kvquant.lm_eval", ["--model", "kvquant", "--model_args", "pretrained={model}", "--tasks", "tinystories_lastwrod"],
-     "kvquant.lm_eval"),
+     "kvquant"),
 ], ids=["run", "plan", "export", "adopt", "lm_eval"])
 def test_modules_planted_in_the_working_directory_never_run(tmp_path, module, args, prog):
     """``python -m`` puts the working directory first on ``sys.path``: a ``numpy.py`` left there ran as kvquant
@@ -231,7 +231,7 @@ def test_a_function_module_planted_in_the_working_directory_never_runs(tmp_path)
     proc = python_m("kvquant.lm_eval", ["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}",
                                         "--tasks", str(task), "--limit", "1"], work)
     assert not marker.exists(), "the planted module ran"
-    one_line(proc.returncode, proc.stderr, "kvquant.lm_eval", "`!function mod.process_docs` names no module file")
+    one_line(proc.returncode, proc.stderr, "kvquant", "`!function mod.process_docs` names no module file")
 
 
 # --- 3. the processes of one data-parallel run must run the same thing ---------------------------------------------
@@ -270,7 +270,7 @@ def test_lm_eval_ranks_that_run_other_flags_are_refused_before_the_model_loads(c
     monkeypatch.setattr(parallel, "current", lambda: Ranks({"command": "0123456789abcdef"}))
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)},quantizer=int4",
                              "--tasks", "tinystories_lastword", "--limit", "2"])
-    one_line(code, capsys.readouterr().err, "kvquant.lm_eval", "process 1 differs from process 0 in its command")
+    one_line(code, capsys.readouterr().err, "kvquant", "process 1 differs from process 0 in its command")
 
 
 def test_ranks_that_agree_go_on():
@@ -349,7 +349,7 @@ def test_lm_eval_refuses_more_shots_than_it_can_hold_before_the_model_loads(caps
     """``--num_fewshot 100000`` failed only after the model loaded (exit 3)."""
     monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}", *args])
-    one_line(code, capsys.readouterr().err, "kvquant.lm_eval", needle)
+    one_line(code, capsys.readouterr().err, "kvquant", needle)
 
 
 def test_the_kvquant_model_refuses_cut_few_shot_contexts_before_scoring_any(model, tokenizer, monkeypatch):
@@ -391,9 +391,9 @@ def test_lm_eval_refuses_few_shot_contexts_longer_than_the_model_right_after_it_
     code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)},max_length=64",
                              "--tasks", "arc_easy_local", "--num_fewshot", "5", "--limit", "2"])
     err = capsys.readouterr().err  # lm-eval has started: its own log lines (timestamped) come before ours
-    ours = [line for line in err.splitlines() if line.startswith("kvquant.lm_eval")]
+    ours = [line for line in err.splitlines() if line.startswith("kvquant: ")]
     assert code == 2 and len(ours) == 1 and "Traceback" not in err, err[-3000:]
-    assert ours[0].startswith("kvquant.lm_eval: error: --num_fewshot: task 'arc_easy_local' with 5 few-shot "
+    assert ours[0].startswith("kvquant: error: --num_fewshot: task 'arc_easy_local' with 5 few-shot "
                               "examples needs contexts of up to") and "the model's context is 64" in ours[0], ours
 
 

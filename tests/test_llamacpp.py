@@ -457,3 +457,21 @@ def test_the_runner_refuses_before_the_model_loads(tmp_path, capsys, monkeypatch
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("kvquant: error: ") and re.search(needle, err[0]), err
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_a_run_states_no_rope_layout_against_the_model():
+    """Issue 58: a run's ``rope_layout`` that contradicts the model's GGUF layout is refused (one line); the
+    model's own, or none, is accepted, in a ``layers`` map too; other quantizers are not llama.cpp's and ignored."""
+    llama = config(64, layers=1)
+    qwen = transformers.Qwen2Config(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1)
+    for model, own, other in ((llama, "norm", "neox"), (qwen, "neox", "norm")):
+        llamacpp_gguf.check_rope_layout(model, "llamacpp_q4_0", {"rope_layout": own}, "c")
+        llamacpp_gguf.check_rope_layout(model, "llamacpp_q4_0", {}, "c")
+        llamacpp_gguf.check_rope_layout(model, "int4", {"layers": {0: {"quantizer": "int8"}}}, "c")
+        with pytest.raises(KVQuantError, match=f"^c: rope_layout '{other}', but llama.cpp stores this model's K "
+                                               f"\\('{model.model_type}'\\) in the '{own}' layout"):
+            llamacpp_gguf.check_rope_layout(model, "llamacpp_q4_0", {"rope_layout": other}, "c")
+        with pytest.raises(KVQuantError, match=f"^c: layers\\[1\\]: rope_layout '{other}'"):
+            llamacpp_gguf.check_rope_layout(model, "int8", {"layers": {1: {"quantizer": "llamacpp_q8_0",
+                                                                           "rope_layout": other}}}, "c")

@@ -73,6 +73,39 @@ def test_report_resume_and_remeasure(script, tmp_path, monkeypatch):
     assert f"| int8 | {few} |" in (out / "report.md").read_text()
     assert json.loads((out / "results.json").read_text())["candidates"] == doc["candidates"]
 
-    # other inputs (a longer window): measured again, so the model loads
+    # other inputs (a longer window): measured again, so the model loads; the finished file of the earlier inputs is
+    # set aside first, never overwritten (issue 58)
+    before = (out / "documents" / "doc-0.json").read_text()
     with pytest.raises(pytest.fail.Exception, match="loaded the model"):
         script.main([str(config), "--set", "eval.perplexity.0.max_length=310", "--out", str(out)])
+    assert (out / "documents" / "doc-0.json.old").read_text() == before
+
+
+@pytest.mark.parametrize("tamper", ["edited", "unsigned"])
+def test_a_document_file_not_signed_here_is_set_aside_and_measured_again(script, tmp_path, capsys, tamper):
+    """Issue 58: a ``documents/doc-N.json`` of this run's inputs was reused whatever its numbers (only its inputs were
+    compared): one edited by hand, or one without a signature (written before signed documents, like the committed
+    reports' files), is moved to ``doc-N.json.unsigned`` and measured again; the report rests on the measurement."""
+    config = tmp_path / "long.yaml"
+    config.write_text(CONFIG.replace("limit: 2", "limit: 1"))
+    out = tmp_path / "out"
+    script.main([str(config), "--out", str(out)])
+    path = out / "documents" / "doc-0.json"
+    measured = json.loads(path.read_text())
+    forged = {**measured, "result": {**measured["result"], "int2": {**measured["result"]["int2"],
+                                                                    "kl": [0.0] * 299}}}
+    if tamper == "unsigned":
+        forged = {k: v for k, v in measured.items() if k != "signature"}
+    path.write_text(json.dumps(forged))
+    capsys.readouterr()
+    script.main([str(config), "--out", str(out)])
+    printed = capsys.readouterr().out
+    why = "it carries no signature" if tamper == "unsigned" else "its signature does not verify"
+    assert f"{path} is not reused: {why}" in printed and "moved to doc-0.json.unsigned and measured again" in printed
+    assert "document 1/1 (300 tokens)" in printed  # measured again
+    assert json.loads((out / "documents" / "doc-0.json.unsigned").read_text()) == forged
+    again = json.loads(path.read_text())
+    assert again["result"]["int2"]["kl"] == measured["result"]["int2"]["kl"] != [0.0] * 299
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["candidates"]["int2"]["kl"][0]["mean"] == pytest.approx(
+        sum(measured["result"]["int2"]["kl"]) / 299, rel=1e-9)

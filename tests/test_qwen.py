@@ -96,7 +96,7 @@ def refused_line(capsys, argv: list[str]) -> str:
     """``python -m kvquant.packaged ARGV`` exits 2 with one line on stderr; that line."""
     assert packaged.main(argv) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kvquant.packaged: error: "), lines
+    assert len(lines) == 1 and lines[0].startswith("kvquant: error: "), lines
     return lines[0]
 
 

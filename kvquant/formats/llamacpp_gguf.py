@@ -74,6 +74,26 @@ def _with_layout(quantizer, options: dict, layout: str) -> dict:
     return options
 
 
+def check_rope_layout(model_config, quantizer, options: dict, where: str) -> None:
+    """A run's llama.cpp setting (``quantizer`` with ``options``, and those its ``layers`` map names) states no
+    ``rope_layout`` other than the model's (:func:`rope_layout_of`): K stored in an order llama.cpp does not use for
+    this model would be measured, and the report and DEPLOY.md would stand for llama.cpp's cache all the same (one
+    line naming ``where``). The cache-only emulation of :mod:`kvquant.integrations.llamacpp_compare` states it
+    through ``make_cache`` instead."""
+    layout = rope_layout_of(model_config)
+    layers = options.get("layers")
+    named = [(where, quantizer, options)] + [
+        (f"{where}: layers[{key!r}]", value.get("quantizer"), value)
+        for key, value in (layers.items() if isinstance(layers, dict) else ()) if isinstance(value, dict)]
+    for at, name, given in named:
+        stated = given.get("rope_layout")
+        if isinstance(name, str) and name.startswith("llamacpp_") and stated is not None and stated != layout:
+            kind = getattr(model_config, "model_type", None)
+            raise KVQuantError(f"{at}: rope_layout {stated!r}, but llama.cpp stores this model's K ({kind!r}) in "
+                               f"the {layout!r} layout, so the run would measure a cache llama.cpp never holds; "
+                               "remove rope_layout (the model's is used)")
+
+
 def model_options(model_or_config, quantizer, options: dict) -> dict:
     """``make_cache`` options with every llama.cpp quantizer's ``rope_layout`` (the cache's and those a ``layers``
     map names) taken from the model where not given."""

@@ -102,7 +102,7 @@ def paired_ratio_bounds(both, lost, gained, neither, confidence: float) -> tuple
     (``low >= theta``) at a true ratio ``theta``, summed over every outcome, stayed at or below
     ``(1 - confidence) / 2`` from 50 to 5,000 documents, accuracies 0.2-0.9 and flips one way or both
     (``experiments/simulate_gate.py``, ``docs/gate.md``)."""
-    a, b, c, d = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (both, lost, gained, neither)))
+    a, b, c, d = _paired_counts(both, lost, gained, neither, confidence)
     z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
     hat = np.divide(a + c, a + b, out=np.full(a.shape, np.nan), where=a + b > 0)
     low = _score_root(a, b, c, d, z, np.zeros(a.shape), np.nan_to_num(hat), lower=True)
@@ -110,6 +110,27 @@ def paired_ratio_bounds(both, lost, gained, neither, confidence: float) -> tuple
                               np.full(a.shape, math.log(1e9)), lower=False))
     none = a + b == 0
     return np.where(none, np.nan, low), np.where(none, np.nan, high)
+
+
+def _paired_counts(both, lost, gained, neither, confidence) -> list[np.ndarray]:
+    """The four counts of :func:`paired_ratio_bounds` as float arrays of one shape, checked: whole numbers, none
+    negative (so neither flip count exceeds the documents), every table of at least one document, and a confidence
+    in (0, 1); else a ValueError naming what is wrong."""
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float, np.floating)) or \
+            not 0 < confidence < 1:
+        raise ValueError(f"paired_ratio_bounds: confidence must be a number in (0, 1), got {confidence!r}")
+    try:
+        counts = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (both, lost, gained, neither)))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"paired_ratio_bounds: counts must be numbers or arrays of one shape ({err})") from None
+    for name, x in zip(("both", "lost", "gained", "neither"), counts):
+        if not np.all(np.isfinite(x) & (x >= 0) & (x == np.floor(x))):
+            bad = x[~(np.isfinite(x) & (x >= 0) & (x == np.floor(x)))].flat[0]
+            raise ValueError(f"paired_ratio_bounds: {name} must count documents (a whole number, not negative), "
+                             f"got {float(bad):g}")
+    if np.any(sum(counts) == 0):
+        raise ValueError("paired_ratio_bounds: a table of 0 documents has no interval")
+    return counts
 
 
 def _score(a, b, c, d, theta, toward):

@@ -5,12 +5,18 @@ most it may take (a sequential gate's looks, up to ``gate.max_documents`` or the
 costs, and a time from a short timing probe of each setting on this machine.
 
 Tokens are those of every request a scorer is handed, context + continuation, counted as the run's scorer records
-them (``Scorer.lengths``, kept in every result as ``lengths``): a task's requests are built here by lm-eval with the
-model's tokenizer exactly as the run builds them, with a recorder in place of the scorer; perplexity and long-context
-windows are cut as the run cuts them. Streaming mode with prefix sharing runs a shared context through the model
-once, so fewer tokens pass through it than it scores. A candidate's perplexity and KL divergence come from one pass;
-the baseline is scored again beside every :data:`~kvquant.scoring.session.SHARED_BASELINE` candidates for the
-divergences. Not previewed: calibration, the search, a staged run's serving loop and the memory probe.
+them (``Scorer.lengths``, kept in every result as ``lengths``): a task's first look is built here by lm-eval with the
+model's tokenizer exactly as the run builds it (its first :data:`SAMPLE_DOCUMENTS` documents where it holds more),
+with a recorder in place of the scorer (each task loaded once); perplexity and long-context windows are cut as the
+run cuts them. Larger looks are priced from counts, never built: the tokens per document of those built times the
+documents each look holds (so the preview takes the same time whatever
+``gate.max_documents`` is, and writes no probe document beyond the first look's). A result the run would reuse from
+the report folder's signed partial results (:meth:`kvquant.runner.store.ResultStore.reusable`: read, never moved)
+costs nothing, and the preview says how many there are. Streaming mode with prefix sharing runs a shared context
+through the model once, so fewer tokens pass through it than it scores. A candidate's perplexity and KL divergence
+come from one pass; the baseline is scored again beside every :data:`~kvquant.scoring.session.SHARED_BASELINE`
+candidates for the divergences. Not previewed: calibration, the search, a staged run's serving loop and the memory
+probe (a calibrating setting's results are priced as measured: their keys hold the scales calibration finds).
 """
 
 from __future__ import annotations
@@ -26,10 +32,17 @@ from kvquant.runner.gate import duration, looks
 from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scored, Scorer
 from kvquant.scoring.session import (BASELINE, SHARED_BASELINE, Session, evaluate_task, evaluation_split,
-                                     shares_prefix, task_lm, task_size)
+                                     probe_counts, shares_prefix, task_lm, windows_digest)
+from kvquant.scoring.task_setup import lm_eval_task
+from kvquant.scoring.tasks import probe_length
 
-#: Request tokens each setting's timing probe scores (at least one whole request).
-PROBE_TOKENS = 1024
+#: Request tokens each setting's timing probe scores, after a warm-up of WARM_UP tokens (a probe of 1,024 tokens,
+#: warmed up on as many, was most of a dry run's time with six settings of SmolLM2 on 2 shared cores)
+PROBE_TOKENS = 256
+WARM_UP = 64
+#: Documents of a task whose requests are built to price it: its first look where that holds no more (exact), else
+#: these first ones, their tokens per document times the documents of each look.
+SAMPLE_DOCUMENTS = 32
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,9 @@ class Cost:
     most_fed: int = 0
     seconds: float = float("nan")
     most_seconds: float = float("nan")
+    #: of the results this pass makes (a task: one per look), those the run would reuse (their model tokens: 0)
+    reused: int = 0
+    results: int = 1
 
 
 class Recorder:
@@ -72,7 +88,6 @@ def recorded_requests(model, tokenizer, tasks: list[str], limit: int, shots: int
     import lm_eval
 
     from kvquant.scoring.lm_eval_model import KVQuantLM
-    from kvquant.scoring.task_setup import lm_eval_task
     from kvquant.scoring.tasks import task_dir
 
     lm = KVQuantLM(model, tokenizer=tokenizer, quantizer="fp16")
@@ -86,15 +101,6 @@ def recorded_requests(model, tokenizer, tasks: list[str], limit: int, shots: int
     return lm.scorer.requests
 
 
-def task_requests(session: Session, task: str, documents: range | None) -> tuple[int, list]:
-    """(documents, requests) of one task's scoring call as the run makes it: its first ``limit`` documents
-    (``documents`` None) or those of a sequential look."""
-    lm = task_lm(session.model, session.tokenizer, BASELINE, session.cfg, session.maxlen)
-    lm.scorer = Recorder()
-    name, out = evaluate_task(lm, session.cfg, task, session.folder(), list(documents) if documents else None)
-    return len(out["samples"][name]), lm.scorer.requests
-
-
 def fed(session: Session, requests: list, label: str) -> int:
     """Tokens the scorer of ``label`` feeds the model for one scoring call of ``requests``."""
     cfg = session.cfg
@@ -106,62 +112,117 @@ def request_tokens(requests: list) -> int:
     return sum(len(c) + len(t) for c, t in requests)
 
 
-def task_costs(session: Session, task: str, labels: list[str], samples: dict) -> list[Cost]:
+def task_costs(session: Session, reuse, task: str, labels: list[str], samples: dict) -> list[Cost]:
     """Every scorer's pass over ``task``: the first look's documents, and the most a sequential gate may add (its
-    looks, up to ``gate.max_documents`` or the task's end, as :func:`kvquant.run.add_documents` takes them)."""
-    cfg = session.cfg
-    first, requests = task_requests(session, task, None)
+    looks, up to ``gate.max_documents`` or the task's end, as :func:`kvquant.run.add_documents` takes them), priced
+    from the requests of the first look (built once, as the run builds them) or of its first
+    :data:`SAMPLE_DOCUMENTS` documents where it holds more: their tokens per document times each look's documents."""
+    cfg, folder = session.cfg, session.folder()
+    found = lm_eval_task(task, folder, cfg.eval.tasks.fewshot_sampler)  # the only time it is loaded
+    size = probe_counts(cfg)[task] if probe_length(task) is not None else len(found.eval_docs)
+    first = min(cfg.eval.tasks.limit_for(task) or size, size)
+    lm = task_lm(session.model, session.tokenizer, BASELINE, cfg, session.maxlen)
+    lm.scorer = Recorder()
+    built = None if first <= SAMPLE_DOCUMENTS else list(range(SAMPLE_DOCUMENTS))  # the first look, or a sample
+    name, evaluated = evaluate_task(lm, cfg, task, folder, built, found=found)
+    sampled, requests = len(evaluated["samples"][name]), lm.scorer.requests
     samples.setdefault(f"task/{task}", requests)
-    calls, scored = [requests], first
+    parts: list[range | None] = [None]  # the first look, then each later look's documents
     if task in cfg.gated_tasks() and cfg.gate.max_documents is not None:
-        planned, size = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents), task_size(session, task)
-        while (nxt := min(next((n for n in planned if n > scored), scored), size)) > scored:
-            added, more = task_requests(session, task, range(scored, nxt))
-            scored, calls = scored + added, [*calls, more]
-    return [Cost(label, f"task/{task}", first, request_tokens(requests), scored, sum(map(request_tokens, calls)),
-                 fed=fed(session, requests, label), most_fed=sum(fed(session, r, label) for r in calls))
-            for label in labels]
+        scored = first
+        for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents):
+            if min(n, size) > scored:
+                parts.append(range(scored, min(n, size)))
+                scored = min(n, size)
+    tokens = request_tokens(requests)
+    counts = [first, *(len(p) for p in parts[1:])]  # documents of each look
+
+    def per(spent: int) -> list[int]:  # ``spent`` for the documents built, for each look's documents
+        return [round(spent * n / max(sampled, 1)) for n in counts]
+
+    out = []
+    for label in labels:
+        key = reuse.key(label)
+        kept = [reuse(label, f"task/{task}" + (f"@{p.start}-{p.stop}" if p is not None else ""),
+                      session.task_key(key, task, p)) for p in parts]
+        each, spent = per(tokens), per(fed(session, requests, label))
+        out.append(Cost(label, f"task/{task}", first, each[0], sum(counts), sum(each),
+                        fed=0 if kept[0] else spent[0], most_fed=sum(n for n, k in zip(spent, kept) if not k),
+                        reused=sum(kept), results=len(parts)))
+    return out
 
 
-def window_costs(session: Session, what: str, windows, labels: list[str], setting: str | None = None) -> list[Cost]:
-    """The passes of ``labels`` over ``windows`` (priced by ``setting``'s probe where given)."""
+def window_costs(session: Session, what: str, windows, labels: list[str], reused: dict[str, bool],
+                 setting: str | None = None) -> list[Cost]:
+    """The passes of ``labels`` over ``windows`` (priced by ``setting``'s probe where given; nothing where
+    ``reused`` says the run would reuse the pass's result)."""
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
     tokens = request_tokens(requests)
-    spent = {label: fed(session, requests, setting or label) for label in labels}
+    spent = {label: 0 if reused[label] else fed(session, requests, setting or label) for label in labels}
     return [Cost(label, what, len(windows), tokens, len(windows), tokens, setting=setting, fed=spent[label],
-                 most_fed=spent[label]) for label in labels]
+                 most_fed=spent[label], reused=int(reused[label])) for label in labels]
 
 
-def baseline_passes(session: Session, what: str, windows, candidates: list[str]) -> list[Cost]:
-    """The baseline's extra passes for the divergences of ``candidates`` (one per group of SHARED_BASELINE)."""
-    groups = [candidates[i : i + SHARED_BASELINE] for i in range(0, len(candidates), SHARED_BASELINE)]
-    return window_costs(session, what, windows, [f"{BASELINE.label} (for {', '.join(g)})" for g in groups],
-                        BASELINE.label)
+def baseline_passes(session: Session, what: str, windows, candidates: list[str], reused: dict[str, bool]
+                    ) -> list[Cost]:
+    """The baseline's extra passes for the divergences of ``candidates`` (one per group of SHARED_BASELINE; none
+    where every divergence of the group is reused)."""
+    groups = {f"{BASELINE.label} (for {', '.join(g)})": all(reused[c] for c in g)
+              for g in (candidates[i : i + SHARED_BASELINE] for i in range(0, len(candidates), SHARED_BASELINE))}
+    return window_costs(session, what, windows, list(groups), groups, BASELINE.label)
 
 
-def costs(session: Session, rows: dict) -> tuple[list[Cost], dict[str, list]]:
-    """Every scoring pass of the run's evaluation split, and sample requests for the timing probe."""
-    cfg = session.cfg
+class Reuse:
+    """Which results the run would reuse from ``store`` (None: none, e.g. no signing key yet): ``reuse(label,
+    metric, key)``; :meth:`key` is a setting's result key on the evaluation split. A calibrating setting's key
+    holds the scales calibration finds, so its results are priced as measured."""
+
+    def __init__(self, session: Session, store):
+        self.session, self.store = session, store
+        cfg = session.cfg
+        self.settings = {c.label: c for c in [BASELINE, *(cfg.stages or cfg.candidates)]}
+
+    def key(self, label: str) -> dict:
+        return self.session.key(self.settings[label], "evaluation")
+
+    def __call__(self, label: str, metric: str, key: dict) -> bool:
+        return self.store is not None and not self.settings[label].calibrate and \
+            self.store.reusable(label, metric, key)
+
+    def windows(self, labels: list[str], metric: str, digest: str) -> dict[str, bool]:
+        return {label: self(label, metric, {**self.key(label), "windows": digest}) for label in labels}
+
+
+def costs(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[str, list]]:
+    """Every scoring pass of the run's evaluation split (nothing for those whose results ``store``, the report's
+    partial results, would give the run), and sample requests for the timing probe."""
+    cfg, reuse = session.cfg, Reuse(session, store)
     labels = [c.label for c in cfg.stages or cfg.candidates]
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     out, samples = [], {}
     for name, windows in split.windows.items():
         samples.setdefault(f"ppl/{name}", [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows])
-        out += window_costs(session, f"ppl/{name}", windows, [BASELINE.label])
-        out += window_costs(session, f"ppl/{name}", windows, labels)  # with its KL divergence, from the same pass
-        out += baseline_passes(session, f"kl/{name}", windows, labels)
+        digest = windows_digest(windows)
+        out += window_costs(session, f"ppl/{name}", windows, [BASELINE.label],
+                            reuse.windows([BASELINE.label], f"ppl/{name}", digest))
+        # a candidate's perplexity comes with its KL divergence, from the same pass: reused with the divergence
+        divergent = reuse.windows(labels, f"kl/{name}", digest)
+        out += window_costs(session, f"ppl/{name}", windows, labels, divergent)
+        out += baseline_passes(session, f"kl/{name}", windows, labels, divergent)
     if split.long:
-        text = cfg.eval.long_context.text
-        out += window_costs(session, f"long/{text}", split.long, labels)
-        out += baseline_passes(session, f"long/{text}", split.long, labels)
+        what = f"long/{cfg.eval.long_context.text}"
+        kept = reuse.windows(labels, what, windows_digest(list(split.long), long=True))
+        out += window_costs(session, what, split.long, labels, kept)
+        out += baseline_passes(session, what, split.long, labels, kept)
     for task in cfg.eval.tasks.names:
-        out += task_costs(session, task, [BASELINE.label, *labels], samples)
+        out += task_costs(session, reuse, task, [BASELINE.label, *labels], samples)
     return out, samples
 
 
-def rates(session: Session, samples: dict[str, list]) -> dict[str, float]:
-    """Tokens fed to the model per second by each setting's scorer on this machine: the first requests of the first
-    measurement, up to :data:`PROBE_TOKENS` request tokens, scored once untimed (a warm-up) and once timed."""
+def rates(session: Session, samples: dict[str, list], settings: set[str]) -> dict[str, float]:
+    """Tokens fed to the model per second by each of ``settings``' scorers on this machine: the first requests of the
+    first measurement, up to :data:`PROBE_TOKENS` request tokens (a longer first request cut to them), scored once
+    timed after a warm-up on its first :data:`WARM_UP` tokens."""
     requests = next(iter(samples.values()), [])
     probe, total = [], 0
     for context, continuation in requests:
@@ -169,11 +230,15 @@ def rates(session: Session, samples: dict[str, list]) -> dict[str, float]:
             break
         probe.append((context, continuation))
         total += len(context) + len(continuation)
+    if total > PROBE_TOKENS:  # one request longer than the probe: its first tokens, half of them scored
+        ids = [*probe[0][0], *probe[0][1]][:PROBE_TOKENS]
+        probe = [(ids[: len(ids) // 2], ids[len(ids) // 2 :])]
+    warm = [*probe[0][0], *probe[0][1]][:WARM_UP] if probe else []
     cfg, out = session.cfg, {}
-    for candidate in [BASELINE, *(cfg.stages or cfg.candidates)]:
+    for candidate in [c for c in [BASELINE, *(cfg.stages or cfg.candidates)] if c.label in settings]:
         scorer = Scorer(session.model, candidate.spec, cfg.eval.mode, cfg.eval.chunk_size,
                         batch_size=cfg.eval.batch_size, share_prefix=shares_prefix(candidate))
-        scorer.score_many(probe[:1])
+        scorer.score_many([(warm[: len(warm) // 2], warm[len(warm) // 2 :])])
         before, start = scorer.fed, time.perf_counter()
         scorer.score_many(probe)
         out[candidate.label] = (scorer.fed - before) / max(time.perf_counter() - start, 1e-9)
@@ -181,35 +246,45 @@ def rates(session: Session, samples: dict[str, list]) -> dict[str, float]:
 
 
 def timed(cost: Cost, rate: dict[str, float]) -> Cost:
+    if not cost.most_fed:  # nothing to measure (reused): no probe
+        return dataclasses.replace(cost, seconds=0.0, most_seconds=0.0)
     per_token = 1 / rate[cost.setting or cost.scorer]
     return dataclasses.replace(cost, seconds=cost.fed * per_token, most_seconds=cost.most_fed * per_token)
 
 
-def preview(session: Session, rows: dict) -> tuple[list[Cost], dict[str, float]]:
-    """Every scoring pass of the run with its time from this machine's timing probe, and the probe's rates."""
-    found, samples = costs(session, rows)
-    rate = rates(session, samples) if found else {}
+def preview(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[str, float]]:
+    """Every scoring pass of the run with its time from this machine's timing probe (of the settings that have
+    anything to measure), and the probe's rates; ``store``: the report's partial results, read only."""
+    found, samples = costs(session, rows, store)
+    rate = rates(session, samples, {c.setting or c.scorer for c in found if c.most_fed})
     return [timed(c, rate) for c in found], rate
 
 
-def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float]) -> str:
+def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], partial=None) -> str:
+    """The preview as printed; ``partial``: the folder reused results come from."""
     lines = [f"kvquant: cost preview of {cfg.name} (nothing measured, nothing written)", "",
-             "| scorer | measurement | documents | tokens | model tokens | time | most documents | most tokens | "
-             "most model tokens | most time |", "|---|---|" + "---:|" * 8]
+             "| scorer | measurement | documents | tokens | model tokens | time | reused | most documents | "
+             "most tokens | most model tokens | most time |", "|---|---|" + "---:|" * 9]
     for c in found:
         lines.append(f"| {c.scorer} | {c.measurement} | {c.documents} | {c.tokens:,} | {c.fed:,} | "
-                     f"{duration(c.seconds)} | {c.most_documents} | {c.most_tokens:,} | {c.most_fed:,} | "
-                     f"{duration(c.most_seconds)} |")
+                     f"{duration(c.seconds)} | {c.reused} of {c.results} | {c.most_documents} | {c.most_tokens:,} | "
+                     f"{c.most_fed:,} | {duration(c.most_seconds)} |")
     total = {k: sum(getattr(c, k) for c in found) for k in ("tokens", "fed", "seconds", "most_tokens", "most_fed",
-                                                            "most_seconds")}
-    lines += [f"| **all** | | | **{total['tokens']:,}** | **{total['fed']:,}** | **{duration(total['seconds'])}** | | "
-              f"**{total['most_tokens']:,}** | **{total['most_fed']:,}** | **{duration(total['most_seconds'])}** |", "",
+                                                            "most_seconds", "reused", "results")}
+    lines += [f"| **all** | | | **{total['tokens']:,}** | **{total['fed']:,}** | **{duration(total['seconds'])}** | "
+              f"**{total['reused']} of {total['results']}** | | **{total['most_tokens']:,}** | "
+              f"**{total['most_fed']:,}** | **{duration(total['most_seconds'])}** |", "",
               "tokens: context + continuation of every request a scorer is handed; model tokens: those it feeds the "
               "model (streaming mode runs a context shared by several requests once, and the whole chunks contexts "
-              f"begin with alike once); mode {cfg.eval.mode}, chunk {cfg.eval.chunk_size}, batch "
-              f"{cfg.eval.batch_size}",
+              f"begin with alike once), 0 where the run reuses the result; mode {cfg.eval.mode}, chunk "
+              f"{cfg.eval.chunk_size}, batch {cfg.eval.batch_size}",
+              f"reused: {total['reused']} of {total['results']} results (a task's: one per look) the run would take "
+              f"from {partial or 'the partial results'} (signed, of these inputs), priced 0 s",
+              f"most: every planned look taken; a look of more than {SAMPLE_DOCUMENTS} documents is priced from the "
+              f"tokens per document of the first {SAMPLE_DOCUMENTS} (not built; the run checks every look's few-shot "
+              "contexts before its model loads)",
               "time: model tokens per second of each setting in a timing probe on this machine: " +
-              ", ".join(f"{label} {r:,.0f}/s" for label, r in rate.items())]
+              (", ".join(f"{label} {r:,.0f}/s" for label, r in rate.items()) or "none needed (nothing to measure)")]
     left = [what for what, there in (("calibration", any(c.calibrate for c in [*cfg.candidates, *cfg.stages])),
                                      ("the search", cfg.search), ("the staged serving loop", cfg.serving)) if there]
     if left:

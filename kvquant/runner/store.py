@@ -46,7 +46,7 @@ class ResultStore:
     change of the measuring sources under the run stops it there, what is written kept and nothing mixed."""
 
     def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE,
-                 watch=None):
+                 watch=None, secret: bytes | None = None):
         self.directory, self.code, self.warnings, self.processes = directory, code, warnings, processes
         self.watch = watch
         #: written once, before the first signed write (a run's first plan, :mod:`kvquant.runner.lookplan`), so a
@@ -54,7 +54,8 @@ class ResultStore:
         self.first_write = None
         self.reused, self.computed, self.set_aside = 0, 0, []
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
-        self.secret = result_key() if processes.main else b""
+        #: ``secret``: the key to verify with (a reader that must not make one: :func:`result_key`'s, existing)
+        self.secret = secret if secret is not None else result_key() if processes.main else b""
         #: how long each (candidate, metric) took to measure, where known: this run's own, or what the run that
         #: measured a reused result noted (informational, outside the signature: it only prices more documents)
         self.seconds: dict[tuple[str, str], float] = {}
@@ -74,10 +75,25 @@ class ResultStore:
         text = digest + json.dumps(result, sort_keys=True, default=str)
         return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
 
+    def _inputs(self, candidate: str, metric: str, key: dict) -> tuple[dict, str]:
+        inputs = {**key, "code": self.code, "result_of": [candidate, metric]}
+        return inputs, inputs_digest(inputs)
+
+    def reusable(self, candidate: str, metric: str, key: dict) -> bool:
+        """Whether :meth:`get_or_compute` would reuse the saved result of (``candidate``, ``metric``, ``key``):
+        read only (nothing set aside, nothing written; the cost preview asks)."""
+        path = self._path(candidate, metric)
+        try:
+            saved = json.loads(read_file(path).decode("utf-8"))
+            digest = self._inputs(candidate, metric, key)[1]
+            return isinstance(saved, dict) and "result" in saved and saved.get("key") == digest and \
+                hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"]))
+        except (OSError, ValueError, RecursionError):
+            return False
+
     def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
         path = self._path(candidate, metric)
-        inputs = {**key, "code": self.code, "result_of": [candidate, metric]}
-        digest = inputs_digest(inputs)
+        inputs, digest = self._inputs(candidate, metric, key)
         saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
                                          else None)
         if saved is not None:
@@ -229,10 +245,13 @@ def plan_file(entry: os.DirEntry) -> bool:
         entry.is_file(follow_symlinks=False)
 
 
-def result_key() -> bytes:
+def result_key(make: bool = True) -> bytes | None:
     """This user's secret for signing partial results (``partial-results.key`` in kvquant's private cache, made
-    once: written to a temporary file and linked into place, so racing runs agree on one)."""
+    once: written to a temporary file and linked into place, so racing runs agree on one); not ``make``: None where
+    there is none yet (nothing is written)."""
     path = cache_dir("keys") / "partial-results.key"
+    if not make and not os.path.lexists(path):
+        return None
     if not os.path.lexists(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent)
         with os.fdopen(fd, "w") as f:

@@ -81,12 +81,13 @@ def task_builds(cfg, task: str, size: int) -> list[dict]:
     return builds
 
 
-def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder) -> None:
+def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder, documents: int | None = None) -> None:
     """Every task of ``cfg`` with few-shot examples: lm-eval uses them (a task whose own YAML fixes
     ``num_fewshot: 0`` ignores a config's), and every request the run will build fits ``context`` positions. Built
     as lm-eval builds them in :func:`kvquant.scoring.session.run_task` (same documents, seed and draws) with
     ``tokenizer()``
-    (called only where a task has examples), before the model loads."""
+    (called only where a task has examples), before the model loads; ``documents``: the requests of the first
+    ``documents`` only (the cost preview builds no others)."""
     from kvquant.scoring.task_setup import use_sampler
     from kvquant.scoring.tasks import resolve_task, task_manager
 
@@ -101,7 +102,8 @@ def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder) -> None
             raise KVQuantError(f"eval.tasks.num_fewshot: task {task!r} fixes num_fewshot: 0 in its own task file, "
                                f"so lm-eval would run it 0-shot while the results say {count}-shot; ask for 0")
         found.set_config(key="num_fewshot", value=count)
-        for build in task_builds(cfg, task, len(found.eval_docs)):
+        builds = task_builds(cfg, task, len(found.eval_docs))
+        for build in builds if documents is None else [{"limit": min(builds[0]["limit"] or documents, documents)}]:
             found.set_fewshot_seed(seed=cfg.eval.seed)
             with contextlib.redirect_stderr(io.StringIO()):  # its progress bar: stderr holds one line on bad input
                 found.build_all_requests(**build, rank=0, world_size=1)

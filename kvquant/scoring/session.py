@@ -89,10 +89,11 @@ def task_lm(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, maxle
                      share_prefix=shares_prefix(candidate), share_out="requests")
 
 
-def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: list[int] | None = None
-                  ) -> tuple[str, dict]:
+def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: list[int] | None = None,
+                  found=None) -> tuple[str, dict]:
     """lm-eval's evaluation of one task with ``lm``: (its lm-eval name, lm-eval's output with the samples);
-    ``documents``: these document indices instead of the first ``limit``."""
+    ``documents``: these document indices instead of the first ``limit``; ``found``: the task object, loaded
+    already (:func:`~kvquant.scoring.task_setup.lm_eval_task` with the config's sampler)."""
     import lm_eval
 
     name = resolve_task(task)
@@ -101,7 +102,7 @@ def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: 
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_length(task) is not None else None)
     with _environ(LOCAL_RANK="0"):  # lm-eval returns results only where it is 0;
         # under several processes here, every one builds every request and holds every score (share_out)
-        found = name if sampler == "default" else lm_eval_task(task, folder, sampler)
+        found = found if found is not None else name if sampler == "default" else lm_eval_task(task, folder, sampler)
         out = lm_eval.simple_evaluate(model=lm, tasks=[found], num_fewshot=cfg.eval.tasks.fewshot_for(task),
                                       limit=None if documents else limit,
                                       samples={name: list(documents)} if documents else None,
@@ -143,11 +144,12 @@ def run_task(model, tokenizer, candidate: Candidate, cfg: ExperimentConfig, task
             "reads": lm.scorer.reads.to_dict(), "lengths": lm.scorer.lengths}
 
 
-def probe_counts(cfg: ExperimentConfig) -> dict[str, int]:
+def probe_counts(cfg: ExperimentConfig, first_look: bool = False) -> dict[str, int]:
     """Documents each probe task (passkey, needle) needs written: its evaluation documents (a sequential gate's
-    last look where it gates the task), plus the calibration documents after them when the search gates it."""
+    last look where it gates the task, unless ``first_look``: the cost preview builds no other), plus the
+    calibration documents after them when the search gates it."""
     counts = probe_tasks(cfg.eval.tasks.names, cfg.eval.tasks.limit_for)
-    if cfg.gate.max_documents is not None:
+    if cfg.gate.max_documents is not None and not first_look:
         for task in cfg.gated_tasks():
             if task in counts:
                 last = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1]
@@ -172,6 +174,13 @@ def weights_digest(model, tokenizer) -> str:
             x = p.detach().double()
             digest.update(f"{name}{tuple(p.shape)}{float(x.sum())!r}{float((x * x).sum())!r}".encode())
     return digest.hexdigest()[:16]
+
+
+def windows_digest(windows: list[data.Window], long: bool = False) -> str:
+    """What a result over ``windows`` is keyed by: their tokens and where scoring starts (``long``: tokens only, as
+    the long documents' results are keyed)."""
+    kept = [w.ids for w in windows] if long else [[w.ids, w.score_from] for w in windows]
+    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -225,12 +234,14 @@ class Session:
     """One model, tokenizer, config and result store: measures any candidate on any split, each (candidate,
     metric) result through the store (kept and reused, keyed by everything that decides it)."""
 
-    def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape):
+    def __init__(self, cfg: ExperimentConfig, model, tokenizer, store, shape, first_look: bool = False):
         self.cfg, self.model, self.tokenizer, self.store, self.shape = cfg, model, tokenizer, store, shape
         self.processes = parallel.current()  # several share out every measurement's scoring
         self.maxlen = max_length(model, cfg.model)
         self.weights = weights_digest(model, tokenizer)
-        probes = probe_counts(cfg)  # probe documents are cut with this tokenizer, written when first needed
+        # probe documents are cut with this tokenizer, written when first needed (``first_look``: those of the
+        # first look only, as the cost preview builds no other)
+        probes = probe_counts(cfg, first_look)
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
                                                                       "eval.tasks.names")))
         #: the candidates :func:`measure` will measure, in order (divergences share the baseline's scoring), and
@@ -243,12 +254,9 @@ class Session:
         """``candidate``'s outcomes on ``split`` (its tasks too unless ``tasks`` is False; its KL divergence from
         the baseline when ``divergence``, by default on the evaluation split only) and, given ``probe`` tokens,
         its memory; stored under ``label`` (default: the candidate's)."""
-        cfg, label = self.cfg, label or candidate.label
-        settings = described(make_cache(self.model, candidate.spec))  # what the cache really uses, defaults filled in
-        key = {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
-               "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
-               "max_length": self.maxlen, "split": split.name, "settings": settings,
-               **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
+        label = label or candidate.label
+        key = self.key(candidate, split.name)
+        settings = key["settings"]
         divergent = candidate is not BASELINE and (split.name == "evaluation" if divergence is None else divergence)
         outcomes, compared = [], []
         for name, ws in split.windows.items():
@@ -267,11 +275,29 @@ class Session:
         memory = self._memory(candidate, label, key, settings, probe) if probe else None
         return Measured(label, tuple(outcomes), memory)
 
+    def key(self, candidate: Candidate, split: str) -> dict:
+        """What every result of ``candidate`` on split ``split`` is keyed by (each metric adds its own data)."""
+        cfg = self.cfg
+        settings = described(make_cache(self.model, candidate.spec))  # what the cache really uses, defaults filled in
+        return {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
+                "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
+                "max_length": self.maxlen, "split": split, "settings": settings,
+                **({} if shares_prefix(candidate) else {"prefix_sharing": False})}
+
+    def task_key(self, key: dict, task: str, documents: range | None) -> dict:
+        """A task result's key: ``key`` (:meth:`key`) with the task, its documents (None: the first ``limit``), its
+        shots and sampler and its data."""
+        cfg = self.cfg
+        which = ({"documents": [documents.start, documents.stop]} if documents is not None
+                 else {"limit": cfg.eval.tasks.limit_for(task)})
+        return {**key, "task": task, **which, "num_fewshot": cfg.eval.tasks.fewshot_for(task), **sampler_key(cfg),
+                "data": task_data_digest(task)}
+
     def _perplexity(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool,
                     compared: dict | None = None) -> Outcomes:
         """Perplexity of a set, window by window; from the scoring that ``compared`` it with the baseline (a
         :func:`divergences` result) where there is one, else scored for itself."""
-        ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
+        ids = windows_digest(windows)
         desc = f"{label} {name}" if progress else None
         if compared is not None and "nll" in compared:
             compute = lambda: {k: compared[k] for k in ("nll", "tokens", "reads", "lengths")}  # noqa: E731
@@ -292,7 +318,7 @@ class Session:
     def _divergence(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool) -> dict:
         """KL divergence from the baseline's next-token distributions on a perplexity set, window by window (and
         the candidate's log-likelihood from the same scoring): the raw result."""
-        ids = hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
+        ids = windows_digest(windows)
         desc = f"{label} {name} divergence" if progress else None
         return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
                                          lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc))
@@ -300,7 +326,7 @@ class Session:
     def _long(self, candidate, label, key, windows: list[data.Window], progress: bool) -> list[Outcomes]:
         """Divergence by position on the long documents (``eval.long_context``), as per-bucket outcomes."""
         long = self.cfg.eval.long_context
-        ids = hashlib.sha256(json.dumps([w.ids for w in windows]).encode()).hexdigest()
+        ids = windows_digest(windows, long=True)
         desc = f"{label} {long.text} long documents" if progress else None
         what = f"long/{long.text}"
         raw = self.store.get_or_compute(
@@ -335,12 +361,8 @@ class Session:
 
     def _task(self, candidate, label, key, task: str, documents: range | None, part: str = "") -> list[Outcomes]:
         cfg = self.cfg
-        which = ({"documents": [documents.start, documents.stop]} if documents is not None
-                 else {"limit": cfg.eval.tasks.limit_for(task)})
         raw = self.store.get_or_compute(
-            label, f"task/{task}{part}", {**key, "task": task, **which,
-                                          "num_fewshot": cfg.eval.tasks.fewshot_for(task),
-                                          **sampler_key(cfg), "data": task_data_digest(task)},
+            label, f"task/{task}{part}", self.task_key(key, task, documents),
             lambda: run_task(self.model, self.tokenizer, candidate, cfg, task, self.maxlen, self.folder(),
                              list(documents) if documents is not None else None))
         outcomes = task_outcomes(task, raw, gated_metric(task), self._bits(candidate, raw.get("lengths", [])))

@@ -284,8 +284,19 @@ def _process_dir() -> Path:
     return directory
 
 
+#: set by :func:`scratch_tasks`: task files go to this process's own folder, whatever ``$KVQUANT_TASK_DIR`` says
+_SCRATCH: list[bool] = []
+
+
+def scratch_tasks() -> None:
+    """From now on this process writes its task files (offline copies, probe documents) only to its own folder
+    (``mkdtemp``, removed at exit), never to ``$KVQUANT_TASK_DIR``: the cost preview writes nothing that outlives
+    it."""
+    _SCRATCH.append(True)
+
+
 def _task_dir(tokenizer, probes: dict[str, int] | None) -> tuple[Path, dict[str, int]]:
-    env = env_dir("KVQUANT_TASK_DIR")
+    env = None if _SCRATCH else env_dir("KVQUANT_TASK_DIR")
     base = private_dir(env, "$KVQUANT_TASK_DIR") if env is not None else _process_dir()
     root = data_dir()
     tag = re.sub(r"[^A-Za-z0-9]+", "_", str(root)) if root else "hub"
