@@ -95,7 +95,7 @@ def test_a_missing_llama_cpp_package_is_one_line(capsys, nothing_loads, monkeypa
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--model", "llama-70b"], "--model 'llama-70b': a known model (smollm2, gemma3) or a .gguf file"),
+    (["--model", "llama-70b"], "--model 'llama-70b': a known model (smollm2, gemma3, qwen2.5) or a .gguf file"),
     (["--model", "smollm2", "--rotation", "maybe"], "--rotation 'maybe': on, off or on,off"),
     (["--model", "smollm2", "--windows", "0"], "--windows must be an integer >= 1"),
     (["--model", "smollm2", "--length", "16"], "--length must be an integer >= 32"),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvquant.errors import KVQuantError
 from kvquant.formats import ops
 from kvquant.formats.quantizers import WrappingCodec
 

@@ -61,8 +61,9 @@ def _replanned_line(replanned: dict) -> str:
     """The header's line on a plan changed after the data (``--replan``): the error over every look taken."""
     changes = "; then ".join(replanned["changes"])
     if replanned["error"] is None:
-        return (f"- **plan changed after the data** ({changes}): the looks taken under the plan record set aside are "
-                f"unknown, so a wrong pass's chance is unknown, not the {replanned['nominal']:.1%} this plan alone keeps")
+        return (f"- **plan changed after the data** ({changes}): the looks taken under the plan record set aside "
+                f"are unknown, so a wrong pass's chance is unknown, not the {replanned['nominal']:.1%} this plan "
+                "alone keeps")
     return (f"- **plan changed after the data** ({replanned['plans']} plans: {changes}): a wrong pass has up to "
             f"{replanned['error']:.1%} chance over the {replanned['looks']} looks of {replanned['metric']} taken under "
             f"them (union bound; one-sided), not the {replanned['nominal']:.1%} each plan alone keeps")
