@@ -26,10 +26,12 @@ STORIES = "local:text/tinystories/validation-first1000.jsonl"
 NAIVE = ["--model", "kvquant", "--tasks", "tinystories_lastword"]
 
 
-def assert_one_line(code: int, err: str, needle: str, prog: str = "kvquant") -> str:
+def assert_one_line(code: int, err: str, needle: str, prog: str = "kvquant", started: bool = False) -> str:
+    """``started``: the refusal comes after the run was cleared to start (the model loaded), when the config's
+    warnings (e.g. too few windows to decide a pass) have been printed already."""
     assert code == 2, (code, err)
     visible = [line.rsplit("\r", 1)[-1] for line in err.splitlines()]  # what a terminal shows after progress bars
-    progress = ("%|", "examples/s]")  # tqdm bars of work that ran before the refusal
+    progress = ("%|", "examples/s]", *((f"{prog}: warning: ",) if started else ()))  # printed before the refusal
     lines = [line for line in visible if line.strip() and not any(p in line for p in progress)]
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
     assert needle in lines[0], (needle, lines[0])
@@ -220,7 +222,7 @@ def test_run_refuses_a_model_with_nan_weights(tmp_path, capsys, monkeypatch):
     """Was: a NaN baseline and "FAIL: int4 ..." (exit 1)."""
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
     path = broken_model(tmp_path / "broken", "model.layers.1.mlp.gate_proj.weight", float("nan"))
-    line = assert_one_line(run_config(tmp_path, str(path)), capsys.readouterr().err, str(path), "kvquant")
+    line = assert_one_line(run_config(tmp_path, str(path)), capsys.readouterr().err, str(path), "kvquant", True)
     assert "model.layers.1.mlp.gate_proj.weight" in line
 
 
@@ -241,7 +243,7 @@ def test_run_refuses_a_non_finite_baseline(tmp_path, capsys, monkeypatch, overri
         return model, tokenizer
 
     monkeypatch.setattr(kvquant.run, "load_model", poisoned)
-    line = assert_one_line(run_config(tmp_path, MODEL, *overrides), capsys.readouterr().err, MODEL, "kvquant")
+    line = assert_one_line(run_config(tmp_path, MODEL, *overrides), capsys.readouterr().err, MODEL, "kvquant", True)
     assert "identity cache" in line and metric in line, line
 
 
