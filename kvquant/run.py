@@ -464,12 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
-        if args.dry_run:  # task files go to this process's own folder, removed at exit
-            scratch_tasks()
-        plan, rows, warnings = preflight(cfg, args.dry_run)
         if args.dry_run:
-            say(warnings)
-            return dry_run(cfg, rows)
+            with scratch_tasks():  # task files go to this process's own folder, removed at exit
+                _, rows, warnings = preflight(cfg, True)
+                say(warnings)
+                return dry_run(cfg, rows)
+        plan, rows, warnings = preflight(cfg)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):
             return execute(cfg, plan, out_dir, command, rows, warnings, args.replan)

@@ -130,11 +130,17 @@ def test_private_dir_accepts_a_folder_of_its_own_under_a_sticky_temp_dir(tmp_pat
     assert private_dir(made, "cache") == made
 
 
-def test_a_shared_task_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("after_a_dry_run", [False, True])
+def test_a_shared_task_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, after_a_dry_run):
+    """Also after a --dry-run in the same process (which writes its task files to a private folder only while it
+    runs: once it held that switch for good, and every later run in the process skipped this check)."""
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
     monkeypatch.setenv("KVQUANT_TASK_DIR", str(shared))
+    if after_a_dry_run:
+        assert kvquant.run.main([str(write_config(tmp_path)), "--dry-run"]) == 0
+        capsys.readouterr()
     monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     code = kvquant.run.main([str(write_config(tmp_path))])
     err = capsys.readouterr().err

@@ -17,6 +17,7 @@ written per tokenizer (:func:`task_dir` with a tokenizer) before lm-eval's task 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import difflib
 import fnmatch
 import functools
@@ -284,15 +285,20 @@ def _process_dir() -> Path:
     return directory
 
 
-#: set by :func:`scratch_tasks`: task files go to this process's own folder, whatever ``$KVQUANT_TASK_DIR`` says
+#: held by :func:`scratch_tasks`: task files go to this process's own folder, whatever ``$KVQUANT_TASK_DIR`` says
 _SCRATCH: list[bool] = []
 
 
-def scratch_tasks() -> None:
-    """From now on this process writes its task files (offline copies, probe documents) only to its own folder
+@contextlib.contextmanager
+def scratch_tasks():
+    """While held, this process writes its task files (offline copies, probe documents) only to its own folder
     (``mkdtemp``, removed at exit), never to ``$KVQUANT_TASK_DIR``: the cost preview writes nothing that outlives
-    it."""
+    it. Released on exit, so a later run in the same process checks ``$KVQUANT_TASK_DIR`` again."""
     _SCRATCH.append(True)
+    try:
+        yield
+    finally:
+        _SCRATCH.pop()
 
 
 def _task_dir(tokenizer, probes: dict[str, int] | None) -> tuple[Path, dict[str, int]]:
