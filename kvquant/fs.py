@@ -234,6 +234,14 @@ def output_dir(path: str | Path, what: str) -> Path:
     return real_dir(path, what)
 
 
+def _foreign_file(path: Path, info: os.stat_result) -> str | None:
+    """Why ``path`` (``info``: its lstat) must not be replaced: another user's file (a symlink is replaced, never
+    followed, so its owner does not matter); None where it may be."""
+    if not stat.S_ISLNK(info.st_mode) and info.st_uid != os.getuid():
+        return f"refusing to replace {path}: it belongs to another user (uid {info.st_uid})"
+    return None
+
+
 def writable_target(path: Path, what: str) -> Path:
     """``path`` as a file a command will write once its work is done, checked before the work: its folder exists
     and is a directory, and neither a directory nor another user's file is at ``path`` (:func:`write_file` would
@@ -246,8 +254,8 @@ def writable_target(path: Path, what: str) -> Path:
         raise KVQuantError(f"{what}: cannot write {path}: {path.parent} is not a directory")
     if info is not None and stat.S_ISDIR(info.st_mode):
         raise KVQuantError(f"{what}: {path} is a directory, not a file to write")
-    if info is not None and not stat.S_ISLNK(info.st_mode) and info.st_uid != os.getuid():
-        raise KVQuantError(f"{what}: refusing to replace {path}: it belongs to another user (uid {info.st_uid})")
+    if info is not None and (refusal := _foreign_file(path, info)):
+        raise KVQuantError(f"{what}: {refusal}")
     return path
 
 
@@ -280,9 +288,8 @@ def write_together(directory: Path, files: dict[str, str | bytes]) -> None:
             continue
         except OSError as err:
             raise KVQuantError(f"cannot write {directory / name} ({err.strerror or err})") from None
-        if not stat.S_ISLNK(info.st_mode) and info.st_uid != os.getuid():
-            raise KVQuantError(f"refusing to replace {directory / name}: it belongs to another user (uid "
-                               f"{info.st_uid}); move it away or write elsewhere")
+        if refusal := _foreign_file(directory / name, info):
+            raise KVQuantError(f"{refusal}; move it away or write elsewhere")
     staged = []
     try:
         for name, content in files.items():
