@@ -195,8 +195,9 @@ def render(doc: dict) -> str:
              f"{doc['chunk_size']} tokens at a time; {doc['seconds']:.0f} s of measuring in all (sittings added up)",
              "- statistic: per bucket, the mean over documents of each document's mean KL (nats) over its positions "
              "there, 95% bootstrap interval over documents; trend: the factor by which KL grows per doubling of the "
-             "position (ln KL on log2 position), with its interval; a bucket or trend over fewer documents than its "
-             "interval needs (docs/gate.md: too few documents) decides nothing", ""]
+             "position (kvquant.runner.positions.trend at the measuring commit), with its interval; a bucket or "
+             "trend over fewer documents than its interval needs (docs/gate.md: too few documents) decides nothing",
+             ""]
     if doc.get("max_kl_divergence") is not None:
         limit = doc["max_kl_divergence"]
         lines += [f"Longest context shown safe at mean KL <= {limit} nats per position (every bucket up to it, 95% "
