@@ -120,6 +120,8 @@ def test_long_divergence_never_reads_a_document_through_a_symlink(tmp_path):
     ("simulate_gate", ["--reps", "99999999999999", "--section", "one-look"]),
     ("simulate_counts", ["--seed", "-1"]),
     ("simulate_counts", ["--reps", "999999999999999999"]),
+    ("simulate_trend", ["--seed", "-1"]),
+    ("simulate_trend", ["--iters", "99999999999"]),
     ("bench_growth", ["--contexts", "99999999999"]),
 ])
 def test_bad_arguments_are_refused_at_once_with_one_line(script, args, capsys):
@@ -199,6 +201,10 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
     ("simulate_counts", ["--root", "{tmp}/nowhere", "--json", "{tmp}/x.json"],
      "--root: {tmp}/nowhere/smollm2-long/results.json does not exist"),
     ("simulate_counts", ["--render", "--write-docs", "--json", "{tmp}/x.json"],
+     "--write-docs: cannot read docs/gate.md"),
+    ("simulate_trend", ["--root", "{tmp}/nowhere", "--json", "{tmp}/x.json"],
+     "--root: {tmp}/nowhere/smollm2-long/results.json does not exist"),
+    ("simulate_trend", ["--render", "--write-docs", "--json", "{tmp}/x.json"],
      "--write-docs: cannot read docs/gate.md"),
     ("bench_growth", ["--quantizers", "nosuch", "--steps", "1"], "unknown quantizer 'nosuch'"),
     ("bench_growth", ["--contexts", "16000000", "--rows", "1000", "--steps", "1"], "more than this machine's"),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvquant.runner.bootstrap import studentized
-from kvquant.runner.counts import MIN_TREND, too_few
+from kvquant.runner.counts import MIN_TREND, MIN_TREND_GROWS, MIN_TREND_SHRINKS, too_few
 
 #: Default bucket edges (positions): 0-512, 512-1K, 1-2K, 2-4K, 4-8K, 8-16K, 16-32K.
 EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -157,7 +157,9 @@ def trend(per_position: list[list[float]], edges=EDGES, iters: int = 2000, confi
 
 def trend_verdict(low: float, high: float, documents: int) -> str:
     """What a trend's interval ``[low, high]`` of the factor per doubling says over ``documents`` documents:
-    ``grows`` (above 1), ``shrinks`` (below 1), ``undecided``, or too few documents to say either."""
-    if documents < MIN_TREND:
-        return too_few(documents, MIN_TREND)
-    return "grows" if low > 1 else "shrinks" if high < 1 else "undecided"
+    ``grows`` (above 1), ``shrinks`` (below 1), ``undecided``, or too few documents to say it (each end has its
+    count, :data:`~kvquant.runner.counts.MIN_TREND_GROWS` and :data:`~kvquant.runner.counts.MIN_TREND_SHRINKS`;
+    below the smaller, :data:`~kvquant.runner.counts.MIN_TREND`, nothing is said)."""
+    verdict = "grows" if low > 1 else "shrinks" if high < 1 else "undecided"
+    need = MIN_TREND if documents < MIN_TREND else {"grows": MIN_TREND_GROWS, "shrinks": MIN_TREND_SHRINKS}.get(verdict)
+    return too_few(documents, need) if need is not None and documents < need else verdict
