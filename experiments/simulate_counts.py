@@ -8,10 +8,12 @@ Two kinds of interval, both a percentile bootstrap over documents (``iters`` res
 - **mean**: the mean over documents of a per-document value: a position bucket (``positions.buckets``, the
   runner's ``kl/<text>@<end>`` and ``top1/<text>@<end>``), and a perplexity set's KL, top-1 and perplexity ratio
   over windows (``gate.paired_interval``: sums over equal windows, so the mean of each window's value).
-- **trend**: ``positions.trend``'s slope of ``ln KL`` on ``log2`` position. Where every document reaches every
-  bucket (as in every committed report) the pooled slope is the mean of the documents' own slopes (the same ``x``
-  for each), and a resample's slope the mean of its documents' slopes: the same bootstrap of a mean, over the
-  per-document slopes (``tests/test_counts.py`` checks it against ``trend`` itself).
+- **trend**: the trend kvquant had before issue 53's fix (``positions.trend`` now is a quasi-Poisson fit with a
+  studentized interval, simulated by ``experiments/simulate_trend.py``, which sets its count): the slope of ``ln KL``
+  on ``log2`` position. Where every document reaches every bucket (as in every committed report) the pooled slope
+  is the mean of the documents' own slopes (the same ``x`` for each), and a resample's slope the mean of its
+  documents' slopes: the same bootstrap of a mean, over the per-document slopes. Its rows stay as the record of that
+  interval's misses.
 
 Each cell draws ``reps`` samples of ``n`` documents from a generating distribution and resamples each exactly as
 kvquant does (the same ``rng.integers(0, n, size=(iters, n))``); a miss is the true mean above the upper end (the
@@ -32,8 +34,8 @@ the smallest ``n`` of the grid at and beyond which every generator that decides 
 shrinks). Deciding: for the mean's fail end the right-skewed generators (``committed``, lognormal 0.25: every
 committed spread is right-skewed); for its pass end lognormal 0.25, the typical spread within a committed bucket
 (the ``committed`` mixture and the lognormals 0.5 and 0.9 reach the bound at no ``n`` of the grid: shown, not
-deciding); for the trend all three. ``--write-docs`` puts the table into ``docs/gate.md``; the counts are
-``kvquant.runner.counts``'s::
+deciding); for the trend all three. ``--write-docs`` puts the table into ``docs/gate.md``; today's counts are
+``simulate_windows.py``'s and ``simulate_trend.py``'s::
 
     PYTHONPATH=. python experiments/simulate_counts.py --write-docs
 """
@@ -193,25 +195,36 @@ def saved_or_simulated(args, simulate, bound: float) -> dict:
     return results
 
 
-def main(argv=None) -> int:
-    parser = script_parser("simulate_counts", __doc__)
-    parser.add_argument("--reps", type=at_least(100, MAX_DRAWS), default=4000, help="samples per cell")
-    parser.add_argument("--iters", type=at_least(100, MAX_BOOTSTRAP), default=1000,
+def run(argv, name: str, doc: str, simulate, render, marks: tuple[str, str], bound: float, reps: int, iters: int,
+        seed: int, jobs: bool = False) -> int:
+    """A simulation of the counts as a command (``simulate_counts``, ``_windows``, ``_trend``): its arguments
+    (``--jobs`` where ``jobs``), ``simulate(args)`` saved to ``experiments/NAME.json`` (or the saved results with
+    ``--render``), ``render(results, args)`` printed and with ``--write-docs`` put between ``marks`` in docs/gate.md
+    (the markers checked before the simulation, not after it)."""
+    parser = script_parser(name, doc)
+    parser.add_argument("--reps", type=at_least(100, MAX_DRAWS), default=reps, help="samples per cell")
+    parser.add_argument("--iters", type=at_least(100, MAX_BOOTSTRAP), default=iters,
                         help="bootstrap resamples (gate.bootstrap)")
-    parser.add_argument("--seed", type=at_least(0), default=SEED)
+    parser.add_argument("--seed", type=at_least(0), default=seed)
+    if jobs:
+        parser.add_argument("--jobs", type=at_least(1), default=2, help="processes (the cells are seeded alike)")
     parser.add_argument("--root", type=Path, default=Path("reports"), help="where the committed reports are")
-    parser.add_argument("--json", type=Path, default=Path("experiments/simulate_counts.json"))
+    parser.add_argument("--json", type=Path, default=Path(f"experiments/{name}.json"))
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
     parser.add_argument("--render", action="store_true", help="simulate nothing: the table from --json's results")
     args = parser.parse_args(argv)
-    if args.write_docs:  # before the simulation, not after it
-        marked_section(DOCS, BEGIN, END, "--write-docs")
-    results = saved_or_simulated(args, simulate, BOUND)
-    text = table(results, args.reps, args.iters)
+    if args.write_docs:
+        marked_section(DOCS, *marks, "--write-docs")
+    text = render(saved_or_simulated(args, simulate, bound), args)
     print(text)
     if args.write_docs:
-        write_docs(text, DOCS)
+        write_docs(text, DOCS, *marks)
     return 0
+
+
+def main(argv=None) -> int:
+    return run(argv, "simulate_counts", __doc__, simulate, lambda results, args: table(results, args.reps, args.iters),
+               (BEGIN, END), BOUND, reps=4000, iters=1000, seed=SEED)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ from statistics import NormalDist
 import numpy as np
 from scipy.stats import t as student
 
-from kvquant.errors import at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import read_json
 from kvquant.runner.bootstrap import studentized
@@ -244,23 +243,9 @@ def table(results: dict, reps: int, iters: int, seed: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = script_parser("simulate_windows", __doc__)
-    parser.add_argument("--reps", type=at_least(100), default=2000, help="samples per cell")
-    parser.add_argument("--iters", type=at_least(100), default=1000, help="bootstrap resamples (gate.bootstrap)")
-    parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--jobs", type=at_least(1), default=2, help="processes (the cells are seeded alike)")
-    parser.add_argument("--root", type=Path, default=Path("reports"), help="where the committed reports are")
-    parser.add_argument("--json", type=Path, default=Path("experiments/simulate_windows.json"))
-    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/gate.md")
-    parser.add_argument("--render", action="store_true", help="simulate nothing: the table from --json's results")
-    args = parser.parse_args(argv)
-    counts = _counts_module()
-    results = counts.saved_or_simulated(args, simulate, BOUND)
-    text = table(results, args.reps, args.iters, args.seed)
-    print(text)
-    if args.write_docs:
-        counts.write_docs(text, Path("docs/gate.md"), BEGIN, END)
-    return 0
+    return _counts_module().run(argv, "simulate_windows", __doc__, simulate,
+                                lambda results, args: table(results, args.reps, args.iters, args.seed), (BEGIN, END),
+                                BOUND, reps=2000, iters=1000, seed=SEED, jobs=True)
 
 
 if __name__ == "__main__":
