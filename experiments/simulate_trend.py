@@ -43,8 +43,8 @@ counts::
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
+import runpy
 import sys
 from pathlib import Path
 
@@ -253,17 +253,11 @@ def table(results: dict, reps: int, iters: int, seed: int) -> str:
     return "\n".join(lines)
 
 
-def _counts_module():
-    spec = importlib.util.spec_from_file_location("simulate_counts", HERE / "simulate_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main(argv=None) -> int:
-    return _counts_module().run(argv, "simulate_trend", __doc__, simulate,
-                                lambda results, args: table(results, args.reps, args.iters, args.seed), (BEGIN, END),
-                                BOUND, reps=2000, iters=500, seed=SEED, jobs=True)
+    run = runpy.run_path(str(HERE / "simulate_counts.py"))["run"]  # its command runner (experiments/ is no package)
+    return run(argv, "simulate_trend", __doc__, simulate,
+               lambda results, args: table(results, args.reps, args.iters, args.seed), (BEGIN, END), BOUND,
+               reps=2000, iters=500, seed=SEED, jobs=True)
 
 
 if __name__ == "__main__":
