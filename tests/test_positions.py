@@ -8,7 +8,7 @@ from scipy.optimize import minimize
 
 from kvquant.runner.bootstrap import studentized
 from kvquant.runner.counts import MIN_TREND, MIN_TREND_GROWS, MIN_TREND_SHRINKS
-from kvquant.runner.positions import bucket_means, buckets, check_edges, trend, trend_verdict
+from kvquant.runner.positions import bucket_means, buckets, check_edges, slope_of, trend, trend_verdict
 
 EDGES = (0, 2, 4, 8)
 
@@ -158,6 +158,18 @@ def test_trend_interval_is_the_studentized_bootstrap_of_the_kl_weighted_position
     assert (t.low, t.high) == pytest.approx((factor_at(ends[0]), factor_at(ends[1])), rel=1e-9)
     assert t.factor == pytest.approx(factor_at((sums @ x).sum() / sums.sum()), rel=1e-9)
     assert t.factor == pytest.approx(poisson_fit(docs, edges), rel=1e-6)
+
+
+def test_slope_of_inverts_the_models_mean_position_and_is_infinite_at_the_ends():
+    """``slope_of`` solves ``sum(x n e^(b x)) / sum(n e^(b x)) = C``: by hand at b = 0.3 (the model's mean x), and an
+    interval end at or past the first or last bucket (a studentized end can leave [x_min, x_max]) is a factor of 0
+    or infinity, not a clipped number."""
+    x, counts = np.log2([2.5, 6.5, 12.5, 24.5]), np.array([4.0, 4.0, 8.0, 16.0])
+    w = counts * np.exp(0.3 * x)
+    centre = float((w * x).sum() / w.sum())
+    got = slope_of(np.array([centre, x[0], x[0] - 1.0, x[-1], x[-1] + 2.0, np.nan]), x, counts)
+    assert got[0] == pytest.approx(0.3, abs=1e-12)
+    assert list(got[1:5]) == [-np.inf, -np.inf, np.inf, np.inf] and np.isnan(got[5])
 
 
 def test_trend_reads_the_positions_every_document_has():
