@@ -124,7 +124,8 @@ def bucket_sums(per_position: list[list[float]], edges=EDGES) -> tuple[np.ndarra
 def slope_of(centre, x: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The slope ``b`` whose model ``mean KL = exp(a + b x)`` puts its KL mass at the mean ``x`` ``centre``
     (``[...]``): ``sum(x n e^(b x)) / sum(n e^(b x)) = centre`` (``n``: ``counts``), increasing in ``b``; ``-inf``
-    at or below the smallest ``x``, ``inf`` at or above the largest, NaN for NaN (bisection to 1e-12)."""
+    at or below the smallest ``x``, ``inf`` at or above the largest, NaN for NaN; bisection to 1e-12 within
+    ``+-SLOPE_RANGE`` (a centre closer to an end than that slope reaches gets the range's end)."""
     centre = np.asarray(centre, dtype=float)
     low, high = np.full(centre.shape, -SLOPE_RANGE), np.full(centre.shape, SLOPE_RANGE)
     for _ in range(64):
