@@ -110,8 +110,8 @@ def gated_verdicts(g: dict) -> list[str]:
     lines = [f"{'PASS' if r['ok'] else 'FAIL'} gated run on the GPU: {r['what']} {r['gpu']} (CPU {r['cpu']}; "
              f"{r['rule']})" for r in g["rows"]]
     s = g["seconds"]
-    lines.append(f"NOTE gated run's wall time: GPU {s['gpu_s']} s model load to gate ({g['wall_s']:.1f} s the whole "
-                 f"command, {g['prepare_s']:.1f} s converting and loading the model before it, untimed there), CPU "
-                 f"{s['cpu_s']} s ({s['cpu_machine']}, {s['cpu_date']}, git {s['cpu_commit']}); {g['computed']} "
-                 f"results measured, {g['reused']} reused")
+    lines.append(f"NOTE gated run `{g['command']}` (exit {g['returncode']}): GPU {s['gpu_s']} s model load to "
+                 f"gate ({g['wall_s']:.1f} s the whole command, {g['prepare_s']:.1f} s converting and loading the "
+                 f"model before it, untimed), CPU {s['cpu_s']} s ({s['cpu_machine']}, {s['cpu_date']}, git "
+                 f"{s['cpu_commit']}); {g['computed']} results measured, {g['reused']} reused")
     return lines

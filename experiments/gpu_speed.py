@@ -129,7 +129,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         b, f = base.get((r["context"], r["batch"])), same.get((r["context"], r["batch"]))
         if b and "error" not in r:
             r["speed_vs_dynamic"] = r["steps_per_s"] / b["steps_per_s"]
-            r["allocated_vs_dynamic"] = r["allocated_bytes"] / b["allocated_bytes"]
+            if b["allocated_bytes"] > 0:  # a fake allocator's zero (the CPU) gives no ratio
+                r["allocated_vs_dynamic"] = r["allocated_bytes"] / b["allocated_bytes"]
         if f and "error" not in r:
             r["speed_vs_kvquant_fp16"] = r["steps_per_s"] / f["steps_per_s"]
     return rows

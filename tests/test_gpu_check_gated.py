@@ -77,14 +77,14 @@ def test_the_verdict_lines_name_each_row_and_both_wall_times(gated):
     gpu["results"]["seconds"] = 61.5
     gpu["candidates"][0]["metrics"]["ppl/wikitext2"]["verdict"] = "fail"
     g = {"rows": gated.compare_gated(gpu, CPU), "seconds": gated.seconds(gpu, CPU), "wall_s": 75.25,
-         "prepare_s": 3.0, "computed": 13, "reused": 0}
+         "prepare_s": 3.0, "computed": 13, "reused": 0, "command": "python -m kvquant.run c.yaml", "returncode": 1}
     lines = gated.gated_verdicts(g)
     assert [line.split(" ")[0] for line in lines].count("FAIL") == 1
     assert "FAIL gated run on the GPU: int4-g32 ppl/wikitext2 verdict fail (CPU pass; equal)" in lines
-    assert lines[-1] == ("NOTE gated run's wall time: GPU 61.5 s model load to gate (75.2 s the whole command, 3.0 s "
-                         "converting and loading the model before it, untimed there), CPU 259.8 s (Linux-6.18.44-fc-"
-                         "v857-x86_64-with-glibc2.36, CPU (2 cores), 2026-12-03T08:45:37, git "
-                         "01906f9f0e94883b3b2515f309b0dc64c51e35c5); 13 results measured, 0 reused")
+    assert lines[-1] == ("NOTE gated run `python -m kvquant.run c.yaml` (exit 1): GPU 61.5 s model load to gate "
+                         "(75.2 s the whole command, 3.0 s converting and loading the model before it, untimed), CPU "
+                         "259.8 s (Linux-6.18.44-fc-v857-x86_64-with-glibc2.36, CPU (2 cores), 2026-12-03T08:45:37, "
+                         "git 01906f9f0e94883b3b2515f309b0dc64c51e35c5); 13 results measured, 0 reused")
     assert gated.gated_verdicts({"command": "python -m kvquant.run x", "error": "Traceback\nkvquant: error: no"}) == [
         "FAIL gated run on the GPU (python -m kvquant.run x): kvquant: error: no"]
 
