@@ -1,495 +1,94 @@
 """kvquant on a CUDA GPU: the checks CPU-only CI cannot make, in one short run.
 
-    python experiments/gpu_check.py --out reports/gpu_check
+    python experiments/gpu_check.py --out reports/gpu_check       # about 7 minutes; --time-limit 480 by default
 
 On random-init models of real shapes (SmolLM2-135M, a Llama-3-8B layer stack, Mistral's sliding window,
-head_dim 80 and 256), in bfloat16 on the GPU:
+head_dim 80 and 256), in bfloat16 on the GPU, in this order (the most important first, so that a run stopped at
+its time limit has measured them; ``--checks`` picks and orders, ``--skip`` leaves out):
 
-1. **identity**: the fp16 quantizer's logits equal ``DynamicCache``'s bit for bit (chunked prefill + decode);
-2. **quantized K/V are read, on the GPU too**: each quantizer's logits differ from ``DynamicCache``'s, int2 more
-   than int8, and the error is the CPU's (the same model in float32 on the CPU, same cache settings);
-3. **codes**: K/V written to a cache on the GPU read back as on the CPU (same float32 tensors);
-4. **memory**: what the CUDA allocator holds for each cache after a long prefill, against ``memory_report()``; and
-   (``--checks memory``, cheap: no model) one cache per quantizer written to 4K, 16K and 32K tokens (chunks of
-   2,048, then single-token steps across growths of its pools), ``torch.cuda.memory_allocated`` deltas against
+1. **kernel_tests**: the Triton kernel's own tests (tests/test_triton_attend.py) compiled on the GPU instead of
+   Triton's interpreter;
+2. **memory** (no model): one cache per quantizer written to 4K, 16K and 32K tokens (chunks of 2,048, then
+   single-token steps across growths of its pools), ``torch.cuda.memory_allocated`` deltas against
    ``memory_report()``'s ``stored_bytes + reserved_bytes`` (``tensor_bytes``), which must also equal the cache's
-   own tensors exactly, and the reserved share within the growth policy's bound;
-5. **decode speed**: single-token steps per second at long contexts, against ``DynamicCache``, measured in the
-   same run, also with ``enable_fused_decode`` (the Triton kernel reading the codes);
-6. **fused decode**: decode logits through the Triton kernel against the same cache read through its dequantized
-   copy (float32: equal to rounding; the kernel's calls counted, so a silent fallback shows);
-7. **the kernel's own tests** (tests/test_triton_attend.py) compiled on the GPU instead of Triton's interpreter.
+   own tensors exactly, and the reserved share within the growth policy's bound (experiments/gpu_memory.py);
+3. **speed**: decode tokens/s over caches filled to 4K/16K/32K tokens x batch 1/16 (Llama-3-8B attention shape,
+   4 layers), kvquant's caches eager and through ``enable_fused_decode`` (the Triton kernel reading the codes)
+   against kvquant's fp16 cache and ``DynamicCache`` with SDPA, same run; issue 57's targets as verdicts: int4 g32
+   at 16K x 16 at least 1.3x kvquant's fp16 and 1.0x ``DynamicCache``, fp8 at least 1.1x kvquant's fp16
+   (experiments/gpu_speed.py);
+4. **gated**: ``make run``'s config (configs/int4.yaml) run whole on the GPU, its verdicts and KL held against the
+   committed CPU report, its wall time beside the CPU's (experiments/gpu_gated.py);
+5. **codes**: K/V written to a cache on the GPU read back as on the CPU (same float32 tensors);
+6. **fused**: decode logits through the Triton kernel against the same cache read through its dequantized copy
+   (float32: equal to rounding; the kernel's calls counted, so a silent fallback shows);
+7. **logits**: the fp16 quantizer's logits equal ``DynamicCache``'s bit for bit (chunked prefill + decode); each
+   quantizer's logits differ from ``DynamicCache``'s, int2 more than int8, with the CPU's error (the same model in
+   float32 on the CPU, same cache settings).
 
-Writes ``results.json`` and ``report.md`` (command, machine, date) to ``--out``. Every check records its error
-instead of stopping the run.
+Each check has its own time limit and the run one in all (``--time-limit``): a check not started for lack of time,
+or stopped part way, is named in the report. ``results.json`` and ``report.md`` (command, machine, date, seconds
+per check) are written to ``--out`` after each check. Every check records its error instead of stopping the run.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from gpu_gated import GATED_CONFIG, GATED_CPU, gated_verdicts, run_gated
+from gpu_memory import MEMORY_CONTEXTS, check_memory, failed, memory_markdown, memory_verdicts
+from gpu_models import (FUSED, QUANTIZERS, build, check_codes, check_fused, check_logits, codes_verdicts,
+                        fused_verdicts, logit_verdicts, shapes)
+from gpu_speed import (SPEED_BATCHES, SPEED_CONTEXTS, TARGET_CACHES, check_speed, speed_factories, speed_markdown,
+                       speed_memory_verdicts, speed_points, target_verdicts)
 
 import kvquant
-from kvquant.cache import stored_bytes
 from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import output_dir, read_json, write_file
 from kvquant.runner.report import environment
 
-QUANTIZERS = {  # name -> make_cache arguments
-    "fp16": ("fp16", {}),
-    "fp8_e4m3": ("fp8_e4m3", {}),
-    "fp8_e5m2": ("fp8_e5m2", {}),
-    "int8": ("int8", {}),
-    "int4": ("int4", {}),
-    "int4-hadamard": ("int4", {"rotation": "hadamard"}),
-    "int2": ("int2", {}),
-}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-#: quantizers also measured with ``kvquant.enable_fused_decode`` (the Triton kernel reads their codes)
-FUSED = ("fp16", "fp8_e4m3", "int8", "int4")
-
-
-def shapes() -> dict:
-    """name -> (model class, config): real models' attention shapes, few layers, random weights."""
-    llama = dict(vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=32768)
-    return {
-        "smollm2-135m": (LlamaForCausalLM, LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                                       num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                                                       **llama)),
-        "llama3-8b-4layers": (LlamaForCausalLM, LlamaConfig(hidden_size=4096, intermediate_size=14336,
-                                                            num_hidden_layers=4, num_attention_heads=32,
-                                                            num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                                                            **llama)),
-        "mistral-sliding256": (MistralForCausalLM, MistralConfig(hidden_size=1024, intermediate_size=2816,
-                                                                 num_hidden_layers=4, num_attention_heads=8,
-                                                                 num_key_value_heads=2, head_dim=128,
-                                                                 sliding_window=256, **llama)),
-        "head_dim80": (LlamaForCausalLM, LlamaConfig(hidden_size=640, intermediate_size=1792, num_hidden_layers=4,
-                                                     num_attention_heads=8, num_key_value_heads=4, head_dim=80,
-                                                     **llama)),
-        "head_dim256": (LlamaForCausalLM, LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                                                      num_attention_heads=4, num_key_value_heads=2, head_dim=256,
-                                                      **llama)),
-    }
-
-
-def build(cls, config, device, dtype):
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = cls(config)
-    return model.to(dtype).eval()
-
-
-@torch.inference_mode()
-def logits_run(model, cache, prompt, chunk, steps) -> torch.Tensor:
-    """Chunked prefill of ``prompt[:, :-steps]`` (``[B, T]``), then its last ``steps`` tokens one at a time
-    (teacher-forced, so every cache reads the same tokens); the last position's logits of every forward,
-    ``[forwards, B, vocab]`` float32 on the CPU."""
-    out, head = [], prompt.shape[1] - steps
-    for i in range(0, head, chunk):
-        out.append(model(prompt[:, i : min(i + chunk, head)], cache=cache, use_cache=True).logits[:, -1].float().cpu())
-    for t in range(head, prompt.shape[1]):
-        out.append(model(prompt[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1].float().cpu())
-    return torch.stack(out)
-
-
-def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x - ref).norm() / ref.norm())
-
-
-def check_logits(name, cls, config, device, prompt_len=600, chunk=256, steps=16) -> dict:
-    """Checks 1 and 2 on one shape: the identity in bfloat16, every quantizer in float32 on both devices (so the
-    GPU's and the CPU's errors are the quantizer's, not bfloat16's)."""
-    prompt = torch.randint(0, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(1))
-    bf16 = build(cls, config, device, torch.bfloat16)
-    runs = {}
-    for backend in ("default", "math"):  # the math backend: one SDPA kernel, whatever the shapes
-        with contextlib.ExitStack() as stack:
-            if backend == "math":
-                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-            runs[backend] = [logits_run(bf16, make(), prompt.to(device), chunk, steps)
-                             for make in (lambda: DynamicCache(config=config), lambda: DynamicCache(config=config),
-                                          lambda: kvquant.make_cache(config, "fp16"))]
-    ref, again, got = runs["default"]
-    diff = (got - ref).abs().amax(dim=(1, 2))
-    out = {"fp16-bfloat16": {"max_abs_diff_vs_dynamic": float(diff.max()),
-                             "dynamic_repeat_max_diff": float((again - ref).abs().max()),
-                             "math_backend_max_diff": float((runs["math"][2] - runs["math"][0]).abs().max())}}
-    del bf16
-    gpu = build(cls, config, device, torch.float32)
-    cpu = build(cls, config, "cpu", torch.float32)
-    ref_gpu = logits_run(gpu, DynamicCache(config=config), prompt.to(device), chunk, steps)
-    ref_cpu = logits_run(cpu, DynamicCache(config=config), prompt, chunk, steps)
-    for qname, (q, opts) in QUANTIZERS.items():
-        try:
-            got = logits_run(gpu, kvquant.make_cache(gpu, q, residual_length=0, **opts), prompt.to(device), chunk,
-                             steps)
-            got_cpu = logits_run(cpu, kvquant.make_cache(cpu, q, residual_length=0, **opts), prompt, chunk, steps)
-            out[qname] = {"max_abs_diff_vs_dynamic": float((got - ref_gpu).abs().max()),
-                          "rel_error_gpu": rel_error(got, ref_gpu), "rel_error_cpu": rel_error(got_cpu, ref_cpu),
-                          "finite": bool(torch.isfinite(got).all())}
-        except Exception:  # noqa: BLE001 (recorded, the run goes on)
-            out[qname] = {"error": traceback.format_exc(limit=4)}
-    del gpu, cpu
-    torch.cuda.empty_cache()
-    return out
-
-
-@torch.inference_mode()
-def check_fused(name, cls, config, device, prompt_len=600, chunk=256, steps=16) -> dict:
-    """Check 6 on one shape: decode steps through the Triton kernel (``enable_fused_decode``, reading the codes)
-    against the same cache read through its dequantized copy and the model's SDPA, in float32 (where both paths
-    should agree to float rounding: the kernel's dots are IEEE fp32) and in bfloat16, where both are also held
-    against the same weights and cache setting computed in float32 (which of the two is nearer it). Counts the
-    kernel's calls, so a run that silently fell back to the copy shows up."""
-    from kvquant.cache import triton_attend
-
-    calls = {"n": 0}
-    original = triton_attend.attend
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    prompt = torch.randint(0, config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(4))
-    prompt = prompt.to(device)
-    out = {}
-    triton_attend.attend = counted
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            eager = build(cls, config, device, dtype)
-            fused = build(cls, config, device, dtype)
-            kvquant.enable_fused_decode(fused)
-            ref = logits_run(eager, DynamicCache(config=config), prompt, chunk, steps)[-steps:]
-            for q in FUSED:
-                key = f"{q}-{str(dtype).removeprefix('torch.')}"
-                try:
-                    calls["n"] = 0
-                    a = logits_run(eager, kvquant.make_cache(eager, q, residual_length=0), prompt, chunk,
-                                   steps)[-steps:]
-                    eager_calls = calls["n"]
-                    b = logits_run(fused, kvquant.make_cache(fused, q, residual_length=0), prompt, chunk,
-                                   steps)[-steps:]
-                    out[key] = {"rel_diff_fused_vs_copy": rel_error(b, a), "max_abs_diff": float((b - a).abs().max()),
-                                "rel_error_vs_dynamic": rel_error(a, ref), "finite": bool(torch.isfinite(b).all()),
-                                "kernel_calls": calls["n"] - eager_calls, "expected_calls":
-                                    steps * config.num_hidden_layers}
-                    if dtype != torch.float32:  # the same weights and setting in float32, through the copy
-                        exact = copy.deepcopy(eager).float()
-                        c = logits_run(exact, kvquant.make_cache(exact, q, residual_length=0), prompt, chunk,
-                                       steps)[-steps:]
-                        out[key].update(copy_vs_float32=rel_error(a, c), fused_vs_float32=rel_error(b, c))
-                        del exact
-                except Exception:  # noqa: BLE001
-                    out[key] = {"error": traceback.format_exc(limit=4)}
-            del eager, fused
-            torch.cuda.empty_cache()
-    finally:
-        triton_attend.attend = original
-    return out
-
-
-def run_kernel_tests(device) -> dict:
-    """Check 7: tests/test_triton_attend.py compiled on the GPU (``KVQUANT_TEST_DEVICE``) instead of under Triton's
-    interpreter: the kernel against float64 attention written in the test, over hand-built streams."""
-    import os
-    import subprocess
-
+def run_kernel_tests(device, timeout: float) -> dict:
+    """Check 1: tests/test_triton_attend.py compiled on the GPU (``KVQUANT_TEST_DEVICE``) instead of under Triton's
+    interpreter: the kernel against float64 attention written in the test, over hand-built streams; stopped after
+    ``timeout`` seconds."""
     env = dict(os.environ, KVQUANT_TEST_DEVICE=device)
     env.pop("TRITON_INTERPRET", None)
-    root = Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_attend.py"]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout, 1))
     tail = (done.stdout + done.stderr).strip().splitlines()
     return {"returncode": done.returncode, "summary": tail[-1] if tail else "", "output_tail": "\n".join(tail[-60:])}
 
 
-@torch.inference_mode()
-def check_codes(device) -> dict:
-    """Check 3: the same float32 K/V written to a cache on the GPU and on the CPU read back alike."""
-    out = {}
-    config = shapes()["llama3-8b-4layers"][1]
-    gen = torch.Generator().manual_seed(2)
-    k = torch.randn(2, 8, 300, 128, generator=gen) * torch.linspace(0.1, 8, 128)  # outlier channels
-    v = torch.randn(2, 8, 300, 128, generator=gen)
-    for qname, (q, opts) in QUANTIZERS.items():
-        try:
-            reads = []
-            for dev in ("cpu", device):
-                cache = kvquant.make_cache(config, q, residual_length=0, **opts)
-                kk, vv = cache.update(k.to(dev), v.to(dev), 0)
-                reads.append((kk.float().cpu(), vv.float().cpu()))
-            (kc, vc), (kg, vg) = reads
-            step = float((k.amax() - k.amin()) / 3)  # at most one int2 step of the whole range
-            out[qname] = {"keys_equal_fraction": float((kc == kg).float().mean()),
-                          "values_equal_fraction": float((vc == vg).float().mean()),
-                          "max_abs_diff": max(float((kc - kg).abs().max()), float((vc - vg).abs().max())),
-                          "bound": step}
-        except Exception:  # noqa: BLE001
-            out[qname] = {"error": traceback.format_exc(limit=4)}
-    return out
-
-
-@torch.inference_mode()
-def check_memory_and_speed(device, contexts, batch, steps) -> dict:
-    """Checks 4 and 5 on the Llama-3-8B layer stack in bfloat16."""
-    cls, config = shapes()["llama3-8b-4layers"]
-    model = build(cls, config, device, torch.bfloat16)
-    fused = build(cls, config, device, torch.bfloat16)  # the same weights; decode steps attend over the codes
-    fused.load_state_dict(model.state_dict())
-    kvquant.enable_fused_decode(fused)
-    factories = {"DynamicCache": (model, lambda: DynamicCache(config=config))}
-    factories.update({f"kvquant-{n}": (model, lambda q=q, o=o: kvquant.make_cache(model, q, **o))
-                      for n, (q, o) in QUANTIZERS.items()})
-    factories.update({f"kvquant-{n}-fused": (fused, lambda q=q, o=o: kvquant.make_cache(fused, q, **o))
-                      for n, (q, o) in QUANTIZERS.items() if n in FUSED})
-    rows = []
-    cache = None
-    for context in contexts:
-        prompt = torch.randint(0, config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(3))
-        prompt = prompt.to(device)
-        for name, (runner, make) in factories.items():
-            row = {"cache": name, "context": context, "batch": batch}
-            cache = None  # the last row's, also when it failed: not counted in this row's "before"
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                before = torch.cuda.memory_allocated()
-                cache = make()
-                for i in range(0, context, 2048):
-                    runner(prompt[:, i : i + 2048], cache=cache, use_cache=True, logits_to_keep=1)
-                torch.cuda.synchronize()
-                row["allocated_bytes"] = torch.cuda.memory_allocated() - before
-                row["reported_bytes"] = stored_bytes(cache)
-                row["held_bytes"] = held_bytes(cache)
-                if hasattr(cache, "memory_report"):
-                    row["tensor_bytes"] = cache.memory_report()["tensor_bytes"]
-                token = prompt[:, -1:]
-                for _ in range(4):
-                    runner(token, cache=cache, use_cache=True)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    runner(token, cache=cache, use_cache=True)
-                torch.cuda.synchronize()
-                row["steps_per_s"] = steps / (time.perf_counter() - start)
-                del cache
-            except Exception:  # noqa: BLE001
-                row["error"] = traceback.format_exc(limit=4)
-            rows.append(row)
-    base = {r["context"]: r for r in rows if r["cache"] == "DynamicCache" and "error" not in r}
-    same = {r["context"]: r for r in rows if r["cache"] == "kvquant-fp16" and "error" not in r}
-    for r in rows:
-        b, f = base.get(r["context"]), same.get(r["context"])
-        if b and "error" not in r:
-            r["speed_vs_dynamic"] = r["steps_per_s"] / b["steps_per_s"]
-            r["allocated_vs_dynamic"] = r["allocated_bytes"] / b["allocated_bytes"]
-        if f and "error" not in r:
-            r["speed_vs_kvquant_fp16"] = r["steps_per_s"] / f["steps_per_s"]
-    return {"rows": rows}
-
-
-def held_bytes(cache) -> int | None:
-    """Bytes of the tensors a kvquant cache's stores hold on their device (pools, sinks, tails; each storage once),
-    walked here, not taken from ``memory_report()``; None for other caches. The block tables stay on the CPU."""
-    total, seen = 0, set()
-    for layer in getattr(cache, "layers", []):
-        for store in (getattr(layer, "k", None), getattr(layer, "v", None)):
-            if store is None or not hasattr(store, "pool"):
-                continue
-            for t in (*store.pool.values(), store.sinks, store.tail):
-                if t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
-    return total if seen else None
-
-
-#: contexts at which ``--checks memory`` measures one growing cache per quantizer, and the decode steps after the last
-MEMORY_CONTEXTS, MEMORY_STEPS = (4096, 16384, 32768), 600
-
-
-@torch.inference_mode()
-def check_memory(device, contexts=MEMORY_CONTEXTS, batch=4, steps=MEMORY_STEPS, layers=4, allocated=None) -> dict:
-    """Check 4 without a model: per quantizer, one cache of the Llama-3-8B attention shape (``layers`` layers, 8 KV
-    heads of 128, bfloat16) written through ``cache.update`` in chunks of 2,048 tokens, measured as it passes each
-    context, then ``steps`` single-token steps (across growths of its pools), measured again. A row: the allocator's
-    growth since the cache was made (``allocated``: a callable, ``torch.cuda.memory_allocated`` on a GPU), the
-    report's stored, reserved and tensor bytes, and the stores' tensors walked here (:func:`held_bytes`)."""
-    if allocated is None:
-        allocated = torch.cuda.memory_allocated
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-    config = shapes()["llama3-8b-4layers"][1]
-    config = copy.deepcopy(config)
-    config.num_hidden_layers = layers
-    heads, head_dim = config.num_key_value_heads, config.head_dim
-    gen = torch.Generator().manual_seed(5)
-    chunk = torch.randn(batch, heads, 2048, head_dim, generator=gen).to(device=device, dtype=torch.bfloat16)
-    rows = []
-    for name, (q, opts) in QUANTIZERS.items():
-        cache = None
-        try:
-            sync()
-            if str(device).startswith("cuda"):
-                torch.cuda.empty_cache()
-            before = allocated()
-            cache = kvquant.make_cache(config, q, **opts)
-            written = 0
-            for point in sorted(set(contexts)):
-                while written < point:
-                    n = min(2048, point - written)
-                    for i in range(layers):
-                        cache.update(chunk[:, :, :n], chunk[:, :, :n], i)  # the read it returns is dropped at once
-                    written += n
-                sync()
-                rows.append(memory_row(name, cache, written, "prefill", batch, allocated() - before))
-            for _ in range(steps):
-                for i in range(layers):
-                    cache.update(chunk[:, :, :1], chunk[:, :, :1], i)
-                written += 1
-            sync()
-            rows.append(memory_row(name, cache, written, f"+{steps} steps", batch, allocated() - before))
-        except Exception:  # noqa: BLE001 (recorded, the run goes on)
-            rows.append({"cache": f"kvquant-{name}", "error": traceback.format_exc(limit=4)})
-        cache = None
-    return {"rows": rows}
-
-
-def memory_row(name, cache, tokens, point, batch, allocated) -> dict:
-    """One row of :func:`check_memory`: the allocator's growth, the report's bytes and the tensors walked here."""
-    from kvquant.cache import Store
-
-    report = cache.memory_report()
-    return {"cache": f"kvquant-{name}", "tokens": tokens, "point": point, "batch": batch,
-            "allocated_bytes": allocated, "stored_bytes": report["stored_bytes"],
-            "reserved_bytes": report["reserved_bytes"], "tensor_bytes": report["tensor_bytes"],
-            "host_bytes": report["host_bytes"], "held_bytes": held_bytes(cache), "chunk_tokens": Store.CHUNK_TOKENS}
-
-
-def memory_verdicts(rows: list[dict]) -> list[str]:
-    """``--checks memory``: per row, the report's stored + reserved bytes equal the cache's own tensors exactly, the
-    allocator's growth is within 5% of them (it rounds each block up, and may hand out a cached block up to 1 MiB
-    larger), and from 4 x ``CHUNK_TOKENS`` tokens on the reserved share is within ``CHUNK_TOKENS / tokens`` (the
-    growth policy's bound; 1.25x growth reserved up to 25%)."""
-    lines = []
-    for r in rows:
-        if failed(lines, f"memory {r['cache']}", r):
-            continue
-        where = f"memory {r['cache']} at {r['tokens']} tokens ({r['point']})"
-        exact = r["stored_bytes"] + r["reserved_bytes"] == r["tensor_bytes"] == r["held_bytes"]
-        lines.append(f"{'PASS' if exact else 'FAIL'} {where}: stored {r['stored_bytes']:,} + reserved "
-                     f"{r['reserved_bytes']:,} = {r['stored_bytes'] + r['reserved_bytes']:,} bytes, the cache's "
-                     f"tensors {r['held_bytes']:,}")
-        off = r["allocated_bytes"] / r["tensor_bytes"] - 1
-        lines.append(f"{'PASS' if abs(off) <= 0.05 else 'FAIL'} {where}: the allocator grew by "
-                     f"{r['allocated_bytes']:,} bytes, {off:+.2%} of memory_report()'s tensor_bytes (at most 5% "
-                     f"either way; stored bytes alone: {r['allocated_bytes'] / r['stored_bytes'] - 1:+.2%})")
-        share = r["reserved_bytes"] / r["stored_bytes"]
-        if r["tokens"] >= 4 * r["chunk_tokens"]:
-            bound = r["chunk_tokens"] / r["tokens"]
-            lines.append(f"{'PASS' if share <= bound else 'FAIL'} {where}: reserved {share:.2%} of the stored bytes "
-                         f"(at most {bound:.2%}: CHUNK_TOKENS {r['chunk_tokens']} per row)")
-    return lines
-
-
-def failed(lines: list[str], label: str, r: dict) -> bool:
-    """Whether a check recorded an error instead of numbers (then a FAIL line with its last line is added)."""
-    if "error" in r:
-        lines.append(f"FAIL {label}: {r['error'].strip().splitlines()[-1]}")
-    return "error" in r
-
-
 def verdicts(results: dict) -> list[str]:
-    """The properties the checks stand for, each PASS/FAIL with its numbers."""
+    """The properties the checks stand for, each PASS/FAIL (the decode targets MET / NOT MET) with its numbers, in
+    the default order of the checks."""
     lines = []
-    for shape, per_q in results["logits"].items():
-        if failed(lines, shape, per_q):
-            continue
-        ok = {q: r for q, r in per_q.items() if not failed(lines, f"{shape} {q}", r)}
-        for q in ("fp16-bfloat16", "fp16"):
-            if q in ok:
-                r = ok[q]
-                d = r["max_abs_diff_vs_dynamic"]
-                # equal, or as equal as DynamicCache is to itself, and exactly equal under one fixed kernel
-                good = d == 0 or (d <= r.get("dynamic_repeat_max_diff", 0) and r.get("math_backend_max_diff") == 0)
-                more = (f"; DynamicCache against itself {r['dynamic_repeat_max_diff']} (the default SDPA backend is "
-                        f"not deterministic here), under the math SDPA backend {r['math_backend_max_diff']}"
-                        if "math_backend_max_diff" in r and d else "")
-                lines.append(f"{'PASS' if good else 'FAIL'} {shape}: {q} quantizer equals DynamicCache "
-                             f"(max |diff| {d}{more})")
-        for q, r in ok.items():
-            if q.startswith("fp16"):
-                continue
-            g, c = r["rel_error_gpu"], r["rel_error_cpu"]
-            good = r["finite"] and g > 0 and c > 0 and 0.8 <= g / c <= 1.25
-            lines.append(f"{'PASS' if good else 'FAIL'} {shape}: {q} differs from DynamicCache; logit error GPU "
-                         f"{g:.4f} vs CPU {c:.4f}")
-        if "int2" in ok and "int8" in ok:
-            a, b = ok["int2"]["rel_error_gpu"], ok["int8"]["rel_error_gpu"]
-            lines.append(f"{'PASS' if a > b else 'FAIL'} {shape}: int2 error {a:.4f} > int8 error {b:.4f}")
-    for q, r in results["codes"].items():
-        if failed(lines, f"codes {q}", r):
-            continue
-        # a code flipped at a rounding boundary is fine; a read that is not the CPU's is not
-        good = min(r["keys_equal_fraction"], r["values_equal_fraction"]) >= 0.95 and r["max_abs_diff"] <= r["bound"]
-        lines.append(f"{'PASS' if good else 'FAIL'} codes {q}: GPU reads equal the CPU's for "
-                     f"{r['keys_equal_fraction']:.4%} of keys, {r['values_equal_fraction']:.4%} of values "
-                     f"(at least 95% each; max |diff| {r['max_abs_diff']:.3g}, at most {r['bound']:.3g})")
-    for shape, per_q in results.get("fused", {}).items():
-        if failed(lines, f"fused {shape}", per_q):
-            continue
-        for key, r in per_q.items():
-            if failed(lines, f"fused {shape} {key}", r):
-                continue
-            # The kernel's difference from the copy must be negligible beside what is measured, the quantizer's own
-            # error: float32 at most 1% of it (1e-5 for the identity), bfloat16 at most 10% (identity: recorded)
-            diff, err = r["rel_diff_fused_vs_copy"], r["rel_error_vs_dynamic"]
-            f32 = key.endswith("float32")
-            bound = max(1e-5, 0.01 * err) if f32 else (None if key.startswith("fp16") else 0.1 * err)
-            good = r["kernel_calls"] >= r["expected_calls"] and r["finite"] and (bound is None or diff <= bound)
-            lines.append(f"{'PASS' if good else 'FAIL'} fused {shape} {key}: the Triton kernel ran "
-                         f"{r['kernel_calls']} times (at least {r['expected_calls']}); decode logits differ from the "
-                         f"dequantized copy's by {diff:.2e} relative"
-                         f"{'' if bound is None else f' (at most {bound:.2e})'}; the quantizer's own error {err:.2e}")
-            if "fused_vs_float32" in r:  # which is nearer the same computation in float32 (at most 25% farther)
-                f, c = r["fused_vs_float32"], r["copy_vs_float32"]
-                lines.append(f"{'PASS' if f <= 1.25 * c else 'FAIL'} fused {shape} {key} against float32: the "
-                             f"kernel's logits are {f:.2e} from the float32 computation, the copy's {c:.2e}")
     if "kernel_tests" in results:
         t = results["kernel_tests"]
         lines.append(f"{'PASS' if t['returncode'] == 0 else 'FAIL'} tests/test_triton_attend.py compiled on the GPU: "
                      f"{t['summary']}")
-    speed = results["speed"]
-    failed(lines, "memory and speed", speed)
-    for r in speed["rows"]:
-        if not failed(lines, f"memory {r['cache']} at {r['context']}", r) and r["cache"].startswith("kvquant-"):
-            excess = r["allocated_bytes"] / r["reported_bytes"] - 1
-            held = r.get("held_bytes")
-            if held is None:  # results of runs before held_bytes was recorded
-                lines.append(f"{'PASS' if abs(excess) <= 0.05 else 'FAIL'} memory {r['cache']} at {r['context']} "
-                             f"tokens: the allocator holds {excess:+.2%} of memory_report() (at most 5% either way)")
-                continue
-            off = r["allocated_bytes"] / held - 1
-            lines.append(f"{'PASS' if abs(off) <= 0.05 else 'FAIL'} memory {r['cache']} at {r['context']} tokens: "
-                         f"the allocator holds {off:+.2%} of the cache's own tensors (at most 5% either way); those "
-                         f"are {held / r['reported_bytes'] - 1:+.2%} over memory_report()'s stored bytes (pool slots "
-                         f"reserved for later writes)")
-            if "tensor_bytes" in r:  # runs since memory_report() reports reserved bytes too
-                lines.append(f"{'PASS' if r['tensor_bytes'] == held else 'FAIL'} memory {r['cache']} at "
-                             f"{r['context']} tokens: memory_report()'s tensor_bytes (stored + reserved) "
-                             f"{r['tensor_bytes']:,}, the cache's own tensors {held:,}")
     lines += memory_verdicts(results.get("memory", {}).get("rows", []))
-    return lines
+    speed = results.get("speed", {"rows": []})
+    failed(lines, "memory and speed", speed)
+    if speed["rows"]:
+        lines += target_verdicts(speed["rows"])
+    lines += speed_memory_verdicts(speed["rows"])
+    lines += gated_verdicts(results.get("gated", {}))
+    return (lines + codes_verdicts(results.get("codes", {})) + fused_verdicts(results.get("fused", {}))
+            + logit_verdicts(results.get("logits", {})))
 
 
 def render(results: dict, args, command: str | None = None) -> str:
@@ -504,126 +103,194 @@ def render(results: dict, args, command: str | None = None) -> str:
              "", "## Checks", ""]
     for check, run in results.get("taken_from", {}).items():
         lines.append(f"- *{check}*: taken from an earlier run ({run}); this run did not repeat it")
-    if results.get("taken_from"):
+    for check, why in results.get("not_run", {}).items():
+        lines.append(f"- *{check}*: {why}")
+    if results.get("seconds"):
+        lines.append("- seconds per check: " + ", ".join(f"{k} {v}" for k, v in results["seconds"].items()))
+    if results.get("taken_from") or results.get("not_run") or results.get("seconds"):
         lines.append("")
     lines += [f"- {v}" for v in verdicts(results)]
-    memory = [r for r in results.get("memory", {}).get("rows", []) if "error" not in r]
-    if memory:
-        lines += ["", f"## Memory against the allocator (no model; Llama-3-8B attention shape, batch "
-                  f"{memory[0]['batch']})", "",
-                  "| cache | tokens | when | allocator bytes | stored | reserved | reserved / stored | "
-                  "allocator / (stored + reserved) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['cache']} | {r['tokens']} | {r['point']} | {r['allocated_bytes']:,} | {r['stored_bytes']:,} | "
-                  f"{r['reserved_bytes']:,} | {r['reserved_bytes'] / r['stored_bytes']:.2%} | "
-                  f"{r['allocated_bytes'] / r['tensor_bytes']:.4f} |" for r in memory]
-    lines += ["", f"## Memory and decode speed (Llama-3-8B attention shape, 4 layers, batch {args.batch}, "
-              f"{args.steps} steps)", "",
-              "| context | cache | allocator bytes | memory_report stored bytes | vs DynamicCache (allocator) | "
-              "steps/s | speed vs DynamicCache | speed vs kvquant fp16 |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results["speed"]["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['context']} | {r['cache']} | error: {r['error'].strip().splitlines()[-1]} | | | | | |")
-            continue
-        lines.append(f"| {r['context']} | {r['cache']} | {r['allocated_bytes']:,} | {r['reported_bytes']:,} | "
-                     f"{r.get('allocated_vs_dynamic', float('nan')):.3f} | {r['steps_per_s']:.1f} | "
-                     f"{r.get('speed_vs_dynamic', float('nan')):.3f} | "
-                     f"{r.get('speed_vs_kvquant_fp16', float('nan')):.3f} |")
+    lines += memory_markdown(results.get("memory", {}).get("rows", []))
+    speed = results.get("speed", {"rows": []})
+    if speed["rows"]:
+        layers = shapes()[SPEED_SHAPE][1].num_hidden_layers
+        lines += speed_markdown(speed["rows"], speed.get("steps", args.steps), layers)
     return "\n".join(lines) + "\n"
 
 
-def stage_logits(args, results):
-    for name, (cls, config) in shapes().items():
-        print(f"gpu_check: logits on {name}", flush=True)
-        try:
-            results["logits"][name] = check_logits(name, cls, config, args.device)
-        except Exception:  # noqa: BLE001
-            results["logits"][name] = {"error": traceback.format_exc(limit=4)}
+#: the shape the memory and speed checks use: Llama-3-8B's attention (32 heads, 8 KV heads of 128), 4 layers
+SPEED_SHAPE = "llama3-8b-4layers"
 
 
-def stage_fused(args, results):
-    for name in ("smollm2-135m", "mistral-sliding256", "head_dim80", "head_dim256"):
-        print(f"gpu_check: fused decode on {name}", flush=True)
-        cls, config = shapes()[name]
-        try:
-            results["fused"][name] = check_fused(name, cls, config, args.device)
-        except Exception:  # noqa: BLE001
-            results["fused"][name] = {"error": traceback.format_exc(limit=4)}
-
-
-def stage_kernel_tests(args, results):
+def stage_kernel_tests(args, results, left):
     print("gpu_check: the Triton kernel's tests, compiled", flush=True)
     try:
-        results["kernel_tests"] = run_kernel_tests(args.device)
-    except Exception:  # noqa: BLE001
+        results["kernel_tests"] = run_kernel_tests(args.device, left())
+    except Exception:  # noqa: BLE001 (a timeout included)
         results["kernel_tests"] = {"returncode": -1, "summary": traceback.format_exc(limit=2).splitlines()[-1]}
 
 
-def stage_codes(args, results):
+def stage_memory(args, results, left):
+    print("gpu_check: memory against the allocator", flush=True)
+    try:
+        results["memory"] = check_memory(args.device, shapes()[SPEED_SHAPE][1], QUANTIZERS, args.memory_contexts,
+                                         args.batch, in_time=lambda: left() > 0)
+    except Exception:  # noqa: BLE001
+        results["memory"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+    return results["memory"].pop("stopped", None)
+
+
+def stage_speed(args, results, left):
+    print("gpu_check: decode speed and the targets", flush=True)
+    try:
+        cls, config = shapes()[SPEED_SHAPE]
+        model = build(cls, config, args.device, torch.bfloat16)
+        fused = build(cls, config, args.device, torch.bfloat16)  # the same weights; decode steps read the codes
+        fused.load_state_dict(model.state_dict())
+        kvquant.enable_fused_decode(fused)
+        names = None if args.speed_caches == "all" else TARGET_CACHES
+        results["speed"] = check_speed(speed_factories(model, fused, config, QUANTIZERS, FUSED, names), config,
+                                       speed_points(args.contexts, args.batches), args.steps, args.device,
+                                       in_time=lambda: left() > 0)
+        del model, fused
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        results["speed"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+    results["speed"]["steps"] = args.steps
+    return results["speed"].pop("stopped", None)
+
+
+def stage_gated(args, results, left):
+    print(f"gpu_check: {args.gated_config} run whole on the GPU", flush=True)
+    results["gated"] = run_gated(args.gated_config, args.gated_cpu_results, args.device, left, args.out, root=ROOT)
+
+
+def stage_codes(args, results, left):
     print("gpu_check: codes", flush=True)
     results["codes"] = check_codes(args.device)
 
 
-def stage_memory(args, results):
-    print("gpu_check: memory against the allocator", flush=True)
-    try:
-        results["memory"] = check_memory(args.device, args.memory_contexts, args.batch)
-    except Exception:  # noqa: BLE001
-        results["memory"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+def per_shape(check, names, key):
+    """A stage running ``check`` on each of ``names`` (shapes) while its time lasts; a shape's error recorded."""
+    def stage(args, results, left):
+        for name in names:
+            if left() <= 0:
+                return f"time limit, before {name}"
+            print(f"gpu_check: {key} on {name}", flush=True)
+            cls, config = shapes()[name]
+            try:
+                results[key][name] = check(name, cls, config, args.device)
+            except Exception:  # noqa: BLE001
+                results[key][name] = {"error": traceback.format_exc(limit=4)}
+        return None
+    return stage
 
 
-def stage_speed(args, results):
-    print("gpu_check: memory and speed", flush=True)
-    try:
-        results["speed"] = check_memory_and_speed(args.device, args.contexts, args.batch, args.steps)
-    except Exception:  # noqa: BLE001
-        results["speed"] = {"rows": [], "error": traceback.format_exc(limit=4)}
+@dataclass(frozen=True)
+class Stage:
+    """One check: ``run(args, results, left)`` (``left()``: its seconds left; returns a note where it stopped part
+    way), about how long it takes and its own time limit, in seconds. The expectations are guesses for an H100
+    but the kernel tests' (111 s on an H200, 2026-12-04), to be replaced by the ``seconds`` a run records."""
+    run: Callable
+    expected_s: float
+    limit_s: float
 
 
-#: check name -> stage, in the default order
-STAGES = {"logits": stage_logits, "fused": stage_fused, "kernel_tests": stage_kernel_tests, "codes": stage_codes,
-          "memory": stage_memory, "speed": stage_speed}
+#: check name -> stage, in the default order: what issue 57 must show first, then the checks run before
+STAGES = {"kernel_tests": Stage(stage_kernel_tests, 120, 240), "memory": Stage(stage_memory, 45, 120),
+          "speed": Stage(stage_speed, 120, 200), "gated": Stage(stage_gated, 180, 300),
+          "codes": Stage(stage_codes, 15, 60),
+          "fused": Stage(per_shape(check_fused, ("smollm2-135m", "mistral-sliding256", "head_dim80", "head_dim256"),
+                                   "fused"), 120, 240),
+          "logits": Stage(per_shape(check_logits, tuple(shapes()), "logits"), 240, 400)}
+#: the run's time limit by default: one device lease is 15 minutes in all, start-up and transfers included
+TIME_LIMIT = 480
+
+
+def plan_line(checks, stages=STAGES, time_limit=TIME_LIMIT) -> str:
+    """What the run will try, and about how long it takes."""
+    expected = sum(stages[c].expected_s for c in checks)
+    return (f"gpu_check: {', '.join(checks)}: about {expected:.0f} s expected in all ({expected / 60:.1f} min), "
+            f"at most {time_limit} s (--time-limit; checks that do not fit are named in the report)")
+
+
+def run_stages(args, results, out: Path, checks, stages=STAGES, time_limit=TIME_LIMIT, clock=time.monotonic):
+    """Each of ``checks`` in order within its own time limit and the run's; one the run's time left is under a
+    quarter of its expectation is not started. results.json and report.md are written after each, so a run
+    stopped at its time limit keeps what it measured; ``results["not_run"]`` says what was left out, and why."""
+    start = clock()
+    for name in checks:
+        stage, run_left = stages[name], time_limit - (clock() - start)
+        if run_left < stage.expected_s / 4:
+            results.setdefault("not_run", {})[name] = (f"not started: {max(run_left, 0):.0f} s of the run's "
+                                                       f"{time_limit} s left, about {stage.expected_s:.0f} s expected")
+        else:
+            began, own = clock(), min(stage.limit_s, run_left)
+            note = stage.run(args, results, lambda began=began, own=own: own - (clock() - began))
+            took = clock() - began
+            results.setdefault("seconds", {})[name] = round(took, 1)
+            if note:
+                results.setdefault("not_run", {})[name] = f"stopped after {took:.0f} s of its {own:.0f} s: {note}"
+        write_file(out / "results.json", json.dumps(results, indent=1))
+        write_file(out / "report.md", render(results, args, results["command"]))
+
+
+def read_results(path: Path, what: str) -> dict:
+    """An earlier run's results.json (one line and exit 2 where it is not one)."""
+    results = read_json(path, what)
+    if not isinstance(results.get("environment"), dict):
+        raise KVQuantError(f"{what}: {path} is not a results.json gpu_check writes")
+    return results
 
 
 def main(argv=None):
     parser = script_parser("gpu_check", __doc__)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[4096, 16384])
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=list(SPEED_CONTEXTS),
+                        help="contexts the speed check fills its caches to")
+    parser.add_argument("--batches", type=at_least(1), nargs="+", default=list(SPEED_BATCHES),
+                        help="batches the speed check decodes")
+    parser.add_argument("--speed-caches", choices=("targets", "all"), default="targets",
+                        help="the caches the targets read (default), or every quantizer eager and fused")
     parser.add_argument("--memory-contexts", type=at_least(1), nargs="+", default=list(MEMORY_CONTEXTS),
                         help="contexts --checks memory measures its growing caches at")
-    parser.add_argument("--batch", type=at_least(1), default=4)
-    parser.add_argument("--steps", type=at_least(1), default=32)
+    parser.add_argument("--batch", type=at_least(1), default=4, help="the batch of --checks memory")
+    parser.add_argument("--steps", type=at_least(1), default=32, help="timed decode steps per speed row")
     parser.add_argument("--checks", nargs="+", choices=list(STAGES), default=list(STAGES),
-                        help="which checks to run, in this order (default: all)")
+                        help="which checks to run, in this order (default: all, in the order listed)")
+    parser.add_argument("--skip", nargs="+", choices=list(STAGES), default=[], help="checks to leave out")
+    parser.add_argument("--time-limit", type=at_least(1), default=TIME_LIMIT,
+                        help=f"seconds for the whole run (default {TIME_LIMIT}); each check also has its own")
+    parser.add_argument("--gated-config", type=Path, default=ROOT / GATED_CONFIG, help="the gated run's config")
+    parser.add_argument("--gated-cpu", type=Path, default=ROOT / GATED_CPU,
+                        help="the CPU run's results.json the gated run is held against")
     parser.add_argument("--keep-from", type=Path, help="an earlier run's results.json: the checks not run now are "
                         "taken from it, and the report says so (one lease may not fit every check)")
     parser.add_argument("--out", type=Path, default=Path("reports/gpu_check"))
     parser.add_argument("--render", action="store_true", help="rewrite report.md from --out's results.json only")
     args = parser.parse_args(argv)
     if args.render:
-        results = read_json(args.out / "results.json", "--render")
-        if not isinstance(results.get("environment"), dict):
-            raise KVQuantError(f"--render: {args.out / 'results.json'} is not a results.json gpu_check writes")
+        results = read_results(args.out / "results.json", "--render")
         write_file(output_dir(args.out, "--out") / "report.md", render(results, args, results.get("command")))
         return
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA device here")
+    checks = [c for c in args.checks if c not in args.skip]
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        raise KVQuantError(f"--device {args.device}: no CUDA device here; gpu_check measures on a GPU (--render "
+                           "rewrites report.md from an earlier results.json without one)")
+    earlier = read_results(args.keep_from, "--keep-from") if args.keep_from else {}
+    if "gated" in checks:
+        args.gated_cpu_results = read_results(args.gated_cpu, "--gated-cpu")
     results = {"command": f"python {' '.join(sys.argv)}", "environment": environment(), "logits": {}, "fused": {},
                "codes": {}, "memory": {"rows": []}, "speed": {"rows": []}}
-    if args.keep_from:
-        earlier = json.loads(args.keep_from.read_text())
-        env = earlier["environment"]
-        for check in STAGES:
-            if check not in args.checks and check in earlier:
-                results[check] = earlier[check]
-                results.setdefault("taken_from", {})[check] = f"{env['date']}, git {env['git_commit']}"
+    for check in STAGES:
+        if check not in checks and check in earlier:
+            results[check] = earlier[check]
+            env = earlier["environment"]
+            results.setdefault("taken_from", {})[check] = f"{env.get('date')}, git {env.get('git_commit')}"
     out = output_dir(args.out, "--out")
-    for check in args.checks:
-        STAGES[check](args, results)
-        # after each check, so a run stopped at its time limit keeps what it measured
-        write_file(out / "results.json", json.dumps(results, indent=1))
-    report = render(results, args, results["command"])
-    write_file(out / "report.md", report)
-    print(report)
+    print(plan_line(checks, time_limit=args.time_limit), flush=True)
+    run_stages(args, results, out, checks, time_limit=args.time_limit)
+    print((out / "report.md").read_text())
 
 
 if __name__ == "__main__":

@@ -165,7 +165,8 @@ def gpu_check_block(rep: dict) -> str:
     env = rep["environment"]
     rows = [[r["cache"], f"{r['context']:,}", str(r["batch"]), f"{r['steps_per_s']:.1f}",
              f"{r['speed_vs_kvquant_fp16']:.2f}", f"{r['allocated_vs_dynamic']:.3f}",
-             f"{r['allocated_bytes'] / r['reported_bytes']:.3f}"] for r in rep["speed"]["rows"]]
+             f"{r['allocated_bytes'] / r['reported_bytes']:.3f}"] for r in rep["speed"]["rows"]
+            if "speed_vs_kvquant_fp16" in r and "allocated_vs_dynamic" in r]  # measured rows, beside their baselines
     return (f"{env['machine']}; torch {env['torch']}, git {env['git_commit'][:7]}, {env['date'][:10]}.\n\n"
             + table(["cache", "context", "batch", "decode steps/s", "speed vs kvquant fp16",
                      "allocated vs DynamicCache", "allocated / memory_report()"], rows, "lrrrrrr"))

@@ -34,7 +34,11 @@ def experiment(name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # where its dataclasses look up their module's names
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))  # a script imports its siblings by name, as when run (its folder first)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
     return module
 
 
