@@ -269,3 +269,44 @@ def test_a_plan_copied_from_another_report_folder_is_refused_a_whole_folder_copi
     assert note in captured.out and "0 results measured, 5 reused" in captured.out  # the results here go on
     assert json.loads((here.parent / "results.json").read_text())["replanned"]["error"] is None
     assert (here / "plan.json.corrupt").read_bytes() == (other / "plan.json").read_bytes()
+
+
+def test_a_folder_from_before_report_ids_goes_on_untied_and_a_tied_plan_is_not_its_own(tmp_path, monkeypatch):
+    """A plan file and results as kvquant wrote them before report folder ids (no ``report``; the plan signed over
+    the domain and its history alone, recomputed here) still verify and are reused; a plan of a tied folder copied
+    over them is another folder's."""
+    import hashlib
+    import hmac
+
+    from kvquant.runner.lookplan import DOMAIN, FOREIGN, LookPlan, PlanRecord, entry
+    from kvquant.runner.store import ResultStore, result_key
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    plan, partial = LookPlan.of(load_config(path)), tmp_path / "old" / "partial"
+    for folder in ("old", "new"):
+        (tmp_path / folder).mkdir()
+    old = ResultStore(partial, {"code": "v1"}, [])  # no id: as before ids
+    old.get_or_compute("int8", "memory", {"k": 1}, lambda: {"bits": 8.5})
+    record = PlanRecord(old, plan)
+    record.history = [entry(plan)]
+    record.write()
+    doc = json.loads((partial / "plan.json").read_text())
+    text = json.dumps(doc["history"], sort_keys=True, separators=(",", ":")).encode()
+    assert "report" not in doc and "report" not in json.loads((partial / "int8" / "memory.json").read_text())
+    assert doc["signature"] == hmac.new(result_key(), DOMAIN + text, hashlib.sha256).hexdigest()
+
+    again = ResultStore(partial, {"code": "v1"}, [])
+    settled = PlanRecord(again, plan)
+    settled.settle()
+    assert again.report == "" and settled.history == doc["history"]
+    assert again.get_or_compute("int8", "memory", {"k": 1}, lambda: pytest.fail("recomputed")) == {"bits": 8.5}
+
+    tied = ResultStore(tmp_path / "new" / "partial", {"code": "v1"}, [])
+    fresh = PlanRecord(tied, plan)
+    fresh.settle()
+    tied.get_or_compute("int8", "memory", {"k": 1}, lambda: {"bits": 8.5})  # writes the plan first, with its id
+    assert len(tied.report) == 32 and json.loads((tied.directory / "plan.json").read_text())["report"] == tied.report
+    (partial / "plan.json").write_bytes((tied.directory / "plan.json").read_bytes())
+    assert PlanRecord(ResultStore(partial, {"code": "v1"}, []), plan)._unknown() == FOREIGN
