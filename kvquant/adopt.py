@@ -15,8 +15,10 @@ one measured by other code (kvquant's measuring source, torch, transformers or l
 those this config's run would key it with (a candidate or metric the run does not measure, the model, mode,
 batch, seed, cache settings, the token windows read, the task's documents, shots and data file); results of
 different model weights, or of weights other than this machine's own results name; two files of one candidate and
-metric of other inputs, or of the same inputs with different results. Identical copies are one. A result already
-here that verifies for the same inputs is kept; one of other inputs is moved to ``partial.old-<time>/``.
+metric of other inputs, or of the same inputs with different results; a plan here that is unknown (its file does not
+verify, is another report folder's, or is missing beside results measured under one). Identical copies are one. A
+result already here that verifies for the same inputs is kept; one of other inputs is moved to
+``partial.old-<time>/``.
 
 Exit codes: 0 adopted (or everything was already here), 2 refused, 3 internal error, 130 interrupted (the results
 adopted so far are in place, each whole and signed; run the same command to adopt the rest).

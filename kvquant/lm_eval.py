@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvquant.compat.lm_eval import int_or_none_list, parser_actions, run_parser
+from kvquant.compat.lm_eval import int_or_none_list, parser_actions, quiet_git, run_parser
 from kvquant.runner.binding import build
 from kvquant.runner.config import MAX_SEED, Candidate, EvalConfig
 from kvquant.runner.model_config import ModelConfig, check_device
@@ -357,7 +357,8 @@ def _checked_evaluate(argv: list[str]) -> int:
 
     sys.argv = [sys.argv[0], *argv]
     try:
-        with fewshot.task_files_checked(), until_scoring() as phase:  # shots a task's own YAML sets: bounded
+        # shots a task's own YAML sets: bounded; git asked for lm-eval's record of the commit: silent
+        with fewshot.task_files_checked(), until_scoring() as phase, quiet_git():
             try:
                 cli_evaluate()
             except Exception as err:

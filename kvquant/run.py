@@ -422,6 +422,8 @@ def dry_run(cfg: ExperimentConfig, rows: dict) -> int:
     session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path), first_look=True)
     partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
     store = ResultStore(partial, report.code_version(), [], secret=key) if key is not None else None
+    if store is not None:
+        PlanRecord(store, LookPlan.of(cfg)).identify()  # the folder's id: which of its results a run would reuse
     print(preview.render(cfg, *preview.preview(session, rows, store), partial))
     return 0
 

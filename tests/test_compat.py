@@ -23,7 +23,8 @@ KVQUANT = Path(__file__).parent.parent / "kvquant"
 #: (``storage._rank``) only as attributes
 PRIVATE = [rf"(?<!\w){name}\b" for name in (
     "_attn_implementation", "_active_collector", "output_capturing", "_tp_size", "_quantized_keys",
-    "_quantized_values", "_yaml_loader", "_Base", "_cli", "_subparsers", "_actions", "_int_or_none_list_arg_type")
+    "_quantized_values", "_yaml_loader", "_Base", "_cli", "_subparsers", "_actions", "_int_or_none_list_arg_type",
+    "get_git_commit_hash", "get_commit_from_path")
 ] + [r"\._rank\b", r"\._world_size\b"]
 
 

@@ -201,3 +201,112 @@ def test_adopt_carries_the_plan_and_refuses_a_conflicting_one(tmp_path, capsys, 
     capsys.readouterr()
     assert main([str(path), "--set", "name=elsewhere", "--set", "gate.max_perplexity_ratio=1.04"]) == 2
     assert "another plan" in capsys.readouterr().err
+    # the plan here removed from under its results: the looks taken here are unknown, so adopting over it (which
+    # wrote the carried plan in its place) is refused, nothing written
+    os.unlink(tmp_path / "reports" / "elsewhere" / "partial" / "plan.json")
+    before = snapshot(tmp_path / "reports" / "elsewhere")
+    assert adopt([str(path), str(there), "--set", "name=elsewhere"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "is missing" in err and "--replan" in err, err
+    assert snapshot(tmp_path / "reports" / "elsewhere") == before
+
+
+def test_a_plan_copied_from_another_report_folder_is_refused_a_whole_folder_copied_is_not(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A signed plan.json copied from another report folder of the same config verified (issue 58): its signature
+    was not tied to the results beside it, so another folder's record of looks (or none) could stand in for this
+    folder's. Each report folder's plan and partial results carry the same random id under the signature: a plan
+    copied over, or removed, under results measured here is refused with one line before the model loads, nothing
+    written (with --replan: set aside, the error over the earlier looks unknown); a result copied from another
+    folder is set aside and measured again; a whole folder copied or moved goes on, every result reused."""
+    import shutil
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    first = main([str(path)])
+    assert main([str(path), "--set", "name=other"]) == first
+    here, other = tmp_path / "reports" / "tiny" / "partial", tmp_path / "reports" / "other" / "partial"
+    shutil.copytree(here.parent, tmp_path / "reports" / "copy")  # a whole folder, copied: nothing to refuse
+    capsys.readouterr()
+    assert main([str(path), "--set", "name=copy"]) == first
+    assert "0 results measured, 5 reused" in capsys.readouterr().out
+    assert (here / "plan.json").read_bytes() != (other / "plan.json").read_bytes()  # same history, other folder
+    plan_b = json.loads((other / "plan.json").read_text())
+    assert plan_b["history"] == json.loads((here / "plan.json").read_text())["history"]
+
+    real_load = run.load_model
+
+    def trap(*args, **kwargs):
+        raise AssertionError("the model was loaded for a plan record that should have been refused")
+
+    monkeypatch.setattr(run, "load_model", trap)
+    saved = (here / "plan.json").read_bytes()
+    for how in ("copied", "removed"):
+        if how == "copied":
+            shutil.copy(other / "plan.json", here / "plan.json")
+        else:
+            os.unlink(here / "plan.json")
+        before = snapshot(here.parent)
+        assert main([str(path)]) == 2, how
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and "--replan" in err, err
+        assert ("another report folder" if how == "copied" else "is missing") in err, err
+        assert snapshot(here.parent) == before  # nothing written or moved
+    (here / "plan.json").write_bytes(saved)  # its own plan back, and one result copied from the other folder
+    monkeypatch.setattr(run, "load_model", real_load)
+    shutil.copy(other / "int8" / "ppl__tinystories.json", here / "int8" / "ppl__tinystories.json")
+    capsys.readouterr()
+    assert main([str(path)]) == first
+    captured = capsys.readouterr()
+    assert "1 results measured, 4 reused" in captured.out and "another report folder" in captured.err
+    assert (here / "int8" / "ppl__tinystories.json.corrupt").exists()
+
+    shutil.copy(other / "plan.json", here / "plan.json")
+    assert main([str(path), "--replan"]) == first
+    captured = capsys.readouterr()
+    note = "re-planned after an unverifiable plan record: the error over the looks taken before it is unknown"
+    assert note in captured.out and "0 results measured, 5 reused" in captured.out  # the results here go on
+    assert json.loads((here.parent / "results.json").read_text())["replanned"]["error"] is None
+    assert (here / "plan.json.corrupt").read_bytes() == (other / "plan.json").read_bytes()
+
+
+def test_a_folder_from_before_report_ids_goes_on_untied_and_a_tied_plan_is_not_its_own(tmp_path, monkeypatch):
+    """A plan file and results as kvquant wrote them before report folder ids (no ``report``; the plan signed over
+    the domain and its history alone, recomputed here) still verify and are reused; a plan of a tied folder copied
+    over them is another folder's."""
+    import hashlib
+    import hmac
+
+    from kvquant.runner.lookplan import DOMAIN, FOREIGN, LookPlan, PlanRecord, entry
+    from kvquant.runner.store import ResultStore, result_key
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    plan, partial = LookPlan.of(load_config(path)), tmp_path / "old" / "partial"
+    for folder in ("old", "new"):
+        (tmp_path / folder).mkdir()
+    old = ResultStore(partial, {"code": "v1"}, [])  # no id: as before ids
+    old.get_or_compute("int8", "memory", {"k": 1}, lambda: {"bits": 8.5})
+    record = PlanRecord(old, plan)
+    record.history = [entry(plan)]
+    record.write()
+    doc = json.loads((partial / "plan.json").read_text())
+    text = json.dumps(doc["history"], sort_keys=True, separators=(",", ":")).encode()
+    assert "report" not in doc and "report" not in json.loads((partial / "int8" / "memory.json").read_text())
+    assert doc["signature"] == hmac.new(result_key(), DOMAIN + text, hashlib.sha256).hexdigest()
+
+    again = ResultStore(partial, {"code": "v1"}, [])
+    settled = PlanRecord(again, plan)
+    settled.settle()
+    assert again.report == "" and settled.history == doc["history"]
+    assert again.get_or_compute("int8", "memory", {"k": 1}, lambda: pytest.fail("recomputed")) == {"bits": 8.5}
+
+    tied = ResultStore(tmp_path / "new" / "partial", {"code": "v1"}, [])
+    fresh = PlanRecord(tied, plan)
+    fresh.settle()
+    tied.get_or_compute("int8", "memory", {"k": 1}, lambda: {"bits": 8.5})  # writes the plan first, with its id
+    assert len(tied.report) == 32 and json.loads((tied.directory / "plan.json").read_text())["report"] == tied.report
+    (partial / "plan.json").write_bytes((tied.directory / "plan.json").read_bytes())
+    assert PlanRecord(ResultStore(partial, {"code": "v1"}, []), plan)._unknown() == FOREIGN

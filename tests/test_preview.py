@@ -15,6 +15,7 @@ from kvquant.runner import preview
 from kvquant.runner.config import load_config
 from kvquant.runner.gate import looks
 from kvquant.runner.report import code_version
+from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.store import ResultStore
 from kvquant.scoring.session import Session
 from kvquant.scoring.task_setup import lm_eval_task
@@ -79,6 +80,7 @@ def test_the_preview_states_the_tokens_the_run_then_scores(tmp_path, capsys, mod
     # issue 58: the same preview of the finished report: every result the run wrote is reused (priced 0 s); only
     # the looks it did not take (a candidate that failed at the first look takes none) are priced
     store = ResultStore(partial, code_version(), [])
+    PlanRecord(store, LookPlan.of(cfg)).identify()  # the folder's id, as the dry run reads it: its results' own
     found, _ = preview.preview(session, rows, store)
     assert all((c.fed, c.seconds) == (0, 0) for c in found)
     for c in found:

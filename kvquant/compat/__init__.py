@@ -18,6 +18,7 @@ lm-eval (:mod:`kvquant.compat.lm_eval`):
 - :func:`~.lm_eval.parser_actions`: argparse's ``ArgumentParser._actions`` (of lm-eval's ``run`` parser)
 - :func:`~.lm_eval.int_or_none_list`: ``lm_eval._cli.utils._int_or_none_list_arg_type``
 - :func:`~.lm_eval.set_rank`: ``LM._rank`` / ``LM._world_size``
+- :func:`~.lm_eval.quiet_git`: ``lm_eval.evaluator.get_git_commit_hash``, ``lm_eval.loggers.utils.get_commit_from_path``
 
 Not wrapped, because they are the contract itself: ``KVQuantLM`` (kvquant/scoring/lm_eval_model.py) implements
 ``TemplateLM._loglikelihood_tokens``, the abstract method lm-eval calls (tests/test_compat.py checks it is still

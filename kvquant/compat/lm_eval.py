@@ -4,6 +4,9 @@ against lm-eval 0.4.13 on Python 3.11. lm-eval is imported only when a function 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import subprocess
 
 
 def yaml_base_loader() -> type:
@@ -42,3 +45,27 @@ def set_rank(lm, rank: int, world_size: int) -> None:
     share of each task's documents and gathers the results (its public ``lm.rank`` / ``lm.world_size`` read them).
     Wraps ``lm_eval.api.model.LM._rank`` / ``LM._world_size``."""
     lm._rank, lm._world_size = rank, world_size
+
+
+@contextlib.contextmanager
+def quiet_git():
+    """While inside, lm-eval records the working folder's git commit (``results["git_hash"]``) as it does, but with
+    git's own stderr silenced: outside a git checkout git printed ``fatal: not a git repository`` on the terminal.
+    Same value: ``git describe --always``, else (git failed or is missing) the commit the folder's ``.git`` names.
+    Wraps ``lm_eval.evaluator.get_git_commit_hash`` (lm-eval's ``simple_evaluate`` calls it by that name) and
+    ``lm_eval.loggers.utils.get_commit_from_path``."""
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_commit_hash() -> str | None:
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = git_commit_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original

@@ -36,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import io
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from kvquant.errors import InternalError, KVQuantError
+from kvquant.fs import real_dir, set_aside, writable_target, write_file
 from kvquant.formats.llamacpp import BLOCK, CACHE_TYPES, FLOAT_TYPES
 
 #: ``enum ggml_type`` (``ggml/include/ggml.h``)
@@ -362,28 +365,42 @@ def window_file(folder: Path, w: int) -> Path:
     return folder / f"window-{w:04d}.npz"
 
 
-def load_window(folder: Path, w: int, key: str) -> dict[str, np.ndarray] | None:
-    """The arrays kept for window ``w`` under ``key``; None where there are none, or they were kept under another
-    key (other tokens, settings, model or code: measured again and replaced) or cannot be read."""
-    path = window_file(folder, w)
+def _kept(path: Path) -> dict[str, np.ndarray] | None:
+    """The arrays of the window file ``path`` (with its ``key``): None where there is none, it is a symlink
+    (never followed) or it cannot be read."""
     if not path.is_file() or path.is_symlink():
         return None
     try:
-        with np.load(path, allow_pickle=False) as data:
-            if str(data["key"]) != key:
-                return None
-            return {name: data[name] for name in data.files if name != "key"}
-    except (OSError, ValueError, KeyError):
+        data = np.load(path, allow_pickle=False)  # a lone .npy array, not a window file: None
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            return None
+        with data:
+            return {name: data[name] for name in data.files} if "key" in data.files else None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
 
 
+def load_window(folder: Path, w: int, key: str) -> dict[str, np.ndarray] | None:
+    """The arrays kept for window ``w`` under ``key``; None where there are none, or they were kept under another
+    key (other tokens, settings, model or code: measured again, and set aside when replaced) or cannot be read."""
+    kept = _kept(window_file(folder, w))
+    if kept is None or str(kept.pop("key")) != key:
+        return None
+    return kept
+
+
 def save_window(folder: Path, w: int, key: str, arrays: dict[str, np.ndarray]) -> None:
-    """Keep window ``w``'s arrays (written to a temporary name, then renamed: never a half-written window)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = window_file(folder, w)
-    partial = path.with_suffix(".tmp.npz")
-    np.savez(partial, key=np.array(key), **arrays)
-    partial.replace(path)
+    """Keep window ``w``'s arrays through :mod:`kvquant.fs` (a fresh temporary name renamed into place: never a
+    half-written window, never written through a symlink, never another user's file replaced). A window kept there
+    under another key is set aside (``.old``; unreadable: ``.corrupt``), never overwritten."""
+    path = writable_target(window_file(real_dir(folder, "llama.cpp windows"), w), "llama.cpp windows")
+    if os.path.lexists(path) and not path.is_symlink():
+        kept = _kept(path)
+        if kept is None or str(kept["key"]) != key:
+            set_aside(path, ".corrupt" if kept is None else ".old")
+    buffer = io.BytesIO()
+    np.savez(buffer, key=np.array(key), **arrays)
+    write_file(path, buffer.getvalue())
 
 
 # --------------------------------------------------------------------------------------------------

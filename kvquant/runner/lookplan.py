@@ -14,12 +14,15 @@ narrower width errs only where the wider one did).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
 import json
 import os
+import secrets
 import stat
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,9 +169,11 @@ def replanned_note(replanned: dict) -> str:
             f"{replanned['metric']} under {replanned['plans']} plans, not {replanned['nominal']:.1%}")
 
 
-def _signature(history: list, secret: bytes) -> str:
+def _signature(history: list, secret: bytes, report: str = "") -> str:
+    """The signature of a plan file's ``history`` in the report folder ``report`` (its id; "": older than ids)."""
     text = json.dumps(history, sort_keys=True, separators=(",", ":"))
-    return hmac.new(secret, DOMAIN + text.encode(), hashlib.sha256).hexdigest()
+    tied = f"{report}\0".encode() if report else b""
+    return hmac.new(secret, DOMAIN + tied + text.encode(), hashlib.sha256).hexdigest()
 
 
 def parse_history(data) -> list[dict]:
@@ -187,15 +192,18 @@ def parse_history(data) -> list[dict]:
     return history
 
 
-def read_plan_file(path: Path) -> tuple[list[dict], str] | None:
-    """The history and signature in ``path`` (a regular file, never followed through a link), None where absent;
-    ValueError where it is not a plan file kvquant wrote."""
+def read_plan_file(path: Path) -> tuple[list[dict], str, str] | None:
+    """The history, signature and report folder id ("": a plan file older than ids) in ``path`` (a regular file,
+    never followed through a link), None where absent; ValueError where it is not a plan file kvquant wrote."""
     if not os.path.lexists(path):
         return None
     if not stat.S_ISREG(os.lstat(path).st_mode):
         raise ValueError("it is not a regular file")
     data = json.loads(read_file(path).decode("utf-8"))
-    return parse_history(data), str(data.get("signature"))
+    history, report = parse_history(data), data.get("report", "")
+    if not (isinstance(report, str) and len(report) <= 64 and all(c in string.hexdigits for c in report)):
+        raise ValueError("its report folder id is not one kvquant wrote")
+    return history, str(data.get("signature")), report
 
 
 def merge_histories(first: list[dict], second: list[dict]) -> list[dict] | None:
@@ -215,15 +223,43 @@ def entry(plan: LookPlan) -> dict:
     return {"plan": plan.to_dict(), "digest": plan.digest(), "looks": {}}
 
 
+#: why a plan file that verifies is not the record of the partial results beside it
+FOREIGN = "is another report folder's plan, copied here (no partial result beside it was measured under it)"
+
+
 class PlanRecord:
     """A run's plan and the history of plans its partial results were measured under (``<partial>/plan.json``,
     signed with the store's key). :meth:`settle` (before the model loads) refuses a changed plan unless
-    ``replan``; :meth:`record` keeps the looks each judgement takes; :meth:`replanned` is the re-planned error."""
+    ``replan``; :meth:`record` keeps the looks each judgement takes; :meth:`replanned` is the re-planned error.
+
+    The plan file and every partial result beside it carry the report folder's id (random, made with its first
+    plan) under their signatures (:attr:`ResultStore.report <kvquant.runner.store.ResultStore.report>`): a plan
+    file copied from another report folder, or removed, under results measured here is a plan record that does
+    not verify; a whole folder copied or moved keeps its id and goes on."""
 
     def __init__(self, store, plan: LookPlan, replan: bool = False):
         self.store, self.plan, self.replan = store, plan, replan
         self.path = store.directory / PLAN
         self.history: list[dict] = []
+        self._ids, self._fresh = None, secrets.token_hex(16)
+
+    @property
+    def ids(self) -> collections.Counter:
+        """How many of the partial results here are signed for each report folder id (read once, before this
+        record writes anything)."""
+        if self._ids is None:
+            self._ids = self.store.reports()
+        return self._ids
+
+    def _carried_id(self, fresh: bool = True) -> str:
+        """The report folder id most of the results here carry; where none is here, this record's fresh one
+        (``fresh``; the same at every call) or ""."""
+        return self.ids.most_common(1)[0][0] if self.ids else self._fresh if fresh else ""
+
+    def identify(self) -> None:
+        """Give the store this folder's id (its plan's, else its results'), reading only: what a run would reuse."""
+        if self.recorded(move=False) is None:
+            self.store.report = self._carried_id()
 
     def settle(self) -> None:
         """Read the recorded plan, compare, and write this run's (a first plan, or one more with ``replan``);
@@ -239,29 +275,70 @@ class PlanRecord:
         if refused is not None:
             raise KVQuantError(refused)
 
+    def _read(self) -> tuple[list[dict], str] | None:
+        """The history and report folder id in this run's plan file, None where there is none; ValueError where
+        this user's key did not sign it, or where it is another folder's (:data:`FOREIGN`)."""
+        found = read_plan_file(self.path)
+        if found is None:
+            return None
+        history, signature, report = found
+        if not hmac.compare_digest(signature, _signature(history, self.store.secret, report)):
+            raise ValueError("its signature does not verify: edited, or written by another user or machine")
+        if self.ids and report not in self.ids:
+            raise ValueError(FOREIGN)
+        return history, report
+
     def recorded(self, move: bool = True) -> list[dict] | None:
-        """The history in this run's plan file where this user's key signed it; None where there is none, or
-        where it does not verify (then, with ``move``, set aside with a warning: its looks are not counted)."""
+        """The history in this run's plan file where this user's key signed it for this report folder (the store
+        then signs for the folder's id); None where there is none, or where it does not verify (then, with
+        ``move``, set aside with a warning: its looks are not counted)."""
         try:
-            found = read_plan_file(self.path)
-            if found is not None and not hmac.compare_digest(found[1], _signature(found[0], self.store.secret)):
-                raise ValueError("its signature does not verify: edited, or written by another user or machine")
+            found = self._read()
         except (OSError, ValueError, RecursionError) as err:
-            if os.path.lexists(self.path) and stat.S_ISDIR(os.lstat(self.path).st_mode):
-                raise KVQuantError(f"{self.path} is a folder, not the plan kvquant wrote; move it away") from None
+            self._not_a_folder()
             if move:
                 aside = set_aside(self.path)
                 warn(self.store.warnings, f"{self.path} is unusable ({one_line(err)[:100]}); moved to {aside.name}: "
                      "looks taken under the plans it recorded are not counted")
             return None
-        return None if found is None else found[0]
+        if found is None:
+            return None
+        self.store.report = found[1]
+        return found[0]
+
+    def _not_a_folder(self) -> None:
+        if os.path.lexists(self.path) and stat.S_ISDIR(os.lstat(self.path).st_mode):
+            raise KVQuantError(f"{self.path} is a folder, not the plan kvquant wrote; move it away") from None
+
+    def _unknown(self) -> str | None:
+        """Why the plan the partial results here were measured under is unknown (its file does not verify, is
+        another folder's, or is gone though they were measured under one), as a phrase after the file's name;
+        None where it is known, or nothing was measured here."""
+        if not any(self.store.directory.glob("*/*.json")):
+            return None
+        if not os.path.lexists(self.path):
+            return "is missing, though the partial results beside it were measured under a recorded plan" \
+                if any(self.ids) else None
+        try:
+            self._read()
+        except (OSError, ValueError, RecursionError) as err:
+            self._not_a_folder()
+            return FOREIGN if str(err) == FOREIGN else "does not verify (edited, or written by another user or machine)"
+        return None
 
     def adopt(self, carried: list[tuple[Path, list[dict]]], write: bool = True) -> None:
         """Merge the plan histories ``carried`` with the partial results adopted (each ``(file, history)``; their
         signatures are another machine's, so the user vouches for them as for the results) into this run's, and
         (``write``) keep them: a history that went another way than another's, or whose last plan is not this
-        config's, refuses with one line (nothing written)."""
+        config's, refuses with one line (nothing written), as does a plan here that is unknown (:meth:`_unknown`)."""
+        why = self._unknown()
+        if why is not None:
+            raise KVQuantError(f"adopt: {self.path} {why}: the plan the partial results there were measured under is "
+                               "unknown; run python -m kvquant.run with --replan first, or move the folder away; "
+                               "nothing adopted")
         merged = self.recorded(move=False) or []
+        if not merged:  # results placed without a plan carried with them stay without one, as they were measured
+            self.store.report = self._carried_id(fresh=bool(carried))
         for path, history in carried:
             change = self.plan.difference(LookPlan.from_dict(history[-1]["plan"]))
             if change is not None:
@@ -278,20 +355,23 @@ class PlanRecord:
 
     def _settle(self) -> None:
         measured = any(self.store.directory.glob("*/*.json"))
-        if measured and os.path.lexists(self.path) and self.recorded(move=False) is None:
+        why = self._unknown()
+        if why is not None:
             if not self.replan:  # never set the record aside silently: the run would claim the nominal error
                 raise KVQuantError(
-                    f"{self.path} does not verify (edited, or written by another user or machine): the plan the "
-                    f"partial results in {self.store.directory} were measured under is unknown; rerun with --replan "
-                    "to go on (the verdict then says the error over the earlier looks is unknown), or move the "
-                    "folder away to start afresh")
-            self.recorded()  # set aside, said
+                    f"{self.path} {why}: the plan the partial results in {self.store.directory} were measured under "
+                    "is unknown; rerun with --replan to go on (the verdict then says the error over the earlier looks "
+                    "is unknown), or move the folder away to start afresh")
+            if os.path.lexists(self.path):
+                self.recorded()  # set aside, said
+            self.store.report = self._carried_id()  # the results here go on
             self.history = [{**entry(self.plan), UNKNOWN_BEFORE: True}]
             self.write()
             return
         history = self.recorded()
         found = None if history is None else (history, "")
         if found is None:
+            self.store.report = self._carried_id()  # its results' ("" where older than ids), else a fresh one
             if measured:
                 warn(self.store.warnings, f"the partial results in {self.store.directory} carry no recorded plan "
                      "(measured before kvquant recorded plans): this run's plan is recorded from now on, and looks "
@@ -319,8 +399,9 @@ class PlanRecord:
             return
         self.store.check_sources()
         real_dir(self.store.directory, "partial results")
-        write_file(self.path, json.dumps({"history": self.history,
-                                          "signature": _signature(self.history, self.store.secret)}, indent=1))
+        report = self.store.report
+        write_file(self.path, json.dumps({"history": self.history, **({"report": report} if report else {}),
+                                          "signature": _signature(self.history, self.store.secret, report)}, indent=1))
 
     def record(self, rows) -> dict | None:
         """Keep the looks the gate's ``rows`` took (each gated row: its documents or windows, its one-sided error)

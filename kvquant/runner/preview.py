@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvquant.compat.lm_eval import quiet_git
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.gate import duration, looks
 from kvquant.scoring.prefixes import model_tokens
@@ -94,10 +95,11 @@ def recorded_requests(model, tokenizer, tasks: list[str], limit: int, shots: int
     lm.scorer = Recorder()
     found = [lm_eval_task(t, task_dir(), sampler) for t in tasks]
     samples = {t.config.task: list(range(first, first + limit)) for t in found} if first else None
-    lm_eval.simple_evaluate(model=lm, tasks=found, limit=None if first else limit, samples=samples,
-                            num_fewshot=shots, bootstrap_iters=0,
-                            verbosity="ERROR", random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                            fewshot_random_seed=seed)
+    with quiet_git():
+        lm_eval.simple_evaluate(model=lm, tasks=found, limit=None if first else limit, samples=samples,
+                                num_fewshot=shots, bootstrap_iters=0,
+                                verbosity="ERROR", random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                fewshot_random_seed=seed)
     return lm.scorer.requests
 
 

@@ -4,6 +4,7 @@ warnings (:func:`warn`), printed once and kept for the report."""
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hashlib
 import hmac
@@ -43,7 +44,8 @@ class ResultStore:
     saved result, or all of them compute it together (``compute`` shares its scoring out). A result measured
     elsewhere becomes this store's own only when the user adopts it (:meth:`adopt`, ``python -m kvquant.adopt``).
     ``watch`` (a :class:`~kvquant.runner.sources.SourceWatch`, or None) is checked before every signed write: a
-    change of the measuring sources under the run stops it there, what is written kept and nothing mixed."""
+    change of the measuring sources under the run stops it there, what is written kept and nothing mixed.
+    :attr:`report` ties every result to its report folder (:mod:`kvquant.runner.lookplan` sets it)."""
 
     def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE,
                  watch=None, secret: bytes | None = None):
@@ -56,6 +58,9 @@ class ResultStore:
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         #: ``secret``: the key to verify with (a reader that must not make one: :func:`result_key`'s, existing)
         self.secret = secret if secret is not None else result_key() if processes.main else b""
+        #: the report folder's id (its plan's, :mod:`kvquant.runner.lookplan`), signed into every result: a result
+        #: signed for another folder is never reused here; "" (none) for a folder older than these ids
+        self.report = ""
         #: how long each (candidate, metric) took to measure, where known: this run's own, or what the run that
         #: measured a reused result noted (informational, outside the signature: it only prices more documents)
         self.seconds: dict[tuple[str, str], float] = {}
@@ -71,9 +76,20 @@ class ResultStore:
     def _path(self, candidate: str, metric: str) -> Path:
         return self.directory / candidate / result_name(metric)
 
-    def _sign(self, digest: str, result) -> str:
-        text = digest + json.dumps(result, sort_keys=True, default=str)
+    def _sign(self, digest: str, result, report: str | None = None) -> str:
+        """The signature of ``result`` of key ``digest`` in the report folder ``report`` (None: this store's)."""
+        report = self.report if report is None else report
+        text = (f"{report}\0" if report else "") + digest + json.dumps(result, sort_keys=True, default=str)
         return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def _signed_for(self, saved: dict, digest: str) -> str | None:
+        """The report folder id ``saved`` (a result file of key ``digest``) is signed for under this user's key
+        ("": a result older than these ids), else None (no signature of this key: edited, or another's)."""
+        report = saved.get("report", "")
+        if not isinstance(report, str) or not report.isascii() or not hmac.compare_digest(
+                str(saved.get("signature")), self._sign(digest, saved["result"], report)):
+            return None
+        return report
 
     def _inputs(self, candidate: str, metric: str, key: dict) -> tuple[dict, str]:
         inputs = {**key, "code": self.code, "result_of": [candidate, metric]}
@@ -87,7 +103,7 @@ class ResultStore:
             saved = json.loads(read_file(path).decode("utf-8"))
             digest = self._inputs(candidate, metric, key)[1]
             return isinstance(saved, dict) and "result" in saved and saved.get("key") == digest and \
-                hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"]))
+                self._signed_for(saved, digest) == self.report
         except (OSError, ValueError, RecursionError):
             return False
 
@@ -113,7 +129,7 @@ class ResultStore:
         stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
         if os.path.lexists(path) and path not in self.written:  # of other inputs or code: kept, not replaced
             self._retire(path)
-        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored,
+        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored, **_tied(self.report),
                                      "signature": self._sign(digest, stored),
                                      "seconds": self.seconds[candidate, metric]}, default=str))
         self.written.add(path)
@@ -135,22 +151,30 @@ class ResultStore:
             self._retire(path)
         took = saved.get("seconds")  # how long it took there, if noted (informational, as in get_or_compute)
         write_file(path, json.dumps({"key": digest, "inputs": saved["inputs"], "result": saved["result"],
-                                     "signature": self._sign(digest, saved["result"]),
+                                     **_tied(self.report), "signature": self._sign(digest, saved["result"]),
                                      **({"seconds": float(took)} if _is_seconds(took) else {})}, default=str))
         return True
 
     def verified(self, path: Path) -> dict | None:
-        """The result at ``path`` (under this store's folder) if this user's key signed it and its key is the
-        digest of the inputs it holds, whatever those inputs; else None. Nothing is moved."""
+        """The result at ``path`` (under this store's folder) if this user's key signed it, for whichever report
+        folder (its ``report``), and its key is the digest of the inputs it holds, whatever those inputs; else None.
+        Nothing is moved."""
         try:
             saved = json.loads(read_file(path).decode("utf-8"))
             if not (isinstance(saved, dict) and "result" in saved and isinstance(saved.get("inputs"), dict)):
                 return None
             digest = str(saved.get("key"))
-            signed = hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"]))
+            signed = self._signed_for(saved, digest) is not None
         except (OSError, ValueError, RecursionError):
             return None
         return saved if signed and digest == inputs_digest(saved["inputs"]) else None
+
+    def reports(self) -> collections.Counter:
+        """How many of the results in this store's folder (:meth:`verified`) were signed for each report folder id
+        ("": older than these ids). Nothing is moved."""
+        paths = sorted(self.directory.glob("*/*.json")) if self.directory.is_dir() else []
+        found = (self.verified(p) for p in paths if not p.name.startswith(".") and not p.is_symlink())
+        return collections.Counter(saved.get("report", "") for saved in found if saved is not None)
 
     def _retire(self, path: Path) -> None:
         """Move a finished result of other inputs or code into this run's ``<directory>.old-<time>/``."""
@@ -186,8 +210,12 @@ class ResultStore:
                 if of is not None and of != owner:
                     raise ValueError(f"it is the result of {' '.join(map(str, of))[:80]}, copied here")
                 return None  # measured with other inputs or code: recomputed, and retired when replaced
-            if not hmac.compare_digest(str(saved.get("signature")), self._sign(digest, saved["result"])):
+            report = self._signed_for(saved, digest)
+            if report is None:
                 raise ValueError("its signature does not verify: edited, or written by another user or machine")
+            if report != self.report:
+                raise ValueError("it was measured in another report folder and copied here (python -m "
+                                 "kvquant.adopt makes another folder's results this one's)")
             return saved
         except (OSError, ValueError, RecursionError) as err:
             aside = set_aside(path)
@@ -195,6 +223,11 @@ class ResultStore:
             warn(self.warnings, f"partial result {path} is unusable ({one_line(err)[:120]}); moved to "
                  f"{aside.name} and {instead}")
             return None
+
+
+def _tied(report: str) -> dict:
+    """A result file's field naming the report folder it is signed for (none for a folder older than these ids)."""
+    return {"report": report} if report else {}
 
 
 def _is_seconds(value) -> bool:

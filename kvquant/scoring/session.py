@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvquant.cache import make_cache, spec_memory
+from kvquant.compat.lm_eval import quiet_git
 from kvquant.scoring import data
 
 from kvquant.scoring import parallel
@@ -100,7 +101,7 @@ def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: 
     sampler = cfg.eval.tasks.fewshot_sampler
     seed = cfg.eval.seed
     limit = cfg.eval.tasks.limit_for(task) or (PROBE_DOCUMENTS if probe_length(task) is not None else None)
-    with _environ(LOCAL_RANK="0"):  # lm-eval returns results only where it is 0;
+    with _environ(LOCAL_RANK="0"), quiet_git():  # lm-eval returns results only where it is 0;
         # under several processes here, every one builds every request and holds every score (share_out)
         found = found if found is not None else name if sampler == "default" else lm_eval_task(task, folder, sampler)
         out = lm_eval.simple_evaluate(model=lm, tasks=[found], num_fewshot=cfg.eval.tasks.fewshot_for(task),
