@@ -276,15 +276,32 @@ class PlanRecord:
             self.history = merged
             self.write()
 
-    def _settle(self) -> None:
+    def check(self) -> None:
+        """Raise what :meth:`settle` refuses (a plan file that does not verify beside measured results, a changed
+        plan, each unless ``replan``; a folder in its place), reading only: nothing written or moved (the cost
+        preview asks, and :meth:`settle` first)."""
         measured = any(self.store.directory.glob("*/*.json"))
-        if measured and os.path.lexists(self.path) and self.recorded(move=False) is None:
-            if not self.replan:  # never set the record aside silently: the run would claim the nominal error
-                raise KVQuantError(
-                    f"{self.path} does not verify (edited, or written by another user or machine): the plan the "
-                    f"partial results in {self.store.directory} were measured under is unknown; rerun with --replan "
-                    "to go on (the verdict then says the error over the earlier looks is unknown), or move the "
-                    "folder away to start afresh")
+        history = self.recorded(move=False)
+        if self.replan:
+            return
+        if history is None and measured and os.path.lexists(self.path):
+            # never set the record aside silently: the run would claim the nominal error
+            raise KVQuantError(
+                f"{self.path} does not verify (edited, or written by another user or machine): the plan the "
+                f"partial results in {self.store.directory} were measured under is unknown; rerun with --replan "
+                "to go on (the verdict then says the error over the earlier looks is unknown), or move the "
+                "folder away to start afresh")
+        change = None if history is None else self.plan.difference(LookPlan.from_dict(history[-1]["plan"]))
+        if change is not None:
+            raise KVQuantError(
+                f"the partial results in {self.store.directory} were measured under another plan ({change}); a "
+                "plan raised after the data inflates the error: rerun with the plan they were measured under, "
+                "or with --replan to go on and report the error over every look taken")
+
+    def _settle(self) -> None:
+        self.check()
+        measured = any(self.store.directory.glob("*/*.json"))
+        if measured and os.path.lexists(self.path) and self.recorded(move=False) is None:  # with --replan
             self.recorded()  # set aside, said
             self.history = [{**entry(self.plan), UNKNOWN_BEFORE: True}]
             self.write()
@@ -304,13 +321,7 @@ class PlanRecord:
         else:
             self.history = found[0]
             last = LookPlan.from_dict(self.history[-1]["plan"])
-            change = self.plan.difference(last)
-            if change is not None and not self.replan:
-                raise KVQuantError(
-                    f"the partial results in {self.store.directory} were measured under another plan ({change}); a "
-                    "plan raised after the data inflates the error: rerun with the plan they were measured under, "
-                    "or with --replan to go on and report the error over every look taken")
-            if change is not None:
+            if self.plan.difference(last) is not None:  # with --replan
                 self.history = [*self.history, entry(self.plan)]
                 self.write()
 
