@@ -86,16 +86,20 @@ def run(args) -> int:
     from kvquant.integrations import llamacpp_engine as le
     from kvquant.scoring.models import load_model, load_tokenizer
 
-    from kvquant.errors import check_int
+    from kvquant.errors import KVQuantError, check_int
+    from kvquant.fs import output_dir, write_together
 
     check_int("--windows", args.windows, minimum=1, maximum=1000)
     check_int("--length", args.length, minimum=64, maximum=32768)
     check_int("--threads", args.threads, minimum=1, maximum=256)
     types = [t.strip() for t in args.types.split(",") if t.strip()]
+    if not types:
+        raise KVQuantError(f"--types {args.types!r} names no cache type (e.g. q8_0 or q8_0,q4_0)")
     torch.set_num_threads(args.threads)
     spec, gguf = le.model_spec(args.model)
     meta = le.gguf_metadata(gguf)
     le.check_settings([le.Setting(t, True) for t in types], meta["head_dim"])  # before anything loads
+    out = output_dir(args.out, "--out") if args.out else None  # checked before the measurement, written after it
     le.import_llama_cpp()
     engine = le.Engine(gguf, args.threads)
     model, _ = load_model(spec)
@@ -134,10 +138,7 @@ def run(args) -> int:
               f"{', '.join(f'{v:.4f}' for v in r['per_window'])} | {r['what']} |" for r in rows]
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        from kvquant.fs import output_dir, write_together
-
-        out = output_dir(args.out, "--out")
+    if out is not None:
         write_together(out, {"results.json": json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                           "rows": rows}, indent=1) + "\n", "table.md": text + "\n"})
     return 0

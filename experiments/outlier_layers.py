@@ -17,6 +17,7 @@ Both go through one rule (:func:`kvquant.runner.outliers.outliers`: above 8 time
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -87,9 +88,12 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--factor", type=float, default=FACTOR, help=f"the rule's factor (default {FACTOR:g})")
     args = parser.parse_args(argv)
-    if not args.factor > 1:
-        parser.error(f"--factor must be a number above 1, got {args.factor}")
+    if not 1 < args.factor < math.inf:
+        parser.error(f"--factor must be a finite number above 1, got {args.factor}")
     cfg = load_config(args.config, [])
+    if cfg.calibration is None:  # before anything is written or loaded
+        raise KVQuantError(f"{args.config}: no calibration split to read the keys on; add calibration: {{windows: 8}} "
+                           "(windows after each gated perplexity set's limit)")
     out = output_dir(args.out, "--out")
     model, tokenizer = load_model(cfg.model)
     rows = {p.name: load_rows(p) for p in cfg.eval.perplexity}

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvquant.errors import KVQuantError, script_parser, visible
+from kvquant.errors import KVQuantError, is_int, script_parser, visible
 from kvquant.exits import run_script
 from kvquant.fs import read_json
 from kvquant.runner.counts import TOO_FEW, too_few
@@ -67,6 +67,20 @@ def percentile_settled(verdict: str, n: int, counts: dict[str, int]) -> tuple[st
     small = min(counts.values())
     need = small if n < small else counts.get(verdict)
     return (TOO_FEW, too_few(n, need)) if need is not None and n < need else (verdict, verdict)
+
+
+def read_counts(path: Path) -> dict[str, int]:
+    """The windows a percentile interval's ``pass`` and ``fail`` need, from a simulate_windows.py result
+    (``results.minimum.percentile``): whole numbers, else one line naming ``--counts`` (a simulation that found no
+    count within its largest n gives None: it cannot judge)."""
+    found = read_json(path, "--counts")
+    for key in ("results", "minimum", "percentile"):
+        found = found.get(key) if isinstance(found, dict) else None
+    if not (isinstance(found, dict) and all(is_int(found.get(end)) and found[end] >= 1 for end in ("pass", "fail"))):
+        raise KVQuantError(f"--counts: {path} gives no whole windows counts for a percentile interval's pass and "
+                           f"fail (results.minimum.percentile), got {visible(repr(found), 60)}; a simulation that "
+                           "found none within its n cannot judge (experiments/simulate_windows.json does)")
+    return {end: int(found[end]) for end in ("pass", "fail")}
 
 
 def rejudged(report: Path, partial: Path | None, old_counts: dict[str, int]) -> list[str]:
@@ -149,7 +163,7 @@ def main(argv=None) -> int:
         parser.error("--partial goes with one report")
     print("| report | candidate | metric | windows | report: interval, verdict | rejudged: interval, verdict |\n"
           "|---|---|---|---:|---|---|")
-    old_counts = read_json(args.counts, "--counts")["results"]["minimum"]["percentile"]
+    old_counts = read_counts(args.counts)
     for report in args.reports:
         print("\n".join(rejudged(report, args.partial, old_counts)))
     return 0

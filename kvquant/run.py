@@ -416,15 +416,21 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     return code
 
 
-def dry_run(cfg: ExperimentConfig, rows: dict) -> int:
-    """The cost preview of a checked config (:mod:`kvquant.runner.preview`): printed, nothing written."""
+def dry_run(cfg: ExperimentConfig, rows: dict, warnings: list[str], replan: bool = False) -> int:
+    """The cost preview of a checked config (:mod:`kvquant.runner.preview`): printed, nothing written. A plan the
+    run would refuse (:meth:`PlanRecord.check`) is refused here too, before the model loads and before preflight's
+    ``warnings`` are printed (a refusal stays one line)."""
+    partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
+    # without a key nothing there verifies, as for the run, which makes a new one
+    store = ResultStore(partial, report.code_version(), [], secret=key if key is not None else b"")
+    record = PlanRecord(store, LookPlan.of(cfg), replan)
+    record.check()
+    if key is not None:
+        record.identify()  # the folder's id: which of its results a run would reuse
+    say(warnings)
     model, tokenizer = load_model(cfg.model)
     session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path), first_look=True)
-    partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
-    store = ResultStore(partial, report.code_version(), [], secret=key) if key is not None else None
-    if store is not None:
-        PlanRecord(store, LookPlan.of(cfg)).identify()  # the folder's id: which of its results a run would reuse
-    print(preview.render(cfg, *preview.preview(session, rows, store), partial))
+    print(preview.render(cfg, *preview.preview(session, rows, store if key is not None else None), partial))
     return 0
 
 
@@ -469,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             with scratch_tasks():  # task files go to this process's own folder, removed at exit
                 _, rows, warnings = preflight(cfg, True)
-                say(warnings)
-                return dry_run(cfg, rows)
+                return dry_run(cfg, rows, warnings, args.replan)
         plan, rows, warnings = preflight(cfg)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):

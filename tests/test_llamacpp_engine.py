@@ -108,10 +108,14 @@ def test_other_bad_arguments_are_one_line(capsys, nothing_loads, argv, needle):
 @pytest.mark.parametrize("argv, needle", [
     (["--types", "q3_k"], "cache type 'q3_k' is not a quantized type llama.cpp allows"),
     (["--windows", "0"], "--windows must be an integer >= 1"),
+    (["--types", ","], "--types ',' names no cache type"),  # probe 56: measured the 16-bit rows alone
+    (["--out", "{tmp}/a-file"], "is not a directory"),  # probe 56: refused only after the measurement
 ])
-def test_engine_baselines_refuses_in_one_line_before_anything_loads(capsys, nothing_loads, monkeypatch, argv, needle):
+def test_engine_baselines_refuses_in_one_line_before_anything_loads(capsys, nothing_loads, monkeypatch, tmp_path,
+                                                                    argv, needle):
     monkeypatch.setattr(engine, "Engine", lambda *a, **k: pytest.fail("llama.cpp loaded a model"))
-    assert experiment("engine_baselines").main(argv) == 2
+    (tmp_path / "a-file").write_text("mine")
+    assert experiment("engine_baselines").main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("engine_baselines: error: ") and needle in err[0], err
 

@@ -206,6 +206,23 @@ def test_outlier_options_are_checked():
         torch.randn(1, 1, 2, 300))["outlier_index"].dtype == torch.int16
 
 
+
+def test_an_outlier_beyond_what_the_scales_hold_is_kept_and_the_rest_is_still_bounded():
+    """float32 states, fp16 scales (±65504): an outlier of 1e6 is kept in float32 with its index, so the cache stores
+    it exactly and reads the rest as without it (reference: the same cache on the states with that channel zeroed);
+    a second channel of 1e6 that is not an outlier is refused, naming what the scales hold."""
+    x = torch.randn(1, 2, 6, 64, generator=torch.Generator().manual_seed(3))
+    x[..., 3] = 1e6
+    keys, _ = build_cache([None], "lloyd_max", head_dim=64, outliers=1).layers[0].update(x, x.clone())
+    rest = x.clone()
+    rest[..., 3] = 0
+    rest_keys, _ = build_cache([None], "lloyd_max", head_dim=64).layers[0].update(rest, rest.clone())
+    assert torch.equal(keys[..., 3], x[..., 3])
+    torch.testing.assert_close(keys[..., :3], rest_keys[..., :3], rtol=0, atol=1e-6)
+    x[..., 5] = 1e6
+    with pytest.raises(KVQuantError, match="keys other than the 1 outliers reach .* beyond the"):
+        build_cache([None], "lloyd_max", head_dim=64, outliers=1).layers[0].update(x, x.clone())
+
 # -- a key offset ---------------------------------------------------------------------------------------------
 def attention(q, k, v, scores=lambda s: s):
     """Softmax attention in float64 with a causal mask; ``q`` ``[B, H, n, D]``, ``k``/``v`` ``[B, H, L, D]``, the
@@ -267,6 +284,26 @@ def test_the_key_offset_is_subtracted_before_quantizing_and_added_back_on_read()
     assert relative_mse(key, x) < relative_mse(plain_key, x) / 3
     assert hash(quantizer) == hash(kvquant.get_quantizer("lloyd_max", key_offset=mean.tolist()))
 
+
+
+@pytest.mark.parametrize("rotation", [None, "hadamard"])
+def test_keys_near_a_large_offset_are_stored_where_only_their_difference_must_fit(rotation):
+    """float32 keys of 3e5 + N(0, 1) with key_offset 3e5 and fp16 scales: ``x - offset`` is within the scales'
+    ±65504, so they are stored, and read as offset + the read of ``x - offset`` (reference: a cache without the
+    offset given ``x - offset``); keys within 3e5 + 65504 whose difference from the offset passes 65504 are
+    refused."""
+    g = torch.Generator().manual_seed(4)
+    x = 3e5 + torch.randn(1, 2, 8, 64, generator=g)
+    values = torch.randn(1, 2, 8, 64, generator=g)
+    options = {"rotation": rotation}
+    keys, _ = build_cache([None], "lloyd_max", head_dim=64, key_offset=[3e5] * 64, **options).layers[0].update(
+        x, values)
+    plain, _ = build_cache([None], "lloyd_max", head_dim=64, **options).layers[0].update(x - 3e5, values)
+    torch.testing.assert_close(keys, plain + 3e5, rtol=0, atol=0.07)  # 3e5's float32 spacing is 0.03
+    assert float((keys - x).abs().max()) < 2
+    x[0, 0, 0] = 1e5  # within 3e5 + 65504, but 2e5 from the offset: a rotated vector's largest |y| is >= 2e5 too
+    with pytest.raises(KVQuantError, match="keys minus key_offset reach"):
+        build_cache([None], "lloyd_max", head_dim=64, key_offset=[3e5] * 64, **options).layers[0].update(x, values)
 
 def test_key_offsets_per_layer_through_the_model(model):
     """``layers`` gives each layer its own offset; the logits move only by the quantization error (the offset is

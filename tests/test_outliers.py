@@ -96,3 +96,33 @@ def test_the_weights_statistic_reads_the_key_bias_or_says_there_is_none(model):
     for i, layer in enumerate(qwen.model.layers):  # head_dim 32 / 4 = 8; 2 KV heads
         bias = layer.self_attn.k_proj.bias.detach().double().numpy()
         assert np.array_equal(got[i], bias.reshape(2, 8)) and got[i][1, 0] == bias[8] != 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--factor", "inf"]])
+def test_outlier_layers_refuses_before_writing_or_loading(tmp_path, capsys, monkeypatch, extra):
+    """Probe 56: a config without a calibration split was exit 3 (an AttributeError) after the model loaded and
+    --out was made, and --factor inf was taken; one line, exit 2, no folder made, no model loaded."""
+    from conftest import experiment
+    from hostile_helpers import TINY
+    from kvquant.exits import run_script
+    import kvquant.scoring.models
+
+    def trap(*args, **kwargs):
+        raise AssertionError("the model was loaded for arguments that should have been refused")
+
+    monkeypatch.setattr(kvquant.scoring.models, "load_model", trap)
+    script = experiment("outlier_layers")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY.format(out=tmp_path / "reports") if not extra else
+                      TINY.format(out=tmp_path / "reports") + "calibration: {windows: 2}\n")
+    def call():
+        try:
+            return script.main([str(config), "--out", str(tmp_path / "out"), *extra])
+        except SystemExit as stop:  # an argument refused by the parser
+            return stop.code
+
+    code = run_script("outlier_layers", call)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("outlier_layers: error: "), err
+    assert ("calibration" in err[0]) if not extra else ("finite number above 1, got inf" in err[0])
+    assert not (tmp_path / "out").exists()

@@ -22,25 +22,32 @@ def snapshot(folder: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
 
 
+def first_run(tmp_path, monkeypatch) -> tuple[Path, Path, int]:
+    """TINY run once into ``tmp_path``: ``(its config, its report folder, its exit)``."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(out=tmp_path / "reports"))
+    return path, tmp_path / "reports" / "tiny", main([str(path)])
+
+
+def no_model(monkeypatch) -> None:
+    def trap(*args, **kwargs):
+        raise AssertionError("the model was loaded for a plan that should have been refused")
+
+    monkeypatch.setattr(run, "load_model", trap)
+
+
 def test_a_changed_plan_under_the_same_partials_is_refused_or_replanned(tmp_path, capsys, monkeypatch):
     """The windows doubled after the data (as smollm2-decide's WikiText-2 windows were): refused with one line
     naming the field, before the model loads, nothing written or moved (was: measured again and reported at the
     plan's nominal error); with --replan, the verdict line, report.md and results.json state the union bound over
     both looks (2 x 2.5% = 5%)."""
-    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny.yaml"
-    path.write_text(TINY.format(out=tmp_path / "reports"))
-    out_dir = tmp_path / "reports" / "tiny"
-    first = main([str(path)])
+    path, out_dir, first = first_run(tmp_path, monkeypatch)
     assert first == 4  # TINY's two windows are too few to decide (the counts); the plan is recorded alike
     before = snapshot(out_dir)
     capsys.readouterr()
     real_load = run.load_model
-
-    def trap(*args, **kwargs):
-        raise AssertionError("the model was loaded for a plan that should have been refused")
-
-    monkeypatch.setattr(run, "load_model", trap)
+    no_model(monkeypatch)
     changed = ["--set", "eval.perplexity.0.max_length=64"]
     assert main([str(path), *changed]) == 2
     err = capsys.readouterr().err.strip()
@@ -107,6 +114,33 @@ def test_an_edited_plan_file_is_refused_or_replanned_with_the_error_unknown(tmp_
     assert main([str(path)]) == first  # the record now verifies; the unknown stays said
     assert note in json.loads((out_dir / "results.json").read_text())["reason"]
 
+
+def test_the_dry_run_refuses_the_plans_the_run_refuses(tmp_path, capsys, monkeypatch):
+    """--dry-run checks the config as a run would: a changed plan and a plan file that does not verify are refused
+    with the run's one line, before the model loads, nothing moved (probe 56: the preview exited 0 and priced every
+    result as reused); with --replan it previews, plan.json left where it is."""
+    path, out_dir, _ = first_run(tmp_path, monkeypatch)
+    capsys.readouterr()
+    real_load = run.load_model
+    no_model(monkeypatch)
+    changed = ["--set", "eval.perplexity.0.max_length=64"]
+    before = snapshot(out_dir)
+    assert main([str(path), *changed, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "perplexity.tinystories.max_length is 64 now, 128 before" in err, err
+    plan = out_dir / "partial" / "plan.json"
+    doc = json.loads(plan.read_text())
+    doc["history"][0]["plan"]["gate"]["confidence"] = 0.5
+    plan.write_text(json.dumps(doc))
+    before = snapshot(out_dir)
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "does not verify" in err, err
+    assert snapshot(out_dir) == before
+    monkeypatch.setattr(run, "load_model", real_load)
+    assert main([str(path), "--dry-run", "--replan"]) == 0
+    assert "cost preview" in capsys.readouterr().out
+    assert snapshot(out_dir) == before and not plan.with_name("plan.json.corrupt").exists()
 
 def rows(label: str, metric: MetricId, counts, confidence: float) -> list[MetricRow]:
     return [MetricRow(label, metric, 0.5, 0.5, n, True, confidence=confidence) for n in counts]

@@ -2,6 +2,7 @@
 (issue 53 item 3): by value against a reference written here, and its coverage on a small seeded simulation."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +121,24 @@ def test_a_config_with_too_few_windows_is_warned():
     assert count_warnings(cfg) == [f"eval.perplexity wikitext2: 3 windows decide nothing (a fail needs {MIN_FAIL}, "
                                    f"a pass {MIN_PASS}; docs/gate.md)"]
     assert count_warnings(load_config(base, [f"eval.perplexity.0.limit={MIN_PASS}"])) == []
+
+
+@pytest.mark.parametrize("counts", [{"results": 1},
+                                    {"results": {"minimum": {"percentile": {"pass": None, "fail": None}}}},
+                                    {"results": {"minimum": {"percentile": {"pass": "256", "fail": 16}}}}])
+def test_rejudge_windows_refuses_counts_it_cannot_judge_by_naming_them(tmp_path, capsys, counts):
+    """Probe 56: ``--counts`` of another shape was exit 3 (a TypeError), and a simulation's own "no count within its
+    n" (None, as simulate_windows.py writes it with few draws) was blamed on the report ("not a report's
+    results"); now one line naming --counts, exit 2."""
+    import json
+
+    from conftest import experiment
+    from kvquant.exits import run_script
+
+    rejudge = experiment("rejudge_windows")
+    (tmp_path / "counts.json").write_text(json.dumps(counts))
+    report = Path(__file__).parents[1] / "reports" / "int4"
+    args = [str(report), "--counts", str(tmp_path / "counts.json")]
+    code = run_script("rejudge_windows", lambda: rejudge.main(args))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and err[0].startswith("rejudge_windows: error: --counts: "), err

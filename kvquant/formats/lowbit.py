@@ -81,6 +81,17 @@ def normal_float(bits: int) -> torch.Tensor:
 # Codecs
 
 
+def check_inner(inner: Codec, x: torch.Tensor, name: str) -> None:
+    """What a layer checks before ``inner`` stores states ``x`` ``[B, H, T, D]`` (finite ones: the layer refuses NaN
+    and Inf first): its bound, then its own :meth:`~Codec.check`. For a wrapping codec whose own bound is not
+    ``inner``'s, since ``inner`` is given other states than the layer's."""
+    if x.device.type != "meta" and x.numel():
+        amax = float(x.abs().amax())
+        if not amax <= inner.max_abs:
+            raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{inner.max_abs:.4g} {inner.held}")
+    inner.check(x, name)
+
+
 @dataclass(frozen=True, eq=False)
 class CodebookCodec(Codec):
     """Per token and head, ``x ~ s * levels[code]``: ``s`` the vector's RMS (its norm / sqrt(D);
@@ -139,6 +150,8 @@ class OutlierCodec(WrappingCodec):
     ``[tokens_per_unit]`` when a unit holds several tokens, else nothing)."""
 
     count: int
+    #: the outliers are kept in the states' own dtype: only the rest must fit ``inner`` (:meth:`check`)
+    max_abs = Codec.max_abs
 
     @property
     def roles(self):
@@ -148,9 +161,9 @@ class OutlierCodec(WrappingCodec):
         self.inner.check_heads(heads, name)
 
     def check(self, x, name):
-        """What ``inner`` is given is checked: the states without their outliers."""
+        """What ``inner`` is given is checked, its bound too: the states without their outliers."""
         if x.device.type != "meta" and x.numel():
-            self.inner.check(self._split(x)[2], name)
+            check_inner(self.inner, self._split(x)[2], f"{name} other than the {self.count} outliers")
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(index [..., count] int64, value [..., count], the rest [..., D])`` of states ``x`` ``[..., D]``."""
@@ -185,8 +198,9 @@ class OffsetCodec(WrappingCodec):
 
     @property
     def max_abs(self) -> float:
-        """|x - offset| must stay within what ``inner`` holds."""
-        return max(self.inner.max_abs - float(self.offset.abs().max()), 0.0)
+        """States beyond this cannot fit (``|x| <= |x - offset| + |offset|``); :meth:`check` holds ``x - offset`` to
+        what ``inner`` holds."""
+        return self.inner.max_abs + float(self.offset.abs().max())
 
     def check_heads(self, heads, name):
         if self.offset.dim() == 2 and self.offset.shape[0] != heads:
@@ -202,7 +216,7 @@ class OffsetCodec(WrappingCodec):
         shifted = self._shift(x)
         if not bool(torch.isfinite(shifted).all()):
             raise KVQuantError(f"{name} minus key_offset overflow their dtype {x.dtype}")
-        self.inner.check(shifted, name)
+        check_inner(self.inner, shifted, f"{name} minus key_offset")
 
     def _offset(self, x: torch.Tensor) -> torch.Tensor:
         offset = self.offset.to(x.device)

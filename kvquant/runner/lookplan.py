@@ -353,15 +353,31 @@ class PlanRecord:
             self.history = merged
             self.write()
 
-    def _settle(self) -> None:
-        measured = any(self.store.directory.glob("*/*.json"))
+    def check(self) -> None:
+        """Raise what :meth:`settle` refuses (a plan that is unknown beside measured results: its file does not
+        verify, is another folder's or is gone; a changed plan; each unless ``replan``; a folder in its place),
+        reading only: nothing written or moved (the cost preview asks, and :meth:`settle` first)."""
         why = self._unknown()
         if why is not None:
-            if not self.replan:  # never set the record aside silently: the run would claim the nominal error
-                raise KVQuantError(
-                    f"{self.path} {why}: the plan the partial results in {self.store.directory} were measured under "
-                    "is unknown; rerun with --replan to go on (the verdict then says the error over the earlier looks "
-                    "is unknown), or move the folder away to start afresh")
+            if self.replan:
+                return
+            # never set the record aside silently: the run would claim the nominal error
+            raise KVQuantError(
+                f"{self.path} {why}: the plan the partial results in {self.store.directory} were measured under "
+                "is unknown; rerun with --replan to go on (the verdict then says the error over the earlier looks "
+                "is unknown), or move the folder away to start afresh")
+        history = self.recorded(move=False)
+        change = None if history is None else self.plan.difference(LookPlan.from_dict(history[-1]["plan"]))
+        if change is not None and not self.replan:
+            raise KVQuantError(
+                f"the partial results in {self.store.directory} were measured under another plan ({change}); a "
+                "plan raised after the data inflates the error: rerun with the plan they were measured under, "
+                "or with --replan to go on and report the error over every look taken")
+
+    def _settle(self) -> None:
+        self.check()
+        measured = any(self.store.directory.glob("*/*.json"))
+        if self._unknown() is not None:  # with --replan
             if os.path.lexists(self.path):
                 self.recorded()  # set aside, said
             self.store.report = self._carried_id()  # the results here go on
@@ -384,13 +400,7 @@ class PlanRecord:
         else:
             self.history = found[0]
             last = LookPlan.from_dict(self.history[-1]["plan"])
-            change = self.plan.difference(last)
-            if change is not None and not self.replan:
-                raise KVQuantError(
-                    f"the partial results in {self.store.directory} were measured under another plan ({change}); a "
-                    "plan raised after the data inflates the error: rerun with the plan they were measured under, "
-                    "or with --replan to go on and report the error over every look taken")
-            if change is not None:
+            if self.plan.difference(last) is not None:  # with --replan
                 self.history = [*self.history, entry(self.plan)]
                 self.write()
 
