@@ -42,8 +42,9 @@ PROBE_TOKENS = 256
 WARM_UP = 64
 #: Quantizer options that set the numbers a cache holds, not the work it does: settings of one quantizer class that
 #: differ only in these run the same code on tensors of the same shapes, so one timing probe prices them all
-#: (SmolLM2-135M, CPU seconds on one thread of 2 shared cores, 2026-12-06: int4 g32, int4 g128 and K8V4 g32 within 5%
-#: of each other, as close as two probes of one setting: issue 58's dry-run report)
+#: (SmolLM2-135M, configs/smollm2-decide.yaml's settings each scoring WikiText-2 requests of 128, 256 and 1,024
+#: tokens, CPU seconds on one thread of 2 shared CPU cores, 2026-12-06: int4 g32, int4 g128 and K8V4 g32 within 5% of
+#: each other, as close as two probes of one setting; every setting, the baseline too, within 15%)
 SAME_WORK = ("key_bits", "value_bits", "group_size", "key_group_size", "value_group_size", "rotation_seed")
 #: Documents of a task whose requests are built to price it: its first look where that holds no more (exact), else
 #: these first ones, their tokens per document times the documents of each look.
