@@ -64,7 +64,7 @@ from kvquant.runner.store import ResultStore, RunLock, result_key, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.sources import SourceWatch
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
-from kvquant.scoring.task_setup import check_answer_tasks, lm_eval_task
+from kvquant.scoring.task_setup import check_answer_tasks, held_tasks, lm_eval_task
 from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, probe_length, scratch_tasks,
     task_dir)
 
@@ -205,7 +205,7 @@ def check_fewshot(cfg: ExperimentConfig, folder) -> None:
 
     datasets.disable_progress_bars()  # stderr holds one line on bad input
     for task, count in shots.items():
-        found = lm_eval_task(task, folder or task_dir())
+        found = lm_eval_task(task, folder or task_dir(), cfg.eval.tasks.fewshot_sampler)  # as the run loads it
         pool = found.fewshot_docs()
         own = pool is None or not (found.has_training_docs() or found.has_validation_docs())
         pool = found.eval_docs if pool is None else pool
@@ -472,11 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
-        if args.dry_run:
-            with scratch_tasks():  # task files go to this process's own folder, removed at exit
+        if args.dry_run:  # task files go to this process's own folder, removed at exit; each task loaded once
+            with scratch_tasks(), held_tasks():
                 _, rows, warnings = preflight(cfg, True)
                 return dry_run(cfg, rows, warnings, args.replan)
-        plan, rows, warnings = preflight(cfg)
+        with held_tasks():  # preflight's checks share each task's object; the measurements load their own
+            plan, rows, warnings = preflight(cfg)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):
             return execute(cfg, plan, out_dir, command, rows, warnings, args.replan)

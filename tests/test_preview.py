@@ -5,6 +5,7 @@ and builds one look's requests, whatever ``gate.max_documents`` is."""
 
 import json
 import os
+import re
 
 import pytest
 import yaml
@@ -143,3 +144,58 @@ def test_a_dry_run_builds_one_look_loads_each_task_once_and_writes_nothing(tmp_p
     taken = len({min(n, most) for n in looks(40, 1_000_000)})  # 40, 80, ..., then the last capped at ``most``
     row = next(line for line in printed.splitlines() if line.startswith(f"| baseline | task/{task} |"))
     assert row.startswith(f"| baseline | task/{task} | 40 |") and f"| 0 of {taken} | {most} |" in row, row
+
+
+def test_a_dry_run_builds_the_task_manager_each_task_and_each_kind_of_probe_once(tmp_path, capsys, monkeypatch):
+    """Issue 58: a dry run of configs/smollm2-decide.yaml spent ~6 s of CPU indexing lm-eval's ~14,000 task files,
+    built each few-shot task three times (preflight's two checks, then the preview) and timed a probe for each of
+    its six settings. Now one TaskManager, of the task folder alone (every task here is one kvquant wrote), one task
+    object per task, shared, and one probe per quantizer and cache layout: int2 and int2 g32 differ only in their
+    group size, so int2's probe prices both."""
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks import TaskManager
+
+    from kvquant.scoring import tasks
+
+    cfg = config(tmp_path / "reports")
+    cfg["candidates"].append({"quantizer": "int2", "name": "int2-g32", "options": {"group_size": 32,
+                                                                                  "residual_length": 0}})
+    cfg["eval"]["tasks"].update(num_fewshot=2, fewshot_sampler="first_n")  # both preflight checks load the task
+    cfg["model"]["max_length"] = 2048  # two stories' examples: past the model's 512 positions (a warning)
+    path = tmp_path / "shots.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    managers, built, probed = [], [], []
+
+    def spied(cls, seen, where):
+        real = cls.__init__
+
+        def init(self, *args, **kwargs):
+            seen.append(where(args, kwargs))
+            real(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "__init__", init)
+
+    spied(TaskManager, managers, lambda args, kwargs: kwargs.get("include_defaults", True))
+    spied(ConfigurableTask, built, lambda args, kwargs: (kwargs.get("config") or {}).get("task"))
+    real_scorer = preview.Scorer
+
+    def scorer(model, spec, *args, **kwargs):
+        probed.append(spec.options)
+        return real_scorer(model, spec, *args, **kwargs)
+    monkeypatch.setattr(preview, "Scorer", scorer)
+    tasks._task_manager.cache_clear()  # none built by an earlier test
+    try:
+        assert run.main([str(path), "--dry-run"]) == 0
+    finally:
+        tasks._task_manager.cache_clear()
+    printed = capsys.readouterr().out
+    assert "| int2-g32 | task/tinystories_lastword | 8 |" in printed
+    # include_defaults=False: the task folder alone; the baseline's, int8's and int2's probes
+    assert (managers, built) == ([False], ["tinystories_lastword"])
+    assert probed == [{}, cfg["candidates"][0]["options"], cfg["candidates"][1]["options"]]
+    assert re.search(r"probe on this machine .*: baseline [\d,]+/s, int8 [\d,]+/s, int2, int2-g32 [\d,]+/s$",
+                     printed.strip().splitlines()[-1]), printed.strip().splitlines()[-1]
+    tables = [line for line in printed.splitlines() if line.startswith("| int2")]
+    for metric in ("ppl/tinystories", "task/tinystories_lastword"):  # same model tokens, same time
+        int2, g32 = (next(r.split(" | ") for r in tables if r.startswith(f"| {label} | {metric} |"))
+                     for label in ("int2", "int2-g32"))
+        assert int2[4:6] == g32[4:6], (int2, g32)

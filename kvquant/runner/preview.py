@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.compat.lm_eval import quiet_git
-from kvquant.runner.config import ExperimentConfig
+from kvquant.runner.config import Candidate, ExperimentConfig
 from kvquant.runner.gate import duration, looks
 from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scored, Scorer
@@ -41,6 +41,12 @@ from kvquant.scoring.tasks import probe_length
 #: warmed up on as many, was most of a dry run's time with six settings of SmolLM2 on 2 shared cores)
 PROBE_TOKENS = 256
 WARM_UP = 64
+#: Quantizer options that set the numbers a cache holds, not the work it does: settings of one quantizer class that
+#: differ only in these run the same code on tensors of the same shapes, so one timing probe prices them all
+#: (SmolLM2-135M, configs/smollm2-decide.yaml's settings each scoring WikiText-2 requests of 128, 256 and 1,024
+#: tokens, CPU seconds on one thread of 2 shared CPU cores, 2026-12-06: int4 g32, int4 g128 and K8V4 g32 within 5% of
+#: each other, as close as two probes of one setting; every setting, the baseline too, within 15%)
+SAME_WORK = ("key_bits", "value_bits", "group_size", "key_group_size", "value_group_size", "rotation_seed")
 #: Documents of a task whose requests are built to price it: its first look where that holds no more (exact), else
 #: these first ones, their tokens per document times the documents of each look.
 SAMPLE_DOCUMENTS = 32
@@ -221,10 +227,29 @@ def costs(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[st
     return out, samples
 
 
+def probe_kind(candidate: Candidate) -> tuple:
+    """What decides a setting's cost per token: its quantizer's class and every option of it but
+    :data:`SAME_WORK`, the cache's full-precision tokens, eviction and per-layer settings, and prefix sharing."""
+    spec = candidate.spec
+    options = {k: v for k, v in spec.quantizer.describe().items() if k not in SAME_WORK}
+    return (type(spec.quantizer).__name__, repr(options), spec.residual_length, spec.sink_tokens,
+            repr(spec.eviction), repr(spec.layers), shares_prefix(candidate))
+
+
+def probe_groups(cfg: ExperimentConfig, settings: set[str]) -> dict[str, list[str]]:
+    """The timing probes that price ``settings`` (labels): the first setting of each :func:`probe_kind` -> every
+    setting its probe prices, itself first."""
+    groups: dict[tuple, list[str]] = {}
+    for candidate in [BASELINE, *(cfg.stages or cfg.candidates)]:
+        if candidate.label in settings:
+            groups.setdefault(probe_kind(candidate), []).append(candidate.label)
+    return {labels[0]: labels for labels in groups.values()}
+
+
 def rates(session: Session, samples: dict[str, list], settings: set[str]) -> dict[str, float]:
-    """Tokens fed to the model per second by each of ``settings``' scorers on this machine: the first requests of the
-    first measurement, up to :data:`PROBE_TOKENS` request tokens (a longer first request cut to them), scored once
-    timed after a warm-up on its first :data:`WARM_UP` tokens."""
+    """Tokens fed to the model per second by each of ``settings``' scorers on this machine, one timing probe per
+    :func:`probe_groups`: the first requests of the first measurement, up to :data:`PROBE_TOKENS` request tokens (a
+    longer first request cut to them), scored once timed after a warm-up on its first :data:`WARM_UP` tokens."""
     requests = next(iter(samples.values()), [])
     probe, total = [], 0
     for context, continuation in requests:
@@ -237,13 +262,15 @@ def rates(session: Session, samples: dict[str, list], settings: set[str]) -> dic
         probe = [(ids[: len(ids) // 2], ids[len(ids) // 2 :])]
     warm = [*probe[0][0], *probe[0][1]][:WARM_UP] if probe else []
     cfg, out = session.cfg, {}
-    for candidate in [c for c in [BASELINE, *(cfg.stages or cfg.candidates)] if c.label in settings]:
+    chosen = {c.label: c for c in [BASELINE, *(cfg.stages or cfg.candidates)]}
+    for label, priced in probe_groups(cfg, settings).items():
+        candidate = chosen[label]
         scorer = Scorer(session.model, candidate.spec, cfg.eval.mode, cfg.eval.chunk_size,
                         batch_size=cfg.eval.batch_size, share_prefix=shares_prefix(candidate))
         scorer.score_many([(warm[: len(warm) // 2], warm[len(warm) // 2 :])])
         before, start = scorer.fed, time.perf_counter()
         scorer.score_many(probe)
-        out[candidate.label] = (scorer.fed - before) / max(time.perf_counter() - start, 1e-9)
+        out.update(dict.fromkeys(priced, (scorer.fed - before) / max(time.perf_counter() - start, 1e-9)))
     return out
 
 
@@ -285,8 +312,10 @@ def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], par
               f"most: every planned look taken; a look of more than {SAMPLE_DOCUMENTS} documents is priced from the "
               f"tokens per document of the first {SAMPLE_DOCUMENTS} (not built; the run checks every look's few-shot "
               "contexts before its model loads)",
-              "time: model tokens per second of each setting in a timing probe on this machine: " +
-              (", ".join(f"{label} {r:,.0f}/s" for label, r in rate.items()) or "none needed (nothing to measure)")]
+              "time: model tokens per second of each setting in a timing probe on this machine (one probe per "
+              "quantizer and cache layout: settings that differ only in bits or group sizes share it): " +
+              (", ".join(f"{', '.join(labels)} {rate[first]:,.0f}/s" for first, labels in
+                         probe_groups(cfg, set(rate)).items()) or "none needed (nothing to measure)")]
     left = [what for what, there in (("calibration", any(c.calibrate for c in [*cfg.candidates, *cfg.stages])),
                                      ("the search", cfg.search), ("the staged serving loop", cfg.serving)) if there]
     if left:

@@ -88,16 +88,14 @@ def check_runner_fewshot(cfg, tokenizer: Callable, context: int, folder, documen
     ``tokenizer()``
     (called only where a task has examples), before the model loads; ``documents``: the requests of the first
     ``documents`` only (the cost preview builds no others)."""
-    from kvquant.scoring.task_setup import use_sampler
-    from kvquant.scoring.tasks import resolve_task, task_manager
+    from kvquant.scoring.task_setup import lm_eval_task
 
     shots = {t: cfg.eval.tasks.fewshot_for(t) for t in cfg.eval.tasks.names if cfg.eval.tasks.fewshot_for(t)}
     if not shots:
         return
     encode = counter(tokenizer())
     for task, count in shots.items():
-        name = resolve_task(task)
-        found = use_sampler(task_manager(str(folder)).load([name])["tasks"][name], cfg.eval.tasks.fewshot_sampler)
+        found = lm_eval_task(task, folder, cfg.eval.tasks.fewshot_sampler)
         if found.get_config("num_fewshot") == 0:
             raise KVQuantError(f"eval.tasks.num_fewshot: task {task!r} fixes num_fewshot: 0 in its own task file, "
                                f"so lm-eval would run it 0-shot while the results say {count}-shot; ask for 0")

@@ -107,7 +107,7 @@ def evaluate_task(lm, cfg: ExperimentConfig, task: str, folder: str, documents: 
         out = lm_eval.simple_evaluate(model=lm, tasks=[found], num_fewshot=cfg.eval.tasks.fewshot_for(task),
                                       limit=None if documents else limit,
                                       samples={name: list(documents)} if documents else None,
-                                      task_manager=task_manager(folder), log_samples=True,
+                                      task_manager=task_manager(folder, name), log_samples=True,
                                       bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                       torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
     return name, out

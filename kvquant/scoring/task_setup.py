@@ -4,6 +4,7 @@ or wrong answer per document, the only ones the runner scores (:func:`check_answ
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -14,17 +15,40 @@ from kvquant.scoring.needles import needle_task
 from kvquant.scoring.tasks import LASTWORD, OFFLINE_TASKS, probe_length, resolve_task, task_manager
 
 
+#: while :func:`held_tasks` is held: the task objects built, by (task, folder, sampler)
+_HELD: list[dict[tuple[str, str, str], object]] = []
+
+
+@contextlib.contextmanager
+def held_tasks():
+    """While held, :func:`lm_eval_task` builds each task's object once (per folder and sampler) and hands every
+    caller that one: preflight's checks and the cost preview share it. Each of them sets what its requests depend
+    on (shots, few-shot seed, documents) before it builds them, as lm-eval's evaluation does. A run's measurements,
+    after it is released, load their own."""
+    _HELD.append(_HELD[-1] if _HELD else {})
+    try:
+        yield
+    finally:
+        _HELD.pop()
+
+
 def lm_eval_task(task: str, folder, sampler: str = "default"):
     """The lm-eval task object behind a task name, its files from ``folder``
     (:func:`kvquant.scoring.tasks.task_dir`), drawing its few-shot examples with ``sampler``
-    (:func:`use_sampler`); lm-eval's DeprecationWarning about get_task_dict is held back (it would print before a
-    refusal's one line)."""
+    (:func:`use_sampler`); under :func:`held_tasks`, built once. lm-eval's DeprecationWarning about get_task_dict
+    is held back (it would print before a refusal's one line)."""
     from lm_eval.tasks import get_task_dict
 
+    key = (task, str(folder), sampler)
+    if _HELD and key in _HELD[-1]:
+        return _HELD[-1][key]
     name = resolve_task(task)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*get_task_dict.*", category=DeprecationWarning)
-        return use_sampler(get_task_dict([name], task_manager(str(folder)))[name], sampler)
+        found = use_sampler(get_task_dict([name], task_manager(str(folder), name))[name], sampler)
+    if _HELD:
+        _HELD[-1][key] = found
+    return found
 
 
 #: How a task's few-shot examples are drawn: ``default``, lm-eval's seeded draw per document; ``first_n``, the
