@@ -59,6 +59,7 @@ from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.runner.search import check_search, search
 from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner import preview
+from kvquant.runner import render
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
 from kvquant.runner.store import ResultStore, RunLock, result_key, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
@@ -255,6 +256,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
+    stuck: set[str] = set()  # tasks whose last look the baseline could not have (a render's, not stored)
     while True:
         table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned)
         if record is not None:
@@ -266,15 +268,15 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
             if v.verdict == INCONCLUSIVE and v.row.kind in (ACCURACY, FLIPS) and v.row.metric.source in planned and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
-        grown = {}
+        grown, gated = {}, {}
         for task, labels in wanted.items():
-            scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated
-                                                  and r.kind == ACCURACY)].n
+            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind == ACCURACY)
+            scored = results[BASELINE.label][gated[task]].n
             if task not in sizes:
                 sizes[task] = task_size(session, task)
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
             nxt = min(nxt, sizes[task]) if nxt is not None else None
-            if nxt is not None and nxt > scored:
+            if nxt is not None and nxt > scored and task not in stuck:
                 grown[task] = (range(scored, nxt), labels)
         if not grown:  # a generated task can always have more: no size to run out of
             return results, {task: size for task, size in sizes.items() if probe_length(task) is None}
@@ -288,6 +290,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
             if any(task in more[c.label] for task in grown):
                 extended = dataclasses.replace(split, more={t: tuple(r) for t, r in more[c.label].items()})
                 results[c.label] = session.measure(c, extended, probe=probe)
+        stuck |= {task for task, (docs, _) in grown.items() if results[BASELINE.label][gated[task]].n < docs.stop}
 
 
 def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[str, str], float]:
@@ -387,6 +390,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks,
                                        record and record.record)
     table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
+    replayed = isinstance(session, render.Replay)  # a report rendered from stored results (--render-only)
+    decision = session.noted(decision) if replayed else decision  # the looks it lacks, named
     replanned = record and record.record(table)
     if replanned:  # the verdict line, report.md's header and results.json say the plan changed after the data
         decision = dataclasses.replace(decision, reason=f"{decision.reason} ({replanned_note(replanned)})")
@@ -400,14 +405,14 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         return code
     store.note_retired()  # before the report, which keeps the warnings
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
-                            round(time.monotonic() - start, 1))
+                            round(time.monotonic() - start, 1), session.rendered(out_dir) if replayed else None)
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
                     calibration, plan, replanned)
     store.check_sources()  # results.json is signed: never of other code than the results it reports
     paths, document = report.write(out_dir, run)
     deployed, undeployed = deploy_beside(out_dir, document)  # nothing to deploy is no bad input: the exit is the gate's
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
-    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}"
+    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {store.directory}"
           + (f", by {processes.world} processes" if processes.world > 1 else ""))
     print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name}"
           + (f", {deployed.name}: the serving engine's flags)" if deployed else ")"))
@@ -451,7 +456,11 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
     add_set_option(parser, "override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
-    parser.add_argument("--dry-run", action="store_true", help="print what the run would score and cost, then exit")
+    once = parser.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="print what the run would score and cost, then exit")
+    once.add_argument("--render-only", action="store_true", help="judge the stored results (--partial, default: the "
+                      "report's partial/) with today's gate and write the report; no model loaded, nothing measured")
+    parser.add_argument("--partial", type=Path, help="with --render-only: a folder of stored results you vouch for")
     parser.add_argument("--replan", action="store_true", help="go on where the partial results were measured under "
                         "another plan, and report the error over every look taken (docs/gate.md)")
     args = parse_args(parser, argv)
@@ -461,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     held: list[Path] = []  # the report directory, once this run holds it
 
     def run() -> int:
+        if args.partial and not args.render_only:
+            raise KVQuantError("--partial names the stored results --render-only reads; add --render-only")
         cfg = load_config(args.config, args.overrides)
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
@@ -469,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                 _, rows, warnings = preflight(cfg, True)
                 say(warnings)
                 return dry_run(cfg, rows)
+        if args.render_only:  # nothing is measured: what it reads is checked against the stored results
+            with locked(out_dir, held):
+                return render.render_only(cfg, plan_steps(cfg), out_dir, command, args.partial, args.replan,
+                                          take_steps)
         plan, rows, warnings = preflight(cfg)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):
