@@ -154,12 +154,14 @@ class Replay(Session):
     def rendered(self, out_dir: Path) -> dict:
         """What the report's header and results.json say of this render (:attr:`Provenance.rendered`)."""
         code, judged = dict(self.store.code), report.code_version()["kvquant_source_sha256"]
-        try:  # the report it replaces names the commit of these measuring sources, where it is theirs
-            earlier = read_json(out_dir / "results.json", "report").get("environment", {})
+        try:  # the report it replaces names the commit of these measuring sources (measured or, rendered, its own)
+            earlier = read_json(out_dir / "results.json", "report")
+            named = [earlier.get("environment"), (earlier.get("rendered") or {}).get("measured_by")]
         except (KVQuantError, AttributeError):
-            earlier = {}
-        if earlier.get("kvquant_source_sha256") == code["kvquant_source_sha256"] and earlier.get("git_commit"):
-            code["git_commit"] = earlier["git_commit"]
+            named = []
+        for env in (e for e in named if isinstance(e, dict) and e.get("git_commit")):
+            if env.get("kvquant_source_sha256") == code["kvquant_source_sha256"]:
+                code["git_commit"] = env["git_commit"]
         return {"from": str(self.store.directory), "results": len(self.store.found), "vouched": self.store.vouched,
                 "measured_by": code,
                 "judged_by": {"kvquant_source_sha256": judged, "git_commit": commit_provenance(judged)},
