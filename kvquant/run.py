@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.render_only:  # nothing is measured: what it reads is checked against the stored results
             with locked(out_dir, held):
                 return render.render_only(cfg, plan_steps(cfg), out_dir, command, args.partial, args.replan,
-                                          take_steps)
+                                          take_steps, shape_from_config)
         plan, rows, warnings = preflight(cfg)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
         with locked(out_dir, held):

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import check_env_dirs, read_json
-from kvquant.planner.shapes import shape_from_config
 from kvquant.runner import report
 from kvquant.runner.expected import Expected, difference, plain
 from kvquant.runner.gate import FAIL, INCONCLUSIVE
@@ -110,12 +109,12 @@ class Replay(Session):
     measurement comes from :class:`StoredResults`. A sequential look the folder lacks is left out (the candidate
     stays at the look before) and noted in :attr:`not_stored`."""
 
-    def __init__(self, cfg, store: StoredResults):
+    def __init__(self, cfg, store: StoredResults, shape_of):
         model_config = check_model(cfg.model)
         self.cfg, self.store, self.tokenizer = cfg, store, load_tokenizer(cfg.model)
         self.model = copy.copy(model_config)
         self.model.dtype = model_dtype(cfg.model)  # what the run's model computes (and its cache stores) in
-        self.shape = shape_from_config(model_config, cfg.model.path)
+        self.shape = shape_of(model_config, cfg.model.path)  # the model's shapes, for the cache's bits
         self.processes, self.maxlen, self.weights = parallel.ONE, context_length(cfg, model_config), store.weights
         probes = probe_counts(cfg)
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(self.tokenizer, probes, self.maxlen,
@@ -125,6 +124,7 @@ class Replay(Session):
         self.not_stored: dict[tuple[str, str], range] = {}
 
     def measure(self, candidate, split, label=None, tasks=True, probe=None, divergence=None):
+        """:meth:`Session.measure` from the stored results, ``split``'s looks cut at the first one not stored."""
         while True:
             try:
                 return super().measure(candidate, split, label, tasks, probe, divergence)
@@ -205,11 +205,13 @@ def plan_record(cfg, store: StoredResults, vouched: bool, replan: bool) -> PlanR
     return record
 
 
-def render_only(cfg, plan, out_dir: Path, command: str, folder: Path | None, replan: bool, steps) -> int:
+def render_only(cfg, plan, out_dir: Path, command: str, folder: Path | None, replan: bool, steps,
+                shape_of) -> int:
     """``python -m kvquant.run CONFIG --render-only``: the report of ``cfg``'s run (``plan``: its steps) judged by
     today's gate from the results stored in ``folder`` (None: the report's own ``partial/``, whose signatures must
     verify under this user's key; a folder named is vouched for), written through ``steps`` (the runner's
-    ``take_steps``, with the session standing in for the model). Returns the gate's exit code."""
+    ``take_steps``, with the session standing in for the model; ``shape_of``: the planner's ``shape_from_config``,
+    which the session's bits per element are computed on). Returns the gate's exit code."""
     if cfg.search or any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
         refuse("a search or calibration runs on the model between measurements; only runs without them are "
                "rendered from stored results")
@@ -223,7 +225,7 @@ def render_only(cfg, plan, out_dir: Path, command: str, folder: Path | None, rep
     found = len(warnings)  # printed once the report is written (a refusal stays one line)
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     try:
-        code = steps(Replay(cfg, store), plan, out_dir, command, rows, time.monotonic(), record)
+        code = steps(Replay(cfg, store, shape_of), plan, out_dir, command, rows, time.monotonic(), record)
     except NotStored as err:
         refuse(f"{store.directory} holds no {err.metric} of {err.candidate}, which the report needs; measure it "
                "(python -m kvquant.run CONFIG) or name the folder that holds it")
