@@ -31,13 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvquant.scoring import data
-
-from kvquant.scoring import models
-
-from kvquant.scoring import parallel
-
-from kvquant.runner import report
+from kvquant.scoring import data, models, parallel
+from kvquant.runner import preview, render, report
 from kvquant.scoring.calibrate import calibrated, check_calibration
 from kvquant.runner.config import Candidate, ExperimentConfig, Stage, load_config
 from kvquant.runner.overrides import add_set_option
@@ -58,9 +53,8 @@ from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.runner.search import check_search, search
 from kvquant.runner.disjoint import check_disjoint
-from kvquant.runner import preview
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
-from kvquant.runner.store import ResultStore, RunLock, result_key, warn
+from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.sources import SourceWatch
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
@@ -255,6 +249,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
+    stuck: set[str] = set()  # tasks whose last look the baseline could not have (a render's, not stored)
     while True:
         table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned)
         if record is not None:
@@ -266,15 +261,15 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
             if v.verdict == INCONCLUSIVE and v.row.kind in (ACCURACY, FLIPS) and v.row.metric.source in planned and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
-        grown = {}
+        grown, gated = {}, {}
         for task, labels in wanted.items():
-            scored = results[BASELINE.label][next(r.metric for r in table if r.metric.source == task and r.gated
-                                                  and r.kind == ACCURACY)].n
+            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind == ACCURACY)
+            scored = results[BASELINE.label][gated[task]].n
             if task not in sizes:
                 sizes[task] = task_size(session, task)
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
             nxt = min(nxt, sizes[task]) if nxt is not None else None
-            if nxt is not None and nxt > scored:
+            if nxt is not None and nxt > scored and task not in stuck:
                 grown[task] = (range(scored, nxt), labels)
         if not grown:  # a generated task can always have more: no size to run out of
             return results, {task: size for task, size in sizes.items() if probe_length(task) is None}
@@ -288,6 +283,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
             if any(task in more[c.label] for task in grown):
                 extended = dataclasses.replace(split, more={t: tuple(r) for t, r in more[c.label].items()})
                 results[c.label] = session.measure(c, extended, probe=probe)
+        stuck |= {task for task, (docs, _) in grown.items() if results[BASELINE.label][gated[task]].n < docs.stop}
 
 
 def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[str, str], float]:
@@ -387,6 +383,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks,
                                        record and record.record)
     table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
+    replayed = isinstance(session, render.Replay)  # a report rendered from stored results (--render-only)
+    decision = session.noted(decision) if replayed else decision  # the looks it lacks, named
     replanned = record and record.record(table)
     if replanned:  # the verdict line, report.md's header and results.json say the plan changed after the data
         decision = dataclasses.replace(decision, reason=f"{decision.reason} ({replanned_note(replanned)})")
@@ -400,14 +398,14 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         return code
     store.note_retired()  # before the report, which keeps the warnings
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
-                            round(time.monotonic() - start, 1))
+                            round(time.monotonic() - start, 1), session.rendered(out_dir) if replayed else None)
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
                     calibration, plan, replanned)
     store.check_sources()  # results.json is signed: never of other code than the results it reports
     paths, document = report.write(out_dir, run)
     deployed, undeployed = deploy_beside(out_dir, document)  # nothing to deploy is no bad input: the exit is the gate's
     print(f"\nkvquant: {decision.decision.upper()}: {decision.reason}")
-    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {out_dir / 'partial'}"
+    print(f"kvquant: {store.computed} results measured, {store.reused} reused from {store.directory}"
           + (f", by {processes.world} processes" if processes.world > 1 else ""))
     print(f"kvquant: report: {paths['report']} (also results.json, results.csv, {paths['plot'].name}"
           + (f", {deployed.name}: the serving engine's flags)" if deployed else ")"))
@@ -416,22 +414,6 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     return code
 
 
-def dry_run(cfg: ExperimentConfig, rows: dict, warnings: list[str], replan: bool = False) -> int:
-    """The cost preview of a checked config (:mod:`kvquant.runner.preview`): printed, nothing written. A plan the
-    run would refuse (:meth:`PlanRecord.check`) is refused here too, before the model loads and before preflight's
-    ``warnings`` are printed (a refusal stays one line)."""
-    partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
-    # without a key nothing there verifies, as for the run, which makes a new one
-    store = ResultStore(partial, report.code_version(), [], secret=key if key is not None else b"")
-    record = PlanRecord(store, LookPlan.of(cfg), replan)
-    record.check()
-    if key is not None:
-        record.identify()  # the folder's id: which of its results a run would reuse
-    say(warnings)
-    model, tokenizer = load_model(cfg.model)
-    session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path), first_look=True)
-    print(preview.render(cfg, *preview.preview(session, rows, store if key is not None else None), partial))
-    return 0
 
 
 @contextlib.contextmanager
@@ -459,7 +441,11 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment YAML, e.g. configs/int4.yaml")
     add_set_option(parser, "override a config key, e.g. --set eval.tasks.limit=50 (repeatable)")
-    parser.add_argument("--dry-run", action="store_true", help="print what the run would score and cost, then exit")
+    once = parser.add_mutually_exclusive_group()
+    once.add_argument("--dry-run", action="store_true", help="print what the run would score and cost, then exit")
+    once.add_argument("--render-only", action="store_true", help="judge the stored results (--partial, default: the "
+                      "report's partial/) with today's gate and write the report; no model loaded, nothing measured")
+    parser.add_argument("--partial", type=Path, help="with --render-only: a folder of stored results you vouch for")
     parser.add_argument("--replan", action="store_true", help="go on where the partial results were measured under "
                         "another plan, and report the error over every look taken (docs/gate.md)")
     args = parse_args(parser, argv)
@@ -469,13 +455,19 @@ def main(argv: list[str] | None = None) -> int:
     held: list[Path] = []  # the report directory, once this run holds it
 
     def run() -> int:
+        if args.partial and not args.render_only:
+            raise KVQuantError("--partial names the stored results --render-only reads; add --render-only")
         cfg = load_config(args.config, args.overrides)
         parallel.start(cpu=not models.pick_device(cfg.model.device).startswith("cuda"))
         out_dir = Path(cfg.output_dir) / cfg.name
         if args.dry_run:  # task files go to this process's own folder, removed at exit; each task loaded once
             with scratch_tasks(), held_tasks():
                 _, rows, warnings = preflight(cfg, True)
-                return dry_run(cfg, rows, warnings, args.replan)
+                return preview.dry_run(cfg, rows, warnings, args.replan, shape_from_config)
+        if args.render_only:  # nothing is measured: what it reads is checked against the stored results
+            with locked(out_dir, held):
+                return render.render_only(cfg, plan_steps(cfg), out_dir, command, args.partial, args.replan,
+                                          take_steps, shape_from_config)
         with held_tasks():  # preflight's checks share each task's object; the measurements load their own
             plan, rows, warnings = preflight(cfg)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run

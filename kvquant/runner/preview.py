@@ -24,12 +24,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvquant.compat.lm_eval import quiet_git
+from kvquant.runner import report
 from kvquant.runner.config import Candidate, ExperimentConfig
 from kvquant.runner.gate import duration, looks
+from kvquant.runner.lookplan import LookPlan, PlanRecord
+from kvquant.runner.preflight import say
+from kvquant.runner.store import ResultStore, result_key
+from kvquant.scoring.models import load_model
 from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scored, Scorer
 from kvquant.scoring.session import (BASELINE, SHARED_BASELINE, Session, evaluate_task, evaluation_split,
@@ -321,3 +327,21 @@ def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], par
     if left:
         lines.append(f"not previewed: {', '.join(left)}")
     return "\n".join(lines)
+
+
+def dry_run(cfg: ExperimentConfig, rows: dict, warnings: list[str], replan: bool, shape_of) -> int:
+    """The cost preview of a checked config: printed, nothing written. A plan the run would refuse
+    (:meth:`PlanRecord.check`) is refused here too, before the model loads and before preflight's ``warnings`` are
+    printed (a refusal stays one line). ``shape_of(model_config, path)``: the model's shapes (the planner's)."""
+    partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
+    # without a key nothing there verifies, as for the run, which makes a new one
+    store = ResultStore(partial, report.code_version(), [], secret=key if key is not None else b"")
+    record = PlanRecord(store, LookPlan.of(cfg), replan)
+    record.check()
+    if key is not None:
+        record.identify()  # the folder's id: which of its results a run would reuse
+    say(warnings)
+    model, tokenizer = load_model(cfg.model)
+    session = Session(cfg, model, tokenizer, None, shape_of(model.config, cfg.model.path), first_look=True)
+    print(render(cfg, *preview(session, rows, store if key is not None else None), partial))
+    return 0

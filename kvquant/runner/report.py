@@ -150,7 +150,7 @@ def _metric_entry(m: MetricReport) -> dict:
              "threshold": verdict.threshold, "gated": row.gated, "verdict": verdict.verdict,
              "point_estimate_only": verdict.point, "more_documents": verdict.more,
              "more_seconds": verdict.more_seconds, "documents_left": verdict.left, "passed": verdict.passed,
-             "n": row.n, "quantized_share": row.quantized_share}
+             "n": row.n, "quantized_share": row.quantized_share, **({"note": verdict.note} if verdict.note else {})}
     exercise = outcomes.exercise
     if exercise is not None:
         entry.update(key_share=exercise.reads.share("keys"), value_share=exercise.reads.share("values"),
@@ -196,6 +196,7 @@ def document(run: RunResult, run_id: str, env: dict[str, str] | None = None,
                     "set_aside": list(provenance.set_aside), "processes": provenance.processes,
                     "seconds": provenance.seconds},
         "warnings": list(provenance.warnings),
+        **({"rendered": provenance.rendered} if provenance.rendered else {}),
         "baseline": {"settings": baseline.settings, "memory": _memory_entry(baseline)},
         "candidates": [_candidate_entry(c) for c in candidates],
         **({"plan": {**dataclasses.asdict(run.plan), "steps": run.plan.steps()}} if run.plan else {}),

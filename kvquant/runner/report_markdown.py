@@ -69,6 +69,22 @@ def _replanned_line(replanned: dict) -> str:
             f"them (union bound; one-sided), not the {replanned['nominal']:.1%} each plan alone keeps")
 
 
+def _rendered_line(rendered: dict, command: str, env: dict[str, str]) -> str:
+    """The header's line on a report rendered from stored results (``--render-only``): which code measured them,
+    which judged and rendered them, when, with what command, from where, and the looks not stored."""
+    code, judged = rendered["measured_by"], rendered["judged_by"]
+    commit = f"; the report it replaced names git {code['git_commit']}" if code.get("git_commit") else ""
+    vouched = (f", {rendered['vouched']} of them signed elsewhere and vouched for by naming the folder"
+               if rendered["vouched"] else "")
+    missing = (f"; not stored, so judged at the look before (re-measure to decide): {', '.join(rendered['not_stored'])}"
+               if rendered["not_stored"] else "")
+    return (f"- **rendered from stored results, no model loaded**: measured by code with measuring sources "
+            f"{code['kvquant_source_sha256']} (kvquant {code['kvquant']}, torch {code['torch']}, transformers "
+            f"{code['transformers']}, lm_eval {code['lm_eval']}){commit}; judged and rendered by git "
+            f"{judged['git_commit']} (measuring sources {judged['kvquant_source_sha256']}) on {env['date']} with "
+            f"`{command}`; {rendered['results']} stored results read from `{rendered['from']}`{vouched}{missing}")
+
+
 def _header(run: RunResult, run_id: str, env: dict[str, str]) -> list[str]:
     """The decision and everything needed to reproduce the run: command, model, mode, gate, environment."""
     cfg, decision, provenance = run.config, run.decision, run.provenance
@@ -88,6 +104,7 @@ def _header(run: RunResult, run_id: str, env: dict[str, str]) -> list[str]:
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "
         f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']} (measuring "
         f"sources {env['kvquant_source_sha256']}); git {env['git_commit']}; {env['date']}",
+        _rendered_line(provenance.rendered, run.command, env) if provenance.rendered else
         f"- run {run_id} (also in results.json and config.resolved.yaml); results: "
         f"{provenance.computed} measured in this run, {provenance.reused} reused from "
         f"partial/ (same inputs, same code version); {provenance.processes} process(es), "
@@ -136,7 +153,7 @@ def _verdict_cell(m: MetricReport) -> str:
             text += f" (~{duration(verdict.more_seconds)})"
         if verdict.beyond_task:
             text += f", more than the {verdict.left:,} the task has left"
-    return text
+    return text + (f"; {verdict.note}" if verdict.note else "")
 
 
 def _number(value: float, spec: str) -> str:

@@ -294,6 +294,8 @@ class Verdict:
     #: documents the row's task holds beyond the ``n`` scored (None where its size is unknown): ``more`` beyond
     #: them cannot be had from this task
     left: int | None = None
+    #: what the report adds to the verdict: a report rendered from stored results names the look it lacks
+    note: str | None = None
 
     @property
     def beyond_task(self) -> bool:
@@ -328,6 +330,9 @@ class Provenance:
     warnings: tuple[str, ...] = ()
     processes: int = 1
     seconds: float | None = None
+    #: a report rendered from stored results (``--render-only``): the code that measured them and the code that
+    #: judged them, where they were read and what was not there (:meth:`kvquant.runner.render.Replay.rendered`)
+    rendered: dict | None = None
 
 
 @dataclass(frozen=True)

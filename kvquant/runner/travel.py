@@ -5,6 +5,7 @@ signed under this user's key. Every check refuses with one :class:`KVQuantError`
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import stat
@@ -30,8 +31,14 @@ class Found:
     saved: dict
 
 
+#: the command reading the folders and what it does with them, as a refusal names them: ``python -m kvquant.adopt``
+#: adopts them, ``python -m kvquant.run --render-only`` renders a report from them (:mod:`kvquant.runner.render`)
+ACTION = contextvars.ContextVar("action", default=("adopt", "adopted"))
+
+
 def refuse(message: str):
-    raise KVQuantError(f"adopt: {message}; nothing adopted")
+    command, done = ACTION.get()
+    raise KVQuantError(f"{command}: {message}; nothing {done}")
 
 
 def _kind(path: str) -> str:
