@@ -161,6 +161,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.partial is not None and len(args.reports) != 1:
         parser.error("--partial goes with one report")
+    if args.partial is not None and not args.partial.is_dir():  # read as "none there" it judged silently without
+        raise KVQuantError(f"--partial {str(args.partial)[:200]!r} is not a folder of partial results")
     print("| report | candidate | metric | windows | report: interval, verdict | rejudged: interval, verdict |\n"
           "|---|---|---|---:|---|---|")
     old_counts = read_counts(args.counts)

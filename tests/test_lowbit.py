@@ -223,6 +223,18 @@ def test_an_outlier_beyond_what_the_scales_hold_is_kept_and_the_rest_is_still_bo
     with pytest.raises(KVQuantError, match="keys other than the 1 outliers reach .* beyond the"):
         build_cache([None], "lloyd_max", head_dim=64, outliers=1).layers[0].update(x, x.clone())
 
+def test_rotated_states_beyond_the_bound_are_refused_in_the_codec_s_own_words():
+    """Probe 56: a rotated codebook's refusal named "scales and zero points", which it has none of (the generic
+    words of every codec); now the inner codec's own (its per-vector scales), with the rotation's sqrt(block)."""
+    x = torch.full((1, 2, 3, 64), 1e6)
+    with pytest.raises(KVQuantError) as refused:
+        build_cache([None], "lloyd_max", head_dim=64).layers[0].update(x, x.clone())
+    text = str(refused.value)
+    assert "zero points" not in text and "per-vector scales" in text and "sqrt(64)" in text, text
+    with pytest.raises(KVQuantError, match=r"their scales and zero points can hold times sqrt\(64\)"):
+        build_cache([None], "int4", head_dim=64, rotation="hadamard").layers[0].update(x, x.clone())
+
+
 # -- a key offset ---------------------------------------------------------------------------------------------
 def attention(q, k, v, scores=lambda s: s):
     """Softmax attention in float64 with a causal mask; ``q`` ``[B, H, n, D]``, ``k``/``v`` ``[B, H, L, D]``, the

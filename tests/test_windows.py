@@ -142,3 +142,21 @@ def test_rejudge_windows_refuses_counts_it_cannot_judge_by_naming_them(tmp_path,
     code = run_script("rejudge_windows", lambda: rejudge.main(args))
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("rejudge_windows: error: --counts: "), err
+
+
+@pytest.mark.parametrize("partial", ["missing", "file"])
+def test_rejudge_windows_refuses_a_partial_that_is_no_folder(tmp_path, capsys, partial):
+    """Probe 56: ``--partial`` naming a file (or nothing) was read as "no per-window results there": the report's
+    own intervals judged, exit 0, the option silently dropped; now one line naming --partial, exit 2."""
+    from conftest import experiment
+    from kvquant.exits import run_script
+
+    rejudge = experiment("rejudge_windows")
+    path = tmp_path / "partial"
+    if partial == "file":
+        path.write_text("{}")
+    args = [str(Path(__file__).parents[1] / "reports" / "int4"), "--partial", str(path)]
+    code = run_script("rejudge_windows", lambda: rejudge.main(args))
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "--partial" in err[0] and not captured.out, (code, err)

@@ -137,10 +137,18 @@ class RotatedCodec(WrappingCodec):
     inner codec. Shapes as :class:`Codec`; ``matrix`` ``[D, D]``."""
 
     matrix: torch.Tensor
-    #: :class:`Codec`'s, not forwarded to ``inner``: the rotated states' bound and its words are :meth:`_limit`'s, and
-    #: :meth:`Quantizer.codecs` checks the inner codecs' channel multiple before rotating
-    held = Codec.held
+    #: :class:`Codec`'s, not forwarded to ``inner``: :meth:`Quantizer.codecs` checks the inner codecs' channel
+    #: multiple before rotating
     channel_multiple = Codec.channel_multiple
+
+    @property
+    def held(self) -> str:
+        """What sets :attr:`max_abs`, as a refusal says it: the inner codec's bound (in its own words: a codebook's
+        per-vector scales, an integer codec's scales and zero points) times ``sqrt(block)``: a rotation spreads a
+        value over at most ``block`` channels, so states beyond it cannot fit once rotated."""
+        block = round(float(self.matrix.abs().max()) ** -2)
+        return (f"{self.inner.held.split(' (')[0].replace('its ', 'their ', 1)} times sqrt({block}) (a rotation "
+                f"spreads a value over at most {block} channels)")
 
     @property
     def max_abs(self) -> float:
