@@ -191,8 +191,8 @@ def plan_record(cfg, store: StoredResults, vouched: bool, replan: bool) -> PlanR
                               ": judged under this config's plan as if it was fixed before the data; looks taken "
                               "under another plan, if any, are not counted")
         return None
-    history, signature = found
-    if not vouched and not hmac.compare_digest(signature, _signature(history, store.secret)):
+    history, signature, report = found
+    if not vouched and not hmac.compare_digest(signature, _signature(history, store.secret, report)):
         refuse(f"{path}: its signature does not verify under your key; name its folder with --partial to vouch "
                "for it")
     plan = LookPlan.of(cfg)
