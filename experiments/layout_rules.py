@@ -426,8 +426,15 @@ def render(doc: Path, text: str) -> str:
     return f"{head}{BEGIN}\n{text}\n{END}{rest.split(END)[1]}"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line, exit 2, as kvquant.errors' parser gives (not imported: it would import torch)."""
+
+    def error(self, message: str):
+        self.exit(2, f"layout_rules: error: {' '.join(message.split())} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 naming each breach not listed")
     parser.add_argument("--render", action="store_true", help="rewrite docs/layout.md's figures section")
     parser.add_argument("--package", type=Path, help="another checkout's kvquant/ folder (figures and --check; "

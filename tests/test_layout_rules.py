@@ -175,3 +175,12 @@ def test_a_trace_follows_the_parameter_through_a_package_face_a_method_and_a_con
     text = tracer.report(found, got)
     assert text.splitlines()[-3] == "files visited: 3; call sites followed: 4; back up a floor: 1"
     assert "pkg/mid.py:relay:6 -> pkg/high/use.py:back (items), floor 1 -> 2  BACK UP" in text
+
+
+@pytest.mark.parametrize("argv", [["--package", "/nonexistent/kvquant"], ["--render", "--package", "."], ["--bogus"]])
+def test_bad_arguments_are_one_line_and_exit_2(argv, capsys):
+    """Probe 56: a bad --package printed argparse's usage line and the error (two lines)."""
+    with pytest.raises(SystemExit) as stop:
+        rules.main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("layout_rules: error: "), err
