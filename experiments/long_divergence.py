@@ -32,6 +32,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -115,6 +116,26 @@ def summarise(cfg, per_doc: list[dict], edges) -> dict:
     return out
 
 
+def refit(out: Path, earlier: dict) -> dict:
+    """:func:`summarise` again, by today's code, from the documents of the report ``earlier`` (its results.json)
+    kept in ``out/documents/``: every one of its documents, each holding every one of its candidates."""
+    labels, edges = list(earlier["candidates"]), tuple(earlier.get("edges") or ())
+    per_doc = []
+    for d in range(int(earlier.get("documents", 0))):
+        kept = kept_document(out / "documents" / f"doc-{d}.json")
+        got = None if kept is None else kept["result"]
+        if not (isinstance(got, dict) and all(isinstance(got.get(label), dict) and
+                                              {"kl", "top1", "keys_quantized", "keys"} <= set(got[label])
+                                              for label in labels)):
+            raise KVQuantError(f"--refit: {out / 'documents' / f'doc-{d}.json'} is missing or does not hold every "
+                               f"candidate of {out / 'results.json'}; nothing written")
+        per_doc.append(got)
+    if not per_doc or len(edges) < 2:
+        raise KVQuantError(f"--refit: {out / 'results.json'} names no documents or position edges; nothing written")
+    cfg = SimpleNamespace(candidates=[SimpleNamespace(label=label) for label in labels])
+    return summarise(cfg, per_doc, edges)
+
+
 def bucket_verdict(k: dict, limit: float) -> tuple[str, int | None]:
     """A bucket's KL verdict at ``limit`` (the gate's rule on its 95% interval), or too few documents to decide it
     (:func:`kvquant.runner.counts.settle`): ``(verdict, documents needed or None)``."""
@@ -187,6 +208,7 @@ def kept_document(path: Path) -> dict | None:
 
 def render(doc: dict) -> str:
     env = doc["environment"]
+    fitted = f"fitted again at {doc['refit']}" if doc.get("refit") else "at the measuring commit"
     lines = ["# KL divergence by position", "", f"- command: `{doc['command']}`",
              *([f"- rendered again (nothing measured): `{doc['rendered']}`"] if doc.get("rendered") else []),
              f"- date: {env['date']}; git {env['git_commit']}; measuring sources {env['kvquant_source_sha256']}",
@@ -195,8 +217,8 @@ def render(doc: dict) -> str:
              f"{doc['chunk_size']} tokens at a time; {doc['seconds']:.0f} s of measuring in all (sittings added up)",
              "- statistic: per bucket, the mean over documents of each document's mean KL (nats) over its positions "
              "there, 95% bootstrap interval over documents; trend: the factor by which KL grows per doubling of the "
-             "position (kvquant.runner.positions.trend at the measuring commit), with its interval; a bucket or "
-             "trend over fewer documents than its interval needs (docs/gate.md: too few documents) decides nothing",
+             f"position (kvquant.runner.positions.trend {fitted}), with its interval; a bucket or trend over "
+             "fewer documents than its interval needs (docs/gate.md: too few documents) decides nothing",
              ""]
     if doc.get("max_kl_divergence") is not None:
         limit = doc["max_kl_divergence"]
@@ -234,6 +256,10 @@ def main(argv=None):
     parser.add_argument("--render-only", action="store_true",
                         help="measure nothing: render OUT/report.md again from OUT/results.json (e.g. with another "
                              "--max-kl-divergence), keeping its command and environment")
+    parser.add_argument("--refit", action="store_true",
+                        help="with --render-only: the buckets and trend fitted again by today's code from the "
+                             "per-position numbers in OUT/documents/doc-N.json (you vouch for those files: they are "
+                             "read, not verified)")
     args = parser.parse_args(argv)
     limit = args.max_kl_divergence
     if limit is not None and not (math.isfinite(limit) and limit > 0):
@@ -249,8 +275,14 @@ def main(argv=None):
         if not isinstance(earlier, dict) or not isinstance(earlier.get("candidates"), dict):
             raise KVQuantError(f"--render-only: {args.out / 'results.json'} is not a results.json this script writes")
         doc = {**earlier, "max_kl_divergence": args.max_kl_divergence, "rendered": "python " + " ".join(sys.argv)}
+        if args.refit:
+            env = environment()
+            doc["candidates"] = refit(args.out, earlier)
+            doc["refit"] = f"git {str(env.get('git_commit'))[:12]}, {env.get('date')}"
         write(args.out, doc)
         return
+    if args.refit:
+        parser.error("--refit goes with --render-only")
     cfg = load_config(args.config, args.set)
     per_doc = measure(cfg, args)
     spec = cfg.eval.perplexity[0]

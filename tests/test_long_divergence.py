@@ -109,3 +109,40 @@ def test_a_document_file_not_signed_here_is_set_aside_and_measured_again(script,
     doc = json.loads((out / "results.json").read_text())
     assert doc["candidates"]["int2"]["kl"][0]["mean"] == pytest.approx(
         sum(measured["result"]["int2"]["kl"]) / 299, rel=1e-9)
+
+
+def test_refit_fits_the_buckets_and_trend_again_from_the_kept_documents(script, tmp_path, monkeypatch):
+    """Issue 53: the committed long reports' trends were fitted by an estimator since replaced, and
+    ``--render-only`` could only render results.json's numbers again. ``--refit`` fits buckets and trend again by
+    today's code from documents/ (no model), and refuses, writing nothing, where a document is missing."""
+    from kvquant.runner.positions import trend
+
+    config = tmp_path / "long.yaml"
+    config.write_text(CONFIG)
+    out = tmp_path / "out"
+    script.main([str(config), "--out", str(out)])
+    doc = json.loads((out / "results.json").read_text())
+    # two buckets, so the trend is a number (the measured report has one bucket of 300 positions)
+    stale = {**doc, "edges": [0, 100, 300], "candidates": {
+        label: {**r, "trend": {"factor": 9.0, "low": 8.0, "high": 10.0, "verdict": "grows"}}
+        for label, r in doc["candidates"].items()}}
+    (out / "results.json").write_text(json.dumps(stale))
+    monkeypatch.setattr(script, "load_model", lambda *a: pytest.fail("a render loaded the model"))
+    script.main([str(config), "--out", str(out), "--render-only"])
+    assert json.loads((out / "results.json").read_text())["candidates"]["int2"]["trend"]["factor"] == 9.0
+    script.main([str(config), "--out", str(out), "--render-only", "--refit"])
+    again = json.loads((out / "results.json").read_text())
+    kept = [json.loads((out / "documents" / f"doc-{d}.json").read_text())["result"] for d in range(2)]
+    for label in ("int8", "int2"):
+        kl = [k[label]["kl"] for k in kept]
+        want = trend(kl, (0, 100, 300))
+        assert math.isfinite(want.factor) and want.factor != 9.0
+        assert again["candidates"][label]["trend"]["factor"] == pytest.approx(want.factor, rel=1e-12)
+        assert [b["mean"] for b in again["candidates"][label]["kl"]] == pytest.approx(
+            [b.mean for b in buckets(kl, (0, 100, 300))], rel=1e-12)
+    assert "trend fitted again at git" in (out / "report.md").read_text()
+    (out / "documents" / "doc-1.json").unlink()
+    before = (out / "results.json").read_text()
+    with pytest.raises(script.KVQuantError, match="doc-1.json is missing"):
+        script.main([str(config), "--out", str(out), "--render-only", "--refit"])
+    assert (out / "results.json").read_text() == before
