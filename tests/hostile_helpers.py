@@ -1,8 +1,22 @@
 """What the hostile-input tests (tests/test_hostile*.py) share: the small run config they start from and the ``--set``
 arguments of their overrides."""
 
+import functools
+
 MODEL = "local:models/stories260K/hf"
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
+
+
+@functools.cache
+def tiny_weights() -> str:
+    """stories260K's weights digest, as a run on :data:`MODEL` computes it here: what its store keys every result
+    with (computed, never written down: it names what the model computes with, and a test that knew it by heart
+    would pass on one machine only)."""
+    from kvquant.runner.model_config import ModelConfig
+    from kvquant.scoring.models import load_model
+    from kvquant.scoring.session import weights_digest
+
+    return weights_digest(*load_model(ModelConfig(path=MODEL)))
 
 
 def tiny_run(name: str, candidate: str, tasks_limit: int, **gate) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import kvquant.run
-from hostile_helpers import tiny_run
+from hostile_helpers import tiny_run, tiny_weights
 from kvquant.adopt import main
 from kvquant.runner.preflight import context_length
 from kvquant.runner import report
@@ -29,7 +29,7 @@ RESULTS = {
     ("int4", TASK): {"task": "tinystories_lastword", "acc": [1.0, 0.0, 0.0, 1.0, 0.0]},
     ("int4", PPL): {"nll": [93.5, 93.0, 72.9, 58.0], "tokens": [63, 63, 63, 63]},
 }
-WEIGHTS = "8884bd33dd1e63d8"
+WEIGHTS = tiny_weights()
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import yaml
 
 import kvquant.run
 import kvquant.scoring.models
-from hostile_helpers import tiny_run
+from hostile_helpers import tiny_run, tiny_weights
 from kvquant.run import main
 from kvquant.runner import report
 from kvquant.runner.config import load_config
@@ -25,8 +25,8 @@ from kvquant.runner.store import ResultStore
 from kvquant.scoring.models import check_model
 
 TASK, PPL, KL = "task/tinystories_lastword", "ppl/tinystories", "kl/tinystories"
-#: stories260K's weights digest (as tests/test_adopt.py): what the run's store keys every result with
-WEIGHTS = "8884bd33dd1e63d8"
+#: stories260K's weights digest: what the run's store keys every result with
+WEIGHTS = tiny_weights()
 LOOKS = [(0, 5), (5, 10), (10, 20), (20, 40)]  # limit 5, max_documents 40
 READS = {"keys_quantized": 1000, "keys": 1000, "values_quantized": 1000, "values": 1000}
 

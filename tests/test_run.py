@@ -327,6 +327,26 @@ def test_the_model_digest_changes_with_its_config_tokenizer_or_weights(model, to
     assert weights_digest(other, tokenizer) != base
 
 
+def test_the_model_digest_is_the_same_for_the_same_model_in_another_folder(model, tokenizer, tmp_path):
+    """CI found it (stop 61): the digest held the config's ``_name_or_path``, so the same stories260K read from
+    ``/check/work/shared/data`` keyed its results apart from ``/work/shared/data``; nothing measured on one machine
+    was reused on another, and the tests keyed by this machine's digest failed there."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import MODEL
+    from kvquant.paths import resolve
+    from kvquant.scoring.session import weights_digest
+
+    moved = tmp_path / "elsewhere" / "stories260K"
+    shutil.copytree(resolve(MODEL), moved)
+    there = AutoModelForCausalLM.from_pretrained(moved, dtype=torch.float32).eval()
+    assert there.config._name_or_path != model.config._name_or_path
+    assert weights_digest(there, AutoTokenizer.from_pretrained(moved)) == weights_digest(model, tokenizer)
+
+
 @pytest.mark.parametrize("path, want", [
     ("configs/int4.yaml", {"candidates": ("int4-g32",), "calibrate": (), "search": None,
                            "staged": False, "looks": {}}),

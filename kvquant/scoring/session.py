@@ -166,8 +166,11 @@ def probe_counts(cfg: ExperimentConfig, first_look: bool = False) -> dict[str, i
 def weights_digest(model, tokenizer) -> str:
     """A digest of what the model computes with: its config, its tokenizer (vocabulary, merges, special tokens)
     and its weights (per tensor: name, shape, sum and sum of squares), so a result is never reused for another
-    model behind the same path; one pass over the weights, far cheaper than any evaluation."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    model behind the same path; one pass over the weights, far cheaper than any evaluation. Where the model was
+    read from is no part of it (the config's ``_name_or_path``): the same model in another folder or on another
+    machine digests the same."""
+    config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
     for name, p in model.named_parameters():
