@@ -48,7 +48,7 @@ from kvquant.scoring.session import (BASELINE, Session, check_long_documents, ev
     probe_tokens, task_size)
 from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
-from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.runner.results import Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.runner.search import check_search, search
@@ -258,12 +258,12 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         wanted: dict[str, set[str]] = {}
         hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
         for v in decision.verdicts:
-            if v.verdict == INCONCLUSIVE and v.row.kind in (ACCURACY, FLIPS) and v.row.metric.source in planned and \
+            if v.verdict == INCONCLUSIVE and v.row.kind.on_tasks and v.row.metric.source in planned and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
         grown, gated = {}, {}
         for task, labels in wanted.items():
-            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind == ACCURACY)
+            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind is ACCURACY)
             scored = results[BASELINE.label][gated[task]].n
             if task not in sizes:
                 sizes[task] = task_size(session, task)
@@ -298,7 +298,7 @@ def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[
 
     pace = {}
     for row in table:
-        if row.kind in (ACCURACY, FLIPS) and row.gated and row.n:
+        if row.kind.on_tasks and row.gated and row.n:
             mine, base = spent(row.candidate, row.metric.source), spent(BASELINE.label, row.metric.source)
             if mine is not None and base is not None:
                 pace[row.candidate, row.metric.source] = (mine + base) / row.n
@@ -315,7 +315,7 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
     store_seconds = store_seconds or {}
     table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
     for row in table:
-        if row.gated and row.kind == ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
+        if row.gated and row.kind is ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
             warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
                  "(relative 1.0) and the gate says nothing about it")
     bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvquant.errors import ConfigError, is_python_int
+from kvquant.experiment.metric import METRICS
 from kvquant.paths import MAX_NAME_BYTES, folder_problem
 from kvquant.runner.binding import at_least, build, require
 from kvquant.runner.gate_config import GateConfig
@@ -338,7 +339,7 @@ class ExperimentConfig:
         require(bool(gated) or self.gate.min_context is not None, "gate: nothing is gated (gate.tasks and "
                 "gate.perplexity select no task and no perplexity set), so every candidate would pass; gate at least "
                 "one")
-        for key in ("max_kl_divergence", "min_top1_agreement"):
+        for key in (m.threshold_key for m in METRICS if m.bucketed):
             require(getattr(self.gate, key) is None or bool(self.gated_perplexity()) or bool(self.eval.long_context),
                     f"gate.{key}: divergence from the baseline is measured on perplexity sets (or long documents), "
                     "and none is gated; add one to eval.perplexity (and gate.perplexity) or eval.long_context")

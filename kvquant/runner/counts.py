@@ -18,7 +18,7 @@ and they have no count here.
 
 from __future__ import annotations
 
-from kvquant.runner.results import ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY
+from kvquant.experiment.metric import Metric, divergence_limits
 
 TOO_FEW = "too few documents"
 
@@ -41,20 +41,21 @@ MIN_TREND_SHRINKS = 32
 MIN_TREND = min(MIN_TREND_GROWS, MIN_TREND_SHRINKS)
 
 
-def needed(kind: str, verdict: str) -> int | None:
+def needed(kind: Metric | str, verdict: str) -> int | None:
     """The fewest documents that decide ``verdict`` (``pass`` or ``fail``) on a metric ``kind``, None where its
-    interval is no bootstrap (accuracy, flips) or the verdict decides nothing."""
-    if kind in (ACCURACY, FLIPS) or kind not in (PERPLEXITY, DIVERGENCE, AGREEMENT):
+    interval is no bootstrap (accuracy, flips: :attr:`~kvquant.experiment.metric.Metric.counted`) or the verdict
+    decides nothing."""
+    if not Metric.of(kind).counted:
         return None
     return {"pass": MIN_PASS, "fail": MIN_FAIL}.get(verdict)
 
 
-def fewest(kind: str) -> int | None:
+def fewest(kind: Metric | str) -> int | None:
     """Below this many documents nothing about a ``kind`` is decided (its smallest count), None without one."""
     return None if needed(kind, "fail") is None else min(MIN_FAIL, MIN_PASS)
 
 
-def settle(kind: str, verdict: str, n: int) -> tuple[str, int | None]:
+def settle(kind: Metric | str, verdict: str, n: int) -> tuple[str, int | None]:
     """``verdict`` as ``n`` documents can decide it: ``(verdict, None)``, or ``(TOO_FEW, documents needed)`` where
     ``n`` is below the count of the end it reads (below the smaller count: whatever the verdict)."""
     small = fewest(kind)
@@ -78,8 +79,7 @@ def count_warnings(cfg) -> list[str]:
                 and spec.limit < MIN_PASS:
             out.append(f"eval.perplexity {spec.name}: {spec.limit} windows {_decide(spec.limit)}")
     long = cfg.eval.long_context
-    if long is not None and (gate.max_kl_divergence is not None or gate.min_top1_agreement is not None) \
-            and long.documents < MIN_PASS:
+    if long is not None and divergence_limits(gate) and long.documents < MIN_PASS:
         out.append(f"eval.long_context.documents: {long.documents} documents {_decide(long.documents)}")
     return out
 

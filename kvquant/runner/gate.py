@@ -32,34 +32,21 @@ from statistics import NormalDist
 
 import numpy as np
 
+from kvquant.experiment.metric import ACCURACY, FLIPS, LOG_RATIO, MEAN, SCORE_RATIO, PERPLEXITY, Metric
 from kvquant.runner.bootstrap import studentized
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.flips import flips
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
-from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY, Decision, Measured, MetricId,
-    MetricRow, Verdict, BUCKET, bucket_end, relative_score)
+from kvquant.runner.results import Decision, Measured, MetricId, MetricRow, Verdict, BUCKET, bucket_end, relative_score
 from kvquant.scoring.needles import needle_chance, needle_task
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "TOO_FEW",
            "Decision", "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
-           "longest_passing", "looks", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score",
-           "threshold"]
+           "longest_passing", "looks", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score"]
 
 PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED = "pass", "fail", "inconclusive", "not exercised", "not gated"
-
-
-def threshold(kind: str, policy: GateConfig) -> float:
-    """The threshold of a metric kind (nan where the gate sets none, e.g. no ``max_kl_divergence``)."""
-    limit = {ACCURACY: policy.min_relative_accuracy, PERPLEXITY: 1.0 / policy.max_perplexity_ratio,
-             DIVERGENCE: policy.max_kl_divergence, AGREEMENT: policy.min_top1_agreement,
-             FLIPS: policy.max_flip_rate}[kind]
-    return math.nan if limit is None else float(limit)
-
-
-def lower_is_better(kind: str) -> bool:
-    return kind in (DIVERGENCE, FLIPS)
 
 
 def looks(limit: int, max_documents: int | None) -> list[int]:
@@ -179,30 +166,48 @@ def ratio_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: floa
 
 
 def paired_interval(
-    kind: str, baseline: np.ndarray | None, candidate: np.ndarray, iters: int, confidence: float, seed: int
+    kind: Metric | str, baseline: np.ndarray | None, candidate: np.ndarray, iters: int, confidence: float, seed: int
 ) -> tuple[float, float]:
-    """The paired interval of a metric's statistic at ``confidence`` (two-sided).
+    """The paired interval of a metric's statistic at ``confidence`` (two-sided), by the kind's
+    :attr:`~kvquant.experiment.metric.Metric.interval`.
 
-    accuracy: ``baseline``/``candidate`` are per-document scores ``[n]`` (:func:`ratio_interval`). The others by a
-    paired studentized bootstrap over windows (:func:`kvquant.runner.bootstrap.studentized`, ``iters`` resamples; at
-    least 2 windows): perplexity from per-window ``[n, 2]`` rows of (summed NLL, tokens) of both (the interval of
-    the log of the ratio, ``sum(baseline NLL - candidate NLL) / sum(baseline tokens)``, exponentiated); divergence /
-    agreement from the candidate's per-window ``[n, 2]`` rows of (sum, positions) (``baseline`` unused).
+    score ratio (accuracy): ``baseline``/``candidate`` are per-document scores ``[n]`` (:func:`ratio_interval`). The
+    others by a paired studentized bootstrap over windows (:func:`kvquant.runner.bootstrap.studentized`, ``iters``
+    resamples; at least 2 windows): log ratio (perplexity) from per-window ``[n, 2]`` rows of (summed NLL, tokens) of
+    both (the interval of the log of the ratio, ``sum(baseline NLL - candidate NLL) / sum(baseline tokens)``,
+    exponentiated); mean (divergence, agreement) from the candidate's per-window ``[n, 2]`` rows of (sum, positions)
+    (``baseline`` unused).
     """
-    candidate = np.asarray(candidate, dtype=float)
+    method = Metric.of(kind).interval
+    return _INTERVALS[method](None if baseline is None else np.asarray(baseline, dtype=float),
+                              np.asarray(candidate, dtype=float), iters, confidence, seed)
+
+
+def _score_ratio_interval(baseline, candidate, iters, confidence, seed) -> tuple[float, float]:
+    return ratio_interval(baseline, candidate, confidence, seed)
+
+
+def _log_ratio_interval(baseline, candidate, iters, confidence, seed) -> tuple[float, float]:
     n = len(candidate)
-    if kind == ACCURACY:
-        return ratio_interval(baseline, candidate, confidence, seed)
-    if n < 2 or (kind == PERPLEXITY and len(baseline) != n):  # one window shows no spread at all
+    if n < 2 or len(baseline) != n:  # one window shows no spread at all
         return math.nan, math.nan
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
-    if kind == PERPLEXITY:
-        baseline = np.asarray(baseline, dtype=float)
-        with np.errstate(over="ignore"):  # an unbounded log-ratio interval (too few windows) is an unbounded ratio
-            low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
-    else:
-        low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
+    with np.errstate(over="ignore"):  # an unbounded log-ratio interval (too few windows) is an unbounded ratio
+        low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
     return float(low), float(high)
+
+
+def _mean_interval(baseline, candidate, iters, confidence, seed) -> tuple[float, float]:
+    n = len(candidate)
+    if n < 2:  # one window shows no spread at all
+        return math.nan, math.nan
+    idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
+    low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
+    return float(low), float(high)
+
+
+#: The paired interval of each method a metric kind names (the flip rate's exact interval is :func:`flip_row`'s).
+_INTERVALS = {SCORE_RATIO: _score_ratio_interval, LOG_RATIO: _log_ratio_interval, MEAN: _mean_interval}
 
 
 def quantile_interval(windows: tuple[tuple[float, ...], ...], q: float, iters: int, confidence: float,
@@ -237,12 +242,12 @@ def more_documents(row: MetricRow, limit: float) -> int | None:
 def judge(row: MetricRow, policy: GateConfig, counted: bool = True) -> Verdict:
     """The verdict on one row (see the module docstring); ``counted=False``: not held to the counts of
     :mod:`kvquant.runner.counts` (for an interval of another method, whose counts differ)."""
-    limit = threshold(row.kind, policy)
+    limit = row.kind.threshold(policy)
     point = policy.decide_on == "point"
     if not row.gated or math.isnan(limit):
         return Verdict(row, limit, row.statistic, NOT_GATED)
-    good = (lambda x: x <= limit) if lower_is_better(row.kind) else (lambda x: x >= limit)
-    near, far = (row.ci_high, row.ci_low) if lower_is_better(row.kind) else (row.ci_low, row.ci_high)
+    good = (lambda x: x <= limit) if row.kind.lower_is_better else (lambda x: x >= limit)
+    near, far = (row.ci_high, row.ci_low) if row.kind.lower_is_better else (row.ci_low, row.ci_high)
     if point:
         verdict = Verdict(row, limit, row.statistic, PASS if good(row.statistic) else FAIL, point=True)
     elif math.isnan(near) or math.isnan(far):
@@ -277,7 +282,7 @@ def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
 def bounded(v: Verdict, sizes: dict[str, int]) -> Verdict:
     """``v`` with the documents its task holds beyond those scored (``sizes``: documents per task, where known;
     a task's rows only: a perplexity set's windows are not its documents, whatever its name)."""
-    size = sizes.get(v.row.metric.source) if v.row.kind in (ACCURACY, FLIPS) else None
+    size = sizes.get(v.row.metric.source) if v.row.kind.on_tasks else None
     if v.more is None or size is None:
         return v
     return dataclasses.replace(v, left=max(size - v.row.n, 0))
@@ -383,7 +388,7 @@ def metric_length(metric: MetricId) -> int | None:
     """The context length a long-context metric stands for: a position bucket's end (``kl/wikitext2@4096``) or a
     needle task's length (``acc/needle_single_4096``, and its flips); None for any other metric."""
     end = bucket_end(metric)
-    if end is not None or metric.kind not in (ACCURACY, FLIPS):
+    if end is not None or not metric.kind.on_tasks:
         return end
     found = needle_task(metric.source)
     return found[1] if found else None
@@ -402,9 +407,9 @@ def is_gated(metric: MetricId, policy: GateConfig) -> bool:
 def selected(metric: MetricId, policy: GateConfig) -> bool:
     """Whether the gate judges ``metric`` at any length: a standard metric with a threshold, among
     ``gate.tasks``/``gate.perplexity`` (None: all; every position bucket of the long documents)."""
-    names = policy.tasks if metric.kind in (ACCURACY, FLIPS) else policy.perplexity
+    names = policy.tasks if metric.kind.on_tasks else policy.perplexity
     listed = names is None or metric.source in names or bucket_end(metric) is not None
-    return metric.standard and listed and not math.isnan(threshold(metric.kind, policy))
+    return metric.standard and listed and not math.isnan(metric.kind.threshold(policy))
 
 
 def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig,
@@ -432,7 +437,7 @@ def needles_at_chance(baseline: Measured, policy: GateConfig) -> frozenset[str]:
     """The needle tasks whose baseline accuracy (every document it scored) is not shown above chance: one-sided
     exact binomial test at half of ``1 - gate.confidence``, decided once per task for every candidate."""
     return frozenset(o.metric.source for o in baseline.outcomes
-                     if o.metric.kind == ACCURACY and o.metric.standard and needle_task(o.metric.source)
+                     if o.metric.kind is ACCURACY and o.metric.standard and needle_task(o.metric.source)
                      and not above_chance(round(sum(o.scores)), o.n, needle_chance(o.metric.source),
                                           policy.confidence))
 
@@ -457,20 +462,21 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
     for label in labels:
         for outcomes in results[label].outcomes:
             metric = outcomes.metric
-            ref = None if metric.kind in (DIVERGENCE, AGREEMENT) else base[metric]
-            if ref is not None and metric.kind == ACCURACY:
+            kind = metric.kind
+            ref = None if kind.reference is not None else base[metric]
+            if ref is not None and kind.on_tasks:
                 ref = ref.first(outcomes.n)  # the baseline may have scored more documents (sequential looks)
-            confidence = look_confidence(gate, planned_looks.get(metric.source, 1) if metric.kind == ACCURACY else 1)
-            low, high = paired_interval(metric.kind, None if ref is None else ref.samples(), outcomes.samples(),
+            confidence = look_confidence(gate, planned_looks.get(metric.source, 1) if kind.on_tasks else 1)
+            low, high = paired_interval(kind, None if ref is None else ref.samples(), outcomes.samples(),
                                            gate.bootstrap, confidence, cfg.eval.seed)
-            reference = {DIVERGENCE: 0.0, AGREEMENT: 1.0}[metric.kind] if ref is None else ref.value
+            reference = kind.reference if ref is None else ref.value
             share = outcomes.exercise.quantized_share if outcomes.exercise else math.nan
             gated = is_gated(metric, gate)
             row = MetricRow(label, metric, outcomes.value, reference, outcomes.n, gated, low, high, share, confidence)
             if gated and metric.source in at_chance:
                 row = dataclasses.replace(row, gated=False)  # the baseline cannot do it here: says nothing of a cache
             rows.append(row)
-            if metric.kind == ACCURACY and gate.max_flip_rate is not None and rows[-1].gated:
+            if kind is ACCURACY and not math.isnan(FLIPS.threshold(gate)) and rows[-1].gated:
                 rows.append(flip_row(rows[-1], ref.scores, outcomes.scores))
     return rows
 
@@ -480,5 +486,6 @@ def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[
     correctness the candidate changed, with its exact interval at the accuracy row's confidence."""
     found = flips(baseline, candidate, accuracy.confidence)
     low, high = found.rate_interval
-    return MetricRow(accuracy.candidate, MetricId("flips", accuracy.metric.source), found.rate, 0.0, found.n, True,
+    return MetricRow(accuracy.candidate, MetricId(FLIPS.measures[0], accuracy.metric.source), found.rate, 0.0, found.n,
+                     True,
                      low, high, accuracy.quantized_share, accuracy.confidence)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvquant.errors import KVQuantError, is_python_int
+from kvquant.experiment.metric import divergence_limits
 from kvquant.runner.binding import require
 from kvquant.scoring.needles import needle_task
 
@@ -59,7 +60,7 @@ def check_long_context(cfg) -> None:
                 f"({', '.join(names) or 'none'}); name the perplexity set whose text the long documents are cut from")
     if gate.min_context is None:
         return
-    bucketed = long is not None and (gate.max_kl_divergence is not None or gate.min_top1_agreement is not None)
+    bucketed = long is not None and bool(divergence_limits(gate))
     require(bucketed or bool(needles), "gate.min_context: no long-context metric to judge: set eval.long_context "
             "with gate.max_kl_divergence (or gate.min_top1_agreement), or gate a needle task "
             "(eval.tasks.names: needle_<kind>_<length>)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvquant.experiment.metric import ACCURACY
+
 #: the largest integer a result holds (bytes, counts): beyond it a number is no count a run made
 MAX_INT = 2**53
 #: the longest time one result takes, in seconds (a year)
@@ -147,7 +149,7 @@ def _long(result: dict, shape: Shape) -> str | None:
 
 
 def _task(result: dict, shape: Shape) -> str | None:
-    found = [m for m in ("acc", "acc_norm") if m in result]
+    found = [m for m in ACCURACY.measures if m in result]
     if not found:
         return "it holds neither 'acc' nor 'acc_norm'"
     for measure in found:

@@ -32,7 +32,7 @@ from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate
 from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
 from kvquant.runner.report_lengths import lengths_document, lengths_plot, long_verdicts
 from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
-from kvquant.runner.results import DIVERGENCE, PERPLEXITY, Memory, RunResult
+from kvquant.runner.results import Memory, RunResult
 from kvquant.runner.sources import MEASURING, commit_provenance, source_digest
 from kvquant.signing import recorded, signed_json
 
@@ -143,9 +143,10 @@ def environment() -> dict[str, str]:
 
 def _metric_entry(m: MetricReport) -> dict:
     """A metric as results.json records it: the gate's row and verdict, what attention read, the summed NLL and
-    tokens (perplexity), the KL quantiles (divergence)."""
+    tokens of both (a metric paired with the baseline's windows: perplexity), the quantiles of per-position values
+    (KL divergence)."""
     row, verdict, outcomes = m.row, m.verdict, m.outcomes
-    entry = {"kind": row.kind, "value": row.value, "baseline": row.baseline, "relative": row.relative,
+    entry = {"kind": row.kind.kind, "value": row.value, "baseline": row.baseline, "relative": row.relative,
              "statistic": row.statistic, "ci_low": row.ci_low, "ci_high": row.ci_high, "confidence": row.confidence,
              "threshold": verdict.threshold, "gated": row.gated, "verdict": verdict.verdict,
              "point_estimate_only": verdict.point, "more_documents": verdict.more,
@@ -156,13 +157,12 @@ def _metric_entry(m: MetricReport) -> dict:
         entry.update(key_share=exercise.reads.share("keys"), value_share=exercise.reads.share("values"),
                      reads=exercise.reads.to_dict(), median_length=m.length(0.5), p90_length=m.length(0.9),
                      bits_per_element_at_median=m.bits_at_median)
-    if row.kind == PERPLEXITY:
+    if m.baseline is not None:
         entry.update(nll_sum=float(np.sum(outcomes.scores)), tokens=int(np.sum(outcomes.tokens)),
                      baseline_nll_sum=float(np.sum(m.baseline.scores)), baseline_tokens=int(np.sum(m.baseline.tokens)))
-    if row.kind == DIVERGENCE:
-        for name, quantile in m.quantiles:
-            entry[name] = quantile.value
-            entry[f"{name}_ci"] = [quantile.low, quantile.high]
+    for name, quantile in m.quantiles:
+        entry[name] = quantile.value
+        entry[f"{name}_ci"] = [quantile.low, quantile.high]
     return entry
 
 

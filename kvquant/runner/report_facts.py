@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvquant.experiment.metric import ACCURACY
 from kvquant.runner.flips import Flips, flips
 from kvquant.runner.gate import quantile_interval
-from kvquant.runner.results import (ACCURACY, DIVERGENCE, FLIPS, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes,
-    RunResult, Verdict)
+from kvquant.runner.results import Memory, MetricId, MetricRow, Outcomes, RunResult, Verdict
 from kvquant.scoring.tasks import probe_distance
 
 #: The KL divergence quantiles a divergence metric reports, by name.
@@ -34,7 +34,8 @@ class Quantile:
 @dataclass(frozen=True)
 class MetricReport:
     """One candidate x metric as reported: the gate's verdict (and through it the row), the candidate's outcomes,
-    the baseline's (perplexity only: its summed NLL and tokens are reported), for a divergence metric the KL
+    the baseline's (where its kind is paired with the baseline's outcomes over windows, perplexity: its summed NLL
+    and tokens are reported), for a metric with per-position values (KL divergence over windows) the
     quantiles of :data:`QUANTILES` by name, and for an accuracy metric of right-or-wrong documents its
     :class:`~kvquant.runner.flips.Flips` against the baseline."""
 
@@ -90,22 +91,23 @@ def _quantiles(outcomes: Outcomes, run: RunResult) -> tuple[tuple[str, Quantile]
 
 def metric_report(verdict: Verdict, run: RunResult) -> MetricReport:
     row = verdict.row
-    outcomes = _accuracy_outcomes(run, row) if row.kind == FLIPS else run.results[row.candidate][row.metric]
-    baseline = run.results["baseline"][row.metric] if row.kind == PERPLEXITY else None
-    quantiles = _quantiles(outcomes, run) if row.kind == DIVERGENCE and outcomes.per_token else ()
+    outcomes = _accuracy_outcomes(run, row) if row.kind.derived else run.results[row.candidate][row.metric]
+    paired = row.kind.windowed and row.kind.reference is None
+    baseline = run.results["baseline"][row.metric] if paired else None
+    quantiles = _quantiles(outcomes, run) if outcomes.per_token else ()
     return MetricReport(verdict, outcomes, baseline, quantiles, _flips(row, run))
 
 
 def _accuracy_outcomes(run: RunResult, row: MetricRow) -> Outcomes:
     """The outcomes a flip-rate row was derived from: its task's standard (gated) accuracy."""
     return next(o for o in run.results[row.candidate].outcomes
-                if o.metric.kind == ACCURACY and o.metric.source == row.metric.source and o.metric.standard)
+                if o.metric.kind is ACCURACY and o.metric.source == row.metric.source and o.metric.standard)
 
 
 def _flips(row: MetricRow, run: RunResult) -> Flips | None:
     """The documents whose correctness the candidate changed, for an accuracy metric scored right or wrong per
     document (None for others)."""
-    if row.kind != ACCURACY:
+    if row.kind is not ACCURACY:
         return None
     base = run.results["baseline"][row.metric].scores
     own = run.results[row.candidate][row.metric].scores
@@ -161,7 +163,7 @@ def probe_curve(rows: tuple[MetricRow, ...] | list[MetricRow]) -> dict[str, dict
     curve: dict[str, dict[int, tuple[float, int]]] = {}
     for row in rows:
         distance = probe_distance(row.metric.source)
-        if row.metric.measure == "acc" and distance is not None:
+        if row.metric.kind is ACCURACY and row.metric.standard and distance is not None:
             curve.setdefault("baseline", {})[distance] = (row.baseline, row.n)
             curve.setdefault(row.candidate, {})[distance] = (row.value, row.n)
     return curve

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from kvquant.experiment.metric import ACCURACY, DIVERGENCE, METRICS
 from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, selected, verdict_text
 from kvquant.runner.report_plots import _png, _pyplot
-from kvquant.runner.results import ACCURACY, AGREEMENT, DIVERGENCE, RunResult, Verdict, bucket_end
+from kvquant.runner.results import RunResult, Verdict, bucket_end
 from kvquant.scoring.needles import needle_chance, needle_task
 
 
@@ -42,7 +43,7 @@ def lengths_document(run: RunResult) -> dict:
 
 def _cell(v: Verdict, digits: int) -> str:
     row = v.row
-    value = row.value if row.kind in (DIVERGENCE, AGREEMENT) else row.relative
+    value = row.statistic
     shown = "" if v.verdict == "not gated" else f" {verdict_text(v)}"
     return f"{value:.{digits}f} [{row.ci_low:.{digits}f}, {row.ci_high:.{digits}f}]{shown}"
 
@@ -79,18 +80,17 @@ def lengths_section(run: RunResult) -> list[str]:
     long = cfg.eval.long_context
     if long is not None:
         edges = dict(zip(long.lengths, [0, *long.lengths[:-1]]))
-        lines += _table(f"### KL divergence by position ({long.documents} documents of {long.lengths[-1]:,} tokens "
-                        f"from {long.text}, fed {cfg.eval.chunk_size} tokens at a time; nats per position, "
-                        f"{cfg.gate.confidence:.0%} bootstrap interval over documents)",
-                        [v for v in verdicts if v.row.kind == DIVERGENCE],
-                        lambda v: (bucket_end(v.row.metric), f"{edges[bucket_end(v.row.metric)]}-"
-                                   f"{bucket_end(v.row.metric)}"), 5)
-        lines += _table("### Top-1 agreement by position", [v for v in verdicts if v.row.kind == AGREEMENT],
-                        lambda v: (bucket_end(v.row.metric), f"{edges[bucket_end(v.row.metric)]}-"
-                                   f"{bucket_end(v.row.metric)}"), 4)
-    needles = [v for v in verdicts if v.row.kind == ACCURACY]
+        where = (f" ({long.documents} documents of {long.lengths[-1]:,} tokens from {long.text}, fed "
+                 f"{cfg.eval.chunk_size} tokens at a time; nats per position, {cfg.gate.confidence:.0%} bootstrap "
+                 "interval over documents)")
+        for i, kind in enumerate(m for m in METRICS if m.bucketed):  # the first table says where the documents are
+            lines += _table(f"### {kind.title} by position{where if i == 0 else ''}",
+                            [v for v in verdicts if v.row.kind is kind],
+                            lambda v: (bucket_end(v.row.metric), f"{edges[bucket_end(v.row.metric)]}-"
+                                       f"{bucket_end(v.row.metric)}"), kind.digits)
+    needles = [v for v in verdicts if v.row.kind is ACCURACY]
     lines += _table("### Needles (accuracy relative to the baseline's)", needles,
-                    lambda v: (metric_length(v.row.metric), v.row.metric.source), 3)
+                    lambda v: (metric_length(v.row.metric), v.row.metric.source), ACCURACY.digits)
     return [*lines, "![metrics by length](lengths.png)", ""]
 
 
@@ -102,14 +102,16 @@ def lengths_plot(run: RunResult) -> bytes | None:
                 and v.row.metric.source not in at_chance]
     if not verdicts:
         return None
-    panels = sorted({v.row.kind if v.row.kind == DIVERGENCE else needle_task(v.row.metric.source)[0]
-                     for v in verdicts})
+
+    def panel_of(v: Verdict) -> str:  # KL, or the needle's kind
+        return DIVERGENCE.kind if v.row.kind is DIVERGENCE else needle_task(v.row.metric.source)[0]
+
+    panels = sorted({panel_of(v) for v in verdicts})
     fig, axes = _pyplot().subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        own = [v for v in verdicts if (v.row.kind if v.row.kind == DIVERGENCE else
-                                       needle_task(v.row.metric.source)[0]) == panel]
+        own = [v for v in verdicts if panel_of(v) == panel]
         for label in dict.fromkeys(v.row.candidate for v in own):
-            points = [(x, v, v.row.value if panel == DIVERGENCE else v.row.relative)
+            points = [(x, v, v.row.statistic)
                       for x, v in sorted(((metric_length(v.row.metric), v) for v in own if v.row.candidate == label),
                                          key=lambda p: p[0])]
             points = [(x, v, y) for x, v, y in points if math.isfinite(y)]  # a baseline at 0: no ratio to draw
@@ -118,7 +120,7 @@ def lengths_plot(run: RunResult) -> bytes | None:
             low = [max(y - v.row.ci_low, 0) if math.isfinite(v.row.ci_low) else 0 for _, v, y in points]
             high = [max(v.row.ci_high - y, 0) if math.isfinite(v.row.ci_high) else 0 for _, v, y in points]
             ax.errorbar(xs, ys, yerr=[low, high], fmt="o-", capsize=3, label=label)
-        if panel == DIVERGENCE:
+        if panel == DIVERGENCE.kind:
             ax.set_yscale("log")
             if run.config.gate.max_kl_divergence:
                 ax.axhline(run.config.gate.max_kl_divergence, color="red", ls="--", lw=1, label="threshold")
@@ -126,7 +128,7 @@ def lengths_plot(run: RunResult) -> bytes | None:
             ax.axhline(run.config.gate.min_relative_accuracy, color="red", ls="--", lw=1, label="threshold")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("position bucket end / needle length (tokens)")
-        ax.set_ylabel("mean KL divergence (nats)" if panel == DIVERGENCE else f"needle_{panel}: accuracy ratio")
+        ax.set_ylabel("mean KL divergence (nats)" if panel == DIVERGENCE.kind else f"needle_{panel}: accuracy ratio")
         ax.legend(fontsize=7)
     fig.suptitle(f"{run.config.name}: long context")
     return _png(fig)

@@ -6,12 +6,12 @@ stages; rendered from the typed :class:`~kvquant.runner.results.RunResult` and t
 
 from __future__ import annotations
 
+from kvquant.experiment.metric import AGREEMENT, DIVERGENCE, METRICS
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.gate import TOO_FEW, duration, looks, verdict_text
 from kvquant.runner.report_facts import CandidateReport, MetricReport, StageRow, probe_curve, stage_rows
 from kvquant.runner.report_lengths import lengths_section
-from kvquant.runner.results import (DIVERGENCE, LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged,
-    bucket_end)
+from kvquant.runner.results import LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged, bucket_end
 
 
 def markdown(run: RunResult, candidates: tuple[CandidateReport, ...], run_id: str, env: dict[str, str]) -> str:
@@ -36,9 +36,7 @@ def markdown(run: RunResult, candidates: tuple[CandidateReport, ...], run_id: st
 
 def _gate_line(cfg: ExperimentConfig) -> str:
     gate = cfg.gate
-    limits = [f"accuracy ratio >= {gate.min_relative_accuracy}", f"perplexity ratio <= {gate.max_perplexity_ratio}",
-              *([f"mean KL divergence <= {gate.max_kl_divergence} nats/token"] if gate.max_kl_divergence else []),
-              *([f"top-1 agreement >= {gate.min_top1_agreement}"] if gate.min_top1_agreement else [])]
+    limits = [phrase for m in METRICS if (phrase := m.limit_phrase(getattr(gate, m.threshold_key)))]
     if gate.decide_on == "point":
         how = ("**decided on the point estimate alone (`decide_on: point`): not a statistical test**; "
                f"{gate.confidence:.0%} paired bootstrap intervals are shown")
@@ -180,12 +178,9 @@ def _metrics_section(candidates: tuple[CandidateReport, ...], baseline: Memory) 
     lines += [_metric_line(c.label, name, m) for c in candidates for name, m in c.metrics.items()]
     return lines + [
         "", "Statistic: the relative score (candidate / baseline accuracy, baseline / candidate perplexity; "
-        "1.0 = no loss), or the value of `kl/` (mean KL divergence of the candidate's next-token distribution "
-        "from the baseline's, nats per position; the baseline is the model's own computation, for an engine's "
-        "format too, not the engine's own 16-bit cache: docs/quantizers.md, what an engine format's KL means) "
-        "and `top1/` (share of positions whose most likely token is "
-        "the baseline's) and `flips/` (share of a task's documents whose answer went from right to wrong or from "
-        "wrong to right; exact interval). Interval: the paired score interval (tasks) or the paired studentized "
+        "1.0 = no loss), or the value of "
+        + " and ".join(f"`{m.measures[0]}/` ({m.explained})" for m in METRICS if m.by_value)
+        + ". Interval: the paired score interval (tasks) or the paired studentized "
         "bootstrap over windows (perplexity sets), at the confidence shown. Quantized share: of the keys and of "
         "the values attention read (per query, causally, over every layer), the smaller share stored quantized; "
         "bits at median: the cache's bits per element at the median request length (the bits column of the "
@@ -201,7 +196,7 @@ def _interval(value: float, low: float, high: float, digits: int) -> str:
 def _divergence_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
     """Per candidate and perplexity set: mean, median and p99 KL divergence, and top-1 agreement."""
     rows = [(c, m) for c in candidates for m in c.metrics.values()
-            if m.row.kind == DIVERGENCE and bucket_end(m.row.metric) is None]  # buckets: the long-context section
+            if m.row.kind is DIVERGENCE and bucket_end(m.row.metric) is None]  # buckets: the long-context section
     if not rows:
         return []
     lines = ["## Divergence from the baseline", "", "Per position, KL(baseline || candidate) of the next-token "
@@ -210,7 +205,7 @@ def _divergence_table(candidates: tuple[CandidateReport, ...]) -> list[str]:
              "| candidate | set | mean KL | median KL | p99 KL | top-1 agreement |", "|---|---|---|---|---|---|"]
     for c, m in rows:
         source = m.row.metric.source
-        top = c.metric(MetricId("top1", source))
+        top = c.metric(MetricId(AGREEMENT.measures[0], source))
         agreement = _interval(top.row.value, top.row.ci_low, top.row.ci_high, 4) if top else "-"
         quantiles = [_interval(q.value, q.low, q.high, 5) for _, q in m.quantiles]
         lines.append(f"| {c.label} | {source} | {_interval(m.row.value, m.row.ci_low, m.row.ci_high, 5)} | "
@@ -319,10 +314,8 @@ def _search_intro(search: SearchSummary) -> str:
             "On the calibration "
             f"split a map passes when {gated} meet the gate, perplexity ratio at most "
             f"{cal['max_perplexity_ratio']:g}"
-            + (f", mean KL divergence at most {cal['max_kl_divergence']:g} nats/token"
-               if cal.get("max_kl_divergence") is not None else "")
-            + (f", top-1 agreement at least {cal['min_top1_agreement']:g}"
-               if cal.get("min_top1_agreement") is not None else "")
+            + "".join(f", {m.limit_phrase(cal[m.threshold_key], words=True)}" for m in METRICS
+                      if m.bucketed and cal.get(m.threshold_key) is not None)
             + f". {_search_outcome(search)}; "
             f"it is evaluated as candidate `{search.name}` above, and `searched.yaml` reruns it alone.")
 

@@ -9,7 +9,6 @@ import math
 
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.report_facts import CandidateReport, StageRow
-from kvquant.runner.results import AGREEMENT, DIVERGENCE, FLIPS
 
 
 def _pyplot():
@@ -52,7 +51,7 @@ def quality_plot(candidates: tuple[CandidateReport, ...], cfg: ExperimentConfig)
     its paired intervals), thresholds drawn."""
     fig, ax = _pyplot().subplots(figsize=(7, 4.5))
     metrics = sorted({name for c in candidates for name, m in c.metrics.items()
-                      if m.row.gated and m.row.kind not in (DIVERGENCE, AGREEMENT, FLIPS)})
+                      if m.row.gated and not m.row.kind.by_value})
     for i, metric in enumerate(metrics):
         entries = sorted(((c.memory.bits_per_element, c.metrics[metric].row, c.label) for c in candidates
                           if metric in c.metrics), key=lambda entry: (entry[0], entry[2]))  # equal bits: by name

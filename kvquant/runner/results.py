@@ -23,36 +23,34 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvquant.cache.reads import Reads
-
-ACCURACY, PERPLEXITY, DIVERGENCE, AGREEMENT = "accuracy", "perplexity", "divergence", "agreement"
-FLIPS = "flips"
-#: What each measure is a kind of: accuracy of a task; perplexity, KL divergence from the baseline's next-token
-#: distribution and top-1 agreement with it, of a perplexity set; the flip rate of a task (the share of documents
-#: whose correctness the candidate changed, :mod:`kvquant.runner.flips`; a row of the gate, derived from the
-#: task's accuracy outcomes, not measured on its own).
-KINDS = {"acc": ACCURACY, "acc_norm": ACCURACY, "ppl": PERPLEXITY, "kl": DIVERGENCE, "top1": AGREEMENT,
-         "flips": FLIPS}
-#: Kinds measured per window as (a sum, positions): their value is the token-weighted mean.
-WINDOWED = (PERPLEXITY, DIVERGENCE, AGREEMENT)
-
+from kvquant.experiment.metric import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, MEASURES, METRICS,  # noqa: F401
+    PERPLEXITY, Metric)  # the kinds are also imported from here, where they were defined before
 
 @dataclass(frozen=True)
 class MetricId:
-    """``measure`` (``ppl``, ``kl``, ``top1``, ``acc`` or ``acc_norm``: :data:`KINDS`) of ``source`` (a perplexity
-    set or a task name)."""
+    """``measure`` (``ppl``, ``kl``, ``top1``, ``acc``, ``acc_norm`` or ``flips``: the measures of
+    :data:`kvquant.experiment.metric.MEASURES`) of ``source`` (a perplexity set or a task name)."""
 
     measure: str
     source: str
     standard: bool = True  # the source's standard metric (perplexity sets: always; a task: acc_norm or acc)
 
     @property
-    def kind(self) -> str:
-        return KINDS[self.measure]
+    def kind(self) -> Metric:
+        return MEASURES[self.measure]
 
     @property
     def name(self) -> str:
         """How reports name it: ``ppl/wikitext2``, ``acc_norm/hellaswag``."""
         return f"{self.measure}/{self.source}"
+
+    @classmethod
+    def parse(cls, name: str) -> MetricId:
+        """The metric a report names ``name`` (:attr:`name`); a ValueError where its measure is unknown."""
+        measure, sep, source = name.partition("/")
+        if not sep or not source or measure not in MEASURES:
+            raise ValueError(f"{name!r} is no metric name (<measure>/<source>, measures: {', '.join(MEASURES)})")
+        return cls(measure, source)
 
 
 @dataclass(frozen=True)
@@ -98,17 +96,12 @@ class Outcomes:
     @property
     def value(self) -> float:
         """Accuracy (the mean score), perplexity ``exp(summed NLL / tokens)``, mean KL divergence per token, or
-        the share of positions whose most likely token is the baseline's."""
-        if self.metric.kind == ACCURACY:
-            return float(np.mean(self.scores)) if self.scores else math.nan
-        mean = float(np.sum(self.scores) / np.sum(self.tokens))
-        return float(np.exp(mean)) if self.metric.kind == PERPLEXITY else mean
+        the share of positions whose most likely token is the baseline's (:meth:`Metric.value`)."""
+        return self.metric.kind.value(self.scores, self.tokens)
 
     def samples(self) -> np.ndarray:
         """What the paired bootstrap resamples: ``[n]`` scores, or ``[n, 2]`` rows of (sum, positions)."""
-        if self.metric.kind == ACCURACY:
-            return np.asarray(self.scores, dtype=float)
-        return np.column_stack([np.asarray(self.scores, dtype=float), np.asarray(self.tokens, dtype=float)])
+        return self.metric.kind.samples(self.scores, self.tokens)
 
     def first(self, n: int) -> Outcomes:
         """The outcomes of the first ``n`` samples (what a candidate scored of the documents the baseline did)."""
@@ -160,7 +153,7 @@ def bucket_end(metric: MetricId) -> int | None:
     """The end of the position bucket a long-context divergence metric covers (``kl/wikitext2@4096``: 4096), else
     None."""
     name, sep, end = metric.source.rpartition(BUCKET)
-    return int(end) if sep and metric.kind in (DIVERGENCE, AGREEMENT) else None
+    return int(end) if sep and metric.kind.bucketed else None
 
 
 def long_outcomes(text: str, raw: dict, lengths: list[int], bits: float = math.nan) -> list[Outcomes]:
@@ -174,7 +167,7 @@ def long_outcomes(text: str, raw: dict, lengths: list[int], bits: float = math.n
         if not any(tokens):
             continue
         exercise = _bucket_exercise(raw, start, stop, bits)
-        for measure in ("kl", "top1"):
+        for measure in (m.measures[0] for m in METRICS if m.bucketed):  # kl, top1
             sums = tuple(float(sum(d[start:stop])) for d in raw[measure])
             out.append(Outcomes(MetricId(measure, f"{text}{BUCKET}{stop}"), sums, tokens, exercise))
     return out
@@ -198,7 +191,7 @@ def task_outcomes(task: str, raw: dict, standard: str, bits: float = math.nan) -
     ``lengths``) as outcomes; ``standard``: the measure gated for this task."""
     exercise = _exercise(raw, bits)
     return [Outcomes(MetricId(m, task, m == standard), tuple(map(float, raw[m])), (), exercise)
-            for m in ("acc", "acc_norm") if m in raw]
+            for m in ACCURACY.measures if m in raw]
 
 
 #: Tokens per sequence at which every cache's memory is also stated (the planner's arithmetic).
@@ -232,7 +225,7 @@ class Measured:
         return next(o for o in self.outcomes if o.metric == metric)
 
     def perplexity(self) -> list[Outcomes]:
-        return [o for o in self.outcomes if o.metric.kind == PERPLEXITY]
+        return [o for o in self.outcomes if o.metric.kind is PERPLEXITY]
 
 
 @dataclass(frozen=True)
@@ -253,27 +246,24 @@ class MetricRow:
     confidence: float = math.nan
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Metric:
         return self.metric.kind
 
     @property
     def relative(self) -> float:
-        return relative_score(self.kind, self.value, self.baseline)
+        return self.kind.relative(self.value, self.baseline)
 
     @property
     def statistic(self) -> float:
-        """What the gate compares with its threshold: the relative score, or the value of a divergence metric."""
-        return self.value if self.kind in (DIVERGENCE, AGREEMENT, FLIPS) else self.relative
+        """What the gate compares with its threshold: the relative score, or the value of a metric compared by
+        value (a divergence, agreement, a flip rate)."""
+        return self.value if self.kind.by_value else self.relative
 
 
-def relative_score(kind: str, value: float, baseline: float) -> float:
-    """candidate/baseline for accuracy (and agreement), baseline/candidate for perplexity: 1.0 = no loss."""
-    if kind in (DIVERGENCE, FLIPS):
-        return math.nan  # the baseline's divergence from itself (or flips against itself) is 0: no ratio
-    num, den = (baseline, value) if kind == PERPLEXITY else (value, baseline)
-    if den == 0:
-        return 1.0 if num == 0 else math.inf
-    return num / den
+def relative_score(kind: Metric | str, value: float, baseline: float) -> float:
+    """candidate/baseline for accuracy (and agreement), baseline/candidate for perplexity: 1.0 = no loss
+    (:meth:`Metric.relative`; nan for a divergence or a flip rate: the baseline's against itself is 0)."""
+    return Metric.of(kind).relative(value, baseline)
 
 
 @dataclass(frozen=True)

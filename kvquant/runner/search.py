@@ -32,6 +32,7 @@ from kvquant.cache.build import spec_memory
 from kvquant.scoring import data
 from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
+from kvquant.experiment.metric import divergence_limits
 from kvquant.runner.gate import decide, metric_rows
 from kvquant.scoring.session import BASELINE, Session, Split
 from kvquant.runner.results import Measured, SearchSummary
@@ -212,7 +213,7 @@ class _Search:
     def measure(self, candidate: Candidate, label: str, tasks: bool) -> Measured:
         """``candidate`` on the calibration split; a map gated there (``tasks``) is also measured on what the gate
         gates beyond tasks and perplexity: its KL divergence (and top-1 agreement) when the gate limits either."""
-        divergence = tasks and (self.gate.max_kl_divergence, self.gate.min_top1_agreement) != (None, None)
+        divergence = tasks and bool(divergence_limits(self.gate))
         return self.session.measure(candidate, self.split, label, tasks=tasks, divergence=divergence)
 
     def sensitivities(self) -> None:
@@ -277,8 +278,7 @@ class _Search:
                          "documents": {t: [d.start, d.stop] for t, d in self.documents.items()},
                          "max_perplexity_ratio": self.gate.max_perplexity_ratio,
                          "tasks_gated": bool(self.documents),
-                         **{key: getattr(self.gate, key) for key in ("max_kl_divergence", "min_top1_agreement")
-                            if getattr(self.gate, key) is not None}})
+                         **divergence_limits(self.gate)})
 
 
 def search(session: Session, rows: dict) -> tuple[Candidate, SearchSummary]:

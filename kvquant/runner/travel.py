@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, one_line
+from kvquant.experiment.metric import ACCURACY
 from kvquant.fs import read_file
 from kvquant.runner.expected import Expected
 from kvquant.runner.plausible import problem
@@ -147,8 +148,8 @@ def check_documents(found: list[Found]) -> None:
         if f.metric.startswith("task/"):
             inputs = {k: v for k, v in f.saved["inputs"].items() if k not in ("settings", "result_of", "weights")}
             first = seen.setdefault(_text(inputs), f)
-            counts = [len(next((r[m] for m in ("acc", "acc_norm") if m in r), ())) for r in (first.saved["result"],
-                                                                                     f.saved["result"])]
+            counts = [len(next((r[m] for m in ACCURACY.measures if m in r), ()))
+                      for r in (first.saved["result"], f.saved["result"])]
             if counts[0] != counts[1]:
                 refuse(f"{first.path} and {f.path} score {counts[0]} and {counts[1]} documents of the same task "
                        "inputs; a run scores every candidate on the same documents")

@@ -1,0 +1,1 @@
+"""The experiment's vocabulary, below both ``kvquant.scoring`` and ``kvquant.runner``."""
