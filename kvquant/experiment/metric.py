@@ -53,8 +53,9 @@ class Metric:
     reference: float | None = None
     #: also measured per position bucket of the long documents (``<measure>/<text>@<end>``)
     bucketed: bool = False
-    #: derived from a task's accuracy outcomes beside its accuracy row, not measured on its own (flips)
-    derived: bool = False
+    #: the kind whose outcomes it is derived from, beside that kind's row, where it is not measured on its own (flips:
+    #: from a task's accuracy); ``kvquant.runner.gate`` holds how
+    derived_from: Metric | None = None
     #: what the report calls it where it states the config's limit (None: not stated there), and the limit's unit
     phrase: str | None = None
     unit: str = ""
@@ -73,7 +74,7 @@ class Metric:
     def relative_to_baseline(self) -> bool:
         """Whether a relative score (candidate against baseline) means anything: not where the baseline's value
         against itself is 0 (a divergence, a flip rate)."""
-        return self.reference != 0.0 and not self.derived
+        return self.reference != 0.0 and self.derived_from is None
 
     def threshold(self, policy) -> float:
         """Its threshold under the gate config ``policy`` (nan where the config sets none)."""
@@ -138,7 +139,7 @@ DIVERGENCE = Metric(
 AGREEMENT = Metric("agreement", ("top1",), "min_top1_agreement", False, MEAN, windowed=True, by_value=True,
                    reference=1.0, bucketed=True, phrase="top-1 agreement",
                    explained="share of positions whose most likely token is the baseline's", title="Top-1 agreement")
-FLIPS = Metric("flips", ("flips",), "max_flip_rate", True, EXACT, on_tasks=True, by_value=True, derived=True,
+FLIPS = Metric("flips", ("flips",), "max_flip_rate", True, EXACT, on_tasks=True, by_value=True, derived_from=ACCURACY,
                explained="share of a task's documents whose answer went from right to wrong or from wrong to right; "
                          "exact interval")
 
@@ -149,8 +150,10 @@ KINDS = {m.kind: m for m in METRICS}
 MEASURES = {measure: m for m in METRICS for measure in m.measures}
 
 
-def divergence_limits(policy) -> dict[str, float]:
-    """The thresholds ``policy`` sets on the divergence metrics (measured against the baseline's next-token
-    distributions, on perplexity sets or the long documents), by config field: empty where none is gated."""
+def divergence_limits(policy, bucketed: bool = False) -> dict[str, float]:
+    """The thresholds ``policy`` sets on the divergence metrics (those with a :attr:`Metric.reference`: measured
+    against the baseline's next-token distributions on perplexity sets, some also on the long documents'
+    position buckets), by config field, in :data:`METRICS`' order: empty where none is gated; ``bucketed``: only
+    those measured per position bucket."""
     return {m.threshold_key: getattr(policy, m.threshold_key) for m in METRICS
-            if m.bucketed and getattr(policy, m.threshold_key) is not None}
+            if (m.bucketed if bucketed else m.reference is not None) and getattr(policy, m.threshold_key) is not None}

@@ -339,7 +339,7 @@ class ExperimentConfig:
         require(bool(gated) or self.gate.min_context is not None, "gate: nothing is gated (gate.tasks and "
                 "gate.perplexity select no task and no perplexity set), so every candidate would pass; gate at least "
                 "one")
-        for key in (m.threshold_key for m in METRICS if m.bucketed):
+        for key in (m.threshold_key for m in METRICS if m.reference is not None):
             require(getattr(self.gate, key) is None or bool(self.gated_perplexity()) or bool(self.eval.long_context),
                     f"gate.{key}: divergence from the baseline is measured on perplexity sets (or long documents), "
                     "and none is gated; add one to eval.perplexity (and gate.perplexity) or eval.long_context")

@@ -79,7 +79,7 @@ def count_warnings(cfg) -> list[str]:
                 and spec.limit < MIN_PASS:
             out.append(f"eval.perplexity {spec.name}: {spec.limit} windows {_decide(spec.limit)}")
     long = cfg.eval.long_context
-    if long is not None and divergence_limits(gate) and long.documents < MIN_PASS:
+    if long is not None and divergence_limits(gate, bucketed=True) and long.documents < MIN_PASS:
         out.append(f"eval.long_context.documents: {long.documents} documents {_decide(long.documents)}")
     return out
 

@@ -32,14 +32,15 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvquant.experiment.metric import ACCURACY, FLIPS, LOG_RATIO, MEAN, SCORE_RATIO, PERPLEXITY, Metric
+from kvquant.experiment.metric import ACCURACY, FLIPS, LOG_RATIO, MEAN, METRICS, SCORE_RATIO, PERPLEXITY, Metric
 from kvquant.runner.bootstrap import studentized
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.flips import flips
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
-from kvquant.runner.results import Decision, Measured, MetricId, MetricRow, Verdict, BUCKET, bucket_end, relative_score
+from kvquant.runner.results import (Decision, Measured, MetricId, MetricRow, Outcomes, Verdict, BUCKET, bucket_end,
+    relative_score)
 from kvquant.scoring.needles import needle_chance, needle_task
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "TOO_FEW",
@@ -475,10 +476,19 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
             row = MetricRow(label, metric, outcomes.value, reference, outcomes.n, gated, low, high, share, confidence)
             if gated and metric.source in at_chance:
                 row = dataclasses.replace(row, gated=False)  # the baseline cannot do it here: says nothing of a cache
-            rows.append(row)
-            if kind is ACCURACY and not math.isnan(FLIPS.threshold(gate)) and rows[-1].gated:
-                rows.append(flip_row(rows[-1], ref.scores, outcomes.scores))
+            rows += [row, *derived_rows(row, ref, outcomes, cfg, at_chance)]
     return rows
+
+
+def derived_rows(row: MetricRow, baseline: Outcomes | None, outcomes: Outcomes, cfg: ExperimentConfig,
+                 at_chance: frozenset[str]) -> list[MetricRow]:
+    """The rows of the kinds derived from ``row``'s kind (:attr:`~kvquant.experiment.metric.Metric.derived_from`),
+    from its outcomes (``baseline``: the baseline's, where paired): each where the gate gates it (its threshold set,
+    its source gated), from the source's standard metric, not on a needle task the baseline cannot do."""
+    return [derived for kind in METRICS
+            if kind.derived_from is row.kind and row.metric.standard and row.metric.source not in at_chance
+            and is_gated(MetricId(kind.measures[0], row.metric.source), cfg.gate)
+            for derived in _DERIVE[kind](row, baseline, outcomes, cfg)]
 
 
 def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[float, ...]) -> MetricRow:
@@ -487,5 +497,9 @@ def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[
     found = flips(baseline, candidate, accuracy.confidence)
     low, high = found.rate_interval
     return MetricRow(accuracy.candidate, MetricId(FLIPS.measures[0], accuracy.metric.source), found.rate, 0.0, found.n,
-                     True,
-                     low, high, accuracy.quantized_share, accuracy.confidence)
+                     True, low, high, accuracy.quantized_share, accuracy.confidence)
+
+
+#: How each derived kind's rows (one, or none where its source's outcomes cannot give it) are made from its source
+#: row, the baseline's and the candidate's outcomes, and the config.
+_DERIVE = {FLIPS: lambda row, baseline, outcomes, cfg: [flip_row(row, baseline.scores, outcomes.scores)]}

@@ -60,7 +60,7 @@ def check_long_context(cfg) -> None:
                 f"({', '.join(names) or 'none'}); name the perplexity set whose text the long documents are cut from")
     if gate.min_context is None:
         return
-    bucketed = long is not None and bool(divergence_limits(gate))
+    bucketed = long is not None and bool(divergence_limits(gate, bucketed=True))
     require(bucketed or bool(needles), "gate.min_context: no long-context metric to judge: set eval.long_context "
             "with gate.max_kl_divergence (or gate.min_top1_agreement), or gate a needle task "
             "(eval.tasks.names: needle_<kind>_<length>)")

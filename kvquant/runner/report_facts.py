@@ -91,17 +91,18 @@ def _quantiles(outcomes: Outcomes, run: RunResult) -> tuple[tuple[str, Quantile]
 
 def metric_report(verdict: Verdict, run: RunResult) -> MetricReport:
     row = verdict.row
-    outcomes = _accuracy_outcomes(run, row) if row.kind.derived else run.results[row.candidate][row.metric]
+    derived = row.kind.derived_from is not None
+    outcomes = _source_outcomes(run, row) if derived else run.results[row.candidate][row.metric]
     paired = row.kind.windowed and row.kind.reference is None
     baseline = run.results["baseline"][row.metric] if paired else None
-    quantiles = _quantiles(outcomes, run) if outcomes.per_token else ()
+    quantiles = _quantiles(outcomes, run) if outcomes.per_token and not derived else ()
     return MetricReport(verdict, outcomes, baseline, quantiles, _flips(row, run))
 
 
-def _accuracy_outcomes(run: RunResult, row: MetricRow) -> Outcomes:
-    """The outcomes a flip-rate row was derived from: its task's standard (gated) accuracy."""
-    return next(o for o in run.results[row.candidate].outcomes
-                if o.metric.kind is ACCURACY and o.metric.source == row.metric.source and o.metric.standard)
+def _source_outcomes(run: RunResult, row: MetricRow) -> Outcomes:
+    """The outcomes a derived row was derived from (a flip rate: its task's standard, gated, accuracy)."""
+    return next(o for o in run.results[row.candidate].outcomes if o.metric.kind is row.kind.derived_from
+                and o.metric.source == row.metric.source and o.metric.standard)
 
 
 def _flips(row: MetricRow, run: RunResult) -> Flips | None:

@@ -315,7 +315,7 @@ def _search_intro(search: SearchSummary) -> str:
             f"split a map passes when {gated} meet the gate, perplexity ratio at most "
             f"{cal['max_perplexity_ratio']:g}"
             + "".join(f", {m.limit_phrase(cal[m.threshold_key], words=True)}" for m in METRICS
-                      if m.bucketed and cal.get(m.threshold_key) is not None)
+                      if m.reference is not None and cal.get(m.threshold_key) is not None)
             + f". {_search_outcome(search)}; "
             f"it is evaluated as candidate `{search.name}` above, and `searched.yaml` reruns it alone.")
 
