@@ -344,3 +344,17 @@ def test_a_folder_from_before_report_ids_goes_on_untied_and_a_tied_plan_is_not_i
     assert len(tied.report) == 32 and json.loads((tied.directory / "plan.json").read_text())["report"] == tied.report
     (partial / "plan.json").write_bytes((tied.directory / "plan.json").read_bytes())
     assert PlanRecord(ResultStore(partial, {"code": "v1"}, []), plan)._unknown() == FOREIGN
+
+
+def test_a_plan_recorded_before_a_gate_setting_existed_is_the_same_plan_at_its_default():
+    """A gate setting added since a plan was recorded (a gated metric's threshold) is read at its default, what
+    kvquant did before it: resuming such a run is not refused; a setting changed from its default still is."""
+    import dataclasses
+
+    from kvquant.runner.lookplan import LookPlan
+
+    plan = LookPlan.of(load_config(ROOT / "configs" / "smollm2-decide.yaml"))
+    older = dataclasses.replace(plan, gate={k: v for k, v in plan.gate.items() if k != "max_flip_rate"})
+    assert plan.gate["max_flip_rate"] is None and plan.difference(older) is None
+    stricter = LookPlan.of(load_config(ROOT / "configs" / "smollm2-decide.yaml", ["gate.max_flip_rate=0.1"]))
+    assert stricter.difference(older) == "gate.max_flip_rate is 0.1 now, null before"

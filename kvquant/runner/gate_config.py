@@ -30,6 +30,9 @@ MIN_CONFIDENCE = 0.9
 
 @dataclass(frozen=True)
 class GateConfig:
+    """The ``gate:`` section. A setting added to it defaults to what kvquant did before it had the setting (a new
+    gated metric: off), so a plan recorded before it reads it at its default (``kvquant.runner.lookplan``)."""
+
     #: Minimum candidate/baseline accuracy on every gated task.
     min_relative_accuracy: float = 0.97
     #: Maximum candidate/baseline perplexity on every gated perplexity set.

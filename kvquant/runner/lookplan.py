@@ -29,6 +29,7 @@ from pathlib import Path
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import read_file, real_dir, set_aside, write_file
 from kvquant.runner.gate import look_confidence, looks
+from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.store import warn
 
 PLAN = "plan.json"
@@ -100,8 +101,10 @@ class LookPlan:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def difference(self, other: LookPlan) -> str | None:
-        """The first field in which this plan differs from ``other`` (an earlier one), as a phrase; None: equal."""
-        mine, theirs = self.flat(), other.flat()
+        """The first field in which this plan differs from ``other`` (an earlier one), as a phrase; None: equal. A
+        gate setting ``other`` lacks (recorded before kvquant had it: a gated metric added since) is read at its
+        default, what kvquant did before it: off."""
+        mine, theirs = self.flat(), {**_GATE_DEFAULTS, **other.flat()}
         for key in [*mine, *(k for k in theirs if k not in mine)]:
             if mine.get(key, "absent") != theirs.get(key, "absent"):
                 return f"{key} is {_show(mine.get(key, 'absent'))} now, {_show(theirs.get(key, 'absent'))} before"
@@ -119,6 +122,11 @@ class LookPlan:
         else:
             what = {}
         return hashlib.sha256(json.dumps([what, self.seed], sort_keys=True).encode()).hexdigest()[:8]
+
+
+#: every gate setting with a default, by its dotted name, as a plan records it
+_GATE_DEFAULTS = {f"gate.{f.name}": _plain(f.default) for f in dataclasses.fields(GateConfig)
+                  if f.default is not dataclasses.MISSING}
 
 
 def _show(value) -> str:
