@@ -15,6 +15,8 @@ the percentile, BCa and Student-t intervals at 2-256 documents and sets each end
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -58,3 +60,30 @@ def studentized(y, x, idx, confidence: float) -> tuple[np.ndarray, np.ndarray]:
         low = np.where(flat, ratio, ratio - q_high * se)
         high = np.where(flat, ratio, ratio - q_low * se)
     return low, high
+
+
+def log_ratio_interval(baseline: np.ndarray, candidate: np.ndarray, iters: int, confidence: float,
+                       seed: int) -> tuple[float, float]:
+    """The interval of a ratio of perplexities, baseline / candidate, from per-window ``[n, 2]`` rows of (summed
+    NLL, tokens) of both: :func:`studentized` of the log of the ratio, ``sum(baseline NLL - candidate NLL) /
+    sum(baseline tokens)``, exponentiated (``iters`` seeded resamples; nan with fewer than 2 windows)."""
+    n = len(candidate)
+    if n < 2 or len(baseline) != n:  # one window shows no spread at all
+        return math.nan, math.nan
+    idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
+    with np.errstate(over="ignore"):  # an unbounded log-ratio interval (too few windows) is an unbounded ratio
+        low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
+    return float(low), float(high)
+
+
+def mean_interval(baseline: np.ndarray | None, candidate: np.ndarray, iters: int, confidence: float,
+                  seed: int) -> tuple[float, float]:
+    """The interval of a token-weighted mean over windows from the candidate's per-window ``[n, 2]`` rows of (sum,
+    positions): :func:`studentized` (``iters`` seeded resamples; ``baseline`` unused: the value is measured against
+    the baseline already; nan with fewer than 2 windows)."""
+    n = len(candidate)
+    if n < 2:  # one window shows no spread at all
+        return math.nan, math.nan
+    idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
+    low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
+    return float(low), float(high)

@@ -32,12 +32,12 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvquant.experiment.metric import ACCURACY, FLIPS, LOG_RATIO, MEAN, METRICS, SCORE_RATIO, PERPLEXITY, Metric
-from kvquant.runner.bootstrap import studentized
+from kvquant.experiment.metric import ACCURACY, LOG_RATIO, MEAN, METRICS, SCORE_RATIO, PERPLEXITY, Metric
+from kvquant.runner.bootstrap import log_ratio_interval, mean_interval
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.flips import flips
+from kvquant.runner.derived import DERIVE
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
 from kvquant.runner.results import (Decision, Measured, MetricId, MetricRow, Outcomes, Verdict, BUCKET, bucket_end,
     relative_score)
@@ -188,27 +188,9 @@ def _score_ratio_interval(baseline, candidate, iters, confidence, seed) -> tuple
     return ratio_interval(baseline, candidate, confidence, seed)
 
 
-def _log_ratio_interval(baseline, candidate, iters, confidence, seed) -> tuple[float, float]:
-    n = len(candidate)
-    if n < 2 or len(baseline) != n:  # one window shows no spread at all
-        return math.nan, math.nan
-    idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
-    with np.errstate(over="ignore"):  # an unbounded log-ratio interval (too few windows) is an unbounded ratio
-        low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
-    return float(low), float(high)
-
-
-def _mean_interval(baseline, candidate, iters, confidence, seed) -> tuple[float, float]:
-    n = len(candidate)
-    if n < 2:  # one window shows no spread at all
-        return math.nan, math.nan
-    idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
-    low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
-    return float(low), float(high)
-
-
-#: The paired interval of each method a metric kind names (the flip rate's exact interval is :func:`flip_row`'s).
-_INTERVALS = {SCORE_RATIO: _score_ratio_interval, LOG_RATIO: _log_ratio_interval, MEAN: _mean_interval}
+#: The paired interval of each method a metric kind names (the flip rate's exact interval is
+#: :func:`kvquant.runner.derived.flip_row`'s).
+_INTERVALS = {SCORE_RATIO: _score_ratio_interval, LOG_RATIO: log_ratio_interval, MEAN: mean_interval}
 
 
 def quantile_interval(windows: tuple[tuple[float, ...], ...], q: float, iters: int, confidence: float,
@@ -483,23 +465,10 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
 def derived_rows(row: MetricRow, baseline: Outcomes | None, outcomes: Outcomes, cfg: ExperimentConfig,
                  at_chance: frozenset[str]) -> list[MetricRow]:
     """The rows of the kinds derived from ``row``'s kind (:attr:`~kvquant.experiment.metric.Metric.derived_from`),
-    from its outcomes (``baseline``: the baseline's, where paired): each where the gate gates it (its threshold set,
-    its source gated), from the source's standard metric, not on a needle task the baseline cannot do."""
+    from its outcomes (``baseline``: the baseline's, where paired) by :data:`kvquant.runner.derived.DERIVE`: each
+    where the gate gates it (its threshold set, its source gated), from the source's standard metric, not on a
+    needle task the baseline cannot do."""
     return [derived for kind in METRICS
             if kind.derived_from is row.kind and row.metric.standard and row.metric.source not in at_chance
             and is_gated(MetricId(kind.measures[0], row.metric.source), cfg.gate)
-            for derived in _DERIVE[kind](row, baseline, outcomes, cfg)]
-
-
-def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[float, ...]) -> MetricRow:
-    """The gated flip rate of a task (``flips/<task>``) beside its accuracy row: the share of documents whose
-    correctness the candidate changed, with its exact interval at the accuracy row's confidence."""
-    found = flips(baseline, candidate, accuracy.confidence)
-    low, high = found.rate_interval
-    return MetricRow(accuracy.candidate, MetricId(FLIPS.measures[0], accuracy.metric.source), found.rate, 0.0, found.n,
-                     True, low, high, accuracy.quantized_share, accuracy.confidence)
-
-
-#: How each derived kind's rows (one, or none where its source's outcomes cannot give it) are made from its source
-#: row, the baseline's and the candidate's outcomes, and the config.
-_DERIVE = {FLIPS: lambda row, baseline, outcomes, cfg: [flip_row(row, baseline.scores, outcomes.scores)]}
+            for derived in DERIVE[kind](row, baseline, outcomes, cfg, paired_interval)]
