@@ -16,7 +16,7 @@ from kvquant.runner.results import MetricId
 def test_every_measure_has_one_kind_and_every_kind_its_threshold_field():
     assert {m: k.kind for m, k in MEASURES.items()} == {
         "acc": "accuracy", "acc_norm": "accuracy", "ppl": "perplexity", "kl": "divergence", "top1": "agreement",
-        "flips": "flips"}
+        "kl_tail": "tail", "flips": "flips"}
     fields = {f.name for f in dataclasses.fields(GateConfig)}
     assert all(m.threshold_key in fields for m in METRICS) and KINDS == {m.kind: m for m in METRICS}
     assert Metric.of("divergence") is DIVERGENCE and Metric.of(DIVERGENCE) is DIVERGENCE
@@ -28,11 +28,11 @@ def test_thresholds_directions_and_relative_scores():
     assert ACCURACY.threshold(gate) == 0.97 and PERPLEXITY.threshold(gate) == pytest.approx(1 / 1.05)
     assert (DIVERGENCE.threshold(gate), AGREEMENT.threshold(gate), FLIPS.threshold(gate)) == (0.01, 0.9, 0.2)
     assert math.isnan(AGREEMENT.threshold(GateConfig()))  # not set: not gated
-    assert [m.lower_is_better for m in METRICS] == [False, False, True, False, True]
+    assert [m.lower_is_better for m in METRICS] == [False, False, True, False, True, True]
     assert PERPLEXITY.relative(5.0, 4.0) == pytest.approx(0.8) and ACCURACY.relative(0.45, 0.5) == pytest.approx(0.9)
     assert AGREEMENT.relative(0.93, 1.0) == pytest.approx(0.93)
     assert math.isnan(DIVERGENCE.relative(0.02, 0.0)) and math.isnan(FLIPS.relative(0.1, 0.0))
-    assert [m.counted for m in METRICS] == [False, True, True, True, False]  # the bootstraps: held to counts
+    assert [m.counted for m in METRICS] == [False, True, True, True, True, False]  # bootstraps: held to counts
     assert divergence_limits(gate) == {"max_kl_divergence": 0.01, "min_top1_agreement": 0.9}
     assert divergence_limits(GateConfig(min_top1_agreement=0.9), bucketed=True) == {"min_top1_agreement": 0.9}
     assert AGREEMENT.limit_phrase(0.9) == "top-1 agreement >= 0.9"

@@ -6,7 +6,9 @@ the counts, the sequential looks and the report read these fields; none of them 
 
 A metric's name is ``<measure>/<source>`` (``acc_norm/hellaswag``, ``kl/wikitext2``, ``top1/wikitext2@4096``):
 :data:`MEASURES` maps each measure to its kind. Adding a gated metric is one entry here, its threshold in the gate's
-config (``kvquant/runner/gate_config.py``) and the outcomes it is read from (``kvquant/runner/results.py``).
+config (``kvquant/runner/gate_config.py``) and the outcomes it is read from (``kvquant/runner/results.py``; for a
+kind derived from another kind's outcomes, as the flip rate and the KL tail share are, how in
+``kvquant/runner/derived.py``).
 """
 
 from __future__ import annotations
@@ -139,12 +141,16 @@ DIVERGENCE = Metric(
 AGREEMENT = Metric("agreement", ("top1",), "min_top1_agreement", False, MEAN, windowed=True, by_value=True,
                    reference=1.0, bucketed=True, phrase="top-1 agreement",
                    explained="share of positions whose most likely token is the baseline's", title="Top-1 agreement")
+TAIL = Metric("tail", ("kl_tail",), "max_kl_tail_share", True, MEAN, windowed=True, by_value=True, reference=0.0,
+              derived_from=DIVERGENCE, phrase="KL tail share",
+              explained="share of positions whose KL divergence from the baseline exceeds `gate.kl_tail_nats`: the "
+                        "rare large changes of the next-token distribution a mean hides")
 FLIPS = Metric("flips", ("flips",), "max_flip_rate", True, EXACT, on_tasks=True, by_value=True, derived_from=ACCURACY,
                explained="share of a task's documents whose answer went from right to wrong or from wrong to right; "
                          "exact interval")
 
 #: Every kind of metric, in the order reports list them.
-METRICS = (ACCURACY, PERPLEXITY, DIVERGENCE, AGREEMENT, FLIPS)
+METRICS = (ACCURACY, PERPLEXITY, DIVERGENCE, AGREEMENT, TAIL, FLIPS)
 KINDS = {m.kind: m for m in METRICS}
 #: The kind of each measure (the part of a metric's name before ``/``).
 MEASURES = {measure: m for m in METRICS for measure in m.measures}

@@ -53,6 +53,10 @@ class GateConfig:
     #: of positions whose most likely token is the baseline's (null: reported, not gated).
     max_kl_divergence: float | None = None
     min_top1_agreement: float | None = None
+    #: Gate the perplexity sets on the share of positions whose KL divergence from the baseline exceeds
+    #: ``kl_tail_nats`` (null: reported only where set, not gated): the rare large changes a mean hides.
+    max_kl_tail_share: float | None = None
+    kl_tail_nats: float = 0.1
     #: The largest share of a gated task's documents a candidate may turn from right to wrong or from wrong to
     #: right (both together; exact interval), or null: flips are reported, not gated.
     max_flip_rate: float | None = None
@@ -84,6 +88,10 @@ class GateConfig:
                 f"{self.max_kl_divergence!r}")
         require(self.min_top1_agreement is None or 0.5 <= self.min_top1_agreement <= 1,
                 f"min_top1_agreement must be in [0.5, 1] or null, got {self.min_top1_agreement!r}")
+        require(self.max_kl_tail_share is None or 0 < self.max_kl_tail_share < 1,
+                f"max_kl_tail_share must be in (0, 1) (a share of positions) or null, got {self.max_kl_tail_share!r}")
+        require(0 < self.kl_tail_nats <= MAX_KL_DIVERGENCE,
+                f"kl_tail_nats must be in (0, {MAX_KL_DIVERGENCE}] nats, got {self.kl_tail_nats!r}")
         at_least("min_context", self.min_context, 1, nullable=True)
         require(self.max_flip_rate is None or 0 < self.max_flip_rate < 1,
                 f"max_flip_rate must be in (0, 1) (a share of documents) or null, got {self.max_flip_rate!r}")
