@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import kvquant.run
-from hostile_helpers import tiny_run, tiny_weights
+from tiny_configs import tiny_run, tiny_weights
 from kvquant.adopt import main
 from kvquant.runner.preflight import context_length
 from kvquant.runner import report
@@ -248,7 +248,7 @@ IMPOSSIBLE = [  # (case, the file edited, the edit, what the refusal says); issu
     ("empty", "int4/task__tinystories_lastword.json", lambda r: {}, "it holds neither 'acc' nor 'acc_norm'"),
     ("huge-integer", "int4/ppl__tinystories.json", lambda r: {**r, "extra": 10 ** 400},
      "holds an integer of 401 digits"),
-    # the hostile probe of this turn: adopted, then the run that reused them exited 3
+    # adopted, then the run that reused them exited 3
     ("reads-unknown", "int4/ppl__tinystories.json", lambda r: {**r, "reads": {"foo": 1}},
      "its 'reads' are not the four counts a run writes"),
     ("reads-more-quantized", "int4/ppl__tinystories.json", lambda r: {**r, "reads": {

@@ -15,7 +15,7 @@ import yaml
 
 import kvquant.run
 import kvquant.scoring.models
-from hostile_helpers import tiny_run, tiny_weights
+from tiny_configs import tiny_run, tiny_weights
 from kvquant.run import main
 from kvquant.runner import report
 from kvquant.runner.config import load_config

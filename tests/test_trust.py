@@ -353,7 +353,7 @@ def test_sigterm_unwinds_like_ctrl_c_and_a_rerun_removes_what_it_does_not_regene
     assert not list(own_tmp.iterdir()), "the run left its task folder behind"
 
 
-# --- found by the hostile session after #19's first pass ------------------------------------------------------
+# --- every other way a task file reaches lm-eval -------------------------------------------------------------
 
 
 def _shared_evil(tmp_path: Path) -> tuple[Path, Path]:
@@ -459,7 +459,7 @@ OWN_TASK = ("task: own\ndataset_path: json\ndataset_kwargs: {{data_files: {{test
                                  "function-by-absolute-path", "function-module-symlinked", "include-through-txt",
                                  "utf16-include", "include-after-a-mebibyte"])
 def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_path, how):
-    """Found by the second hostile session, each ran the planted task (exit 0) or crashed (exit 3): a glob on
+    """Each ran the planted task (exit 0) or crashed (exit 3): a glob on
     --tasks, a task file of one's own that ``include:``s a shared one, a symlink in one's own folder to a shared
     file, and ``include_path`` as a list in an lm-eval --config file."""
     from kvquant import lm_eval as lm_eval_cli
@@ -480,7 +480,7 @@ def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_pat
     elif how == "config-include-path-list":
         (own / "lm.yaml").write_text(yaml.safe_dump({"include_path": [str(shared)], "tasks": ["evil"]}))
         argv = [*base, "--config", str(own / "lm.yaml")]
-    else:  # found by the third hostile session: a task file of one's own that reaches shared code another way
+    else:  # a task file of one's own that reaches shared code another way
         task = OWN_TASK.format(docs=shared / "docs.jsonl")
         text = {"function-by-absolute-path": task + f"process_docs: !function {shared}/evil.process_docs\n",
                 "function-module-symlinked": task + "process_docs: !function evil.process_docs\n",
