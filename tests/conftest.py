@@ -1,7 +1,6 @@
 import importlib.util
 import json
 import sys
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -17,17 +16,6 @@ from refusals import make_refusal_env
 # uint8, so a cache that hands attention memory nobody wrote fails loudly instead of by chance.
 torch.utils.deterministic.fill_uninitialized_memory = True
 torch.use_deterministic_algorithms(True, warn_only=True)
-
-SLOW = [line for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")]
-
-
-def pytest_collection_modifyitems(items):
-    """Mark ``slow`` the tests tests/slow.txt names (``make test`` leaves them out, ``make test-slow`` runs them)."""
-    for item in items:
-        if any(fnmatchcase(item.nodeid, pattern) for pattern in SLOW):
-            item.add_marker(pytest.mark.slow)
-
 
 def experiment(name: str):
     """``experiments/<name>.py`` loaded as a module (the scripts are not a package), for tests of its functions."""

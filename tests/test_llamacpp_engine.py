@@ -327,6 +327,7 @@ def smollm2_in_llama_cpp(length: int):
         run.close()
 
 
+@pytest.mark.slow
 def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
     """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
     for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""

@@ -86,6 +86,7 @@ def test_probe_names_and_lengths_are_checked(tokenizer, tmp_path, monkeypatch):
         prepare_probe_tasks(tokenizer, {"passkey_64": 10**9}, 512, "tasks")
 
 
+@pytest.mark.slow
 def test_probe_files_only_grow_and_managers_see_new_tasks(tokenizer, tmp_path, monkeypatch):
     """Two runs sharing a folder: the second asking fewer documents does not shrink the file (the first run's
     documents stay what they were), and a task written after a manager was built is found."""
@@ -102,6 +103,7 @@ def test_probe_files_only_grow_and_managers_see_new_tasks(tokenizer, tmp_path, m
     assert "passkey_100" in task_manager(str(folder)).all_subtasks
 
 
+@pytest.mark.slow
 def test_lm_eval_task_scores_the_documents_like_the_scorer(model, tokenizer, tmp_path, monkeypatch):
     """``passkey_<D>`` through lm-eval and the kvquant model (int4, streaming) gives, document by document, the
     log-likelihood and greedy outcome of scoring the same (context, target) directly."""
@@ -144,6 +146,7 @@ def test_report_lists_the_probe_by_distance():
     assert table.index("| 256 |") < table.index("| 1024 |")
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_runs_probe_tasks_with_the_models_tokenizer(tmp_path, monkeypatch, capsys):
     from kvquant.lm_eval import main
 

@@ -415,6 +415,7 @@ def test_fp16_is_the_models_own_logits_bit_for_bit(qwen, ids):
         fed += size
 
 
+@pytest.mark.slow
 def test_fp16_generates_the_models_own_logits_bit_for_bit(qwen, ids):
     model = qwen[0]
     kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -424,6 +425,7 @@ def test_fp16_generates_the_models_own_logits_bit_for_bit(qwen, ids):
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
 
 
+@pytest.mark.slow
 def test_a_left_padded_batch_is_each_row_alone_bit_for_bit(qwen, ids):
     model = qwen[0]
     rows, mask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
@@ -461,6 +463,7 @@ def test_error_grows_as_bits_shrink_on_qwens_kv(real_kv, stream_index):
     assert sqnr["int8"] > sqnr["int4"] + 15 > sqnr["int2"] + 25, sqnr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream_name", ["key", "value"])
 def test_model_error_grows_as_bits_shrink_per_stream(qwen, ids, stream_name):
     model = qwen[0]
@@ -472,6 +475,7 @@ def test_model_error_grows_as_bits_shrink_per_stream(qwen, ids, stream_name):
     assert 0 < err[8] < err[4] < err[2], err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, key, value", [
     ("int4", Spec("int", 4, "channel", 32), Spec("int", 4, "token", 32)),
     ("int8", Spec("int", 8, "channel", 128), Spec("int", 8, "token", 64)),

@@ -43,6 +43,7 @@ def write_config(tmp_path, text=SMALL):
     return path
 
 
+@pytest.mark.slow
 def test_end_to_end_report(tmp_path, capsys):
     code = main([str(write_config(tmp_path))])
     out_dir = tmp_path / "reports" / "small"
@@ -87,6 +88,7 @@ def test_missing_data_or_bad_quantizer_exits_2(tmp_path, capsys, change, message
     assert err.startswith("kvquant: error:") and ("missing.jsonl" in err or "int3" in err)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_recomputing(tmp_path):
     path = write_config(tmp_path)
     partial = tmp_path / "reports" / "small" / "partial"
@@ -271,6 +273,7 @@ def test_each_task_is_gated_on_its_standard_metric():
     assert gated == {"acc_norm/hellaswag", "acc/lambada_openai", "acc_norm/piqa_local"}
 
 
+@pytest.mark.slow
 def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_path, monkeypatch):
     """The same config over a data directory whose model weights and task stories changed reused every result
     (the key held the model's path and the task's name only)."""

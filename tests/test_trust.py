@@ -71,6 +71,7 @@ def plant_evil(folder: Path, tmp_path: Path, task: str = "tinystories_lastword")
     return marker
 
 
+@pytest.mark.slow
 def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_loaded(tmp_path):
     """An attacker who can write the temp directory plants a task that redefines the gated task with
     ``!function``; building kvquant's task manager and task must not run it (it did: the folder was
@@ -256,6 +257,7 @@ def _contender(directory: str, barrier, holders: str, doubles) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_lock_race_over_a_stale_lock_has_one_holder_at_a_time(tmp_path):
     """8 processes take over a lock left by a dead process at once, 30 times: never two holders."""
     ctx = multiprocessing.get_context("fork")
