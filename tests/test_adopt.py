@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import kvquant.run
+from refusals import error_line
 from tiny_configs import tiny_run, tiny_weights
 from kvquant.adopt import main
 from kvquant.runner.preflight import context_length
@@ -97,11 +98,7 @@ def reused(partial: Path, config: Path, wanted: dict) -> None:
 def refused(capsys, argv: list, needle: str) -> str:
     """``python -m kvquant.adopt argv`` exits 2 with one line holding ``needle``; returns it."""
     capsys.readouterr()
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("kvquant: error: "), err
-    assert needle in err, err
-    return err
+    return error_line(main([str(a) for a in argv]), capsys.readouterr().err, needle)
 
 
 # --- adopted, then reused -------------------------------------------------------------------------------------
@@ -157,7 +154,7 @@ def test_different_results_of_the_same_inputs_are_refused_naming_both(tmp_path, 
     b = measured(monkeypatch, tmp_path, "machine-b", config, {("int4", PPL): other})
     err = refused(capsys, [config, a, b], "hold different results of the same inputs (int4 ppl/tinystories)")
     assert str(a / "int4" / "ppl__tinystories.json") in err and str(b / "int4" / "ppl__tinystories.json") in err
-    assert err.startswith("kvquant: error: adopt: ") and err.endswith("; nothing adopted\n")
+    assert err.startswith("kvquant: error: adopt: ") and err.endswith("; nothing adopted")
     assert not (tmp_path / "reports").exists()
 
 

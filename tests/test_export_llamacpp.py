@@ -12,6 +12,7 @@ import pytest
 
 from kvquant.export import main
 from kvquant.signing import signed_json
+from refusals import error_line
 
 LAYERS = 4
 DEPLOY_FILES = ("DEPLOY.md", "kv_cache_scheme.json", "kv_scales.safetensors")
@@ -66,11 +67,9 @@ def refused(tmp_path, capsys, doc: dict, message: str) -> str:
     folder = tmp_path / "report"
     folder.mkdir(exist_ok=True)
     (folder / "results.json").write_text(signed_json(doc))
-    assert main([str(folder)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    line = error_line(main([str(folder)]), capsys.readouterr().err, message)
     assert not [n for n in DEPLOY_FILES if os.path.lexists(folder / n)]
-    return err
+    return line
 
 
 def python_type(kind: str) -> str:

@@ -33,6 +33,7 @@ from kvquant.runner.model_config import ModelConfig
 from kvquant.scoring.models import load_model, resolve_model_path
 from kvquant.wheel_data import WheelPart
 from reference import FakeQuantReference, Spec
+from refusals import error_line
 
 QWEN = "qwen2.5-coder-0.5b-instruct-q4-k-m-gguf"
 QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -94,10 +95,7 @@ def target(cache: Path) -> Path:
 
 def refused_line(capsys, argv: list[str]) -> str:
     """``python -m kvquant.packaged ARGV`` exits 2 with one line on stderr; that line."""
-    assert packaged.main(argv) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kvquant: error: "), lines
-    return lines[0]
+    return error_line(packaged.main(argv), capsys.readouterr().err)
 
 
 def test_wheels_are_joined_in_order_verified_and_never_imported(fake_wheels, cache, capsys):
