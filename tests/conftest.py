@@ -1,7 +1,6 @@
 import importlib.util
 import json
 import sys
-from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -11,22 +10,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvquant.paths import resolve
 from kvquant.runner.config import load_config
+from refusals import make_refusal_env
 
 # Poison unwritten memory for the whole session: torch.empty (and new_empty) return NaN for floats and 255 for
 # uint8, so a cache that hands attention memory nobody wrote fails loudly instead of by chance.
 torch.utils.deterministic.fill_uninitialized_memory = True
 torch.use_deterministic_algorithms(True, warn_only=True)
-
-SLOW = [line for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")]
-
-
-def pytest_collection_modifyitems(items):
-    """Mark ``slow`` the tests tests/slow.txt names (``make test`` leaves them out, ``make test-slow`` runs them)."""
-    for item in items:
-        if any(fnmatchcase(item.nodeid, pattern) for pattern in SLOW):
-            item.add_marker(pytest.mark.slow)
-
 
 def experiment(name: str):
     """``experiments/<name>.py`` loaded as a module (the scripts are not a package), for tests of its functions."""
@@ -105,3 +94,58 @@ def no_model_load(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kvquant.run, "load_model", trap)
     monkeypatch.setattr(kvquant.scoring.lm_eval_model, "load_model", trap)
+
+
+@pytest.fixture
+def lm_eval_trapped(monkeypatch, tmp_path):
+    """No model may load and lm-eval's own CLI may not start; GGUF conversions would go to a throwaway cache."""
+    import kvquant.run
+    import kvquant.scoring.lm_eval_model
+    import kvquant.scoring.models
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
+
+    def trap(*args, **kwargs):
+        raise AssertionError("reached a model load (or lm-eval's CLI) for an input that should have been refused")
+
+    for module in (kvquant.scoring.models, kvquant.scoring.lm_eval_model, kvquant.run):
+        monkeypatch.setattr(module, "load_model", trap)
+    monkeypatch.setattr("lm_eval.__main__.cli_evaluate", trap)
+
+
+@pytest.fixture(scope="module")
+def refusal_env(tmp_path_factory):
+    """A finished report, the config that targets it and files of bad input (tests/refusals.py's
+    ``make_refusal_env``), once per test file."""
+    return make_refusal_env(tmp_path_factory.mktemp("refusals"))
+
+
+#: a run of int8 on two tinystories windows (no tasks), as :func:`run_yaml` writes it
+RUN_YAML = {
+    "name": "tiny-int8",
+    "model": {"path": MODEL},
+    "candidates": [{"quantizer": "int8", "name": "int8", "options": {"group_size": 32, "residual_length": 0}}],
+    "eval": {"perplexity": [{"name": "tinystories", "source": STORIES, "limit": 2, "max_length": 64}],
+             "memory_probe_tokens": 64},
+}
+
+
+@pytest.fixture
+def run_yaml(tmp_path, monkeypatch) -> Path:
+    """:data:`RUN_YAML` written to a file (reports under ``tmp_path/reports``), and a private cache for the signing
+    key."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump({**RUN_YAML, "output_dir": str(tmp_path / "reports")}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """PyTorch on one thread for a test file, as the planner runs its writes: tests that run the cache code on small
+    CPU tensors, whose ops split over threads wait for each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

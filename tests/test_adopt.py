@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 import kvquant.run
-from hostile_helpers import tiny_run, tiny_weights
+from refusals import error_line
+from tiny_configs import tiny_run, tiny_weights
 from kvquant.adopt import main
 from kvquant.runner.preflight import context_length
 from kvquant.runner import report
@@ -97,11 +98,7 @@ def reused(partial: Path, config: Path, wanted: dict) -> None:
 def refused(capsys, argv: list, needle: str) -> str:
     """``python -m kvquant.adopt argv`` exits 2 with one line holding ``needle``; returns it."""
     capsys.readouterr()
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("kvquant: error: "), err
-    assert needle in err, err
-    return err
+    return error_line(main([str(a) for a in argv]), capsys.readouterr().err, needle)
 
 
 # --- adopted, then reused -------------------------------------------------------------------------------------
@@ -157,7 +154,7 @@ def test_different_results_of_the_same_inputs_are_refused_naming_both(tmp_path, 
     b = measured(monkeypatch, tmp_path, "machine-b", config, {("int4", PPL): other})
     err = refused(capsys, [config, a, b], "hold different results of the same inputs (int4 ppl/tinystories)")
     assert str(a / "int4" / "ppl__tinystories.json") in err and str(b / "int4" / "ppl__tinystories.json") in err
-    assert err.startswith("kvquant: error: adopt: ") and err.endswith("; nothing adopted\n")
+    assert err.startswith("kvquant: error: adopt: ") and err.endswith("; nothing adopted")
     assert not (tmp_path / "reports").exists()
 
 
@@ -248,7 +245,7 @@ IMPOSSIBLE = [  # (case, the file edited, the edit, what the refusal says); issu
     ("empty", "int4/task__tinystories_lastword.json", lambda r: {}, "it holds neither 'acc' nor 'acc_norm'"),
     ("huge-integer", "int4/ppl__tinystories.json", lambda r: {**r, "extra": 10 ** 400},
      "holds an integer of 401 digits"),
-    # the hostile probe of this turn: adopted, then the run that reused them exited 3
+    # adopted, then the run that reused them exited 3
     ("reads-unknown", "int4/ppl__tinystories.json", lambda r: {**r, "reads": {"foo": 1}},
      "its 'reads' are not the four counts a run writes"),
     ("reads-more-quantized", "int4/ppl__tinystories.json", lambda r: {**r, "reads": {

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+from refusals import error_line
 from tests.conftest import experiment
 
 compare = experiment("compare_reports")
@@ -38,20 +39,16 @@ def test_a_changed_value_line_or_file_is_reported(tmp_path, capsys):
 compare_runs = experiment("compare_runs")
 
 
-def one_line_refusal(capsys, code: int, *words: str) -> None:
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and all(w in err for w in words), err
-
-
 def test_nothing_to_compare_is_refused_not_reported_identical(tmp_path, capsys):
     """Before: missing folders, empty folders and two files all gave '0 of 0 files identical' and exit 0."""
     a = folder(tmp_path / "a", "a", 1.5)
     (tmp_path / "empty").mkdir()
     (tmp_path / "file.json").write_text("{}")
-    one_line_refusal(capsys, compare.main([str(a), str(tmp_path / "missing")]), "does not exist")
-    one_line_refusal(capsys, compare.main([str(tmp_path / "empty"), str(a)]), "holds no report files")
-    one_line_refusal(capsys, compare.main([str(tmp_path / "file.json"), str(tmp_path / "file.json")]), "a file")
-    one_line_refusal(capsys, compare.main([str(a), str(a), "--ignore", "("]), "not a regular expression")
+    for argv, words in [([str(a), str(tmp_path / "missing")], "does not exist"),
+                        ([str(tmp_path / "empty"), str(a)], "holds no report files"),
+                        ([str(tmp_path / "file.json"), str(tmp_path / "file.json")], "a file"),
+                        ([str(a), str(a), "--ignore", "("], "not a regular expression")]:
+        error_line(compare.main(argv), capsys.readouterr().err, words, prog="compare_reports")
 
 
 def run_folder(root: Path, result: dict) -> Path:
@@ -67,8 +64,9 @@ def test_compare_runs_refuses_what_it_cannot_compare_and_fails_on_other_shapes(t
     shapes a traceback."""
     a = run_folder(tmp_path / "a", {"nll": [1.0, 2.0]})
     (tmp_path / "empty" / "partial").mkdir(parents=True)
-    one_line_refusal(capsys, compare_runs.main([str(a), str(tmp_path / "missing")]), "not a report folder")
-    one_line_refusal(capsys, compare_runs.main([str(a), str(tmp_path / "empty")]), "holds no partial results")
+    for other, words in [("missing", "not a report folder"), ("empty", "holds no partial results")]:
+        error_line(compare_runs.main([str(a), str(tmp_path / other)]), capsys.readouterr().err, words,
+                   prog="compare_runs")
     b = run_folder(tmp_path / "b", {"nll": [1.0, 2.0, 3.0]})
     assert compare_runs.main([str(a), str(b)]) == 1 and "fields differ" in capsys.readouterr().err
     c = run_folder(tmp_path / "c", {"nll": [1.0, 2.5]})

@@ -177,7 +177,7 @@ def test_a_name_too_long_for_the_file_system_is_bad_input_in_every_command(capsy
     ("simulate_gate", ["--json", "{tmp}/results.json"], "[]", "holds a JSON list"),
 ])
 def test_a_scripts_own_json_that_it_cannot_read_is_one_line(tmp_path, capsys, script, args, planted, needle):
-    """The hostile probe of this turn: each was exit 3 (a traceback in a log), and a FIFO hung."""
+    """Each was exit 3 (a traceback in a log), and a FIFO hung."""
     if planted is not None:
         (tmp_path / "results.json").write_text(planted)
     module = experiment(script)

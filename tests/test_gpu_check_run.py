@@ -9,6 +9,7 @@ import json
 import pytest
 
 from kvquant.exits import run_script
+from refusals import error_line
 from tests.conftest import experiment
 
 ENV = {"date": "2026-12-06T11:00:00", "git_commit": "abc", "machine": "test machine", "torch": "t",
@@ -87,10 +88,10 @@ def test_the_plan_line_adds_the_expected_seconds_of_the_checks_chosen(gpu_check)
 
 
 def refused(gpu_check, capsys, argv) -> str:
-    assert run_script("gpu_check", lambda: gpu_check.main(argv)) == 2
+    code = run_script("gpu_check", lambda: gpu_check.main(argv))
     out = capsys.readouterr()
-    assert out.out == "" and out.err.count("\n") == 1, out
-    return out.err
+    assert out.out == "", out
+    return error_line(code, out.err, prog="gpu_check")
 
 
 def test_no_cuda_device_is_one_line_and_exit_2_with_nothing_written(gpu_check, capsys, tmp_path, monkeypatch):
@@ -98,7 +99,7 @@ def test_no_cuda_device_is_one_line_and_exit_2_with_nothing_written(gpu_check, c
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     err = refused(gpu_check, capsys, ["--out", str(tmp_path / "out")])
     assert err == ("gpu_check: error: --device cuda: no CUDA device here; gpu_check measures on a GPU (--render "
-                   "rewrites report.md from an earlier results.json without one)\n")
+                   "rewrites report.md from an earlier results.json without one)")
     assert "no CUDA device here" in refused(gpu_check, capsys, ["--device", "cpu", "--out", str(tmp_path / "out")])
     assert list(tmp_path.iterdir()) == []
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from llamacpp_reference import F32
+from refusals import error_line
 
 import kvquant.scoring.models
 from kvquant.integrations import llamacpp_compare as comparison
@@ -45,13 +46,7 @@ def nothing_loads(monkeypatch, tmp_path):
 
 
 def refused(capsys, argv) -> str:
-    code = script().main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("llamacpp_compare: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
+    return error_line(script().main(argv), capsys.readouterr().err, prog="llamacpp_compare")
 
 
 # --- bad input: one line, exit 2, nothing loaded ---------------------------------------------------------------
@@ -327,6 +322,7 @@ def smollm2_in_llama_cpp(length: int):
         run.close()
 
 
+@pytest.mark.slow
 def test_llama_cpp_reads_an_f32_cache_as_f16_and_repeats_itself_exactly():
     """llama.cpp's f16 cache twice, and its f32 cache (cast to f16 for flash attention), give the same logits bit
     for bit: the reference every KL is measured against is exact, and kvquant's llamacpp_f32 reads as f16."""

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvquant.paths import resolve
 
 
@@ -18,6 +20,7 @@ def run_lm_eval(folder, extra=()):
     return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_lm_eval_from_a_folder_outside_git_prints_no_fatal_line(tmp_path):
     folder = tmp_path / "scratch"
     folder.mkdir()

@@ -19,7 +19,7 @@ from kvquant.runner.counts import MIN_PASS
 from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.results import MetricId, MetricRow, long_outcomes
 from kvquant.scoring.needles import DEPTHS, needle_chance, needle_task, task_documents
-from hostile_helpers import set_args as S
+from tiny_configs import set_args as S
 
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
 

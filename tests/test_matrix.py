@@ -18,6 +18,7 @@ from transformers import DynamicCache
 import kvquant
 from kvquant.formats.lowbit import lloyd_max_gaussian, normal_float
 from reference import FakeQuantReference, Spec, codebook_fake_quant
+from slow_cases import slow_where
 
 WINDOW = 24
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
@@ -27,7 +28,7 @@ LAYOUTS = {  # head_dim 16 everywhere
     "gemma2_alternating": ("Gemma2Config", dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW)),
     "gemma3_5to1": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=16, sliding_window=WINDOW)),
 }
-PROMPTS = [5, WINDOW - 1, WINDOW, 3 * WINDOW]
+PROMPTS = slow_where([5, WINDOW - 1, WINDOW, 3 * WINDOW], lambda tokens: tokens >= WINDOW)
 DECODE = 8
 SINKS, RESIDUAL, GROUP = 2, 3, 8
 #: quantizer -> (make_cache options, key spec, value spec) for head_dim 16

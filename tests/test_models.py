@@ -1,14 +1,24 @@
-"""Loading models: a GGUF file is converted once into a cached directory whose model equals the GGUF's."""
+"""Loading models: a GGUF file is converted once into a cached directory whose model equals the GGUF's; a model whose
+weights (or baseline scores) are not finite is refused in one line, never scored."""
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
+import yaml
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import kvquant.run
+import kvquant.scoring.models
 from kvquant.runner.model_config import ModelConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.models import check_model, load_model
 from kvquant.paths import resolve
+from refusals import PROGRESS, error_line, one_line
+from tiny_configs import MODEL, tiny_run
 
 GGUF_DIR = "local:models/stories260K"
 GGUF = "stories260K.gguf"
@@ -89,3 +99,71 @@ def test_running_out_of_memory_while_loading_is_not_called_bad_input(monkeypatch
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("no")))
     with pytest.raises(KVQuantError, match="cannot load model"):
         load_model(ModelConfig(path="local:models/stories260K/hf"))
+
+
+# --- a model whose weights hold NaN/Inf outside the K/V path: refused when it loads, never scored ---------
+
+
+def broken_model(directory: Path, weight: str, value: float) -> Path:
+    """A copy of the toy model with one element of ``weight`` set to ``value``."""
+    shutil.copytree(resolve(MODEL), directory)
+    weights = load_file(directory / "model.safetensors")
+    weights[weight].view(-1)[7] = value
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+WEIGHTS = [("model.layers.2.mlp.down_proj.weight", float("nan")), ("model.layers.0.mlp.up_proj.weight", float("inf")),
+           ("model.norm.weight", float("-inf")), ("model.embed_tokens.weight", float("nan"))]
+
+
+@pytest.mark.parametrize("weight, value", WEIGHTS, ids=["mlp-nan", "mlp-inf", "norm-neg-inf", "embedding-nan"])
+def test_load_model_refuses_non_finite_weights(tmp_path, weight, value):
+    from kvquant.runner.model_config import ModelConfig
+
+    path = broken_model(tmp_path / "broken", weight, value)
+    with pytest.raises(KVQuantError) as info:
+        kvquant.scoring.models.load_model(ModelConfig(path=str(path), device="cpu"))
+    message = one_line(info)
+    assert str(path) in message and weight in message and "NaN or Inf" in message, message
+
+
+CONFIG = tiny_run("broken", "int4", tasks_limit=5, bootstrap=1000)
+#: what the run prints before a refusal that comes after the model loaded: progress bars, the config's warnings
+STARTED = (*PROGRESS, "kvquant: warning: ")
+
+
+def run_config(tmp_path: Path, model_path: str, *overrides: str) -> int:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({**CONFIG, "model": {"path": model_path, "device": "cpu"},
+                                   "output_dir": str(tmp_path / "reports")}))
+    return kvquant.run.main([str(cfg), *(a for o in overrides for a in ("--set", o))])
+
+
+def test_run_refuses_a_model_with_nan_weights(tmp_path, capsys, monkeypatch):
+    """Was: a NaN baseline and "FAIL: int4 ..." (exit 1)."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = broken_model(tmp_path / "broken", "model.layers.1.mlp.gate_proj.weight", float("nan"))
+    line = error_line(run_config(tmp_path, str(path)), capsys.readouterr().err, str(path), besides=STARTED)
+    assert "model.layers.1.mlp.gate_proj.weight" in line
+
+
+@pytest.mark.parametrize("overrides, metric", [
+    ((), "perplexity 'tinystories'"),
+    (("eval.perplexity=[]", "gate.perplexity=[]"), "task 'tinystories_lastword'"),
+], ids=["perplexity", "task"])
+def test_run_refuses_a_non_finite_baseline(tmp_path, capsys, monkeypatch, overrides, metric):
+    """Scores that are not finite through the identity cache (here: the final norm poisoned after the load check,
+    so keys and values stay finite) mean the model is broken, not the quantizer. Was: "FAIL: int4 ..." (exit 1)."""
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    real = kvquant.scoring.models.load_model
+
+    def poisoned(spec):
+        model, tokenizer = real(spec)
+        with torch.no_grad():
+            model.model.norm.weight[0] = float("nan")
+        return model, tokenizer
+
+    monkeypatch.setattr(kvquant.run, "load_model", poisoned)
+    line = error_line(run_config(tmp_path, MODEL, *overrides), capsys.readouterr().err, MODEL, besides=STARTED)
+    assert "identity cache" in line and metric in line, line

@@ -103,7 +103,7 @@ def test_outlier_layers_refuses_before_writing_or_loading(tmp_path, capsys, monk
     """Probe 56: a config without a calibration split was exit 3 (an AttributeError) after the model loaded and
     --out was made, and --factor inf was taken; one line, exit 2, no folder made, no model loaded."""
     from conftest import experiment
-    from hostile_helpers import TINY
+    from tiny_configs import TINY
     from kvquant.exits import run_script
     import kvquant.scoring.models
 

@@ -12,7 +12,7 @@ from kvquant import run
 from kvquant.run import main
 from kvquant.runner.config import load_config
 from kvquant.runner.results import MetricId, MetricRow
-from hostile_helpers import TINY
+from tiny_configs import TINY
 
 ROOT = Path(__file__).parents[1]
 

@@ -21,7 +21,7 @@ from kvquant.runner.store import ResultStore
 from kvquant.scoring.session import Session
 from kvquant.scoring.task_setup import lm_eval_task
 from kvquant.scoring.tasks import task_dir
-from tests.hostile_helpers import tiny_run
+from tests.tiny_configs import tiny_run
 
 
 def config(out) -> dict:

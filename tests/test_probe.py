@@ -1,10 +1,13 @@
 """The long-range probe: documents with exactly the distance they claim, and lm-eval tasks ``passkey_<D>`` that
-score them through the quantized cache exactly as kvquant's own scorer does."""
+score them through the quantized cache exactly as kvquant's own scorer does; a distance too short for the tokenizer
+names the shortest that works, and each probe has one spelling."""
 
 import json
+import re
 
 import lm_eval
 import pytest
+import yaml
 
 import kvquant  # noqa: F401  (registers model "kvquant")
 from kvquant.errors import KVQuantError
@@ -83,6 +86,7 @@ def test_probe_names_and_lengths_are_checked(tokenizer, tmp_path, monkeypatch):
         prepare_probe_tasks(tokenizer, {"passkey_64": 10**9}, 512, "tasks")
 
 
+@pytest.mark.slow
 def test_probe_files_only_grow_and_managers_see_new_tasks(tokenizer, tmp_path, monkeypatch):
     """Two runs sharing a folder: the second asking fewer documents does not shrink the file (the first run's
     documents stay what they were), and a task written after a manager was built is found."""
@@ -99,6 +103,7 @@ def test_probe_files_only_grow_and_managers_see_new_tasks(tokenizer, tmp_path, m
     assert "passkey_100" in task_manager(str(folder)).all_subtasks
 
 
+@pytest.mark.slow
 def test_lm_eval_task_scores_the_documents_like_the_scorer(model, tokenizer, tmp_path, monkeypatch):
     """``passkey_<D>`` through lm-eval and the kvquant model (int4, streaming) gives, document by document, the
     log-likelihood and greedy outcome of scoring the same (context, target) directly."""
@@ -141,6 +146,7 @@ def test_report_lists_the_probe_by_distance():
     assert table.index("| 256 |") < table.index("| 1024 |")
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_runs_probe_tasks_with_the_models_tokenizer(tmp_path, monkeypatch, capsys):
     from kvquant.lm_eval import main
 
@@ -159,3 +165,74 @@ def test_lm_eval_cli_refuses_probe_tasks_without_the_kvquant_model(capsys):
     assert main(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "passkey_64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cut with the model's tokenizer" in err[0] and "Traceback" not in err[0]
+
+
+# --- pass-key task names: the shortest distance a tokenizer allows is named; one spelling per probe -----
+
+
+@pytest.fixture
+def short_filler(monkeypatch):
+    """The probe's filler cut to WikiText-2's first 40,000 characters (tokenizing all of it takes seconds)."""
+    from kvquant.scoring import passkey as probe
+
+    text = probe._filler_text()[:40_000]
+    probe._filler.cache_clear()
+    monkeypatch.setattr(probe, "_filler_text", lambda: text)
+    yield
+    probe._filler.cache_clear()
+
+
+def test_a_probe_too_short_for_the_tokenizer_names_the_shortest_that_works(tokenizer, short_filler):
+    """passkey_32 was documented (any D >= 32) and refused without saying what would work."""
+    from kvquant.scoring.passkey import probe_documents
+
+    with pytest.raises(KVQuantError, match=r"probe distance 32 is shorter .*\(46 tokens with this tokenizer.*the "
+                                           r"shortest distance this tokenizer allows is 46 \(passkey_46\)$"):
+        probe_documents(tokenizer, [32], 50)
+    docs = probe_documents(tokenizer, [46], 50)  # the one it names works, for as many documents
+    assert len(docs) == 50 and {d["distance"] for d in docs} == {46}
+    with pytest.raises(KVQuantError, match=r"allows is 46 \(passkey_46\)"):
+        probe_documents(tokenizer, [45], 50)
+
+
+def test_the_runner_names_the_shortest_probe_before_loading(no_model_load, short_filler, tmp_path, capsys):
+    import kvquant.run
+
+    cfg = tmp_path / "probe.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "probe", "output_dir": str(tmp_path / "reports"), "model": {"path": "local:models/stories260K/hf"},
+        "candidates": [{"quantizer": "int8"}], "eval": {"tasks": {"names": ["passkey_32"], "limit": 2}},
+        "gate": {"tasks": ["passkey_32"]}}))
+    assert kvquant.run.main([str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvquant: error: eval.tasks.names: probe distance 32 is shorter") and "\n" not in err
+    assert err.endswith("the shortest distance this tokenizer allows is 46 (passkey_46)")
+    assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.parametrize("names, needle", [
+    (["passkey_64", "passkey_0064"], "'passkey_0064': write passkey_64 (a distance without leading zeros"),
+    (["passkey_064"], "'passkey_064': write passkey_64"),
+])
+def test_a_probe_has_one_spelling(names, needle):
+    """passkey_64 and passkey_0064 were both accepted: one probe measured and gated twice under two names."""
+    from kvquant.scoring.tasks import check_tasks
+
+    with pytest.raises(KVQuantError, match=re.escape(f"eval.tasks.names: {needle}")):
+        check_tasks(names, "eval.tasks.names")
+    check_tasks(["passkey_64", "passkey_100"], "eval.tasks.names")  # the canonical names pass
+
+
+def test_lm_eval_refuses_a_second_spelling_of_a_probe_before_loading(no_model_load, capsys, monkeypatch):
+    import sys
+
+    from kvquant import lm_eval as lm_eval_cli
+    from kvquant.paths import resolve
+
+    monkeypatch.setattr(sys, "argv", ["kvquant.lm_eval"])
+    model = resolve("local:models/stories260K/hf")
+    code = lm_eval_cli.main(["--model", "kvquant", "--model_args", f"pretrained={model}", "--tasks",
+                             "passkey_64,passkey_0064", "--limit", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == ("kvquant: error: --tasks: 'passkey_0064': write passkey_64 (a distance "
+                                 "without leading zeros: one spelling per probe, so none is measured and gated twice)")

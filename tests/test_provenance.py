@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import kvquant
-from hostile_helpers import TINY
+from tiny_configs import TINY
 from kvquant.paths import data_dir
 from kvquant.runner import report
 

@@ -33,6 +33,7 @@ from kvquant.runner.model_config import ModelConfig
 from kvquant.scoring.models import load_model, resolve_model_path
 from kvquant.wheel_data import WheelPart
 from reference import FakeQuantReference, Spec
+from refusals import error_line
 
 QWEN = "qwen2.5-coder-0.5b-instruct-q4-k-m-gguf"
 QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -94,10 +95,7 @@ def target(cache: Path) -> Path:
 
 def refused_line(capsys, argv: list[str]) -> str:
     """``python -m kvquant.packaged ARGV`` exits 2 with one line on stderr; that line."""
-    assert packaged.main(argv) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("kvquant: error: "), lines
-    return lines[0]
+    return error_line(packaged.main(argv), capsys.readouterr().err)
 
 
 def test_wheels_are_joined_in_order_verified_and_never_imported(fake_wheels, cache, capsys):
@@ -415,6 +413,7 @@ def test_fp16_is_the_models_own_logits_bit_for_bit(qwen, ids):
         fed += size
 
 
+@pytest.mark.slow
 def test_fp16_generates_the_models_own_logits_bit_for_bit(qwen, ids):
     model = qwen[0]
     kwargs = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -424,6 +423,7 @@ def test_fp16_generates_the_models_own_logits_bit_for_bit(qwen, ids):
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
 
 
+@pytest.mark.slow
 def test_a_left_padded_batch_is_each_row_alone_bit_for_bit(qwen, ids):
     model = qwen[0]
     rows, mask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
@@ -461,6 +461,7 @@ def test_error_grows_as_bits_shrink_on_qwens_kv(real_kv, stream_index):
     assert sqnr["int8"] > sqnr["int4"] + 15 > sqnr["int2"] + 25, sqnr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream_name", ["key", "value"])
 def test_model_error_grows_as_bits_shrink_per_stream(qwen, ids, stream_name):
     model = qwen[0]
@@ -472,6 +473,7 @@ def test_model_error_grows_as_bits_shrink_per_stream(qwen, ids, stream_name):
     assert 0 < err[8] < err[4] < err[2], err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, key, value", [
     ("int4", Spec("int", 4, "channel", 32), Spec("int", 4, "token", 32)),
     ("int8", Spec("int", 8, "channel", 128), Spec("int", 8, "token", 64)),

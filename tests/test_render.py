@@ -15,7 +15,8 @@ import yaml
 
 import kvquant.run
 import kvquant.scoring.models
-from hostile_helpers import tiny_run, tiny_weights
+from refusals import error_line
+from tiny_configs import tiny_run, tiny_weights
 from kvquant.run import main
 from kvquant.runner import report
 from kvquant.runner.config import load_config
@@ -101,10 +102,8 @@ def verdicts(doc: dict) -> dict:
 
 def refused(capsys, argv: list, needle: str) -> None:
     capsys.readouterr()
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and err.startswith("kvquant: error: render: "), err
-    assert needle in err, err
+    line = error_line(main([str(a) for a in argv]), capsys.readouterr().err, needle)
+    assert line.startswith("kvquant: error: render: "), line
 
 
 @pytest.fixture

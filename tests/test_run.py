@@ -17,7 +17,7 @@ from kvquant.runner import report
 from kvquant.runner.config import load_config
 from kvquant.errors import KVQuantError
 from kvquant.run import main
-from hostile_helpers import TINY
+from tiny_configs import TINY
 
 ROOT = Path(__file__).parents[1]
 
@@ -43,6 +43,7 @@ def write_config(tmp_path, text=SMALL):
     return path
 
 
+@pytest.mark.slow
 def test_end_to_end_report(tmp_path, capsys):
     code = main([str(write_config(tmp_path))])
     out_dir = tmp_path / "reports" / "small"
@@ -87,6 +88,7 @@ def test_missing_data_or_bad_quantizer_exits_2(tmp_path, capsys, change, message
     assert err.startswith("kvquant: error:") and ("missing.jsonl" in err or "int3" in err)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_recomputing(tmp_path):
     path = write_config(tmp_path)
     partial = tmp_path / "reports" / "small" / "partial"
@@ -271,9 +273,10 @@ def test_each_task_is_gated_on_its_standard_metric():
     assert gated == {"acc_norm/hellaswag", "acc/lambada_openai", "acc_norm/piqa_local"}
 
 
+@pytest.mark.slow
 def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_path, monkeypatch):
-    """Found by the second hostile session: the same config over a data directory whose model weights and task
-    stories changed reused every result (the key held the model's path and the task's name only)."""
+    """The same config over a data directory whose model weights and task stories changed reused every result
+    (the key held the model's path and the task's name only)."""
     import shutil
 
     from kvquant.paths import data_dir
@@ -305,8 +308,8 @@ def test_results_are_not_reused_for_other_weights_or_edited_task_documents(tmp_p
 
 
 def test_the_model_digest_changes_with_its_config_tokenizer_or_weights(model, tokenizer):
-    """Found by the third hostile session: task results were reused after tokenizer.json or config.json changed
-    (the key held a digest of the weights only)."""
+    """Task results were reused after tokenizer.json or config.json changed (the key held a digest of the weights
+    only)."""
     import copy
 
     import torch

@@ -82,6 +82,7 @@ search:
 """
 
 
+@pytest.mark.slow
 def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, monkeypatch):
     read_docs, read_windows = [], []
     real_task, real_ppl = measure_module.run_task, measure_module.perplexity_samples
@@ -135,6 +136,7 @@ def test_search_calibrates_apart_from_evaluation_and_is_deterministic(tmp_path, 
     assert again["sensitivity"] == found["sensitivity"]
 
 
+@pytest.mark.slow
 def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(tmp_path, monkeypatch):
     """No task document is read before evaluation; the search's own perplexity ratio decides: loose enough, the
     cheapest map passes; at 1.0 (no loss allowed) int2 layers cannot, and the search climbs."""
@@ -168,6 +170,7 @@ def test_documents_0_gates_calibration_on_perplexity_alone_at_the_search_ratio(t
     assert all(c["passed"] == (c["metrics"]["ppl/tinystories"] >= 1.0) for c in strict["checked"])
 
 
+@pytest.mark.slow
 def test_a_budget_takes_the_last_map_within_it_and_measures_it_on_calibration(tmp_path, capsys):
     """search.max_bits: the greedy order's last map at or under the budget; with two rungs and five equal layers
     step m has m layers at int8, so its bits are int2's plus m fifths of the difference."""
@@ -285,6 +288,7 @@ def test_calibration_starts_after_what_any_set_of_the_same_text_evaluates(tmp_pa
     assert start == 12 and len(windows) == 4 and not evaluated & {tuple(w.ids) for w in windows}
 
 
+@pytest.mark.slow
 def test_a_gate_on_kl_divergence_gates_the_search_on_it_too(tmp_path):
     """With gate.max_kl_divergence the maps checked on the calibration split are measured and gated on KL too
     (before, the search gated them on perplexity alone and took the cheapest map at a loose ratio)."""

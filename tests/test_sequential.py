@@ -52,6 +52,7 @@ def simulate(lost, gained, policy, limit, reps, widen=True):
     return out
 
 
+@pytest.mark.slow
 def test_a_candidate_at_the_threshold_passes_at_most_at_the_error_rate():
     """True ratio exactly 0.97 (the worst case for a wrong pass): at most (1 - confidence) / 2 = 2.5% may
     pass. 1,000 repetitions, 5 looks (100..1,600 documents); the bound checked is that the observed count is

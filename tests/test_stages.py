@@ -88,6 +88,7 @@ def staged_config(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_a_staged_run_reports_stages_in_order_and_sharing_costs_nothing(tmp_path):
     path = staged_config(tmp_path)
     code = main([str(path)])

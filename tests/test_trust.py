@@ -71,6 +71,7 @@ def plant_evil(folder: Path, tmp_path: Path, task: str = "tinystories_lastword")
     return marker
 
 
+@pytest.mark.slow
 def test_code_execution_a_task_yaml_planted_in_the_shared_temp_folder_is_never_loaded(tmp_path):
     """An attacker who can write the temp directory plants a task that redefines the gated task with
     ``!function``; building kvquant's task manager and task must not run it (it did: the folder was
@@ -256,6 +257,7 @@ def _contender(directory: str, barrier, holders: str, doubles) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_lock_race_over_a_stale_lock_has_one_holder_at_a_time(tmp_path):
     """8 processes take over a lock left by a dead process at once, 30 times: never two holders."""
     ctx = multiprocessing.get_context("fork")
@@ -353,7 +355,7 @@ def test_sigterm_unwinds_like_ctrl_c_and_a_rerun_removes_what_it_does_not_regene
     assert not list(own_tmp.iterdir()), "the run left its task folder behind"
 
 
-# --- found by the hostile session after #19's first pass ------------------------------------------------------
+# --- every other way a task file reaches lm-eval -------------------------------------------------------------
 
 
 def _shared_evil(tmp_path: Path) -> tuple[Path, Path]:
@@ -459,7 +461,7 @@ OWN_TASK = ("task: own\ndataset_path: json\ndataset_kwargs: {{data_files: {{test
                                  "function-by-absolute-path", "function-module-symlinked", "include-through-txt",
                                  "utf16-include", "include-after-a-mebibyte"])
 def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_path, how):
-    """Found by the second hostile session, each ran the planted task (exit 0) or crashed (exit 3): a glob on
+    """Each ran the planted task (exit 0) or crashed (exit 3): a glob on
     --tasks, a task file of one's own that ``include:``s a shared one, a symlink in one's own folder to a shared
     file, and ``include_path`` as a list in an lm-eval --config file."""
     from kvquant import lm_eval as lm_eval_cli
@@ -480,7 +482,7 @@ def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_pat
     elif how == "config-include-path-list":
         (own / "lm.yaml").write_text(yaml.safe_dump({"include_path": [str(shared)], "tasks": ["evil"]}))
         argv = [*base, "--config", str(own / "lm.yaml")]
-    else:  # found by the third hostile session: a task file of one's own that reaches shared code another way
+    else:  # a task file of one's own that reaches shared code another way
         task = OWN_TASK.format(docs=shared / "docs.jsonl")
         text = {"function-by-absolute-path": task + f"process_docs: !function {shared}/evil.process_docs\n",
                 "function-module-symlinked": task + "process_docs: !function evil.process_docs\n",

@@ -1,4 +1,4 @@
-"""Hostile inputs to ``python -m kvquant.export`` and the runner's deploy step (issue 36): a results.json this
+"""``python -m kvquant.export`` and the runner's deploy step against reports it should not trust: a results.json this
 user's run did not sign, another user's file, symlinks, hostile text, hand-edited decisions, metrics, scales and
 layers, malformed documents and blocked targets are each one line and exit 2 with nothing written; a setting that
 quantizes nothing deploys the model-precision cache; a run that passed with nothing to deploy exits 0 and says so.
@@ -14,8 +14,11 @@ import pytest
 from kvquant.export import main
 from kvquant.signing import SIGNATURE, signed_json
 
+
 LAYERS = 30
+
 DEPLOY_FILES = ("DEPLOY.md", "kv_cache_scheme.json", "kv_scales.safetensors")
+
 AS_ROOT = pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a file to another user")
 
 
@@ -66,9 +69,6 @@ def refused(capsys, folder: Path, args: list[str], message: str) -> str:
     return err
 
 
-# --- 1. whose file -------------------------------------------------------------------------------------------------
-
-
 def test_a_results_json_no_run_of_this_user_signed_is_refused_unless_trusted(tmp_path, capsys):
     folder = report(tmp_path, text=json.dumps(document()))  # forged by hand: a valid document, no signature
     refused(capsys, folder, [], "carries no signature")
@@ -115,9 +115,18 @@ def test_a_symlinked_results_json_is_refused(tmp_path, capsys):
     refused(capsys, folder, [], "a symlink is refused")
 
 
-# --- 2. text from the report is inert ------------------------------------------------------------------------------
+def test_a_results_json_that_is_a_directory_is_one_line_and_exit_2(tmp_path, capsys):
+    """As a FIFO is: a directory opens read-only, and reading it failed with a traceback."""
+    folder = tmp_path / "report"
+    (folder / "results.json").mkdir(parents=True)
+    assert main([str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "results.json is not a regular file" in err, err
+    assert sorted(p.name for p in folder.iterdir()) == ["results.json"]
+
 
 NAME = "x\n# Pwned\n<script>alert(1)</script> `` ` <iframe src=//evil>"
+
 HOSTILE = {
     "command": "python -m kvquant.run x.yaml\n\n<script>alert(2)</script>\n## command",
     "reason": "ok </p><iframe src=javascript:alert(3)></iframe> [click](http://evil) **bold** | &amp; <b>x</b>",
@@ -165,9 +174,6 @@ def test_a_megabyte_name_makes_no_megabyte_deploy_md_nor_error_line(tmp_path, ca
     doc["decision"] = "fail"
     err = refused(capsys, report(tmp_path, doc, name="failed"), [], "the decision is FAIL")
     assert len(err) < 1000
-
-
-# --- 3. hand-edited decisions, metrics, scales and layers ----------------------------------------------------------
 
 
 def chosen(doc: dict) -> dict:
@@ -231,9 +237,6 @@ def test_scales_of_mixed_shapes_are_refused(tmp_path, capsys):
     refused(capsys, report(tmp_path, doc), [], "the static scales mix shapes [(1,), (2, 1, 1)]")
 
 
-# --- 4. a setting that quantizes nothing ---------------------------------------------------------------------------
-
-
 def keeps_every_layer_doc(layers: int) -> dict:
     """A search over [vllm_fp8, fp16] that kept every layer at fp16, with the settings the runner records."""
     import transformers
@@ -279,9 +282,6 @@ def test_a_setting_that_quantizes_some_layers_still_deploys_its_format(tmp_path)
     assert "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 1 2" in (folder / "DEPLOY.md").read_text()
 
 
-# --- 5. a run that passed with nothing to deploy -------------------------------------------------------------------
-
-
 @pytest.mark.slow
 def test_a_run_that_passed_with_nothing_to_deploy_exits_0_and_says_why(tmp_path, capsys):
     from kvquant.run import main as run_main
@@ -307,9 +307,6 @@ gate: {{bootstrap: 1000, max_kl_divergence: 1.0}}   # 96 windows: the fewest a p
     assert not (folder / "DEPLOY.md").exists()
     assert main([str(folder)]) == 2  # the report the run signed exports as the same one line
     assert "one k_scale/v_scale for all layers is not exported" in capsys.readouterr().err
-
-
-# --- 6. malformed documents and blocked targets --------------------------------------------------------------------
 
 
 def signed_text(change):

@@ -1,7 +1,10 @@
-"""What the hostile-input tests (tests/test_hostile*.py) share: the small run config they start from and the ``--set``
-arguments of their overrides."""
+"""Small run configs on stories260K that tests start from (a config dict, the smallest run's YAML, the weights digest
+its results are keyed by), and the ``--set`` arguments of their overrides."""
 
 import functools
+from pathlib import Path
+
+import yaml
 
 MODEL = "local:models/stories260K/hf"
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
@@ -31,6 +34,18 @@ def tiny_run(name: str, candidate: str, tasks_limit: int, **gate) -> dict:
                  "tasks": {"names": ["tinystories_lastword"], "limit": tasks_limit}},
         "gate": {"tasks": ["tinystories_lastword"], "perplexity": ["tinystories"], **gate},
     }
+
+
+#: one int4 candidate ``q`` on 4 tinystories documents and 4 of tinystories_lastword, both gated
+SMALL_GATED = tiny_run("small", "q", tasks_limit=4)
+
+
+def write_run(folder: Path, name: str = "config.yaml", **changes) -> Path:
+    """:data:`SMALL_GATED` with its sections ``changes`` replaced, written to ``folder/name`` (its reports go under
+    ``folder/reports``)."""
+    path = folder / name
+    path.write_text(yaml.safe_dump({**SMALL_GATED, "output_dir": str(folder / "reports"), **changes}))
+    return path
 
 
 def set_args(*overrides: str) -> list[str]:

@@ -1,38 +1,28 @@
-"""Hostile inputs to the cache formats (issue 36): static scales that are not finite and positive in float32,
-states of large finite magnitude in every registered format, a cache made for fused decode read by a plain model,
-and size options of the cache (sinks, residual window, groups, eviction) far beyond any model.
-
-Every refusal is one :class:`KVQuantError` line, raised before anything is stored or allocated (through the runner:
-exit 2 before the model loads); every state a format accepts reads back finite.
+"""The cache formats against extreme values: static scales that are not finite and positive in float32, size options
+of the cache (sinks, residual window, groups, eviction) far beyond any model, and states of large finite magnitude in
+every registered format. Every refusal is one :class:`KVQuantError` line, raised before anything is stored or
+allocated (through the runner: exit 2 before the model loads); every state a format accepts reads back finite.
 """
 
 import itertools
-import math
 
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvquant
 import kvquant.run
 from kvquant import KVQuantError
 from kvquant.cache import build_cache, simulate_memory
 from kvquant.formats.quantizers import MAX_TOKENS
+from refusals import error_line, one_line
+from tiny_configs import MODEL, STORIES
+from slow_cases import slow_where
 
-MODEL = "local:models/stories260K/hf"
-STORIES = "local:text/tinystories/validation-first1000.jsonl"
 F32_MAX = torch.finfo(torch.float32).max
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def one_line(err) -> str:
-    text = str(err.value)
-    assert "\n" not in text and text, text
-    return text
-
-
-# --- static scales -------------------------------------------------------------------------------------------
 
 BAD_SCALES = [
     ("vllm_fp8", {"k_scale": 1e300}, "k_scale 1e+300 is inf in float32"),
@@ -70,11 +60,11 @@ def test_extreme_scales_that_hold_in_float32_read_back_finite(name, options):
 
 
 def run_config(tmp_path, quantizer: str, options: dict) -> list:
-    doc = {"name": "hostile", "output_dir": str(tmp_path / "reports"), "model": {"path": MODEL},
+    doc = {"name": "extreme", "output_dir": str(tmp_path / "reports"), "model": {"path": MODEL},
            "candidates": [{"quantizer": quantizer, "name": "c", "options": options}],
            "eval": {"perplexity": [{"name": "s", "source": STORIES, "limit": 2, "max_length": 64}]},
            "gate": {"bootstrap": 1000}}
-    path = tmp_path / "hostile.yaml"
+    path = tmp_path / "extreme.yaml"
     path.write_text(yaml.safe_dump(doc))
     return [str(path)]
 
@@ -98,15 +88,9 @@ RUN_CASES = [
 def test_runner_refuses_before_the_model_loads(tmp_path, capsys, no_model_load, quantizer, options, needle):
     """sink_tokens 10**12 passed the pre-load checks (shapes only, no allocation) and then asked for 128 TB: exit
     3 after the model loaded. Now exit 2 with one line, before it loads, and nothing written."""
-    code = kvquant.run.main(run_config(tmp_path, quantizer, options))
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvquant: error: "), err
-    assert needle in lines[0], lines[0]
-    assert not (tmp_path / "reports" / "hostile").exists() or not any((tmp_path / "reports" / "hostile").iterdir())
+    error_line(kvquant.run.main(run_config(tmp_path, quantizer, options)), capsys.readouterr().err, needle)
+    assert not (tmp_path / "reports" / "extreme").exists() or not any((tmp_path / "reports" / "extreme").iterdir())
 
-
-# --- sizes -----------------------------------------------------------------------------------------------------
 
 SIZES = [
     ({"sink_tokens": 10**12}, "sink_tokens must be an integer in 0-"),
@@ -164,12 +148,10 @@ def test_sliding_windows_of_a_layout_must_be_positive():
         build_cache([-4], "fp16")
 
 
-# --- every registered format, states of large finite magnitude --------------------------------------------------
-
 MAGNITUDES = (1e4, 6e4, 65504.0, 1e6, 1e19, 1e30, 1e37, 3e38, F32_MAX)
 
 
-def hostile_states(kind: str, magnitude: float, dtype: torch.dtype, head_dim: int, tokens: int = 6):
+def extreme_states(kind: str, magnitude: float, dtype: torch.dtype, head_dim: int, tokens: int = 6):
     """``[1, 2, tokens, head_dim]`` states of ``dtype`` reaching ``magnitude`` (clamped to the dtype's range)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, tokens, head_dim, generator=gen, dtype=torch.float64)
@@ -214,7 +196,7 @@ def variants() -> list:
 VARIANTS = variants()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", slow_where(DTYPES, lambda dtype: dtype == torch.bfloat16), ids=str)
 @pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}-{'-'.join(map(str, o.values()))}" for n, o in VARIANTS])
 def test_every_format_reads_large_states_back_finite_or_refuses_them_on_arrival(name, options, dtype):
     """States of 1e6 (TurboQuant: fp16 scale, minimum and key norm overflowed) or 3e38 (int4 per token-head: the
@@ -225,22 +207,22 @@ def test_every_format_reads_large_states_back_finite_or_refuses_them_on_arrival(
                                                        ("scaled", "spike", "constant", "alternating")):
         if magnitude <= torch.finfo(dtype).max:
             layer = build_cache([None], name, residual_length=0, head_dim=head_dim, **options).layers[0]
-            x = hostile_states(kind, magnitude, dtype, head_dim)
+            x = extreme_states(kind, magnitude, dtype, head_dim)
             where = f"{kind} states of {magnitude:g} in {dtype}, head_dim {head_dim}"
             try:
                 keys, values = layer.update(x, x.clone())
             except KVQuantError as err:
                 assert "\n" not in str(err), where
                 assert layer.cumulative_length == 0 and (layer.k is None or layer.k.stored(0) == 0), where
-                ordinary = hostile_states("scaled", 1.0, dtype, head_dim)
+                ordinary = extreme_states("scaled", 1.0, dtype, head_dim)
                 keys, values = layer.update(ordinary, ordinary)
                 assert layer.cumulative_length == ordinary.shape[2], where
             assert torch.isfinite(keys).all() and torch.isfinite(values).all(), f"{name} {options}: {where}"
 
 
 def test_turboquant_and_int4_per_token_head_refuse_what_they_turned_into_nan():
-    """The cases of issue 36 by value: TurboQuant at 1e6 (fp16 minimum and key norm), int4 per token-head at 3e38
-    in float32 (its range) and at 1e4 in float16 (vLLM's unnormalized Hadamard transform overflows fp16)."""
+    """The states that came back NaN, by value: TurboQuant at 1e6 (fp16 minimum and key norm), int4 per token-head
+    at 3e38 in float32 (its range) and at 1e4 in float16 (vLLM's unnormalized Hadamard transform overflows fp16)."""
     cases = [("vllm_turboquant_k8v4", 1e6, torch.float32, "values reach"),
              ("vllm_turboquant_4bit_nc", 6e4, torch.float32, "keys reach a norm of"),
              ("vllm_int4_per_token_head", 3e38, torch.float32, "keys reach |x| = 3e+38"),
@@ -248,7 +230,7 @@ def test_turboquant_and_int4_per_token_head_refuse_what_they_turned_into_nan():
     for name, magnitude, dtype, needle in cases:
         layer = build_cache([None], name, residual_length=0, head_dim=64).layers[0]
         with pytest.raises(KVQuantError) as err:
-            layer.update(*(hostile_states("scaled", magnitude, dtype, 64) for _ in range(2)))
+            layer.update(*(extreme_states("scaled", magnitude, dtype, 64) for _ in range(2)))
         assert needle in one_line(err), (name, str(err.value))
         assert layer.cumulative_length == 0
 
@@ -261,65 +243,7 @@ def test_states_the_engine_formats_hold_are_not_refused():
                                    ("vllm_int4_per_token_head", 1000.0, torch.float16),
                                    ("vllm_int4_per_token_head", 1e34, torch.float32)]:
         layer = build_cache([None], name, residual_length=0, head_dim=64).layers[0]
-        x = hostile_states("scaled", magnitude, dtype, 64)
+        x = extreme_states("scaled", magnitude, dtype, 64)
         keys, values = layer.update(x, x)
         assert torch.isfinite(keys).all() and torch.isfinite(values).all(), name
         assert float(values.float().abs().amax()) > magnitude / 10, name  # (k8v4's keys saturate at 448)
-
-
-# --- fused decode read by a plain model --------------------------------------------------------------------------
-
-def tiny_llama(layers: int):
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
-@pytest.mark.parametrize("layers", [1, 2])
-@pytest.mark.parametrize("how", ["another model", "fused decode undone"])
-def test_a_cache_made_for_fused_decode_read_by_a_plain_model_equals_the_plain_cache(layers, how):
-    """A cache made for fused decode and read by a plain one-layer model gave NaN logits and token 0 with no error
-    (the placeholders' NaN reached the logits: no next layer refused them). Placeholders now go only to kvquant's
-    attention: any other reads the dequantized cache, so the logits equal those of a cache made for the plain
-    model."""
-    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(4))
-    fused_model, plain = tiny_llama(layers), tiny_llama(layers)
-    kvquant.enable_fused_decode(fused_model)
-    cache = kvquant.make_cache(fused_model, "int4", group_size=16, residual_length=0)
-    reference = kvquant.make_cache(plain, "int4", group_size=16, residual_length=0)
-    if how == "fused decode undone":
-        fused_model.set_attn_implementation("sdpa")
-        plain = fused_model
-    with torch.no_grad():
-        for model_cache in (cache, reference):
-            plain(ids[:, :20], cache=model_cache)
-        got = [plain(ids[:, i : i + 1], cache=cache).logits for i in range(20, 24)]
-        want = [plain(ids[:, i : i + 1], cache=reference).logits for i in range(20, 24)]
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        torch.testing.assert_close(g, w, atol=0, rtol=0)
-
-
-def test_a_fused_model_still_reads_the_codes(monkeypatch):
-    """The fix does not switch fused decode off: a fused model's decode steps still run the kernel, and agree with
-    the plain cache within float rounding."""
-    from kvquant.cache import kernels
-
-    if not kernels.available():
-        pytest.skip("needs the C++ kernel (a compiler)")
-    calls = []
-    kernel = kernels.attend_into
-    monkeypatch.setattr(kernels, "attend_into", lambda *a: calls.append(1) or kernel(*a))
-    ids = torch.randint(3, 97, (1, 21), generator=torch.Generator().manual_seed(5))
-    logits = []
-    for on in (False, True):
-        model = tiny_llama(1)
-        if on:
-            kvquant.enable_fused_decode(model)
-        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
-        with torch.no_grad():
-            model(ids[:, :20], cache=cache)
-            logits.append(model(ids[:, 20:], cache=cache).logits)
-    assert calls and math.isfinite(float(logits[1].abs().max()))
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)

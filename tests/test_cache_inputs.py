@@ -1,13 +1,30 @@
-"""Hostile inputs to the public cache API: every bad input is a KVQuantError with one line naming the argument,
+"""Bad input to the public cache API: every bad argument to ``make_cache`` / ``get_quantizer`` and to the cache's
+methods (``update``, ``fork``, ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``,
+``get_seq_length``, ``set_padding``, ``stack_rows``) is a :class:`KVQuantError` with one line naming the argument,
 the value received and what is valid (never a raw torch error, never silently dropped data), and a rejected call
-leaves the cache as it was."""
+leaves the cache as it was. A cache made for a model refuses states of another shape; a cache made for fused decode
+and read by a plain model reads what the plain cache reads."""
+
+import math
+import re
 
 import pytest
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import kvquant
+import kvquant.cache.kernels
 from kvquant import KVQuantError, NonFiniteKVError
 from kvquant.cache import stack_rows
+from kvquant.cache.build import written_shapes
+from kvquant.paths import resolve
+from kvquant.runner.config import PerplexitySet
+from kvquant.runner.gate_config import GateConfig
+from kvquant.runner.model_config import ModelConfig
+from kvquant.scoring.scorer import Scorer
+from refusals import one_line, snapshot
+from tiny_configs import MODEL
 
 LAYERS, HEADS, HEAD_DIM = 5, 4, 8  # stories260K
 
@@ -28,15 +45,8 @@ def written(model, batch=2):
     return cache
 
 
-def one_line(err) -> str:
-    text = str(err.value)
-    assert "\n" not in text, text
-    return text
-
-
-# --- update ---------------------------------------------------------------------------------------------------
-
 HALF = torch.ones(1, HEADS, 5, HEAD_DIM, dtype=torch.float16)
+
 
 #: (label, keys, values, layer_idx, match); states written before (``first``) are on the same layer
 UPDATE = [
@@ -123,8 +133,6 @@ def test_update_of_a_layer_that_stores_nothing_is_a_kvquant_error(model):
         cache.update(states(), states(), 1)
 
 
-# --- fork / reorder_cache / batch_select_indices / batch_repeat_interleave ---------------------------------------
-
 #: (label, rows, match) against a cache of 2 rows
 BAD_ROWS = [
     ("row too large", [0, 5], r"names row 5; the cache holds rows 0-1"),
@@ -141,7 +149,6 @@ BAD_ROWS = [
     ("a bare int", 1, r"got int 1"),
     ("None", None, r"got NoneType"),
 ]
-
 
 BAD_BEAMS = [
     ("row too large", torch.tensor([0, 5]), r"names row 5; the cache holds rows 0-1"),
@@ -194,8 +201,6 @@ def test_batch_repeat_interleave_rejects_bad_repeats(model, repeats, match):
     assert cache.rows() == 2
 
 
-# --- get_seq_length / set_padding / stack_rows --------------------------------------------------------------------
-
 @pytest.mark.parametrize("layer,match", [(LAYERS, "int 5"), (-1, "int -1"), (True, "bool True"), (1.0, "float 1.0"),
                                          ("0", "str '0'"), (None, "NoneType None")])
 def test_get_seq_length_rejects_bad_layers(model, layer, match):
@@ -241,8 +246,6 @@ def test_stack_rows_rejects_bad_sources(model):
     assert stack_rows([(cache, 1), (empty, 0)]).rows() == 2  # valid sources still stack
 
 
-# --- make_cache -----------------------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("options,match", [
     ({"head_dim": 8}, r"make_cache: head_dim is not an option, it is read from model_or_config; the options: budget, "
                       r"eviction, layers, residual_length"),
@@ -277,3 +280,203 @@ def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, cap
     assert not isinstance(info.value, KVQuantError)
     assert guarded("kvquant", lambda: cache.layers[0]._check()) == EXIT_INTERNAL
     assert "internal error (InternalError: row 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def stories_config():
+    return AutoConfig.from_pretrained(resolve(MODEL))
+
+
+API_CASES = [
+    ("unknown-quantizer", lambda c: kvquant.get_quantizer("int3"), "'int3'"),
+    ("group-size-bool", lambda c: kvquant.get_quantizer("int4", group_size=True), "group_size"),
+    ("key-bits-float", lambda c: kvquant.get_quantizer("int4", key_bits=4.0), "key_bits"),
+    ("key-bits-3", lambda c: kvquant.get_quantizer("int4", key_bits=3), "key_bits"),
+    ("group-size-0", lambda c: kvquant.get_quantizer("int4", group_size=0), "group_size"),
+    ("unknown-option", lambda c: kvquant.get_quantizer("int4", gruop_size=32), "'gruop_size'"),
+    ("fp8-granularity", lambda c: kvquant.get_quantizer("fp8_e4m3", granularity="channel"), "granularity"),
+    ("scale-dtype", lambda c: kvquant.get_quantizer("int4", scale_dtype="float64"), "scale_dtype"),
+    ("quantizer-none", lambda c: kvquant.make_cache(c, None), "None"),
+    ("residual-negative", lambda c: kvquant.make_cache(c, "int4", residual_length=-1), "residual_length"),
+    ("residual-bool", lambda c: kvquant.make_cache(c, "int4", residual_length=True), "residual_length"),
+    ("sinks-float", lambda c: kvquant.make_cache(c, "int4", sink_tokens=1.5), "sink_tokens"),
+    ("not-a-model", lambda c: kvquant.make_cache("gpt2", "int4"), "str"),
+    ("model-config-device", lambda c: ModelConfig(device="banana"), "device 'banana'"),
+    ("gate-nan", lambda c: GateConfig(max_perplexity_ratio=math.nan), "max_perplexity_ratio"),
+    ("perplexity-limit-0", lambda c: PerplexitySet(name="t", source="x.txt", limit=0), "limit must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("call, needle", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
+def test_api_refuses(refusal_env, stories_config, call, needle):
+    before = snapshot(refusal_env["finished"])
+    with pytest.raises(KVQuantError) as info:
+        call(stories_config)
+    assert needle in one_line(info), info.value
+    assert snapshot(refusal_env["finished"]) == before
+
+
+@pytest.mark.parametrize("mode, chunk_size, needle", [("stream", 64, "stream"), ("streaming", 0, "chunk_size")],
+                         ids=["mode-typo", "chunk-size-0"])
+def test_api_scorer_refuses(model, mode, chunk_size, needle):
+    with pytest.raises(KVQuantError, match=needle):
+        Scorer(model, kvquant.CacheSpec.of("int4"), mode, chunk_size)
+
+
+def test_api_works_under_autograd(model, story_ids, monkeypatch):
+    """The eager dequantization path (every GPU, fp16 models, KVQUANT_KERNELS=0) outside torch.no_grad()."""
+    monkeypatch.setattr(kvquant.cache.kernels, "usable", lambda out: False)
+    cache = kvquant.make_cache(model, "int4")
+    out = model(story_ids, cache=cache, use_cache=True)
+    assert torch.isfinite(out.logits).all()
+
+
+SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+LLAMA = dict(hidden_size=256, num_key_value_heads=2, head_dim=64)
+
+
+def tiny(config_class: str = "LlamaConfig", **options) -> torch.nn.Module:
+    """A small random decoder (a Llama of 2 KV heads of head_dim 64 by default)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**SMALL, **(LLAMA if config_class == "LlamaConfig" else {}),
+                                                     **options})
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny()
+
+
+@pytest.mark.parametrize("shape, what", [((1, 2, 4, 32), "head_dim 32"), ((1, 3, 4, 64), "3 heads"),
+                                         ((1, 1, 4, 64), "1 heads")])
+@pytest.mark.parametrize("quantizer", ["int4", "llamacpp_q4_0", "fp16"])
+def test_first_update_of_another_shape_is_refused(llama, shape, what, quantizer):
+    cache = kvquant.make_cache(llama, quantizer)
+    states = torch.randn(shape)
+    with pytest.raises(KVQuantError, match=rf"update\(layer_idx=1\): keys have shape {re.escape(str(shape))}.*{what}.*"
+                                           r"layer 1 of the model .* writes \[batch, 2, tokens, 64\]"):
+        cache.update(states, states, 1)
+    assert not cache.layers[1].is_initialized  # nothing stored
+
+
+def test_values_of_another_shape_are_refused_too(llama):
+    cache = kvquant.make_cache(llama, "int4")
+    with pytest.raises(KVQuantError, match=r"values have shape \(1, 2, 4, 32\)"):
+        cache.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 32), 0)
+
+
+def test_the_model_own_shapes_pass_and_its_forward_runs(llama):
+    cache = kvquant.make_cache(llama, "int4", residual_length=0)
+    assert [layer.expected for layer in cache.layers] == [((2, 64), (2, 64))] * 2
+    with torch.no_grad():
+        logits = llama(torch.randint(0, 100, (2, 40)), cache=cache, use_cache=True).logits
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 40
+    other = tiny(num_key_value_heads=4)  # a cache made for one model, given to another: refused at its first write
+    with pytest.raises(KVQuantError, match=r"layer_idx=0\): keys have shape \(1, 4, 5, 64\)"):
+        other(torch.randint(0, 100, (1, 5)), cache=kvquant.make_cache(llama, "int4"), use_cache=True)
+
+
+def test_layers_of_several_shapes_each_checked_against_their_own():
+    """Gemma 4's full-attention layers have a head_dim and KV heads of their own (transformers' per-layer config);
+    with attention_k_eq_v they have no v_proj (values are the keys), so only their keys' shape is read."""
+    model = tiny("Gemma4TextConfig", num_key_value_heads=2, head_dim=16,
+                 global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                 num_hidden_layers=6, hidden_size_per_layer_input=8, vocab_size_per_layer_input=100)
+    shapes = written_shapes(model)
+    kinds = model.config.layer_types
+    assert {kinds[i]: shapes[i] for i in range(6)} == {"sliding_attention": ((2, 16), (2, 16)),
+                                                       "full_attention": ((1, 32), None)}
+    with torch.no_grad():  # its own forward passes the checks
+        model(torch.randint(0, 100, (1, 12)), cache=kvquant.make_cache(model, "int8"), use_cache=True)
+    full = kinds.index("full_attention")
+    with pytest.raises(KVQuantError, match=rf"layer {full} of the model .* writes \[batch, 1, tokens, 32\]"):
+        kvquant.make_cache(model, "int8").update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), full)
+
+
+@pytest.mark.parametrize("config_class, options", [
+    ("FalconConfig", dict(multi_query=True)),  # fused QKV (and 1 KV head where get_head_shapes reads 4): not read
+    ("MiMoV2FlashConfig", dict(num_key_value_heads=2, head_dim=24, v_head_dim=16)),  # keys, values of two sizes
+])
+def test_models_whose_shapes_are_not_read_are_not_checked(config_class, options):
+    """Where the config and the layer's own projections do not both give the shape, nothing is checked (a config
+    can say otherwise than the model writes: Falcon's multi_query), so the model's own forward still runs."""
+    model = tiny(config_class, **options)
+    assert written_shapes(model) == {}
+    with torch.no_grad():
+        logits = model(torch.randint(0, 100, (1, 9)), cache=kvquant.make_cache(model, "int8"), use_cache=True).logits
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("options, field, count", [(dict(k_scale=[1.0, 2.0, 3.0]), "k_scale", 3),
+                                                   (dict(v_scale=[0.5]), "v_scale", 1),
+                                                   (dict(layers={1: {"k_scale": [1.0] * 4}}), "k_scale", 4)])
+def test_vllm_fp8_per_head_scales_of_another_count_refused_by_make_cache(llama, options, field, count):
+    layer = 1 if "layers" in options else 0
+    with pytest.raises(KVQuantError, match=rf"make_cache: layer {layer}: vllm_fp8: {field} has {count} per-head "
+                                           r"scales for a layer of 2 KV heads"):
+        kvquant.make_cache(llama, "vllm_fp8", **options)
+
+
+def test_vllm_fp8_per_head_scales_of_the_right_count_store_per_head(llama):
+    cache = kvquant.make_cache(llama, "vllm_fp8", k_scale=[1.0, 0.25], v_scale=0.5)
+    keys = torch.full((1, 2, 3, 64), 120.0)
+    out, _ = cache.update(keys, keys, 0)
+    assert (out[0, 0] == 120.0).all() and (out[0, 1] == 112.0).all()  # head 1: 480 saturates at 448, times 0.25
+
+
+def tiny_llama(layers: int):
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("how", ["another model", "fused decode undone"])
+def test_a_cache_made_for_fused_decode_read_by_a_plain_model_equals_the_plain_cache(layers, how):
+    """A cache made for fused decode and read by a plain one-layer model gave NaN logits and token 0 with no error
+    (the placeholders' NaN reached the logits: no next layer refused them). Placeholders now go only to kvquant's
+    attention: any other reads the dequantized cache, so the logits equal those of a cache made for the plain
+    model."""
+    ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(4))
+    fused_model, plain = tiny_llama(layers), tiny_llama(layers)
+    kvquant.enable_fused_decode(fused_model)
+    cache = kvquant.make_cache(fused_model, "int4", group_size=16, residual_length=0)
+    reference = kvquant.make_cache(plain, "int4", group_size=16, residual_length=0)
+    if how == "fused decode undone":
+        fused_model.set_attn_implementation("sdpa")
+        plain = fused_model
+    with torch.no_grad():
+        for model_cache in (cache, reference):
+            plain(ids[:, :20], cache=model_cache)
+        got = [plain(ids[:, i : i + 1], cache=cache).logits for i in range(20, 24)]
+        want = [plain(ids[:, i : i + 1], cache=reference).logits for i in range(20, 24)]
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_a_fused_model_still_reads_the_codes(monkeypatch):
+    """The fix does not switch fused decode off: a fused model's decode steps still run the kernel, and agree with
+    the plain cache within float rounding."""
+    from kvquant.cache import kernels
+
+    if not kernels.available():
+        pytest.skip("needs the C++ kernel (a compiler)")
+    calls = []
+    kernel = kernels.attend_into
+    monkeypatch.setattr(kernels, "attend_into", lambda *a: calls.append(1) or kernel(*a))
+    ids = torch.randint(3, 97, (1, 21), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for on in (False, True):
+        model = tiny_llama(1)
+        if on:
+            kvquant.enable_fused_decode(model)
+        cache = kvquant.make_cache(model, "int4", group_size=16, residual_length=0)
+        with torch.no_grad():
+            model(ids[:, :20], cache=cache)
+            logits.append(model(ids[:, 20:], cache=cache).logits)
+    assert calls and math.isfinite(float(logits[1].abs().max()))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)

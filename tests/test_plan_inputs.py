@@ -1,53 +1,82 @@
-"""Hostile planner inputs (issue 36): vLLM's tensor-parallel rules, bounded and consistent model shapes and sizes,
-and no input whose work grows with its sizes; the planner's arithmetic equals kvquant's cache code run in full.
-
-Refusals run in-process through ``kvquant.plan.main(argv)``: exit 2 with one line naming the value and its bound.
-The work a plan does is bounded by counting what goes through the cache code (``KVQuantLayer.update``: calls and
-tokens, and on which device), not by timing it; the timings are in reports/planner_speed.
-"""
+"""``python -m kvquant.plan``'s input: sizes and memory on the command line, vLLM's tensor-parallel rules, model
+shapes given by hand that are out of bounds or inconsistent, cache settings it cannot plan. Each refusal is one line
+and exit 2 naming the value and its bound (run in-process through ``kvquant.plan.main(argv)``). No input makes a
+plan's work grow with its sizes: what goes through the cache code (``KVQuantLayer.update``: calls and tokens, and on
+which device) is counted, not timed (the timings are in reports/planner_speed); the fused CPU kernel is never
+built."""
 
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
+import kvquant.cache.kernels
 from kvquant import plan
-
-from kvquant.formats import ops
-
-from kvquant.planner import cost as plan_cost
-from kvquant.cache.build import build_cache, simulate_memory
 from kvquant.cache.layer import KVQuantLayer
-from kvquant.cache.memory import summarize
+from kvquant.formats import ops
 from kvquant.formats.quantizers import available_quantizers
+from refusals import error_line, fill, snapshot
 
-ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+LLAMA_ARGS = ["--model", "llama-3.1-8b", "--context", "1024"]
+
+PLAN_CASES = [
+    ("reserve-negative", [*LLAMA_ARGS, "--gpu-memory", "80GB", "--reserve=-50%"], "--reserve: '-50%'"),
+    ("reserve-100", [*LLAMA_ARGS, "--gpu-memory", "80GB", "--reserve", "100%"], "--reserve: '100%'"),
+    ("reserve-text", [*LLAMA_ARGS, "--gpu-memory", "80GB", "--reserve", "abc%"], "--reserve: 'abc%'"),
+    ("reserve-as-flag", [*LLAMA_ARGS, "--gpu-memory", "80GB", "--reserve", "-50%"], "--reserve"),
+    ("gpu-memory-two-dots", [*LLAMA_ARGS, "--gpu-memory", "1.2.3GB"], "--gpu-memory: cannot read '1.2.3GB'"),
+    ("gpu-memory-negative", [*LLAMA_ARGS, "--gpu-memory=-5GB"], "--gpu-memory: cannot read '-5GB'"),
+    ("gpu-memory-unit", [*LLAMA_ARGS, "--gpu-memory", "80GBs"], "cannot read '80GBs'"),
+    ("gpu-memory-too-small", [*LLAMA_ARGS, "--gpu-memory", "1GB"], "does not cover the weights"),
+    ("weights-text", [*LLAMA_ARGS, "--gpu-memory", "80GB", "--weights", "heavy"], "--weights: cannot read 'heavy'"),
+    ("context-text", ["--model", "llama-3.1-8b", "--context", "long"], "--context: invalid int value: 'long'"),
+    ("context-zero", ["--model", "llama-3.1-8b", "--context", "0"], "--context must be between 1"),
+    ("batch-zero", [*LLAMA_ARGS, "--batch", "0"], "--batch must be between 1"),
+    ("shared-prefix-negative", [*LLAMA_ARGS, "--shared-prefix", "-1"], "--shared-prefix must be between 0"),
+    ("cache-typo", [*LLAMA_ARGS, "--cache", "int3"], "unknown cache setting 'int3'"),
+    ("cache-option-text", [*LLAMA_ARGS, "--cache", "int4:group_size=abc"], "group_size"),
+    ("cache-option-float", [*LLAMA_ARGS, "--cache", "int4:key_bits=4.0"], "key_bits"),
+    ("cache-option-misfit", [*LLAMA_ARGS, "--cache", "int4:group_size=3"], "group_size 3"),
+    ("cache-option-unknown", [*LLAMA_ARGS, "--cache", "int4:gruop_size=3"], "'gruop_size'"),
+    ("cache-option-no-value", [*LLAMA_ARGS, "--cache", "int4:group_size"], "options are key=value"),
+    ("cache-fp16-options", [*LLAMA_ARGS, "--cache", "fp16:group_size=32"], "fp16 takes no options"),
+    ("cache-residual-negative", [*LLAMA_ARGS, "--cache", "int4:residual_length=-1"], "residual_length"),
+    ("dtype-choice", [*LLAMA_ARGS, "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    ("model-unknown", ["--model", "no-such-model", "--context", "10"], "unknown model 'no-such-model'"),
+    ("model-json-list", ["--model", "{files}/list_config.json", "--context", "10"], "list_config.json"),
+    ("model-json-binary", ["--model", "{files}/binary_config.json", "--context", "10"], "binary_config.json"),
+    ("model-no-heads", ["--model", "{files}/no_heads.json", "--context", "10"], "num_attention_heads"),
+    ("model-zero-heads", ["--model", "{files}/zero_heads.json", "--context", "10"], "zero_heads.json"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_planner_refuses(refusal_env, capsys, argv, needle):
+    before = snapshot(refusal_env["finished"])
+    code = plan.main(fill(argv, refusal_env))
+    captured = capsys.readouterr()
+    error_line(code, captured.err, needle, out=captured.out)
+    assert snapshot(refusal_env["finished"]) == before
+
+
 LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "hidden_size": 64, "intermediate_size": 128, "vocab_size": 100}
+
 MISTRAL = {**LLAMA, "model_type": "mistral", "sliding_window": 40}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """PyTorch on one thread for this file, as the planner runs its writes: the references below run the cache code
-    on small CPU tensors, whose ops split over threads wait for each other on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def assert_refused(capsys, argv: list[str], needle: str) -> None:
+def assert_refused(capsys, argv: list[str], needle: str) -> str:
+    """The planner refuses ``argv`` with one line holding ``needle`` and prints nothing else; returns the line."""
     code = plan.main(argv)
     captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert code == 2, (code, captured.err[-2000:])
-    assert len(lines) == 1 and lines[0].startswith("kvquant: error: "), captured.err
-    assert needle in lines[0], (needle, lines[0])
-    assert not captured.out and "Traceback" not in captured.err
+    line = error_line(code, captured.err, needle)
+    assert not captured.out, captured.out
+    return line
 
 
 # --tensor-parallel: vLLM refuses a size that does not divide the attention heads (ModelConfig.
@@ -166,6 +195,7 @@ def test_layer_kinds_are_counted_over_all_settings(capsys):
 
 # no input makes a plan's work grow with its sizes: what goes through the cache code is counted
 MAX_UPDATES = 2 * (24 + 2)  # per kind of layer (24 in all, +2 for the fp16 reference): a probe and a simulation
+
 MAX_TOKENS_PER_UPDATE = 2 * 65_536  # a simulation (<= VERIFY_TOKENS) or a probe (sinks <= 65,536, + residual, units)
 
 
@@ -198,6 +228,7 @@ def at_the_bounds(tmp_path) -> str:
 
 MIXED = ("{quantizer: int4, layers: {0-3: {quantizer: int8}, 4: {quantizer: int2, group_size: 64}, "
          "31: {quantizer: fp16}}}")
+
 EXTREME = [
     ("tp8-80GB", ["--model", "llama-3.1-8b", "--context", "32768", "--gpu-memory", "80GB", "--tensor-parallel", "8"]),
     ("tp32-1PiB", ["--model", "llama-3.1-8b", "--context", str(2**30), "--batch", "1000000", "--gpu-memory",
@@ -281,33 +312,6 @@ def test_kinds_of_layer_share_their_quantizers_write(monkeypatch, kinds):
     assert {device for _, _, device in writes} == {"cpu"}
 
 
-def test_zeros_store_what_meta_tensors_store(monkeypatch):
-    """The planner writes zeros on the CPU up to plan_cost.CPU_ELEMENTS and meta tensors beyond: every registered
-    quantizer, a rotation, and every storage rule store the same bytes either way (or are refused alike), 200 tokens
-    being past every window and unit here."""
-    from kvquant.errors import KVQuantError
-
-    def both(layout, settings):
-        out = []
-        for elements in (1 << 30, 0):
-            monkeypatch.setattr(plan_cost, "CPU_ELEMENTS", elements)
-            try:
-                out.append(plan_cost.written(layout, settings, H, D, torch.float16, 200))
-            except KVQuantError as err:
-                out.append(str(err))
-        return out
-
-    cases = [([None], {"quantizer": name}) for name in available_quantizers()]
-    cases += [([None], {"quantizer": name, "rotation": "hadamard", "rotation_seed": 3})
-              for name in ("int4", "llamacpp_q4_0")]
-    cases += [(LAYOUTS["hybrid-shared"], settings) for settings in SETTINGS]
-    for layout, settings in cases:
-        on_cpu, on_meta = both(layout, settings)
-        assert on_cpu == on_meta, settings
-        stored = len(layout) - layout.count("shared")
-        assert isinstance(on_cpu, str) or len(on_cpu) == stored and all(sum(m.values()) for m in on_cpu.values())
-
-
 def test_an_iq4_nl_block_on_meta_tensors_takes_a_few_ops():
     """llama.cpp's IQ4_NL fits its scale by sums taken element by element (ggml's order: 5 ops per element of a block
     of 32). On meta tensors each op runs a Python kernel, so the planner's every write of it cost ~0.3 s (24 kinds
@@ -356,130 +360,6 @@ def test_a_rotation_at_a_large_head_dim_is_refused_before_any_matrix_is_built(tm
     assert rotated["kv_bytes"] == int4["kv_bytes"] > 0  # a rotation stores what its quantizer does
 
 
-# the arithmetic equals kvquant's cache code run in full (simulate_memory), for every storage rule
-H, D = 2, 64
-LAYOUTS = {"full": [None] * 3, "sliding": [10, 10, None], "hybrid-shared": [None, 24, "shared", None],
-           "window-1": [1, None]}
-SETTINGS = [
-    {"quantizer": "fp16"}, {"quantizer": "int8"}, {"quantizer": "fp8_e5m2"},
-    {"quantizer": "int4", "group_size": 8, "residual_length": 3, "sink_tokens": 2},
-    {"quantizer": "int2", "key_group_size": 16, "value_group_size": 8, "residual_length": 0},
-    {"quantizer": "int8", "key_axis": "token", "value_axis": "channel", "group_size": 4, "residual_length": 5},
-    {"quantizer": "int4", "rotation": "hadamard", "scale_dtype": "float32", "residual_length": 7, "group_size": 12},
-    {"quantizer": "fp8_e4m3", "granularity": "tensor", "sink_tokens": 3},
-    {"quantizer": "int4", "group_size": 8, "residual_length": 4,
-     "layers": {"0": {"quantizer": "int8", "group_size": 6, "residual_length": 2}, "1": {"quantizer": "fp16"}}},
-    {"quantizer": "int4", "group_size": 8, "residual_length": 4, "eviction": "window", "window": 20},
-    {"quantizer": "int4", "group_size": 8, "residual_length": 4, "sink_tokens": 3, "eviction": "sink_window",
-     "window": 17},
-    {"quantizer": "int4", "group_size": 8, "residual_length": 4, "eviction": "key_norm", "window": 12, "budget": 9},
-    {"quantizer": "int2", "key_group_size": 6, "value_group_size": 4, "residual_length": 1, "sink_tokens": 2,
-     "eviction": "key_norm", "window": 8, "budget": 5},
-]
-TOKENS = [1, 2, 3, 5, 8, 9, 10, 11, 12, 13, 17, 20, 21, 24, 25, 31, 33, 40, 47, 64, 97, 130, 257]
-
-
-#: Token counts at which the arithmetic is also checked against ``simulate_memory`` (meta tensors)
-META_TOKENS = [21, 257]
-
-
-def planner(layout, settings):
-    from kvquant.planner.shapes import ModelShape, Planner
-
-    return Planner(ModelShape("t", layout, H, D, 1e6), settings, torch.float16)
-
-
-def cache_code(layout, settings, tokens: int, batch: int = 2) -> dict:
-    """``simulate_memory``'s report by the same cache code, each layer written with zeros on the CPU (Python meta
-    kernels take some 50 times longer at these sizes): ``memory_report()`` after ``tokens`` tokens, ``batch`` rows."""
-    settings = dict(settings)
-    cache = build_cache(layout, settings.pop("quantizer"), head_dim=D, **settings)
-    parts = {}
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, KVQuantLayer):
-            states = torch.zeros(1, H, tokens, D, dtype=torch.float16)
-            layer.update(states, states)
-            memory = layer.memory()  # stored bytes, what the planner counts (one row's reserved bytes say nothing of B)
-            parts[i] = {key: memory[key] * batch for key in plan_cost.MEMORY_KEYS}
-    return summarize(parts, tokens)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())[:60])
-def test_the_arithmetic_equals_the_cache_code(layout, settings):
-    """Every token count, below, at and past sinks, residual windows, units, sliding windows and eviction
-    capacities: the whole report (per layer too), at batch 2; on meta tensors as well at :data:`META_TOKENS`."""
-    from kvquant.errors import KVQuantError
-
-    try:
-        mine = planner(layout, settings)
-    except KVQuantError as err:  # e.g. sinks on a sliding-window layer: make_cache refuses the same
-        with pytest.raises(KVQuantError, match=re.escape(str(err))):
-            simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=1)
-        return
-    for n in TOKENS:
-        real = cache_code(layout, settings, n)
-        if n in META_TOKENS:
-            assert json.dumps(simulate_memory(layout, settings, batch=2, kv_heads=H, head_dim=D, tokens=n),
-                              sort_keys=True) == json.dumps(real, sort_keys=True), n
-        # as JSON: a window of one token holds nothing, and its ratio to fp16 is NaN (never equal to itself)
-        assert json.dumps(mine.memory(2, n), sort_keys=True) == json.dumps(real, sort_keys=True), n
-        assert mine.kv_bytes(2, n) == real["total_bytes"], n
-
-
-def simulated_max_context(layout, settings, batch, available):
-    """The planner's search before issue 36, each probe a full run of the cache code (the reference for the
-    answers)."""
-    def fits(n):
-        return cache_code(layout, settings, n, batch)["total_bytes"] <= available
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-@pytest.mark.parametrize("layout, settings", [
-    (LAYOUTS["full"], {"quantizer": "int4", "group_size": 8, "residual_length": 5, "sink_tokens": 2}),
-    (LAYOUTS["full"], {"quantizer": "int2", "key_group_size": 16, "value_group_size": 8, "residual_length": 0}),
-    (LAYOUTS["hybrid-shared"], {"quantizer": "int8", "group_size": 16, "residual_length": 3}),
-    (LAYOUTS["full"], {"quantizer": "int4", "group_size": 8, "residual_length": 4, "sink_tokens": 3,
-                       "eviction": "sink_window", "window": 1500}),
-], ids=["int4-sinks", "int2-residual-0", "int8-hybrid", "int4-sink-window"])
-@pytest.mark.parametrize("available", [9_999, 123_457, 600_001])
-def test_the_largest_context_is_the_simulated_searchs(layout, settings, available):
-    """Largest contexts of a few hundred to a few thousand tokens, where the bytes dip at every quantized unit:
-    the same answer as the search that simulated every probe."""
-    assert planner(layout, settings).max_context(3, available) == simulated_max_context(layout, settings, 3,
-                                                                                       available)
-
-
-def documented_tables() -> list[tuple[list[str], list[str]]]:
-    """The tables docs/planner.md shows, each with the command above it: (argv, table rows)."""
-    text = (ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
-    found = []
-    for command, table in re.findall(r"```bash\n\.venv/bin/python -m kvquant\.plan ([^\n]+)\n```\n\n```\n(.*?)```",
-                                     text, re.S):
-        found.append((command.split(), [line for line in table.splitlines()[1:] if line.strip()]))
-    return found
-
-
-def test_the_documented_plans_are_unchanged(capsys):
-    """The worked examples of docs/planner.md (computed by the simulation-only planner) come out as shown."""
-    tables = documented_tables()
-    assert len(tables) == 2 and any("--tensor-parallel" in argv for argv, _ in tables)
-    for argv, rows in tables:
-        assert plan.main(argv) == 0
-        out = capsys.readouterr().out.splitlines()
-        for row in rows:
-            assert row in out, (argv, row)
-
-
 @pytest.mark.parametrize("value", ["false", "False", "true", "TRUE"])
 def test_a_key_value_cache_option_reads_booleans(capsys, value):
     """``llamacpp_q4_0:attn_rot=false`` was refused as "got 'false'": the key=value form read no booleans."""
@@ -488,7 +368,7 @@ def test_a_key_value_cache_option_reads_booleans(capsys, value):
 
 
 def test_an_unknown_cache_setting_lists_each_valid_one_once():
-    """Probe 58 (l15): the refusal listed fp16 twice (a full-precision name and the identity quantizer)."""
+    """The refusal listed fp16 twice (a full-precision name and the identity quantizer)."""
     from kvquant.errors import KVQuantError
     from kvquant.planner.shapes import parse_setting
 
@@ -496,3 +376,48 @@ def test_an_unknown_cache_setting_lists_each_valid_one_once():
         parse_setting("int3")
     listed = str(refused.value).split("use one of ")[1].split(", ")
     assert listed.count("fp16") == 1 and len(listed) == len(set(listed)) and {"bf16", "fp32", "int4"} <= set(listed)
+
+
+# the planner compiled the fused CPU dequantization kernel (30-60 s on a fresh machine) for its writes on zeros
+def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def trap():
+        calls.append(1)
+        raise AssertionError("the planner asked for the fused CPU kernel")
+
+    monkeypatch.setattr(kvquant.cache.kernels, "_extension", trap)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 4096}))
+    assert plan.main(["--model", str(model), "--context", "4096", "--cache", "int4"]) == 0, capsys.readouterr().err
+    assert "int4" in capsys.readouterr().out
+    assert calls == []
+    with pytest.raises(AssertionError, match="fused CPU kernel"):  # outside the planner it is asked for again
+        kvquant.cache.kernels.usable(torch.empty(1, 2, 8, 64))
+
+
+# a --model name too long for the file system was an internal error (OSError ENAMETOOLONG, exit 3)
+def test_planner_model_name_too_long_for_the_file_system(capsys):
+    model = "x" * 5000
+    line = assert_refused(capsys, ["--model", model, "--context", "4096"], "File name too long")
+    assert line.startswith(f"kvquant: error: --model {model[:60]!r}...") and "(5,000 characters)" in line
+    assert "File name too long" in line and len(line) < 400
+
+
+# per-head static scales are per model; under --tensor-parallel 2 they were checked against one GPU's KV heads
+def test_planner_per_head_scales_are_per_model_under_tensor_parallel(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 4096}))
+    argv = ["--model", str(model), "--context", "4096", "--tensor-parallel", "2", "--json"]
+    per_head = "{quantizer: vllm_fp8, k_scale: [0.1, 0.2], v_scale: [0.1, 0.2]}"
+    assert plan.main([*argv, "--cache", per_head, "--cache", "vllm_fp8"]) == 0, capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out)["settings"]
+    assert rows[0]["kv_bytes"] == rows[1]["kv_bytes"] > 0  # a scale's value never changes the bytes
+    assert_refused(capsys, [*argv, "--cache", per_head.replace("0.2]", "0.2, 0.3]")],
+                   "k_scale has 3 per-head scales for a model of 2 KV heads")
