@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from hostile_helpers import MODEL, STORIES
+from tiny_configs import MODEL, STORIES
 from kvquant.run import main
 from test_render import READS, here, memory, setup  # noqa: F401 (``here``: the offline environment, autouse)
 
