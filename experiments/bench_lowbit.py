@@ -113,11 +113,7 @@ def render(df: pd.DataFrame, args, load: tuple[float, float]) -> str:
         "",
         *lines,
         "",
-        "## All measurements",
-        "",
-        "```",
-        df.to_string(index=False, float_format=lambda v: f"{v:.3f}"),
-        "```",
+        "Wall times beside the CPU times: results.csv.",
         "",
     ])
 

@@ -168,9 +168,8 @@ class CodebookCodec(Codec):
             target = out.unflatten(-1, (per, -1))
             scale = enc["scale"].float().unsqueeze(-1)
         else:  # stream: each word's pieces of per codes, in channel order
-            codes = ops.stream_word(self.bits)[0]
-            shifts = torch.arange(0, codes, per, device=payload.device, dtype=torch.int32) * self.bits
-            pieces = (ops.stream_words(payload, self.bits).unsqueeze(-1) >> shifts) & (table.shape[0] - 1)
+            words = ops.stream_words(payload, self.bits)
+            pieces = ops.split_words(words, per * self.bits, ops.stream_word(self.bits)[0] // per, words.dtype)
             found, target = torch.nn.functional.embedding(pieces, table).flatten(-3), out
             scale = enc["scale"].float()
         if out.dtype == torch.float32:

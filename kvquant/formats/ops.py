@@ -72,10 +72,14 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     if q.shape[-1] * bits % 8:
         raise ValueError(f"cannot pack {q.shape[-1]} codes of {bits} bits into whole bytes")
     codes, size, wide = stream_word(bits)
-    shifts = torch.arange(codes, device=q.device, dtype=wide) * bits
-    word = ((q.unflatten(-1, (-1, codes)) & (2**bits - 1)).to(wide) << shifts).sum(-1, dtype=wide)  # [..., D / codes]
-    split = torch.arange(size, device=q.device, dtype=wide) * 8
-    return ((word.unsqueeze(-1) >> split) & 255).to(torch.uint8).flatten(-2)
+    grouped = q.unflatten(-1, (-1, codes))  # [..., D / codes, codes]: a loop over the few codes of a word
+    word = (grouped[..., 0] & (2**bits - 1)).to(wide)
+    for j in range(1, codes):
+        word |= (grouped[..., j] & (2**bits - 1)).to(wide) << (j * bits)
+    packed = q.new_empty(*word.shape, size)
+    for i in range(size):
+        packed[..., i] = (word >> (8 * i)) & 255
+    return packed.flatten(-2)
 
 
 def stream_word(bits: int) -> tuple[int, int, torch.dtype]:
@@ -89,17 +93,27 @@ def stream_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The words of a bit stream of :func:`pack_codes` (``bits`` not dividing 8): ``[..., Dp]`` uint8 ->
     ``[..., D / codes]`` integers, code ``j`` of a word at its bit ``j * bits``."""
     _, size, wide = stream_word(bits)
-    split = torch.arange(size, device=packed.device, dtype=wide) * 8
-    return (packed.unflatten(-1, (-1, size)).to(wide) << split).sum(-1, dtype=wide)
+    grouped = packed.unflatten(-1, (-1, size))
+    word = grouped[..., 0].to(wide)
+    for i in range(1, size):
+        word |= grouped[..., i].to(wide) << (8 * i)
+    return word
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``[..., Dp]`` uint8 -> ``[..., Dp * 8 // bits]`` uint8 codes."""
     if 8 % bits == 0:
         return unpack_bits(packed, bits)
-    codes, _, wide = stream_word(bits)
-    shifts = torch.arange(codes, device=packed.device, dtype=wide) * bits
-    return ((stream_words(packed, bits).unsqueeze(-1) >> shifts) & (2**bits - 1)).to(torch.uint8).flatten(-2)
+    return split_words(stream_words(packed, bits), bits, stream_word(bits)[0], torch.uint8).flatten(-2)
+
+
+def split_words(words: torch.Tensor, width: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``count`` fields of ``width`` bits of each word, the lowest first: ``[...]`` integers -> ``[..., count]``
+    of ``dtype`` (a loop over the few fields: one pass over the words each)."""
+    fields = torch.empty(*words.shape, count, dtype=dtype, device=words.device)
+    for j in range(count):
+        fields[..., j] = (words >> (j * width)) & (2**width - 1)
+    return fields
 
 
 def minmax_quantize(
