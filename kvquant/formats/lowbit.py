@@ -126,19 +126,56 @@ class CodebookCodec(Codec):
         x = x.float()
         amax = x.abs().amax(-1, keepdim=True)
         if self.statistic == "rms":  # amax * rms(x / amax): no overflow in the squares
-            s = amax * (x / amax.clamp(min=torch.finfo(torch.float32).tiny)).square().mean(-1, keepdim=True).sqrt()
+            s = amax * (x / amax.clamp(min=torch.finfo(torch.float32).tiny)).square_().mean(-1, keepdim=True).sqrt_()
         else:
             s = amax
         scale = s.to(self.scale_dtype)
         stored = scale.float()
         u = x / torch.where(stored > 0, stored, torch.ones_like(stored))
-        levels = self.levels.to(x.device)
-        codes = torch.bucketize(u, (levels[:-1] + levels[1:]) / 2, right=True).to(torch.uint8)
-        return {"payload": ops.pack_codes(codes, self.bits), "scale": scale}
+        return {"payload": ops.pack_codes(self._codes(u), self.bits), "scale": scale}
+
+    def _codes(self, u: torch.Tensor) -> torch.Tensor:
+        """The cell of each ``u``, uint8: the count of midpoints at or below it, as the count of those it is not
+        below (NaN, below none, goes to the top cell): one comparison per midpoint, no search."""
+        midpoints = self._midpoints.to(u.device)
+        below = torch.zeros(u.shape, dtype=torch.uint8, device=u.device)
+        compared = torch.empty(u.shape, dtype=torch.bool, device=u.device)
+        for midpoint in midpoints:
+            below += torch.lt(u, midpoint, out=compared)
+        return torch.rsub(below, len(midpoints))
+
+    @functools.cached_property
+    def _midpoints(self) -> torch.Tensor:
+        """``[2**bits - 1]`` float32: where each cell ends, between neighbouring levels."""
+        return (self.levels[:-1] + self.levels[1:]) / 2
+
+    @functools.cached_property
+    def _table(self) -> torch.Tensor:
+        """``[2**(per * bits), per]`` float32: the levels of the ``per`` codes one index holds (code ``j`` at its bit
+        ``j * bits``): a byte of the block layout (``per = 8 // bits``), else a piece of at most 12 bits of a word of
+        the bit stream (3 bits: 4 codes, half a word; :func:`kvquant.formats.ops.stream_word`)."""
+        per = 8 // self.bits if 8 % self.bits == 0 else 12 // self.bits
+        index = torch.arange(2 ** (per * self.bits))
+        return self.levels[(index[:, None] >> (torch.arange(per) * self.bits)) & (2**self.bits - 1)]
 
     def decode_into(self, enc, out):
-        codes = ops.unpack_codes(enc["payload"], self.bits).long()
-        ops.store_clamped(out, self.levels.to(out.device)[codes] * enc["scale"].float())
+        """``levels[code] * scale`` in float32 (rounded once to ``out``'s dtype), the levels looked up by whole bytes
+        or pieces of :attr:`_table` (one gather for several codes, no codes unpacked)."""
+        payload, table = enc["payload"], self._table.to(out.device)
+        per = table.shape[1]
+        if 8 % self.bits == 0:  # block layout: byte i holds channels i, i + Dp, ... (ops.pack_bits)
+            found = torch.nn.functional.embedding(payload.int(), table).transpose(-1, -2)  # [..., per, Dp]
+            target = out.unflatten(-1, (per, -1))
+            scale = enc["scale"].float().unsqueeze(-1)
+        else:  # stream: each word's pieces of per codes, in channel order
+            words = ops.stream_words(payload, self.bits)
+            pieces = ops.split_words(words, per * self.bits, ops.stream_word(self.bits)[0] // per, words.dtype)
+            found, target = torch.nn.functional.embedding(pieces, table).flatten(-3), out
+            scale = enc["scale"].float()
+        if out.dtype == torch.float32:
+            torch.mul(found, scale, out=target)
+        else:
+            ops.store_clamped(target, found * scale)
 
 
 @dataclass(frozen=True, eq=False)

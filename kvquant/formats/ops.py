@@ -7,6 +7,7 @@ zero points are stored in fp16 by default (two bytes each), fp32 on request; ari
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -61,7 +62,8 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-bit codes densely along the last dimension, for any ``bits`` in 1-8 (3 bits: 8 codes in 3
     bytes). Widths that divide 8 use :func:`pack_bits`'s block layout; the others (3, 5, 6, 7) a bit stream: bit
-    ``j`` of channel ``i``'s code is bit ``(i * bits + j) % 8`` of byte ``(i * bits + j) // 8`` (little-endian).
+    ``j`` of channel ``i``'s code is bit ``(i * bits + j) % 8`` of byte ``(i * bits + j) // 8`` (little-endian),
+    built a word of :func:`stream_word` codes at a time.
 
     q: ``[..., D]`` uint8 codes ``< 2**bits``, ``D * bits`` a multiple of 8. Returns ``[..., D * bits // 8]`` uint8.
     """
@@ -69,18 +71,49 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
         return pack_bits(q, bits)
     if q.shape[-1] * bits % 8:
         raise ValueError(f"cannot pack {q.shape[-1]} codes of {bits} bits into whole bytes")
-    shifts = torch.arange(bits, device=q.device, dtype=torch.uint8)
-    stream = ((q.unsqueeze(-1) >> shifts) & 1).flatten(-2).unflatten(-1, (-1, 8))  # [..., D * bits / 8, 8] bits
-    return (stream << torch.arange(8, device=q.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    codes, size, wide = stream_word(bits)
+    grouped = q.unflatten(-1, (-1, codes))  # [..., D / codes, codes]: a loop over the few codes of a word
+    word = (grouped[..., 0] & (2**bits - 1)).to(wide)
+    for j in range(1, codes):
+        word |= (grouped[..., j] & (2**bits - 1)).to(wide) << (j * bits)
+    packed = q.new_empty(*word.shape, size)
+    for i in range(size):
+        packed[..., i] = (word >> (8 * i)) & 255
+    return packed.flatten(-2)
+
+
+def stream_word(bits: int) -> tuple[int, int, torch.dtype]:
+    """``(codes, bytes, dtype)`` of one word of the bit stream of :func:`pack_codes` for a width that does not divide
+    8: the fewest codes that fill whole bytes (3 bits: 8 codes in 3 bytes), and an integer dtype that holds them."""
+    codes = 8 // math.gcd(8, bits)
+    return codes, codes * bits // 8, torch.int32 if codes * bits < 32 else torch.int64
+
+
+def stream_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The words of a bit stream of :func:`pack_codes` (``bits`` not dividing 8): ``[..., Dp]`` uint8 ->
+    ``[..., D / codes]`` integers, code ``j`` of a word at its bit ``j * bits``."""
+    _, size, wide = stream_word(bits)
+    grouped = packed.unflatten(-1, (-1, size))
+    word = grouped[..., 0].to(wide)
+    for i in range(1, size):
+        word |= grouped[..., i].to(wide) << (8 * i)
+    return word
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``[..., Dp]`` uint8 -> ``[..., Dp * 8 // bits]`` uint8 codes."""
     if 8 % bits == 0:
         return unpack_bits(packed, bits)
-    stream = (packed.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1
-    bitwise = stream.flatten(-2).unflatten(-1, (-1, bits))  # [..., D, bits]
-    return (bitwise << torch.arange(bits, device=packed.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return split_words(stream_words(packed, bits), bits, stream_word(bits)[0], torch.uint8).flatten(-2)
+
+
+def split_words(words: torch.Tensor, width: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``count`` fields of ``width`` bits of each word, the lowest first: ``[...]`` integers -> ``[..., count]``
+    of ``dtype`` (a loop over the few fields: one pass over the words each)."""
+    fields = torch.empty(*words.shape, count, dtype=dtype, device=words.device)
+    for j in range(count):
+        fields[..., j] = (words >> (j * width)) & (2**width - 1)
+    return fields
 
 
 def minmax_quantize(
