@@ -55,6 +55,11 @@ SETTINGS = {
     "511 positions, limit 0.01, 97% windows zero": (511, 0.01, 20.0, 0.97),
     "1,023 positions, limit 0.001, 90% windows zero": (1023, 0.001, 20.0, 0.9),
 }
+#: The settings whose false pass the first run (seed 20261210, 1,000 draws) found beyond the bound: a beta of shape
+#: ``kappa x share`` = 0.02, most windows near 0 and a rare one far above (4.6% at 96 windows, 4.9% at 192). Shown and
+#: said as a limit, not claimed: the studentized bootstrap misses a mean this skewed (as it does lognormal sigma 0.9
+#: in ``simulate_windows.py``), and no count of the grid brings it back within the bound.
+UNCLAIMED = ("1,023 positions, limit 0.001, kappa 20",)
 BEGIN, END = "<!-- simulate_shares: begin -->", "<!-- simulate_shares: end -->"
 
 
@@ -125,7 +130,8 @@ def table(results: dict, reps: int, iters: int, seed: int) -> str:
              f"agreement against 1 - limit, the 95% interval's coverage, the share of draws that counted no position "
              f"at all, and the power (passes) at 0.8 and 0.5 of the limit ({power_reps:,} draws; standard error at "
              f"most {mc_error(0.5, power_reps):.1%}); {iters:,} resamples each (seed {seed}). **Bold**: a false pass "
-             f"beyond {ALPHA:.1%} + 3 standard errors.", "",
+             f"beyond {ALPHA:.1%} + 3 standard errors; (not claimed): a setting whose false pass is beyond it (a "
+             f"limit).", "",
              "| setting | limit | windows | false PASS (tail) | false PASS (top-1) | coverage | none counted "
              "| power at 0.8 | power at 0.5 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     bound = ALPHA + 3 * mc_error(ALPHA, reps)
@@ -133,14 +139,16 @@ def table(results: dict, reps: int, iters: int, seed: int) -> str:
         for n, c in by_n.items():
             at = c["1.0"]
             wrong = f"**{at['pass']:.2%}**" if at["pass"] > bound else f"{at['pass']:.2%}"
-            lines.append(f"| {name} | {results['limits'][name]:g} | {n} | {wrong} | {at['top1 pass']:.2%} | "
+            mark = " (not claimed)" if name in UNCLAIMED else ""
+            lines.append(f"| {name}{mark} | {results['limits'][name]:g} | {n} | {wrong} | {at['top1 pass']:.2%} | "
                          f"{at['cover']:.1%} | {at['zero']:.1%} | {c['0.8']['pass']:.0%} | {c['0.5']['pass']:.0%} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    return run(argv, "simulate_shares", __doc__, simulate, lambda done, args: table(done, args.reps, args.iters, args.seed),
-               (BEGIN, END), ALPHA, reps=1000, iters=1000, seed=SEED, jobs=True)
+    return run(argv, "simulate_shares", __doc__, simulate,
+               lambda done, args: table(done, args.reps, args.iters, args.seed), (BEGIN, END), ALPHA,
+               reps=1000, iters=1000, seed=SEED, jobs=True)
 
 
 if __name__ == "__main__":
