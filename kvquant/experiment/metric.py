@@ -21,11 +21,12 @@ import numpy as np
 #: The paired intervals a metric can have (``kvquant.runner.gate.paired_interval`` computes each):
 #: the score interval of a ratio of paired 0/1 accuracies (``paired_ratio_bounds``), the studentized bootstrap of the
 #: log of a ratio of perplexities over windows, the studentized bootstrap of a token-weighted mean over windows (or
-#: documents) of the candidate's own per-window sums, and the exact (Clopper-Pearson) interval of a share of
-#: documents (flips, ``kvquant.runner.flips``).
-SCORE_RATIO, LOG_RATIO, MEAN, EXACT = "score ratio", "log ratio", "mean", "exact"
+#: documents) of the candidate's own per-window sums (of a share of positions: the same, but bounded exactly where no
+#: window counts any, ``kvquant.runner.bootstrap.share_interval``), and the exact (Clopper-Pearson) interval of a
+#: share of documents (flips, ``kvquant.runner.flips``).
+SCORE_RATIO, LOG_RATIO, MEAN, SHARE, EXACT = "score ratio", "log ratio", "mean", "share", "exact"
 #: The intervals that are bootstraps over documents or windows: held to the counts of ``kvquant.runner.counts``.
-BOOTSTRAPS = (LOG_RATIO, MEAN)
+BOOTSTRAPS = (LOG_RATIO, MEAN, SHARE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +40,8 @@ class Metric:
     #: the gate's config field its threshold comes from (nan where that field is null: reported, not gated)
     threshold_key: str
     lower_is_better: bool
-    #: the paired interval of its statistic (:data:`SCORE_RATIO`, :data:`LOG_RATIO`, :data:`MEAN`, :data:`EXACT`)
+    #: the paired interval of its statistic (:data:`SCORE_RATIO`, :data:`LOG_RATIO`, :data:`MEAN`, :data:`SHARE`,
+    #: :data:`EXACT`)
     interval: str
     #: measured on a task's documents (judged on ``gate.tasks``, looked at sequentially); else on a text's windows
     #: or the long documents (judged on ``gate.perplexity``)
@@ -138,10 +140,10 @@ DIVERGENCE = Metric(
     explained="mean KL divergence of the candidate's next-token distribution from the baseline's, nats per position; "
               "the baseline is the model's own computation, for an engine's format too, not the engine's own 16-bit "
               "cache: docs/quantizers.md, what an engine format's KL means", title="KL divergence", digits=5)
-AGREEMENT = Metric("agreement", ("top1",), "min_top1_agreement", False, MEAN, windowed=True, by_value=True,
+AGREEMENT = Metric("agreement", ("top1",), "min_top1_agreement", False, SHARE, windowed=True, by_value=True,
                    reference=1.0, bucketed=True, phrase="top-1 agreement",
                    explained="share of positions whose most likely token is the baseline's", title="Top-1 agreement")
-TAIL = Metric("tail", ("kl_tail",), "max_kl_tail_share", True, MEAN, windowed=True, by_value=True, reference=0.0,
+TAIL = Metric("tail", ("kl_tail",), "max_kl_tail_share", True, SHARE, windowed=True, by_value=True, reference=0.0,
               derived_from=DIVERGENCE, phrase="KL tail share",
               explained="share of positions whose KL divergence from the baseline exceeds `gate.kl_tail_nats`: the "
                         "rare large changes of the next-token distribution a mean hides")

@@ -87,3 +87,22 @@ def mean_interval(baseline: np.ndarray | None, candidate: np.ndarray, iters: int
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
     low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
     return float(low), float(high)
+
+
+def share_interval(baseline: np.ndarray | None, candidate: np.ndarray, iters: int, confidence: float,
+                   seed: int) -> tuple[float, float]:
+    """:func:`mean_interval` of a share of positions (top-1 agreement, the KL tail share) from the candidate's
+    per-window ``[n, 2]`` rows of (positions counted, positions), save where no window counted any position (or
+    every window all): there the studentized interval has no spread, ``[0, 0]``, and passed a share at its limit
+    whenever a clustered share (most windows none) left every window empty (at a limit of 0.005 with 98% of 96
+    windows counting none, 14% of draws: ``tests/test_shares.py``; ``experiments/simulate_shares.py``). Its end
+    there is the exact bound of the share of windows that count any (Clopper-Pearson for 0 of ``n``,
+    ``1 - a ** (1 / n)``, ``a`` half of ``1 - confidence``), which bounds the mean share (a window's share is at
+    most 1; exact for windows of equal positions)."""
+    low, high = mean_interval(baseline, candidate, iters, confidence, seed)
+    n = len(candidate)
+    if n >= 2:
+        bound = 1 - ((1 - confidence) / 2) ** (1 / n)
+        high = bound if not candidate[:, 0].any() else high
+        low = 1 - bound if np.all(candidate[:, 0] == candidate[:, 1]) else low
+    return low, high

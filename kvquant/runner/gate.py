@@ -32,8 +32,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvquant.experiment.metric import ACCURACY, LOG_RATIO, MEAN, METRICS, SCORE_RATIO, PERPLEXITY, Metric
-from kvquant.runner.bootstrap import log_ratio_interval, mean_interval
+from kvquant.experiment.metric import ACCURACY, LOG_RATIO, MEAN, METRICS, SCORE_RATIO, SHARE, PERPLEXITY, Metric
+from kvquant.runner.bootstrap import log_ratio_interval, mean_interval, share_interval
 from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate_config import GateConfig
@@ -190,7 +190,8 @@ def _score_ratio_interval(baseline, candidate, iters, confidence, seed) -> tuple
 
 #: The paired interval of each method a metric kind names (the flip rate's exact interval is
 #: :func:`kvquant.runner.derived.flip_row`'s).
-_INTERVALS = {SCORE_RATIO: _score_ratio_interval, LOG_RATIO: log_ratio_interval, MEAN: mean_interval}
+_INTERVALS = {SCORE_RATIO: _score_ratio_interval, LOG_RATIO: log_ratio_interval, MEAN: mean_interval,
+              SHARE: share_interval}
 
 
 def quantile_interval(windows: tuple[tuple[float, ...], ...], q: float, iters: int, confidence: float,
