@@ -96,12 +96,12 @@ def no_model_load(monkeypatch, tmp_path):
     """Inputs that must be refused before a model loads: loading one fails the test. kvquant's private cache (the
     signing key, GGUF conversions) goes to a throwaway folder."""
     import kvquant.scoring.lm_eval_model
-    import kvquant.run
+    import kvquant.runner.pipeline
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
 
     def trap(*args, **kwargs):
         raise AssertionError("a model was loaded for an input that should have been refused before")
 
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", trap)
     monkeypatch.setattr(kvquant.scoring.lm_eval_model, "load_model", trap)

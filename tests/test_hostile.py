@@ -20,6 +20,7 @@ from transformers import AutoConfig
 import kvquant
 import kvquant.cache.kernels
 import kvquant.run
+import kvquant.runner.pipeline
 from kvquant import lm_eval as lm_eval_cli
 from kvquant import plan
 from kvquant.runner.config import PerplexitySet
@@ -454,7 +455,7 @@ def test_failed_run_does_not_damage_a_finished_report(env, capsys, monkeypatch, 
     def bad_model(spec):
         raise KVQuantError("cannot load model (simulated)")
 
-    monkeypatch.setattr(kvquant.run, "load_model", bad_model)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", bad_model)
     assert kvquant.run.main(fill(["{cfg}"], env)) == 2  # past preflight, under the lock
     assert snapshot(env["finished"]) == before
     fresh = S(f"output_dir={tmp_path / 'new'}")

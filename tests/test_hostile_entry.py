@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 import kvquant.scoring.lm_eval_model
 import kvquant.scoring.models
 import kvquant.run
+import kvquant.runner.pipeline
 from kvquant import lm_eval as lm_eval_cli
 from kvquant.scoring import tasks
 from kvquant.errors import KVQuantError
@@ -48,7 +49,7 @@ def trapped(monkeypatch, tmp_path):
     def trap(*args, **kwargs):
         raise AssertionError("reached a model load (or lm-eval's CLI) for an input that should have been refused")
 
-    for module in (kvquant.scoring.models, kvquant.scoring.lm_eval_model, kvquant.run):
+    for module in (kvquant.scoring.models, kvquant.scoring.lm_eval_model, kvquant.runner.pipeline):
         monkeypatch.setattr(module, "load_model", trap)
     monkeypatch.setattr("lm_eval.__main__.cli_evaluate", trap)
 
@@ -242,7 +243,7 @@ def test_run_refuses_a_non_finite_baseline(tmp_path, capsys, monkeypatch, overri
             model.model.norm.weight[0] = float("nan")
         return model, tokenizer
 
-    monkeypatch.setattr(kvquant.run, "load_model", poisoned)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", poisoned)
     line = assert_one_line(run_config(tmp_path, MODEL, *overrides), capsys.readouterr().err, MODEL, "kvquant", True)
     assert "identity cache" in line and metric in line, line
 

@@ -16,6 +16,7 @@ import yaml
 
 import kvquant.cache.kernels
 import kvquant.run
+import kvquant.runner.pipeline
 from kvquant import plan
 from kvquant.runner.model_config import ModelConfig
 from kvquant.errors import KVQuantError
@@ -41,7 +42,7 @@ def no_load(monkeypatch):
     def trap(*args, **kwargs):
         raise AssertionError("the model loaded before the refusal")
 
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", trap)
 
 
 def run_config(tmp_path: Path, **sections) -> list[str]:
@@ -202,11 +203,12 @@ def test_planner_per_head_scales_are_per_model_under_tensor_parallel(tmp_path, c
 def test_lm_eval_task_lookup_prints_no_deprecation_warning():
     import warnings
 
+    from kvquant.scoring.task_setup import lm_eval_task
     from kvquant.scoring.tasks import task_dir
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        task = kvquant.run.lm_eval_task("tinystories_lastword", task_dir())
+        task = lm_eval_task("tinystories_lastword", task_dir())
     assert task is not None
     assert not [w for w in caught if "get_task_dict" in str(w.message)], [str(w.message) for w in caught]
 
