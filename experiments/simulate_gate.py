@@ -8,8 +8,8 @@ documents are also gained (and as many more lost). A PASS is a lower end at or a
 
 - one look at 95% (a config without sequential looks: a wrong pass may err 2.5%);
 - one look at a 6-look plan's confidence (``look_confidence``: 99.17%, 0.42% one-sided);
-- the whole sequential plan, ``looks(limit, 32 limit)`` (6 looks), judged at each look as ``run.add_documents``
-  does: stop at a pass or a fail (a wrong pass may err 2.5% over all looks);
+- the whole sequential plan, ``looks(limit, 32 limit)`` (6 looks), judged at each look as
+  ``kvquant.runner.judging.add_documents`` does: stop at a pass or a fail (a wrong pass may err 2.5% over all looks);
 - power: the fewest documents (of 50, 100, 200, ...) at which a lossless candidate (ratio 1) passes one 95% look
   in at least 80% of draws.
 

@@ -85,21 +85,21 @@ def no_model_load(monkeypatch, tmp_path):
     """Inputs that must be refused before a model loads: loading one fails the test. kvquant's private cache (the
     signing key, GGUF conversions) goes to a throwaway folder."""
     import kvquant.scoring.lm_eval_model
-    import kvquant.run
+    import kvquant.runner.pipeline
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
 
     def trap(*args, **kwargs):
         raise AssertionError("a model was loaded for an input that should have been refused before")
 
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", trap)
     monkeypatch.setattr(kvquant.scoring.lm_eval_model, "load_model", trap)
 
 
 @pytest.fixture
 def lm_eval_trapped(monkeypatch, tmp_path):
     """No model may load and lm-eval's own CLI may not start; GGUF conversions would go to a throwaway cache."""
-    import kvquant.run
+    import kvquant.runner.pipeline
     import kvquant.scoring.lm_eval_model
     import kvquant.scoring.models
 
@@ -109,7 +109,7 @@ def lm_eval_trapped(monkeypatch, tmp_path):
     def trap(*args, **kwargs):
         raise AssertionError("reached a model load (or lm-eval's CLI) for an input that should have been refused")
 
-    for module in (kvquant.scoring.models, kvquant.scoring.lm_eval_model, kvquant.run):
+    for module in (kvquant.scoring.models, kvquant.scoring.lm_eval_model, kvquant.runner.pipeline):
         monkeypatch.setattr(module, "load_model", trap)
     monkeypatch.setattr("lm_eval.__main__.cli_evaluate", trap)
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import kvquant.run
+import kvquant.runner.pipeline
 from refusals import error_line
 from tiny_configs import tiny_run, tiny_weights
 from kvquant.adopt import main
@@ -410,7 +411,7 @@ def first_asked(store: Recording, measure) -> tuple:
 def asked_by_a_run(cfg, model) -> list[tuple]:
     """What a run of ``cfg`` (its candidates or its stages, its calibration, its search) asks its store for
     first at each step, through the run's own code on ``model``."""
-    from kvquant.planner.shapes import shape_from_config
+    from kvquant.planner.shapes import parse_bytes, shape_from_config
     from kvquant.runner.search import _label, calibration_documents, calibration_windows, map_candidate, search
     from kvquant.scoring import data
     from kvquant.scoring.calibrate import calibrated, with_scales
@@ -430,7 +431,7 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
     if split.long:  # the divergence by position on long documents
         steps.append(lambda: session.measure(first, Split("evaluation", {}, {}, long=split.long)))
     if cfg.stages:
-        steps.append(lambda: kvquant.run.serve_stages(session, rows))
+        steps.append(lambda: kvquant.runner.pipeline.serve_stages(session, rows, parse_bytes))
     layers = {str(i): {"k_scale": 0.5, "v_scale": 0.25} for i in range(model.config.num_hidden_layers)}
     for c in (c for c in others if c.calibrate):
         steps += [lambda c=c: calibrated(session, c, rows), lambda c=c: session.measure(with_scales(c, layers), split)]

@@ -151,7 +151,7 @@ def test_bad_calibration_settings_are_one_line_before_the_model_loads(tmp_path, 
     }[change]
     text = CONFIG.format(out=tmp_path).replace(change, replacement, 1)
     (tmp_path / "bad.yaml").write_text(text)
-    monkeypatch.setattr("kvquant.run.load_model", lambda spec: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("kvquant.runner.pipeline.load_model", lambda spec: pytest.fail("the model was loaded"))
     assert main([str(tmp_path / "bad.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
@@ -228,12 +228,13 @@ def test_calibration_windows_that_are_evaluated_are_refused(tmp_path, no_model_l
 def test_calibration_apart_from_every_evaluated_set_is_taken(tmp_path, no_model_load, monkeypatch):
     """The same texts read apart (the long documents after nothing calibrated, the other set within the evaluated
     windows, the task's stories after the calibration windows) pass the check and reach the model."""
-    from kvquant.run import preflight
+    from kvquant.run import ABOVE_RUNNER
+    from kvquant.runner.preflight import preflight
 
     evaluation = {"perplexity": [{**STREAM, "limit": 8}, {**STREAM, "name": "shorter", "max_length": 32, "limit": 4},
                                  {"name": "docs", "source": STORIES, "limit": 1}],
                   "long_context": {"text": "tinystories", "lengths": [64, 128], "documents": 2},
                   "tasks": {"names": ["tinystories_lastword"], "limit": 8}}
     cfg = load_config(overlap_config(tmp_path, evaluation))
-    plan, _, _ = preflight(cfg)  # no refusal
+    plan, _, _ = preflight(cfg, ABOVE_RUNNER)  # no refusal
     assert plan.calibrate == ("fp8",)

@@ -173,13 +173,14 @@ def test_two_processes_run_what_one_runs_survive_an_interrupted_rank_and_resume_
 def test_bad_process_counts_and_device_maps_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, world,
                                                                                 change, message):
     from kvquant import run
+    from kvquant.runner import pipeline
     from kvquant.scoring import parallel
     from kvquant.scoring.parallel import Processes
 
     config = {**RUN_CONFIG, "output_dir": str(tmp_path), **({"model": change} if change else {})}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setattr(parallel, "current", lambda: Processes(rank=0, world=world))
-    monkeypatch.setattr(run, "load_model", lambda spec: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(pipeline, "load_model", lambda spec: pytest.fail("the model was loaded"))
     assert run.main([str(tmp_path / "bad.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err

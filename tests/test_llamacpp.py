@@ -19,6 +19,7 @@ import yaml
 
 import kvquant
 import kvquant.run
+import kvquant.runner.pipeline
 from kvquant import plan
 from kvquant.formats import llamacpp
 from kvquant.formats import llamacpp_gguf
@@ -446,7 +447,7 @@ def test_the_runner_refuses_before_the_model_loads(tmp_path, capsys, monkeypatch
     def trap(*args, **kwargs):
         raise AssertionError("a model was loaded for a setting that should have been refused before")
 
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", trap)
     cfg = {"name": "llamacpp", "model": {"path": "local:models/stories260K/hf"}, "output_dir": str(tmp_path / "out"),
            "candidates": [{"quantizer": "llamacpp_q4_0", "name": "q4_0", "options": options}],
            "eval": {"perplexity": [{"name": "stories", "source": "local:text/tinystories/validation-first1000.jsonl",

@@ -239,10 +239,11 @@ def test_kvquant_lm_refuses_batch_sizes_before_loading(lm_eval_trapped, batch_si
 def test_lm_eval_task_lookup_prints_no_deprecation_warning():
     import warnings
 
+    from kvquant.scoring.task_setup import lm_eval_task
     from kvquant.scoring.tasks import task_dir
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        task = kvquant.run.lm_eval_task("tinystories_lastword", task_dir())
+        task = lm_eval_task("tinystories_lastword", task_dir())
     assert task is not None
     assert not [w for w in caught if "get_task_dict" in str(w.message)], [str(w.message) for w in caught]

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kvquant.run
+import kvquant.runner.pipeline
 import kvquant.scoring.models
 from kvquant.runner.model_config import ModelConfig
 from kvquant.errors import KVQuantError
@@ -164,6 +165,6 @@ def test_run_refuses_a_non_finite_baseline(tmp_path, capsys, monkeypatch, overri
             model.model.norm.weight[0] = float("nan")
         return model, tokenizer
 
-    monkeypatch.setattr(kvquant.run, "load_model", poisoned)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", poisoned)
     line = error_line(run_config(tmp_path, MODEL, *overrides), capsys.readouterr().err, MODEL, besides=STARTED)
     assert "identity cache" in line and metric in line, line

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvquant import run
 from kvquant.run import main
+from kvquant.runner import pipeline
 from kvquant.runner.config import load_config
 from kvquant.runner.results import MetricId, MetricRow
 from tiny_configs import TINY
@@ -34,7 +34,7 @@ def no_model(monkeypatch) -> None:
     def trap(*args, **kwargs):
         raise AssertionError("the model was loaded for a plan that should have been refused")
 
-    monkeypatch.setattr(run, "load_model", trap)
+    monkeypatch.setattr(pipeline, "load_model", trap)
 
 
 def test_a_changed_plan_under_the_same_partials_is_refused_or_replanned(tmp_path, capsys, monkeypatch):
@@ -46,7 +46,7 @@ def test_a_changed_plan_under_the_same_partials_is_refused_or_replanned(tmp_path
     assert first == 4  # TINY's two windows are too few to decide (the counts); the plan is recorded alike
     before = snapshot(out_dir)
     capsys.readouterr()
-    real_load = run.load_model
+    real_load = pipeline.load_model
     no_model(monkeypatch)
     changed = ["--set", "eval.perplexity.0.max_length=64"]
     assert main([str(path), *changed]) == 2
@@ -57,7 +57,7 @@ def test_a_changed_plan_under_the_same_partials_is_refused_or_replanned(tmp_path
     assert not list(out_dir.parent.glob("tiny/partial.old-*"))
     assert json.loads((out_dir / "partial" / "plan.json").read_text())["history"][0]["looks"]
 
-    monkeypatch.setattr(run, "load_model", real_load)
+    monkeypatch.setattr(pipeline, "load_model", real_load)
     assert main([str(path), *changed, "--replan"]) == first
     printed = capsys.readouterr().out
     note = "re-planned: error up to 5.0% over 2 looks of ppl/tinystories under 2 plans, not 2.5%"
@@ -90,18 +90,18 @@ def test_an_edited_plan_file_is_refused_or_replanned_with_the_error_unknown(tmp_
     plan.write_text(json.dumps(doc))
     before = snapshot(out_dir)
     capsys.readouterr()
-    real_load = run.load_model
+    real_load = pipeline.load_model
 
     def trap(*args, **kwargs):
         raise AssertionError("the model was loaded for a plan record that should have been refused")
 
-    monkeypatch.setattr(run, "load_model", trap)
+    monkeypatch.setattr(pipeline, "load_model", trap)
     assert main([str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "does not verify" in err and "--replan" in err, err
     assert snapshot(out_dir) == before  # nothing written or moved
 
-    monkeypatch.setattr(run, "load_model", real_load)
+    monkeypatch.setattr(pipeline, "load_model", real_load)
     assert main([str(path), "--replan"]) == first
     captured = capsys.readouterr()
     assert captured.err.count("plan.json is unusable") == 1, captured.err
@@ -121,7 +121,7 @@ def test_the_dry_run_refuses_the_plans_the_run_refuses(tmp_path, capsys, monkeyp
     result as reused); with --replan it previews, plan.json left where it is."""
     path, out_dir, _ = first_run(tmp_path, monkeypatch)
     capsys.readouterr()
-    real_load = run.load_model
+    real_load = pipeline.load_model
     no_model(monkeypatch)
     changed = ["--set", "eval.perplexity.0.max_length=64"]
     before = snapshot(out_dir)
@@ -137,7 +137,7 @@ def test_the_dry_run_refuses_the_plans_the_run_refuses(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "does not verify" in err, err
     assert snapshot(out_dir) == before
-    monkeypatch.setattr(run, "load_model", real_load)
+    monkeypatch.setattr(pipeline, "load_model", real_load)
     assert main([str(path), "--dry-run", "--replan"]) == 0
     assert "cost preview" in capsys.readouterr().out
     assert snapshot(out_dir) == before and not plan.with_name("plan.json.corrupt").exists()
@@ -269,12 +269,12 @@ def test_a_plan_copied_from_another_report_folder_is_refused_a_whole_folder_copi
     plan_b = json.loads((other / "plan.json").read_text())
     assert plan_b["history"] == json.loads((here / "plan.json").read_text())["history"]
 
-    real_load = run.load_model
+    real_load = pipeline.load_model
 
     def trap(*args, **kwargs):
         raise AssertionError("the model was loaded for a plan record that should have been refused")
 
-    monkeypatch.setattr(run, "load_model", trap)
+    monkeypatch.setattr(pipeline, "load_model", trap)
     saved = (here / "plan.json").read_bytes()
     for how in ("copied", "removed"):
         if how == "copied":
@@ -288,7 +288,7 @@ def test_a_plan_copied_from_another_report_folder_is_refused_a_whole_folder_copi
         assert ("another report folder" if how == "copied" else "is missing") in err, err
         assert snapshot(here.parent) == before  # nothing written or moved
     (here / "plan.json").write_bytes(saved)  # its own plan back, and one result copied from the other folder
-    monkeypatch.setattr(run, "load_model", real_load)
+    monkeypatch.setattr(pipeline, "load_model", real_load)
     shutil.copy(other / "int8" / "ppl__tinystories.json", here / "int8" / "ppl__tinystories.json")
     capsys.readouterr()
     assert main([str(path)]) == first

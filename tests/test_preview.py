@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from kvquant import run
+from kvquant.runner.preflight import preflight
 from kvquant.planner.shapes import shape_from_config
 from kvquant.runner import preview
 from kvquant.runner.config import load_config
@@ -49,7 +50,7 @@ def test_the_preview_states_the_tokens_the_run_then_scores(tmp_path, capsys, mod
     assert not (tmp_path / "reports").exists()
 
     cfg = load_config(path)
-    _, rows, _ = run.preflight(cfg)
+    _, rows, _ = preflight(cfg, run.ABOVE_RUNNER)
     session = Session(cfg, model, tokenizer, None, shape_from_config(model.config, cfg.model.path))
     found, _ = preview.costs(session, rows)
     costs = {(c.scorer, c.measurement): c for c in found}

@@ -14,6 +14,7 @@ import transformers
 import yaml
 
 import kvquant.run
+import kvquant.runner.pipeline
 import kvquant.scoring.models
 from refusals import error_line
 from tiny_configs import tiny_run, tiny_weights
@@ -88,7 +89,7 @@ def no_model(monkeypatch) -> None:
     def trap(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(kvquant.run, "load_model", trap)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", trap)
     monkeypatch.setattr(kvquant.scoring.models, "load_model", trap)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", trap)
 

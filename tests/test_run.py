@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvquant import run
+from kvquant.runner import pipeline, preflight
 
 from kvquant.runner import report
 from kvquant.runner.config import load_config
 from kvquant.errors import KVQuantError
-from kvquant.run import main
+from kvquant.run import ABOVE_RUNNER, main
 from tiny_configs import TINY
 
 ROOT = Path(__file__).parents[1]
@@ -204,7 +204,7 @@ def test_internal_error_is_one_line_and_a_log_in_the_report_dir(tmp_path, capsys
     def boom(spec):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(run, "load_model", boom)
+    monkeypatch.setattr(pipeline, "load_model", boom)
     assert main([str(write_config(tmp_path, TINY))]) == 3
     err = capsys.readouterr().err
     log = tmp_path / "reports" / "tiny" / "error.log"
@@ -218,18 +218,18 @@ def test_interrupt_exits_130_and_leaves_nothing_behind(tmp_path, capsys, monkeyp
     def interrupted(spec):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(run, "load_model", interrupted)
+    monkeypatch.setattr(pipeline, "load_model", interrupted)
     assert main([str(write_config(tmp_path, TINY))]) == 130
     assert "interrupted" in capsys.readouterr().err and not (tmp_path / "reports" / "tiny").exists()
 
 
 def test_a_model_past_its_trained_context_is_warned(tmp_path, capsys):
     cfg = load_config(write_config(tmp_path, TINY), ["model.max_length=2048", "eval.perplexity.0.max_length=4096"])
-    _, _, warnings = run.preflight(cfg)
+    _, _, warnings = preflight.preflight(cfg, ABOVE_RUNNER)
     assert "model.max_length 2048 is past the model's trained context (512 positions)" in warnings[0]
     assert "max_length 4096 is cut to the model's 2048 tokens" in warnings[1]
     assert capsys.readouterr().err == ""  # said when the run starts, so that a refusal after preflight is one line
-    run.say(warnings)
+    preflight.say(warnings)
     assert "kvquant: warning: model.max_length 2048" in capsys.readouterr().err
 
 
@@ -242,12 +242,14 @@ def test_eviction_needs_streaming_and_a_chunk_wider_than_its_window_is_warned(tm
     every token), and in streaming mode a chunk wider than the window is named with both numbers."""
     path = write_config(tmp_path, TINY)
     with pytest.raises(KVQuantError, match=r"^int8: eviction acts between forwards"):
-        run.preflight(load_config(path, [EVICTING]))
-    _, _, warnings = run.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=100"]))
+        preflight.preflight(load_config(path, [EVICTING]), ABOVE_RUNNER)
+    _, _, warnings = preflight.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=100"]),
+                                         ABOVE_RUNNER)
     few = "eval.perplexity tinystories: 2 windows decide nothing"  # TINY's windows (kvquant.runner.counts)
     assert [w for w in warnings if not w.startswith(few)] == [
         "int8: eval.chunk_size 100 is above its window 64: a chunk reads up to chunk_size - 1 tokens beyond the window"]
-    _, _, warnings = run.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=64"]))
+    _, _, warnings = preflight.preflight(load_config(path, [EVICTING, "eval.mode=streaming", "eval.chunk_size=64"]),
+                                         ABOVE_RUNNER)
     assert [w for w in warnings if not w.startswith(few)] == []
 
 
@@ -362,7 +364,7 @@ def test_the_model_digest_is_the_same_for_the_same_model_in_another_folder(model
     ("configs/staged.yaml", {"staged": True, "search": None}),
 ])
 def test_preflight_plans_the_steps_a_config_asks_for(path, want):
-    plan = run.plan_steps(load_config(path))
+    plan = preflight.plan_steps(load_config(path))
     assert {key: getattr(plan, key) for key in want} == want
     steps = plan.steps()
     gate = "gate (the last stage before the first that does not pass)" if plan.staged else "gate"
@@ -376,8 +378,8 @@ def test_the_runner_takes_the_plans_steps_not_the_configs(tmp_path, monkeypatch)
     plan's steps."""
     text = TINY.replace("candidates:\n",
                         "candidates:\n  - {{quantizer: int4, name: int4, options: {{residual_length: 0}}}}\n")
-    planned = run.plan_steps
-    monkeypatch.setattr(run, "plan_steps", lambda cfg: dataclasses.replace(planned(cfg), candidates=("int8",)))
+    planned = preflight.plan_steps
+    monkeypatch.setattr(preflight, "plan_steps", lambda cfg: dataclasses.replace(planned(cfg), candidates=("int8",)))
     assert main([str(write_config(tmp_path, text))]) == 4
     doc = read_report(tmp_path / "reports" / "tiny")
     assert [c["name"] for c in doc["candidates"]] == ["int8"]

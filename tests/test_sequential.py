@@ -132,8 +132,10 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch, tas
     scored while it is open, to the task's end; the clearly worse one fails at the first look and gets no more
     documents; the baseline is scored on every document a candidate is. A generated task's size (what is written)
     is no size to run out of, so it is not among the sizes the report states "left" from."""
-    from kvquant import run
+    from kvquant.runner import judging
     from kvquant.runner.config import load_config
+    from kvquant.runner.gate import decide, metric_rows
+    from kvquant.scoring.session import BASELINE, evaluation_split
 
     rng = np.random.default_rng(SEED)
     base, equal = paired(500, 0.0, 0.0, rng)
@@ -151,18 +153,18 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch, tas
         f.write(text)
     cfg = load_config(f.name)
     session = FakeSession(cfg, {"baseline": base, "equal": equal, "worse": worse})
-    monkeypatch.setattr(run, "task_size", lambda s, task: 500)
-    first = {c.label: session.measure(c, run.evaluation_split(cfg, None, 64, {}))
-             for c in [run.BASELINE, *cfg.candidates]}
-    results, sizes_seen = run.add_documents(session, list(cfg.candidates), {}, first, {"equal": 8.0, "worse": 2.0},
-                                            run.planned_looks(cfg))
+    monkeypatch.setattr(judging, "task_size", lambda s, task: 500)
+    first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {}))
+             for c in [BASELINE, *cfg.candidates]}
+    results, sizes_seen = judging.add_documents(session, list(cfg.candidates), {}, first,
+                                                {"equal": 8.0, "worse": 2.0}, judging.planned_looks(cfg))
     assert sizes_seen == sizes
     ranges = {(label, a, b) for label, a, b in session.scored}
     assert ("worse", 100, 200) not in ranges  # failed at the first look
     assert {("equal", 100, 200), ("baseline", 100, 200)} <= ranges
     assert max(b for _, _, b in ranges) <= 500  # never beyond the task
-    table = run.metric_rows(cfg, results, ["equal", "worse"], planned_looks=run.planned_looks(cfg))
-    decision = run.decide(table, {"equal": 8.0, "worse": 2.0}, cfg.gate)
+    table = metric_rows(cfg, results, ["equal", "worse"], planned_looks=judging.planned_looks(cfg))
+    decision = decide(table, {"equal": 8.0, "worse": 2.0}, cfg.gate)
     assert decision.statuses["worse"] == FAIL
     # equal: open at every look, so scored to the task's end (500), not to max_documents (800)
     assert sorted(ranges) == [("baseline", 0, 100), ("baseline", 100, 200), ("baseline", 200, 400),
@@ -170,13 +172,13 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch, tas
                               ("equal", 400, 500), ("worse", 0, 100)]
     assert results["equal"][MetricId("acc", task)].n == 500 and results["worse"][MetricId("acc", task)].n == 100
     assert decision.statuses["worse"] == FAIL and decision.statuses["equal"] != FAIL
-    assert run.planned_looks(cfg) == {task: 4}  # 100, 200, 400, 800 planned: the widening counts all of them
+    assert judging.planned_looks(cfg) == {task: 4}  # 100, 200, 400, 800 planned: the widening counts all of them
 
 
 def test_task_pace_sums_each_tasks_looks_for_the_candidate_and_the_baseline():
     """Seconds per document of a gated task: the candidate's and the baseline's time over every look, divided by
     the documents scored; a task missing either's time, and ungated rows, are left out."""
-    from kvquant import run
+    from kvquant.runner.judging import task_pace
 
     def row(candidate, source, gated=True, n=40):
         return MetricRow(candidate, MetricId("acc", source), 0.5, 0.5, n, gated)
@@ -185,7 +187,7 @@ def test_task_pace_sums_each_tasks_looks_for_the_candidate_and_the_baseline():
                ("baseline", "task/arc@20-40"): 8.0, ("baseline", "ppl/wiki"): 99.0, ("int8", "task/arc_e"): 1.0,
                ("int4", "task/piqa"): 3.0}
     table = [row("int8", "arc"), row("int8", "arc_e"), row("int4", "piqa"), row("int2", "arc", gated=False)]
-    assert run.task_pace(seconds, table) == {("int8", "arc"): pytest.approx((6 + 10 + 4 + 8) / 40)}
+    assert task_pace(seconds, table) == {("int8", "arc"): pytest.approx((6 + 10 + 4 + 8) / 40)}
 
 
 def test_a_sequential_gate_writes_a_probe_tasks_documents_to_its_last_look(tiny_config):

@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 import kvquant.run
+import kvquant.runner.pipeline
 from kvquant.errors import KVQuantError
 from kvquant.runner.store import ResultStore
 from refusals import S, fill, run_refused, snapshot
@@ -147,7 +148,7 @@ def test_failed_run_does_not_damage_a_finished_report(refusal_env, capsys, monke
     def bad_model(spec):
         raise KVQuantError("cannot load model (simulated)")
 
-    monkeypatch.setattr(kvquant.run, "load_model", bad_model)
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", bad_model)
     assert kvquant.run.main(fill(["{cfg}"], refusal_env)) == 2  # past preflight, under the lock
     assert snapshot(refusal_env["finished"]) == before
     fresh = S(f"output_dir={tmp_path / 'new'}")

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 import kvquant.run
+import kvquant.runner.pipeline
 from kvquant.errors import KVQuantError
 from kvquant.exits import write_error_log
 from kvquant.fs import private_dir, set_aside, write_together
@@ -142,7 +143,7 @@ def test_a_shared_task_folder_is_refused_before_the_model_loads(tmp_path, monkey
     if after_a_dry_run:
         assert kvquant.run.main([str(write_config(tmp_path)), "--dry-run"]) == 0
         capsys.readouterr()
-    monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     code = kvquant.run.main([str(write_config(tmp_path))])
     err = capsys.readouterr().err
     assert code == 2 and "$KVQUANT_TASK_DIR: refusing" in err and err.count("\n") == 1
@@ -167,7 +168,7 @@ def test_symlink_at_the_report_directory_is_refused(tmp_path, capsys, monkeypatc
     victim.mkdir()
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports" / "tiny").symlink_to(victim)
-    monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     code = kvquant.run.main([str(write_config(tmp_path))])
     assert code == 2 and "is a symlink" in capsys.readouterr().err
     assert not any(victim.iterdir())
@@ -189,7 +190,7 @@ def test_a_report_directory_another_user_owns_or_may_write_is_refused(tmp_path, 
         os.chown(report, 4242, 4242)
     else:
         report.chmod(0o777)
-    monkeypatch.setattr(kvquant.run, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(kvquant.runner.pipeline, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     code = kvquant.run.main([str(write_config(tmp_path))])
     err = capsys.readouterr().err
     assert code == 2 and "refusing" in err and len(err.strip().splitlines()) == 1

@@ -1,5 +1,8 @@
-"""The experiment runner's parts (``python -m kvquant.run`` orchestrates them; none measures a value itself).
+"""The experiment runner's parts (:mod:`.pipeline` orchestrates them for ``python -m kvquant.run``; none measures a
+value itself).
 
+- :mod:`.pipeline` a run from its arguments to its exit code; :mod:`.preflight` every check before the model loads
+  and the plan of the run's steps; :mod:`.judging` the sequential looks and the gate's decision over the results
 - :mod:`.config` the YAML schema as validated frozen dataclasses (:mod:`.gate_config` its ``gate:`` section);
   :mod:`.binding` binds a mapping to them, :mod:`.overrides` applies ``--set``
 - :mod:`.results` what a run measures and decides, typed; :mod:`.gate` the accuracy gate (pure functions)

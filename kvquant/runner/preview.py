@@ -128,7 +128,7 @@ def request_tokens(requests: list) -> int:
 
 def task_costs(session: Session, reuse, task: str, labels: list[str], samples: dict) -> list[Cost]:
     """Every scorer's pass over ``task``: the first look's documents, and the most a sequential gate may add (its
-    looks, up to ``gate.max_documents`` or the task's end, as :func:`kvquant.run.add_documents` takes them), priced
+    looks, up to ``gate.max_documents`` or the task's end, as :func:`.judging.add_documents` takes them), priced
     from the requests of the first look (built once, as the run builds them) or of its first
     :data:`SAMPLE_DOCUMENTS` documents where it holds more: their tokens per document times each look's documents."""
     cfg, folder = session.cfg, session.folder()

@@ -10,7 +10,7 @@ this config's run would key it with, rebuilt by the run's own :class:`~kvquant.s
 model's config and tokenizer stand in for the model, the weights digest is the one the results name), are exactly
 the ones stored. A result of other inputs, or one whose signature does not verify under this user's key (unless
 its folder is named with ``--partial``: the user vouches for it, as for an adopted one), refuses the render with
-one line, nothing written. Sequential looks are taken as the run takes them (:func:`kvquant.run.add_documents`); a
+one line, nothing written. Sequential looks are taken as the run takes them (:func:`.judging.add_documents`); a
 look the gate asks for that the folder does not hold is not measured: the row keeps the verdict of the look before
 and says which documents are not stored.
 """

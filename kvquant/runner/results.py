@@ -327,7 +327,7 @@ class Provenance:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A run's steps, decided by preflight before the model loads (:func:`kvquant.run.plan_steps`); the runner
+    """A run's steps, decided by preflight before the model loads (:func:`.preflight.plan_steps`); the runner
     takes them in this order and the report lists them. ``candidates`` are the labels measured against the baseline
     on the evaluation split, in the report's order (the config's candidates or stages, then a searched map)."""
 

@@ -1,0 +1,122 @@
+"""A run's judgement of what it measured: the sequential looks (a gated task's documents added, doubling, while a
+verdict is open: :func:`add_documents`), and the gate's rows and decision over the results (:func:`judge_run`; a
+staged run's last stage that passes). The gate itself is pure (:mod:`kvquant.runner.gate`); this is where a run
+asks it, scores more where it is asked to, and warns of what the gate cannot see."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvquant.runner.config import ExperimentConfig
+from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, looks, metric_rows,
+    needles_at_chance)
+from kvquant.runner.results import Decision, RunPlan
+from kvquant.runner.store import warn
+from kvquant.scoring.session import BASELINE, Session, evaluation_split, probe_tokens, task_size
+from kvquant.scoring.stages import staged_decision
+from kvquant.scoring.tasks import probe_length
+
+
+def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
+    """Per gated task, the looks a sequential gate plans (each look's interval is widened for all of them)."""
+    if cfg.gate.max_documents is None:
+        return {}
+    return {task: len(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)) for task in cfg.gated_tasks()}
+
+
+def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
+                  planned: dict[str, int], record=None) -> tuple[dict, dict[str, int]]:
+    """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
+    has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
+    (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
+    already scored; then judge again. ``planned``: per gated task, the looks planned; ``record``: given each
+    judgement's rows (:meth:`PlanRecord.record`). Returns the results with every look, and the size (documents) of
+    each task it looked to extend, but for generated (probe) tasks."""
+    cfg, sizes = session.cfg, {}
+    split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
+    probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
+    more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
+    stuck: set[str] = set()  # tasks whose last look the baseline could not have (a render's, not stored)
+    while True:
+        table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=planned)
+        if record is not None:
+            record(table)
+        decision = decide(table, bits, cfg.gate, at_chance=needles_at_chance(results[BASELINE.label], cfg.gate))
+        wanted: dict[str, set[str]] = {}
+        hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
+        for v in decision.verdicts:
+            if v.verdict == INCONCLUSIVE and v.row.kind.on_tasks and v.row.metric.source in planned and \
+                    decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
+                wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
+        grown, gated = {}, {}
+        for task, labels in wanted.items():
+            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind is ACCURACY)
+            scored = results[BASELINE.label][gated[task]].n
+            if task not in sizes:
+                sizes[task] = task_size(session, task)
+            nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
+            nxt = min(nxt, sizes[task]) if nxt is not None else None
+            if nxt is not None and nxt > scored and task not in stuck:
+                grown[task] = (range(scored, nxt), labels)
+        if not grown:  # a generated task can always have more: no size to run out of
+            return results, {task: size for task, size in sizes.items() if probe_length(task) is None}
+        for task, (docs, labels) in grown.items():
+            if session.processes.main:
+                print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
+                      f"{', '.join(sorted(labels))} (inconclusive at {docs.start}) and the baseline")
+            for label in [BASELINE.label, *labels]:
+                more[label].setdefault(task, []).append(docs)
+        for c in [BASELINE, *candidates]:
+            if any(task in more[c.label] for task in grown):
+                extended = dataclasses.replace(split, more={t: tuple(r) for t, r in more[c.label].items()})
+                results[c.label] = session.measure(c, extended, probe=probe)
+        stuck |= {task for task, (docs, _) in grown.items() if results[BASELINE.label][gated[task]].n < docs.stop}
+
+
+def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[str, str], float]:
+    """Seconds per document of each (candidate, task) the gate judges, the baseline's scoring of them included (a
+    sequential look scores both), from how long this run's results took (``seconds``: the store's, per
+    (candidate, metric); a task's looks are its metrics ``task/<task>`` and ``task/<task>@<a>-<b>``); a pair
+    missing any time is left out."""
+    def spent(label: str, task: str) -> float | None:
+        parts = [s for (who, metric), s in seconds.items()
+                 if who == label and (metric == f"task/{task}" or metric.startswith(f"task/{task}@"))]
+        return sum(parts) if parts else None
+
+    pace = {}
+    for row in table:
+        if row.kind.on_tasks and row.gated and row.n:
+            mine, base = spent(row.candidate, row.metric.source), spent(BASELINE.label, row.metric.source)
+            if mine is not None and base is not None:
+                pace[row.candidate, row.metric.source] = (mine + base) / row.n
+    return pace
+
+
+def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: dict,
+              warnings: list[str], store_seconds: dict | None = None,
+              sizes: dict[str, int] | None = None) -> tuple[list, Decision, str | None]:
+    """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
+    that does not pass, which is returned too; None: every stage passes, or no stages); ``store_seconds``: how long
+    each result took (:attr:`ResultStore.seconds`), to state how long more documents would take; ``sizes``:
+    documents per task where known, to state where more would be needed than a task holds."""
+    store_seconds = store_seconds or {}
+    table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
+    for row in table:
+        if row.gated and row.kind is ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
+            warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
+                 "(relative 1.0) and the gate says nothing about it")
+    bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
+    for label, b in bits.items():
+        if b >= results[BASELINE.label].memory.bits_per_element:
+            warn(warnings, f"{label} holds {b:.2f} bits/element, no fewer than the baseline, after "
+                 f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
+                 "window or key group longer than the sequence), so its scores say nothing about quantization")
+    at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
+    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance), None
+    if plan.staged:
+        verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
+        if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet
+            reason += f"; {first} is {decision.statuses[first]}, not shown to fail"
+            verdict = verdict if chosen is not None else INCONCLUSIVE
+        decision = dataclasses.replace(decision, decision=verdict, chosen=chosen, reason=reason)
+    return table, decision, first
