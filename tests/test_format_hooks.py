@@ -11,7 +11,8 @@ import torch
 import transformers
 
 import kvquant
-from kvquant.cache import CacheSpec
+import kvquant.cache.spec
+from kvquant.cache import CacheSpec, build_cache
 from kvquant.export import main as export_main
 from kvquant.formats.llamacpp_gguf import GgufOrderCodec
 from kvquant.formats.quantizers import QUANTIZERS, Serving
@@ -47,10 +48,10 @@ def test_a_spec_given_to_make_cache_is_not_taken_apart_and_built_again(monkeypat
     name and options and validated again, a new quantizer built each time)."""
     spec = CacheSpec.of("int4", {"group_size": 16, "residual_length": 0, "layers": {"1": {"key_bits": 8}}})
     built = []
-    original = QUANTIZERS.build
-    monkeypatch.setattr(QUANTIZERS, "build", lambda *a, **k: built.append(a) or original(*a, **k))
+    original = kvquant.cache.spec.get_quantizer
+    monkeypatch.setattr(kvquant.cache.spec, "get_quantizer", lambda *a, **k: built.append(a) or original(*a, **k))
     cache = kvquant.make_cache(llama(), spec)
-    assert built == []  # no quantizer built again from its name
+    assert built == []  # the setting not validated and built again from its name
     assert cache.quantizer is spec.quantizer and cache.layers[0].quantizer is spec.quantizer
     assert cache.layers[1].quantizer == dataclasses.replace(spec.quantizer, key_bits=8)
     assert cache.layer_options == {"1": {**dataclasses.replace(spec.quantizer, key_bits=8).describe(),
@@ -76,7 +77,7 @@ def test_what_a_quantizer_takes_from_the_model_applies_to_the_setting_and_every_
     assert [layer.quantizer.model_type for layer in cache.layers] == ["llama", "llama", "stated"]
     assert cache.quantizer.model_type == "llama"
     assert cache.layer_options["1"]["model_type"] == "llama" and cache.layer_options["1"]["key_bits"] == 8
-    assert kvquant.build_cache([None] * 3, "seeing_int4").quantizer.model_type is None  # no model: as given
+    assert build_cache([None] * 3, "seeing_int4").quantizer.model_type is None  # no model: as given
 
 
 def test_a_llamacpp_quantizer_instance_takes_the_models_k_order_as_its_name_does():
