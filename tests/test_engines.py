@@ -397,13 +397,14 @@ def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do
     """``export`` writes a format's flags from its class: every vLLM/SGLang format names its engine and its
     ``--kv-cache-dtype`` value; kvquant's own formats name none, nor does a subclass of an engine format that
     does not name them itself (it may store something else)."""
-    from kvquant.integrations.deploy import engine_flags
+    from kvquant.integrations.deploy import serving_of
 
-    flags = {n: engine_flags(n) for n in kvquant.available_quantizers() if engine_flags(n)}
+    flags = {n: serving_of(n) for n in kvquant.available_quantizers() if serving_of(n)}
     assert set(flags) == {n for n in kvquant.available_quantizers() if n.startswith(("vllm_", "sglang_"))}
-    assert len(flags) == 8 and engine_flags("int4") is None and engine_flags(None) is None
-    for name, (engine, flag, needs) in flags.items():
-        assert engine == ("vLLM" if name.startswith("vllm_") else "SGLang") and name.endswith(flag) and needs
+    assert len(flags) == 8 and serving_of("int4") is None and serving_of(None) is None
+    for name, serving in flags.items():
+        assert serving.engine == ("vLLM" if name.startswith("vllm_") else "SGLang") and name.endswith(serving.flag)
+        assert serving.needs
 
     @kvquant.register_quantizer("my_fp8_variant")
     @dataclasses.dataclass(frozen=True)
@@ -411,7 +412,7 @@ def test_every_engine_format_says_how_its_engine_runs_it_and_research_formats_do
         """A research variant of an engine format."""
 
     try:
-        assert engine_flags("my_fp8_variant") is None
+        assert serving_of("my_fp8_variant") is None
     finally:
         del kvquant.formats.quantizers.QUANTIZERS.classes["my_fp8_variant"]
 

@@ -134,4 +134,6 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     settings = described(kvquant.make_cache(config, found.quantizer, **found.options))
     entry = {"name": "searched", "settings": settings, "bits_per_element": 4.0, "verdict": "pass", "metrics": {}}
     setting = Setting.read(entry, 4, Path("results.json"))
-    assert native(setting) == ("vLLM", "int4_per_token_head", "vLLM's Triton attention backend", [0, 2, 3])
+    serving, skipped = native(setting)
+    assert (serving.engine, serving.flag, serving.needs, skipped) == ("vLLM", "int4_per_token_head",
+                                                                      "vLLM's Triton attention backend", [0, 2, 3])

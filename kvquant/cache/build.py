@@ -13,7 +13,6 @@ from transformers.configuration_utils import get_head_shapes
 
 from kvquant.compat.transformers import tensor_parallel_size
 from kvquant.errors import KVQuantError, is_python_int
-from kvquant.formats.llamacpp_gguf import model_options
 from kvquant.formats.quantizers import QUANTIZERS, Quantizer, check_tokens, get_quantizer
 from kvquant.cache.cache import KVQuantCache
 from kvquant.cache.fused import is_fused
@@ -164,7 +163,7 @@ def layer_range(selector, count: int) -> range:
 
 
 def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
-                   layers: dict | None, head_dim: int | None = None, context: int | None = None
+                   layers: dict | None, head_dim: int | None = None, context: int | None = None, model=None
                    ) -> tuple[list[tuple[Quantizer, int, int] | None], dict[str, dict]]:
     """Per layer of ``layout``: ``(quantizer, residual_length, sink_tokens)`` (None for a shared layer), and the
     normalized ``layers`` mapping (keys ``"a-b"``, every option spelled out, so it rebuilds the same layers).
@@ -172,7 +171,8 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
     cache's quantizer's options for those layers; naming a quantizer (even the cache's), that quantizer with its
     own defaults and these options. ``residual_length`` and ``sink_tokens`` default to the cache's. A layer named
     twice, an entry naming only shared layers and sinks on a sliding-window layer (which keeps none) are
-    errors; with ``head_dim`` each entry's quantizer is checked against it, with ``context`` its sinks."""
+    errors; with ``head_dim`` each entry's quantizer is checked against it, with ``context`` its sinks; with
+    ``model`` each entry's quantizer is the one that runs on it (:meth:`Quantizer.for_model`)."""
     plan = [None if w == "shared" else (quantizer, residual_length, sink_tokens) for w in layout]
     if layers is None:
         return plan, {}
@@ -204,6 +204,7 @@ def layer_settings(layout: list, quantizer: Quantizer, residual_length: int, sin
                                "sink tokens")
         try:
             chosen = _with_options(quantizer, options) if name is None else get_quantizer(name, **options)
+            chosen = chosen if model is None else chosen.for_model(model)
             if head_dim is not None:
                 chosen.codecs(head_dim)
         except KVQuantError as err:
@@ -243,12 +244,21 @@ def build_cache(
     groups of tokens, eviction window and budget) is at most :data:`~kvquant.formats.quantizers.MAX_TOKENS`,
     checked before anything is allocated."""
     check_layout(layout)
-    setting = CacheSpec.of(quantizer, options)
+    return cache_of_spec(layout, CacheSpec.of(quantizer, options), head_dim=head_dim, context=context)
+
+
+def cache_of_spec(layout: list[int | None | str], setting: CacheSpec, *, head_dim: int | None = None,
+                  context: int | None = None, model=None) -> KVQuantCache:
+    """The :class:`KVQuantCache` of a validated ``setting`` for a checked ``layout``: the one path from a
+    :class:`CacheSpec` to storage (``build_cache`` and ``make_cache`` both end here). ``head_dim`` and ``context`` as
+    :func:`build_cache`; ``model`` (a transformers model or config): every quantizer of the setting as it runs on it
+    (:meth:`~kvquant.formats.quantizers.Quantizer.for_model`, e.g. llama.cpp's K channel order)."""
     quantizer, residual_length, sink_tokens = setting.quantizer, setting.residual_length, setting.sink_tokens
+    quantizer = quantizer if model is None else quantizer.for_model(model)
     policy = setting.eviction
     check_sinks("sink_tokens", sink_tokens, context)
     plan, normalized = layer_settings(layout, quantizer, residual_length, sink_tokens, setting.layers, head_dim,
-                                      context)
+                                      context, model)
     if policy:
         longest = max(spec[1] for spec in plan if spec is not None)
         if longest >= policy.window and not all(spec[0].name == "fp16" for spec in plan if spec is not None):
@@ -294,15 +304,9 @@ def make_cache(model_or_config, quantizer: str | Quantizer | CacheSpec = "int4",
     For a left-padded batch, call ``cache.set_padding(attention_mask)`` before the first forward.
     On a model given to :func:`kvquant.enable_fused_decode` first, decode steps attend over the stored codes.
     """
-    check_not_options("make_cache", options)
     layout = attention_layout(model_or_config)  # first: refuses what is no model or config instance
-    if isinstance(quantizer, CacheSpec):
-        if options:
-            raise KVQuantError(f"options {sorted(options)} given with a CacheSpec; use spec.replace(...)")
-        quantizer, options = quantizer.make_cache_arguments()
-    options = model_options(model_or_config, quantizer, options)  # llama.cpp's K channel order for this model
-    cache = build_cache(layout, quantizer, head_dim=head_dim_of(model_or_config),
-                        context=context_of(model_or_config), **options)
+    cache = cache_of_spec(layout, CacheSpec.of(quantizer, options), head_dim=head_dim_of(model_or_config),
+                          context=context_of(model_or_config), model=model_or_config)
     checked = set()  # (quantizer, shapes) whose codecs were checked: once for the layers sharing them
     for i, shapes in written_shapes(model_or_config).items():  # checked at each layer's first update
         if i < len(cache.layers) and isinstance(cache.layers[i], KVQuantLayer):

@@ -84,12 +84,6 @@ class CacheSpec:
         options = {**self.options, **changes}
         return CacheSpec.of(self.name or self.quantizer, {k: v for k, v in options.items() if v is not None})
 
-    def make_cache_arguments(self) -> tuple[str | Quantizer, dict[str, Any]]:
-        """``(quantizer, options)`` as :func:`kvquant.make_cache` takes them (the name where one was given)."""
-        if self.name is not None:
-            return self.name, dict(self.options)
-        return self.quantizer, dict(self.options)
-
 
 def check_not_options(where: str, options: dict) -> None:
     """What make_cache reads from the model is no option of a cache."""

@@ -55,6 +55,7 @@ its cache: K's channel order (:mod:`kvquant.formats.llamacpp_gguf`), quantized a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -64,7 +65,7 @@ import torch
 from kvquant.formats import ops
 from kvquant.formats.roles import StorageRole
 from kvquant.formats.engine_math import hadamard_transform, round_half_away
-from kvquant.formats.llamacpp_gguf import GgufOrderCodec
+from kvquant.formats.llamacpp_gguf import GgufOrderCodec, rope_layout_of
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import Codec, Quantizer, WrappingCodec, register_quantizer
 
@@ -420,6 +421,12 @@ class LlamaCppQuantizer(Quantizer):
                                f"model's, via make_cache), got {self.rope_layout!r}")
         if not isinstance(self.cpu, str) or self.cpu not in CPU_PATHS:
             raise KVQuantError(f"{self.name}: cpu must be one of {', '.join(CPU_PATHS)}, got {self.cpu!r}")
+
+    def for_model(self, model_or_config) -> LlamaCppQuantizer:
+        """With ``rope_layout`` the model's (:func:`~kvquant.formats.llamacpp_gguf.rope_layout_of`) where not given."""
+        if self.rope_layout is not None:
+            return self
+        return dataclasses.replace(self, rope_layout=rope_layout_of(model_or_config))
 
     def types(self) -> tuple[str, str]:
         """The (K, V) cache types."""

@@ -8,7 +8,8 @@ transformers' GGUF loader permutes them back (``LlamaTensorProcessor._reverse_pe
 blocks of 32 (and its Hadamard rotation) see channels ``0, D/2, 1, D/2 + 1, ...`` of the model's head
 (:func:`gguf_order`), not ``0, 1, 2, ...``. Unrotated q4_0 K on SmolLM2 costs 0.143 nats in llama.cpp, 0.080 in
 the model's order and 0.151 in llama.cpp's. ``rope_layout: norm`` on a ``llamacpp_*`` quantizer stores K in that
-order (:class:`GgufOrderCodec`); ``make_cache(model, ...)`` sets it from the model's type (:func:`model_options`).
+order (:class:`GgufOrderCodec`); ``make_cache(model, ...)`` sets it from the model's type (:func:`rope_layout_of`,
+through :meth:`~kvquant.formats.llamacpp.LlamaCppQuantizer.for_model`).
 V is stored as the model computes it (its weights are not permuted): V alone matches to 1%.
 """
 
@@ -69,12 +70,6 @@ def rope_layout_of(model_or_config) -> str:
     return "norm" if getattr(text, "model_type", None) in NORM_ROPE_MODELS else "neox"
 
 
-def _with_layout(quantizer, options: dict, layout: str) -> dict:
-    if isinstance(quantizer, str) and quantizer.startswith("llamacpp_") and "rope_layout" not in options:
-        return {**options, "rope_layout": layout}
-    return options
-
-
 def check_rope_layout(model_config, quantizer, options: dict, where: str) -> None:
     """A run's llama.cpp setting (``quantizer`` with ``options``, and those its ``layers`` map names) states no
     ``rope_layout`` other than the model's (:func:`rope_layout_of`): K stored in an order llama.cpp does not use for
@@ -93,16 +88,3 @@ def check_rope_layout(model_config, quantizer, options: dict, where: str) -> Non
             raise KVQuantError(f"{at}: rope_layout {stated!r}, but llama.cpp stores this model's K ({kind!r}) in "
                                f"the {layout!r} layout, so the run would measure a cache llama.cpp never holds; "
                                "remove rope_layout (the model's is used)")
-
-
-def model_options(model_or_config, quantizer, options: dict) -> dict:
-    """``make_cache`` options with every llama.cpp quantizer's ``rope_layout`` (the cache's and those a ``layers``
-    map names) taken from the model where not given."""
-    layout = rope_layout_of(model_or_config)
-    options = _with_layout(quantizer, options, layout)
-    layers = options.get("layers")
-    if isinstance(layers, dict):
-        layers = {key: _with_layout(value.get("quantizer"), value, layout) if isinstance(value, dict) else value
-                  for key, value in layers.items()}
-        options = {**options, "layers": layers}
-    return options

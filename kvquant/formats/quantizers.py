@@ -220,15 +220,40 @@ get_quantizer = QUANTIZERS.build
 
 
 @dataclass(frozen=True)
+class Serving:
+    """How a serving engine runs a format exactly: what ``python -m kvquant.export`` writes in ``DEPLOY.md`` for it
+    (:mod:`kvquant.integrations.deploy`), declared by the format's class (:attr:`Quantizer.serving`)."""
+
+    #: the engine (``"vLLM"``, ``"SGLang"``)
+    engine: str
+    #: its ``--kv-cache-dtype`` value
+    flag: str
+    #: what else the engine needs to run it (a backend, a GPU, checkpoint scales)
+    needs: str
+    #: the format's per-layer static ``k_scale``/``v_scale`` ship as checkpoint tensors (compressed-tensors names)
+    layer_scales: bool = False
+    #: why static scales other than 1.0 are not exported (with :attr:`layer_scales`: one scale for all layers);
+    #: None: the format takes no static scales
+    unshipped_scales: str | None = None
+    #: layers the engine keeps at model precision on its own at each end of a model of at least twice as many
+    boundary_layers: int = 0
+
+    @property
+    def takes_scales(self) -> bool:
+        """Whether the format takes static ``k_scale``/``v_scale`` at all."""
+        return self.layer_scales or self.unshipped_scales is not None
+
+
+@dataclass(frozen=True)
 class Quantizer:
     """Options of one cache quantizer; builds the key and value codecs for a head dimension."""
 
     name: ClassVar[str]
     #: Most recent tokens kept in full precision unless ``make_cache(residual_length=...)`` says otherwise.
     default_residual_length: ClassVar[int] = 0
-    #: The serving engine that runs this exact format: (engine, its ``--kv-cache-dtype`` value, what else it
-    #: needs); None: a research format no engine runs (:mod:`kvquant.integrations.deploy`).
-    serving: ClassVar[tuple[str, str, str] | None] = None
+    #: How a serving engine runs this exact format (:class:`Serving`); None: a research format no engine runs
+    #: (:mod:`kvquant.integrations.deploy`). Only the class that declares it: a subclass may store something else.
+    serving: ClassVar[Serving | None] = None
     #: ``"hadamard"``: quantize K and V rotated along head_dim by a seeded random-sign (block) Hadamard matrix
     #: and rotate back on read (QuaRot-style; spreads outlier channels over the block). None: no rotation.
     rotation: str | None = dataclasses.field(default=None, kw_only=True)
@@ -263,6 +288,13 @@ class Quantizer:
 
     def _codecs(self, head_dim: int) -> tuple[Codec, Codec]:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def for_model(self, model_or_config) -> Quantizer:
+        """This quantizer as it runs on ``model_or_config`` (a transformers model or config): the options it takes
+        from the model where they were not given, which ``make_cache(model, ...)`` applies to every quantizer of a
+        setting (llama.cpp's K channel order: :meth:`kvquant.formats.llamacpp.LlamaCppQuantizer.for_model`). Most
+        quantizers take nothing from the model: itself."""
+        return self
 
     def describe(self) -> dict[str, object]:
         """Name and options, enough to rebuild it with :func:`get_quantizer`."""

@@ -13,7 +13,7 @@ import torch
 from kvquant.formats import ops
 from kvquant.formats.roles import StorageRole
 from kvquant.formats.engine_math import E4M3_MAX, F32_HALF, F32_HELD, e4m3_saturated
-from kvquant.formats.quantizers import Alike, Codec, register_quantizer
+from kvquant.formats.quantizers import Alike, Codec, Serving, register_quantizer
 
 
 @dataclass(frozen=True)
@@ -44,5 +44,5 @@ class Mxfp8Codec(Codec):
 class SglangMxfp8(Alike):
     """SGLang ``--kv-cache-dtype mxfp8``: e4m3 in blocks of 32 channels with an e8m0 (power-of-two) scale."""
 
-    serving = ("SGLang", "mxfp8", "SGLang's FA4 attention backend")
+    serving = Serving("SGLang", "mxfp8", "SGLang's FA4 attention backend")
     codec = Mxfp8Codec

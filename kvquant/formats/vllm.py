@@ -25,7 +25,8 @@ from kvquant.errors import KVQuantError
 from kvquant.formats.engine_math import (E4M3_MAX, F32_HALF, F32_HELD, FP16_MAX, e2m1_codes, e2m1_values,
     e4m3_saturated, hadamard_transform, largest_power_of_two_divisor, lloyd_max_centroids, pack_nibbles, rht,
     round_half_away, unpack_nibbles)
-from kvquant.formats.quantizers import F32_MAX, Alike, Codec, Quantizer, register_quantizer, short_repr
+from kvquant.formats.quantizers import (F32_MAX, Alike, Codec, Quantizer, Serving, register_quantizer,
+    short_repr)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,9 +302,11 @@ class VllmFp8(Quantizer):
     KV head (compressed-tensors ``strategy: attn_head``, FlashAttention 3). A checkpoint without scales runs at 1.0
     (``kv_cache.py:117-169``), the default here; calibrated scales are ``amax / 448``."""
 
-    serving: ClassVar[tuple[str, str, str]] = (
+    serving: ClassVar[Serving] = Serving(
         "vLLM", "fp8", "static scales from the checkpoint (compressed-tensors k_scale/v_scale; per-head scales need "
-        "FlashAttention 3); none: 1.0")
+        "FlashAttention 3); none: 1.0", layer_scales=True,
+        unshipped_scales="one k_scale/v_scale for all layers is not exported (calibrate: tensor gives per-layer "
+                         "scales, which are)")
 
     #: calibrated scales are amax / 448 (``kvquant.scoring.calibrate``)
     calibration_divisor: ClassVar[float] = E4M3_MAX
@@ -331,7 +334,7 @@ TRITON_BACKEND = "vLLM's Triton attention backend"
 class VllmFp8PerTokenHead(Alike):
     """vLLM ``--kv-cache-dtype fp8_per_token_head``: e4m3 with a dynamic fp32 scale per token and head."""
 
-    serving = ("vLLM", "fp8_per_token_head", TRITON_BACKEND)
+    serving = Serving("vLLM", "fp8_per_token_head", TRITON_BACKEND)
     codec = functools.partial(PerTokenHeadCodec, fp8=True)
 
 
@@ -340,7 +343,7 @@ class VllmFp8PerTokenHead(Alike):
 class VllmInt8PerTokenHead(Alike):
     """vLLM ``--kv-cache-dtype int8_per_token_head``: symmetric int8 with a dynamic fp32 scale per token and head."""
 
-    serving = ("vLLM", "int8_per_token_head", TRITON_BACKEND)
+    serving = Serving("vLLM", "int8_per_token_head", TRITON_BACKEND)
     codec = functools.partial(PerTokenHeadCodec, fp8=False)
 
 
@@ -349,7 +352,7 @@ class VllmInt8PerTokenHead(Alike):
 class VllmInt4PerTokenHead(Alike):
     """vLLM ``--kv-cache-dtype int4_per_token_head``: rotated, asymmetric uint4 per token and head."""
 
-    serving = ("vLLM", "int4_per_token_head", TRITON_BACKEND)
+    serving = Serving("vLLM", "int4_per_token_head", TRITON_BACKEND)
     codec = Int4PerTokenHeadCodec
 
 
@@ -359,8 +362,9 @@ class VllmNvfp4(Quantizer):
     """vLLM ``--kv-cache-dtype nvfp4``: e2m1 in blocks of 16 with e4m3 block scales under a static global scale
     per layer (``k_scale``/``v_scale``: 1.0 without checkpoint scales; ModelOpt's are ``amax / (6 * 448)``)."""
 
-    serving: ClassVar[tuple[str, str, str]] = (
-        "vLLM", "nvfp4", "a Blackwell GPU (FlashInfer); the global scale from the checkpoint, else 1.0")
+    serving: ClassVar[Serving] = Serving(
+        "vLLM", "nvfp4", "a Blackwell GPU (FlashInfer); the global scale from the checkpoint, else 1.0",
+        unshipped_scales="exporting vllm_nvfp4's global scales (ModelOpt's hf_quant_config.json) is not built yet")
 
     #: calibrated global scales are amax / (6 x 448), as ModelOpt's (``kvquant.scoring.calibrate``)
     calibration_divisor: ClassVar[float] = 6 * E4M3_MAX
@@ -385,7 +389,7 @@ class VllmTurboquantK8V4(Quantizer):
     head. vLLM keeps the first and last 2 layers of a dense model at full precision (``turboquant/config.py:177-213``):
     give those layers ``fp16`` through ``layers`` to match it."""
 
-    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_k8v4", TURBOQUANT_BOUNDARY)
+    serving: ClassVar[Serving] = Serving("vLLM", "turboquant_k8v4", TURBOQUANT_BOUNDARY, boundary_layers=2)
 
     def _codecs(self, head_dim):
         return UnscaledFp8Codec(), MinMaxUint4Codec()
@@ -397,7 +401,7 @@ class VllmTurboquant4BitNc(Quantizer):
     """vLLM ``--kv-cache-dtype turboquant_4bit_nc``: keys Hadamard-rotated onto 4-bit Lloyd-Max centroids with an
     fp16 norm and norm correction, values uint4 min/max per token and head."""
 
-    serving: ClassVar[tuple[str, str, str]] = ("vLLM", "turboquant_4bit_nc", TURBOQUANT_BOUNDARY)
+    serving: ClassVar[Serving] = Serving("vLLM", "turboquant_4bit_nc", TURBOQUANT_BOUNDARY, boundary_layers=2)
 
     def _codecs(self, head_dim):
         if head_dim & (head_dim - 1):

@@ -32,7 +32,7 @@ from kvquant.integrations.deploy_llamacpp import CacheTypes
 from kvquant.integrations.deploy_read import Report, Setting, checked_report, load_report, open_results
 from kvquant.errors import KVQuantError, one_line, visible
 from kvquant.fs import write_together
-from kvquant.formats.quantizers import QUANTIZERS
+from kvquant.formats.quantizers import QUANTIZERS, Serving
 
 #: the files an export writes together, DEPLOY.md (which names the others) last
 DEPLOY_FILES = ("kv_scales.safetensors", "kv_cache_scheme.json", "DEPLOY.md")
@@ -55,11 +55,18 @@ def prose(text, limit: int = 2000) -> str:
     return MARKUP.sub(lambda m: "\\" + m.group(), visible(text, limit))
 
 
-def engine_flags(quantizer) -> tuple[str, str, str] | None:
-    """(engine, the engine's --kv-cache-dtype value, what else it needs) of an engine format, as its own class says
-    (``Quantizer.serving``; a subclass that does not say it again is a research format); None for any other name."""
+def serving_of(quantizer) -> Serving | None:
+    """How an engine runs the format registered as ``quantizer``, as its own class says (``Quantizer.serving``; a
+    subclass that does not say it again is a research format); None for any other name."""
     cls = QUANTIZERS.classes.get(quantizer) if isinstance(quantizer, str) else None
     return cls.__dict__.get("serving") if cls is not None else None
+
+
+def takers_of_scales() -> str:
+    """The engine formats that take static ``k_scale``/``v_scale``, as a refusal names them ("a and b")."""
+    names = [name for name in QUANTIZERS.names() if (serving := serving_of(name)) is not None and
+             serving.takes_scales]
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 #: kvquant's own options, which no engine has (the cache's token options and the quantizer's ``rotation``): a setting
@@ -83,15 +90,15 @@ def skipped_layers(setting: Setting) -> list[int] | None:
     return sorted(skipped)
 
 
-def native(setting: Setting) -> tuple[str, str, str, list[int]] | None:
-    """(engine, flag value, needs, skipped layers) when a cache setting is an engine's own format, else None."""
-    flags = engine_flags(setting.quantizer)
-    if flags is None:
+def native(setting: Setting) -> tuple[Serving, list[int]] | None:
+    """(how the engine runs it, skipped layers) when a cache setting is an engine's own format, else None."""
+    serving = serving_of(setting.quantizer)
+    if serving is None:
         return None
     if any(setting.settings.get(k) for k in RESEARCH_OPTIONS):
         return None
     skipped = skipped_layers(setting)
-    return None if skipped is None else (*flags, skipped)
+    return None if skipped is None else (serving, skipped)
 
 
 def llamacpp_research(setting: Setting) -> str | None:
@@ -130,7 +137,8 @@ def checkpoint_scales(setting: Setting) -> tuple[dict, dict[str, torch.Tensor]] 
     tensors as compressed-tensors names them (``model.layers.N.self_attn.k_scale``: ``[1]`` per tensor,
     ``[kv_heads, 1, 1]`` per head), float32 as measured; None when there are none to ship."""
     settings = setting.settings
-    if setting.quantizer != "vllm_fp8" or not setting.layers:
+    serving = serving_of(setting.quantizer)
+    if serving is None or not serving.layer_scales or not setting.layers:
         return None
     tensors, per_head = {}, False
     for layer, own in setting.layers.items():
@@ -154,31 +162,33 @@ def checkpoint_scales(setting: Setting) -> tuple[dict, dict[str, torch.Tensor]] 
 
 def unshippable_scales(setting: Setting) -> str | None:
     """Why static scales that were measured (anything but 1.0, at the top or in any layer) cannot be exported, else
-    None: kvquant writes them for vllm_fp8 per layer (``layers``), not yet for one scale for all layers nor for
-    nvfp4's global scales, and no other format takes any."""
+    None: kvquant writes them per layer (``layers``) for a format whose class says so (:attr:`Serving.layer_scales`:
+    vllm_fp8), not one scale for all layers nor what a format's :attr:`Serving.unshipped_scales` says (nvfp4's
+    global scales), and no other format takes any."""
     def measured(values: list) -> bool:
         return any(v not in (None, 1.0) for v in values)
 
     top = [setting.settings.get(k) for k in CHECKPOINT_OPTIONS]
     per_layer = [own.get(k) for own in setting.layers.values() for k in CHECKPOINT_OPTIONS]
-    quantizer = setting.quantizer
-    if quantizer == "vllm_fp8":
-        return ("one k_scale/v_scale for all layers is not exported (calibrate: tensor gives per-layer scales, which "
-                "are)") if measured(top) else None
+    serving = serving_of(setting.quantizer)
+    if serving is not None and serving.layer_scales:
+        return serving.unshipped_scales if measured(top) else None
     if not measured([*top, *per_layer]):
         return None
-    if quantizer == "vllm_nvfp4":
-        return "exporting vllm_nvfp4's global scales (ModelOpt's hf_quant_config.json) is not built yet"
-    return (f"{quantizer} takes no static k_scale/v_scale (only vllm_fp8 and vllm_nvfp4 do), yet the setting records "
-            "some other than 1.0")
+    if serving is not None and serving.unshipped_scales:
+        return serving.unshipped_scales
+    return (f"{setting.quantizer} takes no static k_scale/v_scale (only {takers_of_scales()} do), yet the setting "
+            "records some other than 1.0")
 
 
-def engine_own_skips(chosen: Setting, skipped: list[int], layers: int) -> str:
-    """For TurboQuant: the boundary layers vLLM keeps at model precision on its own that the measured setting
-    stored in the format (what vLLM runs then stores more there than was measured); ``layers``: the model's."""
-    if not chosen.quantizer.startswith("vllm_turboquant") or layers < 4:
+def engine_own_skips(serving: Serving, skipped: list[int], layers: int) -> str:
+    """The boundary layers the engine keeps at model precision on its own (:attr:`Serving.boundary_layers`: vLLM's
+    TurboQuant) that the measured setting stored in the format (what the engine runs then stores more there than was
+    measured); ``layers``: the model's."""
+    ends = serving.boundary_layers
+    if not ends or layers < 2 * ends:
         return ""
-    own = sorted({0, 1, layers - 2, layers - 1} - set(skipped))
+    own = sorted({*range(ends), *range(layers - ends, layers)} - set(skipped))
     return (f" kvquant measured layers {', '.join(map(str, own))} in the format, which vLLM keeps at model precision "
             "on its own: what it runs stores more than was measured there, and is no less accurate for it."
             if own else "")
@@ -214,19 +224,25 @@ def measured_on(report: Report) -> str:
     return code(report.model, 500)
 
 
-def deploy_text(report: Report, chosen: Setting, found: tuple[str, str, str, list[int]], layers: int) -> str:
+#: each engine's Python call that starts it with a format's flag and the layers it keeps at model precision
+PYTHON_CALLS = {
+    "vLLM": lambda flag, skipped: (f"LLM(model=..., kv_cache_dtype={flag!r}" + (
+        f", kv_cache_dtype_skip_layers={[str(i) for i in skipped]!r}" if skipped else "") + ")"),
+    "SGLang": lambda flag, skipped: f"sglang.Engine(model_path=..., kv_cache_dtype={flag!r})",
+}
+
+
+def deploy_text(report: Report, chosen: Setting, found: tuple[Serving, list[int]], layers: int) -> str:
     """``DEPLOY.md``: what to run, what was measured, the verdicts, what was not measured."""
-    engine, flag, needs, skipped = found
+    serving, skipped = found
+    engine, flag, needs = serving.engine, serving.flag, serving.needs
     cli = f"--kv-cache-dtype {flag}" + (f" --kv-cache-dtype-skip-layers {' '.join(map(str, skipped))}"
                                          if skipped else "")
-    python = (f"LLM(model=..., kv_cache_dtype={flag!r}"
-              + (f", kv_cache_dtype_skip_layers={[str(i) for i in skipped]!r}" if skipped else "") + ")")
-    if engine == "SGLang":
-        python = f"sglang.Engine(model_path=..., kv_cache_dtype={flag!r})"
+    python = PYTHON_CALLS[engine](flag, skipped)
     return f"""# Deploying {code(chosen.name, 200)} ({engine} `--kv-cache-dtype {flag}`)
 
 Run {engine} with {code(cli, 100_000)} (Python: {code(python, 100_000)}). Needs: {needs}.\
-{engine_own_skips(chosen, skipped, layers)}
+{engine_own_skips(serving, skipped, layers)}
 kvquant measured this format ({code(chosen.quantizer, 100)}, {chosen.bits_per_element:.3f} bits per
 element as the engine stores it) on {measured_on(report)} against the fp16 baseline through the same cache, with
 attention reading the stored K/V, and the gate decided **PASS**: {prose(report.reason)}{context_text(report)}
