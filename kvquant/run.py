@@ -33,22 +33,24 @@ import torch
 
 from kvquant.scoring import data, models, parallel
 from kvquant.runner import preview, render, report
+from kvquant.experiment import provenance as provenance_module
 from kvquant.scoring.calibrate import calibrated, check_calibration
-from kvquant.runner.config import Candidate, ExperimentConfig, Stage, load_config
-from kvquant.runner.overrides import add_set_option
+from kvquant.experiment.config import Candidate, ExperimentConfig, Stage, load_config
+from kvquant.experiment.binding import add_set_option
 from kvquant.integrations.deploy import deploy_beside
 from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError, OneLineParser, parse_args
 from kvquant.exits import guarded
 from kvquant.scoring.fewshot import check_runner_fewshot
 from kvquant.importpath import drop_working_dir
 from kvquant.fs import check_env_dirs
-from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, looks, metric_rows,
+from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, PASS, decide, metric_rows,
     needles_at_chance)
+from kvquant.experiment.gate_config import looks
 from kvquant.scoring.session import (BASELINE, Session, check_long_documents, evaluation_split, measure, probe_counts,
     probe_tokens, task_size)
 from kvquant.scoring.models import check_model, load_model, load_tokenizer, model_dtype
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
-from kvquant.runner.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.experiment.results import FLIPS, Decision, Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
 from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.runner.search import check_search, search
@@ -56,7 +58,7 @@ from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
-from kvquant.runner.sources import SourceWatch
+from kvquant.experiment.provenance import SourceWatch
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 from kvquant.scoring.task_setup import check_answer_tasks, held_tasks, lm_eval_task
 from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, probe_length, scratch_tasks,
@@ -344,7 +346,7 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     the measuring sources are noted (a change under the run stops it at its next signed write) and the plan is
     settled (:class:`PlanRecord`: a changed one refused, unless ``replan``)."""
     start, processes = time.monotonic(), parallel.current()
-    store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes, SourceWatch())
+    store = ResultStore(out_dir / "partial", provenance_module.code_version(), warnings, processes, SourceWatch())
     record = PlanRecord(store, LookPlan.of(cfg), replan)
     found = len(warnings)  # preflight's, printed once the plan is settled (a refusal stays one line)
     record.settle()  # the plan's own warnings are printed as they are found, once

@@ -10,7 +10,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvquant.paths import resolve
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 
 # Poison unwritten memory for the whole session: torch.empty (and new_empty) return NaN for floats and 255 for
 # uint8, so a cache that hands attention memory nobody wrote fails loudly instead of by chance.

@@ -22,9 +22,9 @@ import kvquant.cache.kernels
 import kvquant.run
 from kvquant import lm_eval as lm_eval_cli
 from kvquant import plan
-from kvquant.runner.config import PerplexitySet
-from kvquant.runner.model_config import ModelConfig
-from kvquant.runner.gate_config import GateConfig
+from kvquant.experiment.config import PerplexitySet
+from kvquant.experiment.model_config import ModelConfig
+from kvquant.experiment.gate_config import GateConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.scorer import Scorer
 from kvquant.paths import data_dir, resolve

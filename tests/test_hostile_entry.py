@@ -193,7 +193,7 @@ WEIGHTS = [("model.layers.2.mlp.down_proj.weight", float("nan")), ("model.layers
 
 @pytest.mark.parametrize("weight, value", WEIGHTS, ids=["mlp-nan", "mlp-inf", "norm-neg-inf", "embedding-nan"])
 def test_load_model_refuses_non_finite_weights(tmp_path, weight, value):
-    from kvquant.runner.model_config import ModelConfig
+    from kvquant.experiment.model_config import ModelConfig
 
     path = broken_model(tmp_path / "broken", weight, value)
     with pytest.raises(KVQuantError) as info:
@@ -371,7 +371,7 @@ def test_lm_eval_refuses_broken_task_data_before_loading(data, trapped, capsys):
 def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
     """Found by the second hostile session: NUL text was accepted (and measured), a lone surrogate crashed the
     tokenizer (exit 3), and a number in the text field was called a missing field."""
-    from kvquant.runner.config import PerplexitySet
+    from kvquant.experiment.config import PerplexitySet
     from kvquant.scoring.data import load_rows
 
     path = tmp_path / "rows.jsonl"
@@ -385,7 +385,7 @@ def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
                                                ("\ud800", "separator is not text: it holds a lone surrogate")])
 def test_a_separator_that_is_not_text_is_refused(tmp_path, separator, needle):
     """The rows were checked but not what joins them (a NUL separator was measured; a surrogate was exit 3)."""
-    from kvquant.runner.config import PerplexitySet
+    from kvquant.experiment.config import PerplexitySet
     from kvquant.scoring.data import load_rows
 
     path = tmp_path / "rows.jsonl"

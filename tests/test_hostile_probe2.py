@@ -17,7 +17,7 @@ import yaml
 import kvquant.cache.kernels
 import kvquant.run
 from kvquant import plan
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.errors import KVQuantError
 from kvquant.packaged import PACKAGES
 

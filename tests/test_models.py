@@ -5,7 +5,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.models import check_model, load_model
 from kvquant.paths import resolve

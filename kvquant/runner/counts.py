@@ -18,7 +18,7 @@ and they have no count here.
 
 from __future__ import annotations
 
-from kvquant.runner.results import ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY
+from kvquant.experiment.results import ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY
 
 TOO_FEW = "too few documents"
 

@@ -33,18 +33,19 @@ from statistics import NormalDist
 import numpy as np
 
 from kvquant.runner.bootstrap import studentized
-from kvquant.runner.config import ExperimentConfig
+from kvquant.experiment.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
-from kvquant.runner.gate_config import GateConfig
+from kvquant.experiment.gate_config import GateConfig, look_confidence
 from kvquant.runner.flips import flips
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
-from kvquant.runner.results import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY, Decision, Measured, MetricId,
-    MetricRow, Verdict, BUCKET, bucket_end, relative_score)
-from kvquant.scoring.needles import needle_chance, needle_task
+from kvquant.experiment.results import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, PERPLEXITY, Decision, Measured,
+    MetricId, MetricRow, Verdict, BUCKET, bucket_end, relative_score)
+from kvquant.scoring.needles import needle_chance
+from kvquant.experiment.long_config import needle_task
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "TOO_FEW",
            "Decision", "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
-           "longest_passing", "looks", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score",
+           "longest_passing", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score",
            "threshold"]
 
 PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED = "pass", "fail", "inconclusive", "not exercised", "not gated"
@@ -60,22 +61,6 @@ def threshold(kind: str, policy: GateConfig) -> float:
 
 def lower_is_better(kind: str) -> bool:
     return kind in (DIVERGENCE, FLIPS)
-
-
-def looks(limit: int, max_documents: int | None) -> list[int]:
-    """Documents scored at each look of a sequential task: ``limit``, doubling, up to ``max_documents``."""
-    if limit < 1:
-        raise ValueError(f"a task's first look needs documents, got limit {limit}")
-    counts = [limit]
-    while max_documents is not None and counts[-1] < max_documents:
-        counts.append(min(2 * counts[-1], max_documents))
-    return counts
-
-
-def look_confidence(policy: GateConfig, planned_looks: int) -> float:
-    """Two-sided confidence of each look's interval so that ``planned_looks`` looks together err with at most
-    ``1 - policy.confidence`` (half of it on each side: a wrong pass, a wrong fail)."""
-    return 1 - (1 - policy.confidence) / max(planned_looks, 1)
 
 
 #: Paired-bootstrap resamples behind the interval of a ratio of scores that are not 0/1.

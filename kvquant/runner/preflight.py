@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kvquant.errors import KVQuantError
-from kvquant.runner.config import Candidate, ExperimentConfig
+from kvquant.experiment.config import Candidate, ExperimentConfig
 from kvquant.runner.counts import count_warnings
 from kvquant.runner.store import check_partial
 from kvquant.scoring import parallel

@@ -1,4 +1,4 @@
-"""What a report states of a run beyond :class:`~kvquant.runner.results.RunResult`'s own fields, computed once and
+"""What a report states of a run beyond :class:`~kvquant.experiment.results.RunResult`'s own fields, computed once and
 typed,
 so that ``results.json``, ``report.md`` and the plots read the same objects: per candidate its memory, verdict and
 metrics (each with its gate verdict, outcomes, request lengths and, for a divergence metric, the KL quantiles), and
@@ -14,7 +14,7 @@ import numpy as np
 
 from kvquant.runner.flips import Flips, flips
 from kvquant.runner.gate import quantile_interval
-from kvquant.runner.results import (ACCURACY, DIVERGENCE, FLIPS, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes,
+from kvquant.experiment.results import (ACCURACY, DIVERGENCE, FLIPS, PERPLEXITY, Memory, MetricId, MetricRow, Outcomes,
     RunResult, Verdict)
 from kvquant.scoring.tasks import probe_distance
 

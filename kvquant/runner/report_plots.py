@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 import math
 
-from kvquant.runner.config import ExperimentConfig
+from kvquant.experiment.config import ExperimentConfig
 from kvquant.runner.report_facts import CandidateReport, StageRow
-from kvquant.runner.results import AGREEMENT, DIVERGENCE, FLIPS
+from kvquant.experiment.results import AGREEMENT, DIVERGENCE, FLIPS
 
 
 def _pyplot():
