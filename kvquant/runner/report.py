@@ -3,7 +3,7 @@
 
 All five are rendered first and then moved into place together, and share a run id, so they always describe
 the same run; nothing is written into the directory before that. This module holds the on-disk document
-(``results.json``, and ``results.csv`` from it), the code version and :func:`write`; ``report.md`` is
+(``results.json``, and ``results.csv`` from it), its environment and :func:`write`; ``report.md`` is
 :mod:`kvquant.runner.report_markdown`'s and the plots :mod:`kvquant.runner.report_plots`', both rendered from the typed
 :class:`~kvquant.experiment.results.RunResult` and :mod:`kvquant.runner.report_facts` (which ``results.json`` is built
 from too).
