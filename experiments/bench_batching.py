@@ -19,7 +19,7 @@ import kvquant
 from kvquant.errors import at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.models import load_model
 from kvquant.runner.report import environment

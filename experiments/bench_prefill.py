@@ -53,8 +53,8 @@ from kvquant.cache import stored_bytes
 from kvquant.cache.reads import Reads
 from kvquant.errors import at_least, script_parser
 from kvquant.exits import run_script
-from kvquant.runner.config import PerplexitySet
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.config import PerplexitySet
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.runner.report import benchmark_lines, environment, write_benchmark
 from kvquant.scoring.data import windows
 from kvquant.scoring.models import load_model

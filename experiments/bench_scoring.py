@@ -25,7 +25,7 @@ import torch
 from kvquant.errors import at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.scoring.lm_eval_model import KVQuantLM  # registers the lm-eval model
 from kvquant.scoring.models import load_model
 from kvquant.scoring.tasks import resolve_task, task_manager

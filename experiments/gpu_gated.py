@@ -67,7 +67,7 @@ def run_gated(config: Path, cpu: dict, device: str, left: Callable[[], float], o
     the CPU and untimed, so that the timed run reads the converted copy as any later run does. The run's
     results.json and report.md are copied to ``out`` as gated-results.json and gated-report.md, and compared with
     ``cpu`` (a results.json)."""
-    from kvquant.runner.config import load_config
+    from kvquant.experiment.config import load_config
     from kvquant.scoring.models import load_model
 
     sets, config = [f"model.device={device}", *sets], Path(config).resolve()

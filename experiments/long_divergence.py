@@ -39,12 +39,13 @@ import torch
 from kvquant.errors import KVQuantError, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import output_dir, read_file, real_dir, set_aside, write_file, write_together
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from kvquant.runner.counts import TOO_FEW, settle, too_few
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
 from kvquant.runner.positions import EDGES, bucket_means, buckets, trend, trend_verdict
-from kvquant.runner.results import DIVERGENCE
-from kvquant.runner.report import code_version, environment
+from kvquant.experiment.results import DIVERGENCE
+from kvquant.experiment.provenance import code_version
+from kvquant.runner.report import environment
 from kvquant.runner.report_plots import _png, _pyplot
 from kvquant.scoring.data import windows
 from kvquant.scoring.longctx import position_divergences

@@ -28,10 +28,10 @@ import torch
 from kvquant.errors import KVQuantError, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from kvquant.runner.outliers import FACTOR, layer_statistics, margin, median, outlier_table, outliers
 from kvquant.runner.report import environment
-from kvquant.runner.search import calibration_windows
+from kvquant.scoring.calibrate import calibration_windows
 
 
 def key_biases(model) -> list[np.ndarray] | None:

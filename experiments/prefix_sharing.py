@@ -20,7 +20,7 @@ from kvquant.errors import at_least, script_parser
 from kvquant.fs import output_dir, write_together
 from kvquant.scoring import data
 from kvquant.cache import stack_rows
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from kvquant.scoring.models import load_model
 from kvquant.planner.shapes import Planner, parse_setting, shape_from_config
 from kvquant.runner.report import environment

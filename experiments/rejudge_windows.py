@@ -30,8 +30,8 @@ from kvquant.exits import run_script
 from kvquant.fs import read_json
 from kvquant.runner.counts import TOO_FEW, too_few
 from kvquant.runner.gate import judge, paired_interval, status, verdict_text
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import AGREEMENT, DIVERGENCE, PERPLEXITY, MetricId, MetricRow
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import AGREEMENT, DIVERGENCE, PERPLEXITY, MetricId, MetricRow
 
 WINDOWS = (PERPLEXITY, DIVERGENCE, AGREEMENT)
 

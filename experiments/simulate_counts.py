@@ -51,7 +51,7 @@ import numpy as np
 from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import marked_section, read_json, writable_target, write_file
-from kvquant.runner.gate_config import MAX_BOOTSTRAP
+from kvquant.experiment.gate_config import MAX_BOOTSTRAP
 
 SEED = 20261207
 GRID = (2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128, 192, 256)

@@ -34,8 +34,9 @@ import numpy as np
 from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import marked_section, read_json, writable_target, write_file
-from kvquant.runner.gate import look_confidence, looks, paired_ratio_bounds
-from kvquant.runner.gate_config import GateConfig
+from kvquant.experiment.gate_config import look_confidence, looks
+from kvquant.runner.gate import paired_ratio_bounds
+from kvquant.experiment.gate_config import GateConfig
 
 MARGIN = 0.97
 DOCUMENTS = (50, 100, 200, 400, 1000, 2000, 5000)

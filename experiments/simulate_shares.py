@@ -34,8 +34,8 @@ from simulate_counts import run
 from kvquant.exits import run_script
 from kvquant.experiment.metric import AGREEMENT, TAIL
 from kvquant.runner.gate import PASS, judge, paired_interval
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import MetricId, MetricRow
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import MetricId, MetricRow
 
 SEED = 20261210
 CONFIDENCE = 0.95

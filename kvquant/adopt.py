@@ -38,9 +38,9 @@ from kvquant.exits import guarded
 from kvquant.fs import check_env_dirs
 from kvquant.importpath import drop_working_dir
 from kvquant.runner.preflight import check_report_dir, context_length
-from kvquant.runner import report
-from kvquant.runner.config import load_config
-from kvquant.runner.overrides import add_set_option
+from kvquant.experiment import provenance
+from kvquant.experiment.config import load_config
+from kvquant.experiment.binding import add_set_option
 from kvquant.runner.expected import Expected
 from kvquant.runner.store import ResultStore, RunLock, check_partial
 from kvquant.runner.lookplan import LookPlan, PlanRecord
@@ -60,7 +60,7 @@ def adopt(config: str, overrides: list[str], folders: list[Path], dry_run: bool)
     for folder in folders:
         if partial.is_dir() and folder.exists() and os.path.samefile(folder, partial):
             refuse(f"{folder} is this run's own partial folder")
-    code, model_config = report.code_version(), check_model(cfg.model)
+    code, model_config = provenance.code_version(), check_model(cfg.model)
     expected = Expected(cfg, model_config, context_length(cfg, model_config))
     read = [f for folder in folders for f in read_folder(folder)]
     plans = [found for folder in folders for found in read_plan(folder)]

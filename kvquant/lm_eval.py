@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from kvquant.compat.lm_eval import int_or_none_list, parser_actions, quiet_git, run_parser
-from kvquant.runner.binding import build
-from kvquant.runner.config import MAX_SEED, Candidate, EvalConfig
-from kvquant.runner.model_config import ModelConfig, check_device
+from kvquant.experiment.binding import build
+from kvquant.experiment.config import MAX_SEED, Candidate, EvalConfig
+from kvquant.experiment.model_config import ModelConfig, check_device
 from kvquant.yaml_reader import load_yaml, read_text_file
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel

@@ -28,7 +28,7 @@ from kvquant.errors import OneLineParser, parse_args
 from kvquant.importpath import drop_working_dir
 from kvquant.integrations.deploy import deploy_beside
 from kvquant.planner.shapes import check_candidate, parse_bytes, shape_from_config
-from kvquant.runner.overrides import add_set_option
+from kvquant.experiment.binding import add_set_option
 from kvquant.runner.pipeline import RunOptions, run_experiment
 from kvquant.runner.preflight import AboveRunner
 

@@ -1,5 +1,5 @@
 """Signed reports: ``results.json`` carries an HMAC-SHA256 of its content under this user's private key (the key
-that signs partial results, :func:`kvquant.runner.store.result_key`), so ``python -m kvquant.export`` deploys only what
+that signs partial results too, :func:`result_key`), so ``python -m kvquant.export`` deploys only what
 this user's own run decided, never a file edited by hand or written by another user or on another machine.
 
 The signature covers the document as JSON reads it back (keys sorted, no spaces), not the file's bytes, so it
@@ -11,8 +11,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
+import secrets
+import stat
+import tempfile
 
-from kvquant.runner.store import result_key
+from kvquant.errors import KVQuantError
+from kvquant.fs import cache_dir, read_file
 
 SIGNATURE = "signature"
 #: what a results.json signature signs besides the document, so that no other signature under the same key (a
@@ -23,6 +28,36 @@ DOMAIN = b"kvquant results.json v1\0"
 #: what the signature of a long-context document file (``experiments/long_divergence.py``'s ``documents/doc-N.json``)
 #: signs besides the file, so that neither a report's nor a partial result's signature is ever a valid one for it
 DOCUMENT_DOMAIN = b"kvquant long-context document v1\0"
+
+
+def result_key(make: bool = True) -> bytes | None:
+    """This user's secret for signing partial results (``partial-results.key`` in kvquant's private cache, made
+    once: written to a temporary file and linked into place, so racing runs agree on one); not ``make``: None where
+    there is none yet (nothing is written)."""
+    path = cache_dir("keys") / "partial-results.key"
+    if not make and not os.path.lexists(path):
+        return None
+    if not os.path.lexists(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        info = os.lstat(path)
+        key = read_file(path)
+    except OSError as err:
+        raise KVQuantError(f"cannot read {path} ({err.strerror or err}); remove it to make a new one") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise KVQuantError(f"{path} is not a key only you can read (mode {stat.S_IMODE(info.st_mode):o}, uid "
+                           f"{info.st_uid}): whoever reads it can sign results as you; remove it to make a new one")
+    if len(key) != 64:
+        raise KVQuantError(f"{path} is not a key kvquant wrote; remove it to make a new one")
+    return key
 
 
 def _signature(doc: dict, key: bytes, domain: bytes = DOMAIN) -> str:

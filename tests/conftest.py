@@ -9,7 +9,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvquant.paths import resolve
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from refusals import make_refusal_env
 
 # Poison unwritten memory for the whole session: torch.empty (and new_empty) return NaN for floats and 255 for

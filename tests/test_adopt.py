@@ -18,8 +18,8 @@ from refusals import error_line
 from tiny_configs import tiny_run, tiny_weights
 from kvquant.adopt import main
 from kvquant.runner.preflight import context_length
-from kvquant.runner import report
-from kvquant.runner.config import load_config
+from kvquant.experiment import provenance
+from kvquant.experiment.config import load_config
 from kvquant.runner.expected import ANY, Expected
 from kvquant.runner.store import ResultStore, RunLock, inputs_digest
 from kvquant.scoring.models import check_model
@@ -67,7 +67,7 @@ def measured(monkeypatch, tmp_path: Path, machine: str, config: Path, results: d
     """``<tmp>/<machine>/partial``: what ``config``'s run on another machine (its own key) leaves, ``results``:
     ``{(candidate, metric): result}``, measured by ``code`` (default: this checkout's) on ``weights``."""
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / machine / "cache"))
-    store = ResultStore(tmp_path / machine / "partial", code or report.code_version(), [])
+    store = ResultStore(tmp_path / machine / "partial", code or provenance.code_version(), [])
     for (label, metric), result in results.items():
         store.get_or_compute(label, metric, run_key(config, label, metric, weights), lambda r=result: r)
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "here"))
@@ -90,7 +90,7 @@ def snapshot(folder: Path) -> dict:
 def reused(partial: Path, config: Path, wanted: dict) -> None:
     """A store of this machine's key reuses every ``(candidate, metric)`` of ``wanted`` at its value, computing
     nothing."""
-    store = ResultStore(partial, report.code_version(), [])
+    store = ResultStore(partial, provenance.code_version(), [])
     for (label, metric), result in wanted.items():
         assert store.get_or_compute(label, metric, run_key(config, label, metric), pytest.fail) == result
     assert (store.reused, store.computed, store.set_aside) == (len(wanted), 0, [])
@@ -118,7 +118,7 @@ def test_a_result_signed_on_another_machine_is_adopted_and_then_reused(tmp_path,
     partial = tmp_path / "reports" / "tiny" / "partial"
     shutil.copytree(there, partial)  # copied as it is, a result signed elsewhere is set aside and recomputed
     warnings = []
-    copied = ResultStore(partial, report.code_version(), warnings)
+    copied = ResultStore(partial, provenance.code_version(), warnings)
     assert copied.get_or_compute("int4", PPL, run_key(config, "int4", PPL), lambda: "again") == "again"
     assert "signature does not verify" in warnings[0]
     shutil.rmtree(tmp_path / "reports")
@@ -164,9 +164,9 @@ def test_a_local_result_that_verifies_is_kept_and_one_of_other_code_is_retired(t
     partial = tmp_path / "reports" / "tiny" / "partial"
     partial.parent.mkdir(parents=True)
     mine = {"nll": [90.0, 90.0, 70.0, 60.0], "tokens": [63] * 4}
-    ResultStore(partial, report.code_version(), []).get_or_compute("int4", PPL, run_key(config, "int4", PPL),
+    ResultStore(partial, provenance.code_version(), []).get_or_compute("int4", PPL, run_key(config, "int4", PPL),
                                                                    lambda: mine)
-    older = ResultStore(partial, {**report.code_version(), "torch": "1.0"}, [])  # a result of other code
+    older = ResultStore(partial, {**provenance.code_version(), "torch": "1.0"}, [])  # a result of other code
     older.get_or_compute("baseline", TASK, run_key(config, "baseline", TASK), lambda: {"acc": [0.0]})
     there = measured(monkeypatch, tmp_path, "other-machine", config, RESULTS)
     assert main([str(config), str(there)]) == 0
@@ -307,8 +307,8 @@ def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_pat
     config = write_config(tmp_path)
     partial = tmp_path / "reports" / "tiny" / "partial"
     partial.parent.mkdir(parents=True)
-    ResultStore(partial, report.code_version(), []).get_or_compute("baseline", TASK, run_key(config, "baseline", TASK),
-                                                                   lambda: RESULTS["baseline", TASK])
+    ResultStore(partial, provenance.code_version(), []).get_or_compute(
+        "baseline", TASK, run_key(config, "baseline", TASK), lambda: RESULTS["baseline", TASK])
     theirs = {  # the config of the other machine's run, the results it measured, by what, on which weights
         "other-seed": ({"eval": {"seed": 7}}, None, WEIGHTS),
         "other-setting": ({"candidates": [{"quantizer": "int4", "name": "int4",
@@ -318,7 +318,7 @@ def test_results_of_other_code_or_inputs_are_refused_and_nothing_is_lost(tmp_pat
             {**tiny_run("tiny", "int4", 5)["eval"]["perplexity"][0], "max_length": 32}]}}, None, WEIGHTS),
         "other-task-limit": ({"eval": {**tiny_run("tiny", "int4", 5)["eval"], "tasks": {
             "names": ["tinystories_lastword"], "limit": 9}}}, None, WEIGHTS),
-        "other-code": ({}, {**report.code_version(), "torch": "0.0"}, WEIGHTS),
+        "other-code": ({}, {**provenance.code_version(), "torch": "0.0"}, WEIGHTS),
         "other-weights-than-mine": ({}, None, "0000000000000000"),
     }
     if case == "two-models":
@@ -412,7 +412,8 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
     """What a run of ``cfg`` (its candidates or its stages, its calibration, its search) asks its store for
     first at each step, through the run's own code on ``model``."""
     from kvquant.planner.shapes import parse_bytes, shape_from_config
-    from kvquant.runner.search import _label, calibration_documents, calibration_windows, map_candidate, search
+    from kvquant.runner.search import _label, map_candidate, search
+    from kvquant.scoring.calibrate import calibration_documents, calibration_windows
     from kvquant.scoring import data
     from kvquant.scoring.calibrate import calibrated, with_scales
     from kvquant.scoring.models import load_tokenizer

@@ -19,9 +19,9 @@ from kvquant import KVQuantError, NonFiniteKVError
 from kvquant.cache import stack_rows
 from kvquant.cache.build import written_shapes
 from kvquant.paths import resolve
-from kvquant.runner.config import PerplexitySet
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.config import PerplexitySet
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.scoring.scorer import Scorer
 from refusals import one_line, snapshot
 from tiny_configs import MODEL

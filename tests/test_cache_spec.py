@@ -9,7 +9,7 @@ import transformers
 import kvquant
 from kvquant.cache import CacheSpec, simulate_memory, spec_memory
 from kvquant.errors import KVQuantError
-from kvquant.runner.config import Candidate
+from kvquant.experiment.config import Candidate
 
 SETTINGS = [  # (quantizer, options): plain, per-layer overrides, sinks, eviction, an engine's and llama.cpp's formats
     ("fp16", {}),

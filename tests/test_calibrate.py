@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from kvquant.scoring import calibrate
 
 from kvquant.scoring import data
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from kvquant.scoring.models import load_tokenizer
 from kvquant.run import main
 
@@ -173,7 +173,7 @@ def test_values_beyond_the_format_at_the_calibrated_scale_are_named():
 
 
 def test_an_unnamed_candidate_keeps_its_label_once_calibrated():
-    from kvquant.runner.config import Candidate
+    from kvquant.experiment.config import Candidate
 
     plain = Candidate("vllm_fp8", calibrate="tensor")
     calibrated = calibrate.with_scales(plain, {"0": {"k_scale": 0.1, "v_scale": 0.2}})

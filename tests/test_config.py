@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvquant.errors import ConfigError
-from kvquant.runner.binding import build
-from kvquant.runner.config import TaskSet, load_config
+from kvquant.experiment.binding import build
+from kvquant.experiment.config import TaskSet, load_config
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))

@@ -13,8 +13,8 @@ import yaml
 import kvquant.run
 from kvquant.errors import ConfigError, KVQuantError
 from kvquant.packaged import PACKAGES
-from kvquant.runner.config import load_config
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.config import load_config
+from kvquant.experiment.model_config import ModelConfig
 from refusals import S, error_line, fill, only_task, run_refused, snapshot, src
 from tiny_configs import MODEL, STORIES, set_args
 

@@ -180,7 +180,7 @@ def test_lm_eval_refuses_broken_task_data_before_loading(data, lm_eval_trapped, 
 def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
     """NUL text was accepted (and measured), a lone surrogate crashed the tokenizer (exit 3), and a number in the
     text field was called a missing field."""
-    from kvquant.runner.config import PerplexitySet
+    from kvquant.experiment.config import PerplexitySet
     from kvquant.scoring.data import load_rows
 
     path = tmp_path / "rows.jsonl"
@@ -194,7 +194,7 @@ def test_perplexity_rows_that_are_not_text_are_refused(tmp_path, row, needle):
                                                ("\ud800", "separator is not text: it holds a lone surrogate")])
 def test_a_separator_that_is_not_text_is_refused(tmp_path, separator, needle):
     """The rows were checked but not what joins them (a NUL separator was measured; a surrogate was exit 3)."""
-    from kvquant.runner.config import PerplexitySet
+    from kvquant.experiment.config import PerplexitySet
     from kvquant.scoring.data import load_rows
 
     path = tmp_path / "rows.jsonl"

@@ -12,8 +12,8 @@ import pytest
 from kvquant.integrations.deploy import deploy_beside, export
 from kvquant.integrations.deploy_read import checked_report, load_report
 from kvquant.runner import report
-from kvquant.runner.results import Decision, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance, RunResult, \
-    Verdict
+from kvquant.experiment.results import (Decision, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance,
+    RunResult, Verdict)
 
 REPORTS = Path(__file__).parents[1] / "reports"
 DEPLOY_FILES = ("DEPLOY.md", "kv_cache_scheme.json", "kv_scales.safetensors")

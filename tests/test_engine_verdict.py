@@ -20,7 +20,7 @@ import yaml
 import kvquant
 from kvquant.paths import resolve
 from kvquant.run import main
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer
 from tests.conftest import experiment

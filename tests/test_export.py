@@ -121,7 +121,7 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     import transformers
 
     import kvquant
-    from kvquant.runner.config import Candidate
+    from kvquant.experiment.config import Candidate
     from kvquant.integrations.deploy import native
     from kvquant.integrations.deploy_read import Setting
     from kvquant.scoring.session import described

@@ -242,7 +242,7 @@ def keeps_every_layer_doc(layers: int) -> dict:
     import transformers
 
     import kvquant
-    from kvquant.runner.config import Candidate
+    from kvquant.experiment.config import Candidate
     from kvquant.scoring.session import described
     from kvquant.runner.search import map_candidate
 

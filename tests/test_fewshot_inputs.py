@@ -36,7 +36,7 @@ def test_the_runner_refuses_few_shot_contexts_longer_than_the_model_before_it_lo
     # the bound is exact: at the context the message names, the same run passes the check
     from transformers import AutoTokenizer
 
-    from kvquant.runner.config import load_config
+    from kvquant.experiment.config import load_config
     from kvquant.scoring.fewshot import check_runner_fewshot
     from kvquant.scoring.tasks import task_dir
 

@@ -56,7 +56,7 @@ def test_no_documents_and_non_binary_scores():
 def gated_rows(tiny_config, max_flip_rate, baseline, candidate):
     """metric_rows of one candidate whose tinystories_lastword answers are ``candidate`` against ``baseline``."""
     from kvquant.runner.gate import judge, metric_rows
-    from kvquant.runner.results import Measured, MetricId, Outcomes
+    from kvquant.experiment.results import Measured, MetricId, Outcomes
 
     cfg = tiny_config("flips", candidates=[{"quantizer": "int4", "name": "int4"}],
                       eval={"tasks": {"names": ["tinystories_lastword"], "limit": 100}},

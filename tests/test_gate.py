@@ -7,11 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from kvquant.runner.gate_config import GateConfig
+from kvquant.experiment.gate_config import GateConfig
 from kvquant.runner.counts import MIN_FAIL, MIN_PASS
 from kvquant.runner.gate import (FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED, PASS, TOO_FEW, paired_interval, decide,
-    judge, looks, verdict_text)
-from kvquant.runner.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
+    judge, verdict_text)
+from kvquant.experiment.gate_config import looks
+from kvquant.experiment.results import ACCURACY, PERPLEXITY, MetricId, MetricRow, relative_score
 
 POLICY = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, decide_on="point")
 TEST = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, max_kl_divergence=0.01,

@@ -12,10 +12,10 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import norm
 
-from kvquant.runner.gate import (FAIL, INCONCLUSIVE, PASS, judge, look_confidence, looks, paired_interval,
-                                 paired_ratio_bounds)
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import ACCURACY, MetricId, MetricRow
+from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, judge, paired_interval, paired_ratio_bounds
+from kvquant.experiment.gate_config import look_confidence, looks
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import ACCURACY, MetricId, MetricRow
 
 MARGIN, SEED = 0.97, 20261206
 SIX_LOOKS = look_confidence(GateConfig(), 6)  # 99.17%: each look of a 6-look plan

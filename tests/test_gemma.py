@@ -28,7 +28,7 @@ import kvquant.run
 from kvquant import packaged
 from kvquant.scoring import divergence
 from kvquant.scoring import scorer as evaluate
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.scoring.data import Window
 from kvquant.errors import KVQuantError
 from kvquant.scoring.divergence import divergence_samples

@@ -16,9 +16,10 @@ from kvquant.errors import KVQuantError
 from kvquant.runner.gate import (INCONCLUSIVE, LengthVerdict, above_chance, is_gated, length_verdicts, metric_length,
     needles_at_chance)
 from kvquant.runner.counts import MIN_PASS
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import MetricId, MetricRow, long_outcomes
-from kvquant.scoring.needles import DEPTHS, needle_chance, needle_task, task_documents
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import MetricId, MetricRow, long_outcomes
+from kvquant.scoring.needles import DEPTHS, needle_chance, task_documents
+from kvquant.experiment.long_config import needle_task
 from tiny_configs import set_args as S
 
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
@@ -116,7 +117,7 @@ def test_above_chance_is_the_exact_one_sided_binomial_test(n, chance):
 
 def test_a_needle_is_at_chance_on_every_document_the_baseline_scored():
     """Decided once per task from the baseline's own documents (all of them), for every candidate alike."""
-    from kvquant.runner.results import Measured, Outcomes
+    from kvquant.experiment.results import Measured, Outcomes
 
     scores = lambda right, n: tuple([1.0] * right + [0.0] * (n - right))  # noqa: E731
     baseline = Measured("baseline", (

@@ -9,8 +9,8 @@ import pytest
 
 from kvquant.experiment.metric import (ACCURACY, AGREEMENT, DIVERGENCE, FLIPS, KINDS, MEASURES, METRICS, PERPLEXITY,
     Metric, divergence_limits)
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import MetricId
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import MetricId
 
 
 def test_every_measure_has_one_kind_and_every_kind_its_threshold_field():

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import kvquant.run
 import kvquant.runner.pipeline
 import kvquant.scoring.models
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.errors import KVQuantError
 from kvquant.scoring.models import check_model, load_model
 from kvquant.paths import resolve
@@ -120,7 +120,7 @@ WEIGHTS = [("model.layers.2.mlp.down_proj.weight", float("nan")), ("model.layers
 
 @pytest.mark.parametrize("weight, value", WEIGHTS, ids=["mlp-nan", "mlp-inf", "norm-neg-inf", "embedding-nan"])
 def test_load_model_refuses_non_finite_weights(tmp_path, weight, value):
-    from kvquant.runner.model_config import ModelConfig
+    from kvquant.experiment.model_config import ModelConfig
 
     path = broken_model(tmp_path / "broken", weight, value)
     with pytest.raises(KVQuantError) as info:

@@ -10,8 +10,8 @@ import pytest
 
 from kvquant.run import main
 from kvquant.runner import pipeline
-from kvquant.runner.config import load_config
-from kvquant.runner.results import MetricId, MetricRow
+from kvquant.experiment.config import load_config
+from kvquant.experiment.results import MetricId, MetricRow
 from tiny_configs import TINY
 
 ROOT = Path(__file__).parents[1]
@@ -313,7 +313,8 @@ def test_a_folder_from_before_report_ids_goes_on_untied_and_a_tied_plan_is_not_i
     import hmac
 
     from kvquant.runner.lookplan import DOMAIN, FOREIGN, LookPlan, PlanRecord, entry
-    from kvquant.runner.store import ResultStore, result_key
+    from kvquant.runner.store import ResultStore
+    from kvquant.signing import result_key
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "tiny.yaml"

@@ -14,9 +14,9 @@ from kvquant import run
 from kvquant.runner.preflight import preflight
 from kvquant.planner.shapes import shape_from_config
 from kvquant.runner import preview
-from kvquant.runner.config import load_config
-from kvquant.runner.gate import looks
-from kvquant.runner.report import code_version
+from kvquant.experiment.config import load_config
+from kvquant.experiment.gate_config import looks
+from kvquant.experiment.provenance import code_version
 from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.store import ResultStore
 from kvquant.scoring.session import Session

@@ -16,8 +16,9 @@ from kvquant.cache import CacheSpec
 from kvquant.scoring.lm_eval_model import KVQuantLM
 from kvquant.paths import resolve
 from kvquant.scoring.passkey import probe_documents
-from kvquant.runner.report import _probe_curve, _probe_table, wilson_interval
-from kvquant.runner.results import MetricId, MetricRow
+from kvquant.runner.report_facts import probe_curve
+from kvquant.runner.report_markdown import probe_table, wilson_interval
+from kvquant.experiment.results import MetricId, MetricRow
 from kvquant.scoring.tasks import (PROBE_DOCUMENTS, check_tasks, prepare_probe_tasks, probe_distance, probe_tasks,
     task_dir, task_manager)
 
@@ -139,9 +140,9 @@ def test_wilson_interval_matches_the_formula():
 def test_report_lists_the_probe_by_distance():
     rows = [MetricRow("int2", MetricId("acc", task), value, base, 8)
             for task, value, base in [("passkey_1024", 0.25, 1.0), ("passkey_256", 0.5, 1.0), ("arc_easy", 0.4, 0.5)]]
-    curve = _probe_curve(rows)
+    curve = probe_curve(rows)
     assert curve == {"baseline": {1024: (1.0, 8), 256: (1.0, 8)}, "int2": {1024: (0.25, 8), 256: (0.5, 8)}}
-    table = "\n".join(_probe_table(curve))
+    table = "\n".join(probe_table(curve))
     assert "| 256 | 8/8 [0.68, 1.00] | 4/8 [0.22, 0.78] |" in table
     assert table.index("| 256 |") < table.index("| 1024 |")
 

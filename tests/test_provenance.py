@@ -12,6 +12,7 @@ import kvquant
 from tiny_configs import TINY
 from kvquant.paths import data_dir
 from kvquant.runner import report
+from kvquant.experiment import provenance
 
 
 # Runs kvquant from a copy of its package: after the first partial result is written, a measuring module is added
@@ -65,8 +66,8 @@ def test_the_recorded_commit_holds_the_recorded_sources(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(kvquant.__file__).parents[1], capture_output=True,
                           text=True).stdout.strip()
     assert env["git_commit"].startswith(head)
-    real = report.code_version()
-    monkeypatch.setattr(report, "code_version", lambda: {**real, "kvquant_source_sha256": "0123456789abcdef"})
+    real = provenance.code_version()
+    monkeypatch.setattr(provenance, "code_version", lambda: {**real, "kvquant_source_sha256": "0123456789abcdef"})
     other = report.environment()["git_commit"]
     assert other.startswith(head) and "measured with sources 0123456789abcdef" in other and "neither" in other
 
@@ -77,7 +78,7 @@ def git(repo, *args):
 
 def test_uncommitted_measuring_changes_are_named(tmp_path):
     """In a checkout whose measuring file differs from its commit, the report names that file."""
-    from kvquant.runner.sources import commit_provenance, digest_of, source_files
+    from kvquant.experiment.provenance import commit_provenance, digest_of, source_files
 
     package = tmp_path / "repo" / "kvquant"
     (package / "scoring").mkdir(parents=True)

@@ -29,7 +29,7 @@ from kvquant import packaged, wheel_data
 from kvquant.errors import KVQuantError
 from kvquant.formats.ops import sqnr_db
 from kvquant.planner.shapes import resolve_model, shape_from_config
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.scoring.models import load_model, resolve_model_path
 from kvquant.wheel_data import WheelPart
 from reference import FakeQuantReference, Spec

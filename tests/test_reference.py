@@ -10,7 +10,7 @@ import math
 import pytest
 
 import kvquant
-from kvquant.runner.config import PerplexitySet
+from kvquant.experiment.config import PerplexitySet
 from kvquant.scoring.data import windows
 from kvquant.scoring.scorer import Scorer, perplexity_samples
 from slow_cases import slow_where

@@ -19,8 +19,8 @@ import kvquant.scoring.models
 from refusals import error_line
 from tiny_configs import tiny_run, tiny_weights
 from kvquant.run import main
-from kvquant.runner import report
-from kvquant.runner.config import load_config
+from kvquant.experiment import provenance
+from kvquant.experiment.config import load_config
 from kvquant.runner.expected import Expected
 from kvquant.runner.preflight import context_length
 from kvquant.runner.store import ResultStore
@@ -77,7 +77,7 @@ def setup(tmp_path: Path, results: dict, code: dict | None = None, folder: Path 
     expected = Expected(cfg, model_config, context_length(cfg, model_config))
     partial = folder or tmp_path / "reports" / "tiny" / "partial"
     partial.parent.mkdir(parents=True, exist_ok=True)
-    store = ResultStore(partial, code or report.code_version(), [])
+    store = ResultStore(partial, code or provenance.code_version(), [])
     for (label, metric), result in results.items():
         key = {**expected.inputs(label, metric), "weights": WEIGHTS}
         store.get_or_compute(label, metric, key, lambda r=result: r)
@@ -129,13 +129,13 @@ def test_a_report_rendered_from_its_own_stored_results_gives_the_runs_verdicts(m
     assert again["candidates"][0]["metrics"]["acc/tinystories_lastword"]["n"] == 40  # every look taken
     measured_by = dict(again["rendered"]["measured_by"])
     assert measured_by.pop("git_commit") == doc["environment"]["git_commit"]  # the commit the run recorded
-    assert measured_by == report.code_version()
+    assert measured_by == provenance.code_version()
     assert again["rendered"]["results"] == len(results) and again["rendered"]["vouched"] == 0
     assert again["rendered"]["not_stored"] == [] and again["results"]["computed"] == 0
     text = (out_dir / "report.md").read_text()
     assert "rendered from stored results, no model loaded" in text
     assert f"`python -m kvquant.run {config} --render-only`" in text
-    assert f"measuring sources {report.code_version()['kvquant_source_sha256']}" in text
+    assert f"measuring sources {provenance.code_version()['kvquant_source_sha256']}" in text
     # the plan its results were measured under (partial/plan.json) is the plan they are judged under
     before = snapshot(out_dir)
     refused(capsys, [config, "--render-only", "--set", "gate.max_documents=20"],
@@ -197,7 +197,7 @@ def test_results_measured_by_other_code_are_judged_by_todays_and_say_so(measured
     """Stored by a code version other than this checkout's (a run under today's code would measure them again):
     rendered with the same verdicts, the header naming both; a folder of two code versions is refused."""
     config, partial, code, doc, results = measured
-    other = {**report.code_version(), "kvquant_source_sha256": "0123456789abcdef"}
+    other = {**provenance.code_version(), "kvquant_source_sha256": "0123456789abcdef"}
     folder = tmp_path / "elsewhere"
     setup(tmp_path, results, other, folder)
     no_model(monkeypatch)
@@ -205,7 +205,7 @@ def test_results_measured_by_other_code_are_judged_by_todays_and_say_so(measured
     again = json.loads((partial.parent / "results.json").read_text())
     assert verdicts(again) == verdicts(doc)
     assert again["rendered"]["measured_by"]["kvquant_source_sha256"] == "0123456789abcdef"
-    today = report.code_version()["kvquant_source_sha256"]
+    today = provenance.code_version()["kvquant_source_sha256"]
     assert again["rendered"]["judged_by"]["kvquant_source_sha256"] == today != "0123456789abcdef"
     assert "measured by code with measuring sources 0123456789abcdef" in (partial.parent / "report.md").read_text()
     shutil.copy(partial / "int4" / "memory.json", folder / "int4" / "memory.json")  # of this checkout's code

@@ -13,7 +13,7 @@ from kvquant.runner import report
 from kvquant.cache.reads import Reads
 from kvquant.runner.report_facts import candidate_reports, stage_rows
 from kvquant.runner.report_markdown import markdown
-from kvquant.runner.results import (Decision, Exercise, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance,
+from kvquant.experiment.results import (Decision, Exercise, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance,
     RunResult, Serving, Staged, Verdict)
 
 STORIES = "local:text/tinystories/validation-first1000.jsonl"

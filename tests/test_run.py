@@ -13,8 +13,8 @@ import pytest
 
 from kvquant.runner import pipeline, preflight
 
-from kvquant.runner import report
-from kvquant.runner.config import load_config
+from kvquant.experiment import provenance as provenance_module
+from kvquant.experiment.config import load_config
 from kvquant.errors import KVQuantError
 from kvquant.run import ABOVE_RUNNER, main
 from tiny_configs import TINY
@@ -143,8 +143,8 @@ def test_resume_names_corrupt_partials_counts_reuse_and_keys_on_the_code(tmp_pat
     assert provenance(second) == {"computed": 1, "reused_from_partial": 4, "set_aside": ["int8/ppl__tinystories.json"]}
     assert [c["metrics"] for c in second["candidates"]] == [c["metrics"] for c in first["candidates"]]
     assert "1 measured in this run, 4 reused" in (out_dir / "report.md").read_text()
-    real = report.code_version()
-    monkeypatch.setattr(report, "code_version", lambda: {**real, "kvquant_source_sha256": "other-code"})
+    real = provenance_module.code_version()
+    monkeypatch.setattr(provenance_module, "code_version", lambda: {**real, "kvquant_source_sha256": "other-code"})
     assert main([str(path)]) == 4
     assert read_report(out_dir)["results"]["computed"] == 5  # results of other code are not reused
 
@@ -257,10 +257,10 @@ def test_each_task_is_gated_on_its_standard_metric():
     """acc_norm for hellaswag and piqa (as their literature reports), acc elsewhere; both are reported."""
     from types import SimpleNamespace
 
-    from kvquant.runner.config import Candidate
-    from kvquant.runner.gate_config import GateConfig
+    from kvquant.experiment.config import Candidate
+    from kvquant.experiment.gate_config import GateConfig
     from kvquant.runner.gate import metric_rows
-    from kvquant.runner.results import Measured, task_outcomes
+    from kvquant.experiment.results import Measured, task_outcomes
     from kvquant.scoring.tasks import gated_metric
 
     outcome = {"acc": [1, 0, 1, 1], "acc_norm": [1, 1, 0, 1]}

@@ -10,7 +10,7 @@ import yaml
 import kvquant
 from kvquant.scoring import session as measure_module
 from kvquant.errors import ConfigError
-from kvquant.runner.config import Candidate, load_config
+from kvquant.experiment.config import Candidate, load_config
 from kvquant.run import main
 from kvquant.runner.search import first_passing, greedy_order, last_within, map_candidate
 
@@ -272,7 +272,7 @@ def test_a_split_that_cannot_be_held_apart_is_refused_before_the_model_loads(tmp
 
 
 def test_calibration_starts_after_what_any_set_of_the_same_text_evaluates(tmp_path):
-    from kvquant.runner.search import calibration_windows
+    from kvquant.scoring.calibrate import calibration_windows
     from kvquant.scoring.models import load_tokenizer
     from kvquant.scoring import data
     text = CONFIG.replace("  tasks: {{names: [tinystories_lastword], limit: 20}}",

@@ -4,16 +4,17 @@ chance of a wrong PASS above the configured error, and a candidate equal to the 
 Synthetic paired per-document outcomes (0/1, as lm-eval scores accuracy): the baseline is right with
 probability 0.5, the candidate disagrees on a few documents (as a quantized cache does), the disagreements
 set its true accuracy ratio. Each repetition runs the gate's own procedure: judge after ``limit`` documents,
-then after every look of :func:`kvquant.runner.gate.looks` while the verdict is inconclusive.
+then after every look of :func:`kvquant.experiment.gate_config.looks` while the verdict is inconclusive.
 """
 
 import numpy as np
 import pytest
 from scipy.stats import binom
 
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge, look_confidence, looks
-from kvquant.runner.results import MetricId, MetricRow
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge
+from kvquant.experiment.gate_config import look_confidence, looks
+from kvquant.experiment.results import MetricId, MetricRow
 
 SEED = 20261202
 BASE_RIGHT = 0.5
@@ -113,7 +114,7 @@ class FakeSession:
         self.scored: list[tuple[str, int, int]] = []
 
     def measure(self, candidate, split, label=None, tasks=True, probe=None):
-        from kvquant.runner.results import Measured, Memory, Outcomes
+        from kvquant.experiment.results import Measured, Memory, Outcomes
 
         label = label or candidate.label
         task = self.cfg.eval.tasks.names[0]
@@ -133,7 +134,7 @@ def test_the_runner_adds_documents_only_where_a_verdict_is_open(monkeypatch, tas
     documents; the baseline is scored on every document a candidate is. A generated task's size (what is written)
     is no size to run out of, so it is not among the sizes the report states "left" from."""
     from kvquant.runner import judging
-    from kvquant.runner.config import load_config
+    from kvquant.experiment.config import load_config
     from kvquant.runner.gate import decide, metric_rows
     from kvquant.scoring.session import BASELINE, evaluation_split
 

@@ -12,8 +12,8 @@ from conftest import experiment
 from kvquant.experiment.metric import AGREEMENT, TAIL
 from kvquant.runner.bootstrap import mean_interval
 from kvquant.runner.gate import INCONCLUSIVE, PASS, judge, paired_interval
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import MetricId, MetricRow
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import MetricId, MetricRow
 
 ROOT = Path(__file__).resolve().parents[1]
 

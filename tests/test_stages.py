@@ -9,7 +9,7 @@ import transformers
 
 import kvquant
 from kvquant.errors import ConfigError
-from kvquant.runner.config import ServingConfig, Stage, load_config
+from kvquant.experiment.config import ServingConfig, Stage, load_config
 from kvquant.run import main
 from kvquant.scoring.stages import serve, serving_tokens, staged_decision
 

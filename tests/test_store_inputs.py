@@ -102,15 +102,15 @@ def test_a_rerun_keeps_the_results_it_replaces_and_a_copied_result_is_recomputed
 def test_a_signing_key_others_can_read_is_refused(tmp_path, monkeypatch, mode):
     """A partial-results key that group or others could read was used: whoever read it could sign results (and
     exported reports) as this user."""
-    from kvquant.runner import store
+    from kvquant import signing
     from kvquant.errors import KVQuantError
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
-    first = store.result_key()  # made private (0600) and used as is
-    assert store.result_key() == first
+    first = signing.result_key()  # made private (0600) and used as is
+    assert signing.result_key() == first
     (tmp_path / "cache" / "keys" / "partial-results.key").chmod(mode)
     with pytest.raises(KVQuantError, match="is not a key only you can read"):
-        store.result_key()
+        signing.result_key()
 
 
 def test_stray_dotfiles_in_partial_are_left_alone_but_kvquant_names_are_still_checked(tmp_path):

@@ -9,11 +9,11 @@ import pytest
 from scipy.stats import binom
 
 from kvquant.runner.bootstrap import studentized
-from kvquant.runner.config import load_config
+from kvquant.experiment.config import load_config
 from kvquant.runner.counts import MIN_FAIL, MIN_PASS, count_warnings
 from kvquant.runner.gate import FAIL, PASS, TOO_FEW, decide, judge, paired_interval, verdict_text
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.results import DIVERGENCE, PERPLEXITY, MetricId, MetricRow
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.results import DIVERGENCE, PERPLEXITY, MetricId, MetricRow
 
 GATE = GateConfig(min_relative_accuracy=0.97, max_perplexity_ratio=1.05, max_kl_divergence=0.01)
 

@@ -15,7 +15,7 @@ def tiny_weights() -> str:
     """stories260K's weights digest, as a run on :data:`MODEL` computes it here: what its store keys every result
     with (computed, never written down: it names what the model computes with, and a test that knew it by heart
     would pass on one machine only)."""
-    from kvquant.runner.model_config import ModelConfig
+    from kvquant.experiment.model_config import ModelConfig
     from kvquant.scoring.models import load_model
     from kvquant.scoring.session import weights_digest
 

@@ -210,7 +210,7 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
                     handle.remove()
 
         start = time.perf_counter()
-        from kvquant.runner.report import code_version
+        from kvquant.experiment.provenance import code_version
 
         inputs = f"{gguf}|{Path(gguf).stat().st_size}|{matmul}|{threads}|{code_version()}"
         found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs, emulated=emulated,

@@ -414,10 +414,10 @@ WIKITEXT = "local:text/wikitext-2-raw-v1/test-00000-of-00001.parquet"
 
 
 def model_spec(name: str):
-    """kvquant's :class:`~kvquant.runner.model_config.ModelConfig` of a known model (:data:`MODELS`) or of a ``.gguf``
-    file, and
+    """kvquant's :class:`~kvquant.experiment.model_config.ModelConfig` of a known model (:data:`MODELS`) or of a
+    ``.gguf`` file, and
     the GGUF's path."""
-    from kvquant.runner.model_config import ModelConfig
+    from kvquant.experiment.model_config import ModelConfig
     from kvquant.scoring.models import _gguf_path, resolve_model_path
 
     if name in MODELS:
@@ -437,7 +437,7 @@ def token_windows(tokenizer, meta: dict, count: int, length: int) -> list[list[i
     """``count`` WikiText-2 test windows of ``length`` tokens (kvquant's stream windows), each starting with the BOS
     where the GGUF adds one."""
     from kvquant.scoring import data
-    from kvquant.runner.config import PerplexitySet
+    from kvquant.experiment.config import PerplexitySet
 
     spec = PerplexitySet(name="wikitext2", source=WIKITEXT, layout="stream", limit=count, max_length=length)
     out = [list(w.ids) for w in data.windows(spec, tokenizer) if len(w.ids) == length]

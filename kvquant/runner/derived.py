@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvquant.experiment.metric import FLIPS, TAIL
 from kvquant.runner.flips import flips
-from kvquant.runner.results import MetricId, MetricRow, Outcomes
+from kvquant.experiment.results import MetricId, MetricRow, Outcomes
 
 
 def flip_row(accuracy: MetricRow, baseline: tuple[float, ...], candidate: tuple[float, ...]) -> MetricRow:

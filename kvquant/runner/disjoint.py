@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvquant.errors import KVQuantError
 from kvquant.paths import data_dir
-from kvquant.runner.gate import looks
+from kvquant.experiment.gate_config import looks
 from kvquant.scoring import data
 
 END = (1 << 62, 0)  # past every row
@@ -149,7 +149,7 @@ def evaluation_reads(cfg, tokenizer, maxlen: int, rows: dict) -> list[Read]:
 def calibration_reads(cfg, tokenizer, maxlen: int, rows: dict) -> list[Read]:
     """Everything the run fits to: the calibration windows of ``calibrate``, and the search's windows and task
     documents."""
-    from kvquant.runner.search import calibration_documents, calibration_windows
+    from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 
     asked = []
     if cfg.calibration is not None and any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):

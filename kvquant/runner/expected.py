@@ -19,9 +19,10 @@ import re
 from dataclasses import asdict
 
 from kvquant.cache import make_cache
-from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
+from kvquant.experiment.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
 from kvquant.runner.plausible import Shape
-from kvquant.runner.search import CALIBRATION_BASELINE, calibration_documents, calibration_windows
+from kvquant.runner.search import CALIBRATION_BASELINE
+from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
 from kvquant.scoring.session import BASELINE, described, evaluation_split, probe_tokens, sampler_key, shares_prefix

@@ -32,39 +32,23 @@ from statistics import NormalDist
 
 import numpy as np
 
+from kvquant.experiment.config import ExperimentConfig
+from kvquant.experiment.gate_config import GateConfig, look_confidence
+from kvquant.experiment.long_config import needle_task
 from kvquant.experiment.metric import ACCURACY, LOG_RATIO, MEAN, METRICS, SCORE_RATIO, SHARE, PERPLEXITY, Metric
+from kvquant.experiment.results import (Decision, Measured, MetricId, MetricRow, Outcomes, Verdict, BUCKET,
+    bucket_end, relative_score)
 from kvquant.runner.bootstrap import log_ratio_interval, mean_interval, share_interval
-from kvquant.runner.config import ExperimentConfig
 from kvquant.runner.counts import TOO_FEW, settle, too_few
-from kvquant.runner.gate_config import GateConfig
 from kvquant.runner.derived import DERIVE
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
-from kvquant.runner.results import (Decision, Measured, MetricId, MetricRow, Outcomes, Verdict, BUCKET, bucket_end,
-    relative_score)
-from kvquant.scoring.needles import needle_chance, needle_task
+from kvquant.scoring.needles import needle_chance
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "TOO_FEW",
            "Decision", "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
-           "longest_passing", "looks", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score"]
+           "longest_passing", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score"]
 
 PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED = "pass", "fail", "inconclusive", "not exercised", "not gated"
-
-
-def looks(limit: int, max_documents: int | None) -> list[int]:
-    """Documents scored at each look of a sequential task: ``limit``, doubling, up to ``max_documents``."""
-    if limit < 1:
-        raise ValueError(f"a task's first look needs documents, got limit {limit}")
-    counts = [limit]
-    while max_documents is not None and counts[-1] < max_documents:
-        counts.append(min(2 * counts[-1], max_documents))
-    return counts
-
-
-def look_confidence(policy: GateConfig, planned_looks: int) -> float:
-    """Two-sided confidence of each look's interval so that ``planned_looks`` looks together err with at most
-    ``1 - policy.confidence`` (half of it on each side: a wrong pass, a wrong fail)."""
-    return 1 - (1 - policy.confidence) / max(planned_looks, 1)
-
 
 #: Paired-bootstrap resamples behind the interval of a ratio of scores that are not 0/1.
 RATIO_RESAMPLES = 2_000

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvquant.runner.config import ExperimentConfig
-from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, looks, metric_rows,
-    needles_at_chance)
-from kvquant.runner.results import Decision, RunPlan
+from kvquant.experiment.config import ExperimentConfig
+from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, metric_rows, needles_at_chance
+from kvquant.experiment.gate_config import looks
+from kvquant.experiment.results import Decision, RunPlan
 from kvquant.runner.store import warn
 from kvquant.scoring.session import BASELINE, Session, evaluation_split, probe_tokens, task_size
 from kvquant.scoring.stages import staged_decision

@@ -28,8 +28,7 @@ from pathlib import Path
 
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import read_file, real_dir, set_aside, write_file
-from kvquant.runner.gate import look_confidence, looks
-from kvquant.runner.gate_config import GateConfig
+from kvquant.experiment.gate_config import GateConfig, look_confidence, looks
 from kvquant.runner.store import warn
 
 PLAN = "plan.json"

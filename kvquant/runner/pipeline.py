@@ -21,14 +21,15 @@ import torch
 from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError
 from kvquant.exits import guarded
 from kvquant.runner import preview, render, report
-from kvquant.runner.config import ExperimentConfig, Stage, load_config
+from kvquant.experiment import provenance as provenance_module
+from kvquant.experiment.config import ExperimentConfig, Stage, load_config
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS
 from kvquant.runner.judging import add_documents, judge_run
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.preflight import AboveRunner, plan_steps, preflight, say, serving_text
-from kvquant.runner.results import Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.experiment.results import Provenance, RunPlan, RunResult, Serving, Staged
 from kvquant.runner.search import search
-from kvquant.runner.sources import SourceWatch
+from kvquant.experiment.provenance import SourceWatch
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring import models, parallel
 from kvquant.scoring.calibrate import calibrated
@@ -137,7 +138,7 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     settled (:class:`PlanRecord`: a changed one refused, unless ``replan``); ``above``: the planner's shapes and
     the deploy file."""
     start, processes = time.monotonic(), parallel.current()
-    store = ResultStore(out_dir / "partial", report.code_version(), warnings, processes, SourceWatch())
+    store = ResultStore(out_dir / "partial", provenance_module.code_version(), warnings, processes, SourceWatch())
     record = PlanRecord(store, LookPlan.of(cfg), replan)
     found = len(warnings)  # preflight's, printed once the plan is settled (a refusal stays one line)
     record.settle()  # the plan's own warnings are printed as they are found, once

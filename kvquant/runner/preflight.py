@@ -16,7 +16,7 @@ import torch
 from kvquant.errors import KVQuantError
 from kvquant.formats.llamacpp_gguf import check_rope_layout
 from kvquant.formats.quantizers import QUANTIZERS, available_quantizers
-from kvquant.runner.config import Candidate, ExperimentConfig
+from kvquant.experiment.config import Candidate, ExperimentConfig
 from kvquant.runner.counts import count_warnings
 from kvquant.runner.store import check_partial
 from kvquant.scoring import parallel
@@ -24,7 +24,7 @@ from kvquant.scoring.models import DEFAULT_MAX_LENGTH, trained_context
 from kvquant.fs import check_env_dirs
 from kvquant.runner.disjoint import check_disjoint
 from kvquant.runner.judging import planned_looks
-from kvquant.runner.results import RunPlan
+from kvquant.experiment.results import RunPlan
 from kvquant.runner.search import check_search
 from kvquant.scoring import data, models
 from kvquant.scoring.calibrate import check_calibration

@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 
 from kvquant.compat.lm_eval import quiet_git
-from kvquant.runner import report
-from kvquant.runner.config import Candidate, ExperimentConfig
-from kvquant.runner.gate import duration, looks
+from kvquant.experiment import provenance
+from kvquant.experiment.config import Candidate, ExperimentConfig
+from kvquant.runner.gate import duration
+from kvquant.experiment.gate_config import looks
 from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.preflight import say
-from kvquant.runner.store import ResultStore, result_key
+from kvquant.runner.store import ResultStore
+from kvquant.signing import result_key
 from kvquant.scoring.models import load_model
 from kvquant.scoring.prefixes import model_tokens
 from kvquant.scoring.scorer import Scored, Scorer
@@ -335,7 +337,7 @@ def dry_run(cfg: ExperimentConfig, rows: dict, warnings: list[str], replan: bool
     printed (a refusal stays one line). ``shape_of(model_config, path)``: the model's shapes (the planner's)."""
     partial, key = Path(cfg.output_dir) / cfg.name / "partial", result_key(make=False)  # no key: nothing signed yet
     # without a key nothing there verifies, as for the run, which makes a new one
-    store = ResultStore(partial, report.code_version(), [], secret=key if key is not None else b"")
+    store = ResultStore(partial, provenance.code_version(), [], secret=key if key is not None else b"")
     record = PlanRecord(store, LookPlan.of(cfg), replan)
     record.check()
     if key is not None:

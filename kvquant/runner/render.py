@@ -26,13 +26,14 @@ from pathlib import Path
 
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import check_env_dirs, read_json
-from kvquant.runner import report
+from kvquant.experiment import provenance
 from kvquant.runner.expected import Expected, difference, plain
 from kvquant.runner.gate import FAIL, INCONCLUSIVE
 from kvquant.runner.lookplan import PLAN, LookPlan, PlanRecord, _signature, entry, read_plan_file
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
-from kvquant.runner.sources import commit_provenance
-from kvquant.runner.store import ResultStore, result_key
+from kvquant.experiment.provenance import commit_provenance
+from kvquant.runner.store import ResultStore
+from kvquant.signing import result_key
 from kvquant.runner.travel import ACTION, check_found, check_weights, read_folder
 from kvquant.scoring import data, parallel
 from kvquant.scoring.models import check_model, load_tokenizer, model_dtype
@@ -153,7 +154,7 @@ class Replay(Session):
 
     def rendered(self, out_dir: Path) -> dict:
         """What the report's header and results.json say of this render (:attr:`Provenance.rendered`)."""
-        code, judged = dict(self.store.code), report.code_version()["kvquant_source_sha256"]
+        code, judged = dict(self.store.code), provenance.code_version()["kvquant_source_sha256"]
         try:  # the report it replaces names the commit of these measuring sources (measured or, rendered, its own)
             earlier = read_json(out_dir / "results.json", "report")
             named = [earlier.get("environment"), (earlier.get("rendered") or {}).get("measured_by")]

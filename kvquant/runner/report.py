@@ -3,9 +3,9 @@
 
 All five are rendered first and then moved into place together, and share a run id, so they always describe
 the same run; nothing is written into the directory before that. This module holds the on-disk document
-(``results.json``, and ``results.csv`` from it), the code version and :func:`write`; ``report.md`` is
+(``results.json``, and ``results.csv`` from it), its environment and :func:`write`; ``report.md`` is
 :mod:`kvquant.runner.report_markdown`'s and the plots :mod:`kvquant.runner.report_plots`', both rendered from the typed
-:class:`~kvquant.runner.results.RunResult` and :mod:`kvquant.runner.report_facts` (which ``results.json`` is built
+:class:`~kvquant.experiment.results.RunResult` and :mod:`kvquant.runner.report_facts` (which ``results.json`` is built
 from too).
 """
 
@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform
 import uuid
-from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -29,39 +27,19 @@ import pandas as pd
 from kvquant.errors import ERROR_LOG, script_parser
 from kvquant.fs import output_dir, write_together
 from kvquant.runner.report_facts import CandidateReport, MetricReport, candidate_reports, probe_curve, stage_rows
-from kvquant.runner.report_markdown import markdown, probe_table, wilson_interval
+from kvquant.runner.report_markdown import markdown
 from kvquant.runner.report_lengths import lengths_document, lengths_plot, long_verdicts
 from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
-from kvquant.runner.results import Memory, RunResult
-from kvquant.runner.sources import MEASURING, commit_provenance, source_digest
+from kvquant.experiment import provenance
+from kvquant.experiment.provenance import commit_provenance, version_of
+from kvquant.experiment.results import Memory, RunResult
 from kvquant.signing import recorded, signed_json
-
-# names the tests and earlier callers import from here
-_probe_curve, _probe_table = probe_curve, probe_table
-__all__ = ["MEASURING", "REPORT_FILES", "code_version", "document", "environment", "wilson_interval", "write"]
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
 
 #: Every file a run may leave in its report directory (besides ``partial/``): what a run does not regenerate
 #: is removed, so nothing there describes an earlier run.
 REPORT_FILES = frozenset({"results.json", "results.csv", "report.md", "plot.png", "config.resolved.yaml",
                           "searched.yaml", "stages.png", "probe.png", "lengths.png", "DEPLOY.md",
                           "kv_cache_scheme.json", "kv_scales.safetensors", ERROR_LOG})
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> dict[str, str]:
-    """What measured a result: kvquant's version and a hash of every file in the :data:`MEASURING` subpackages
-    (their ``*.py`` and the C++ kernel's source), and the versions of torch, transformers and lm-eval. Part of
-    every resume key, so results of other code are recomputed."""
-    return {"kvquant": _version("kvquant"), "kvquant_source_sha256": source_digest(),
-            **{pkg: _version(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
-
 
 def benchmark_lines(doc: dict, title: str) -> list[str]:
     """A benchmark report's head: its ``title``, then its provenance (markdown list items): its ``command``, the
@@ -95,7 +73,7 @@ def benchmark_start(args):
     average now, and the model ``args.model`` / ``args.gguf_file`` (float32, CPU): ``(model, tokenizer, load)``."""
     import torch
 
-    from kvquant.runner.model_config import ModelConfig
+    from kvquant.experiment.model_config import ModelConfig
     from kvquant.scoring.models import load_model
 
     if args.threads:
@@ -130,8 +108,8 @@ def write_benchmark(out: Path, doc: dict, render) -> None:
 
 
 def environment() -> dict[str, str]:
-    versions = {pkg: _version(pkg) for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets")}
-    versions["kvquant_source_sha256"] = code_version()["kvquant_source_sha256"]
+    versions = {pkg: version_of(pkg) for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets")}
+    versions["kvquant_source_sha256"] = provenance.code_version()["kvquant_source_sha256"]
     commit = commit_provenance(versions["kvquant_source_sha256"])  # the commit only where it holds those sources
     import torch
 

@@ -1,4 +1,4 @@
-"""What a report states of a run beyond :class:`~kvquant.runner.results.RunResult`'s own fields, computed once and
+"""What a report states of a run beyond :class:`~kvquant.experiment.results.RunResult`'s own fields, computed once and
 typed,
 so that ``results.json``, ``report.md`` and the plots read the same objects: per candidate its memory, verdict and
 metrics (each with its gate verdict, outcomes, request lengths and, for a divergence metric, the KL quantiles), and
@@ -15,7 +15,7 @@ import numpy as np
 from kvquant.experiment.metric import ACCURACY
 from kvquant.runner.flips import Flips, flips
 from kvquant.runner.gate import quantile_interval
-from kvquant.runner.results import Memory, MetricId, MetricRow, Outcomes, RunResult, Verdict
+from kvquant.experiment.results import Memory, MetricId, MetricRow, Outcomes, RunResult, Verdict
 from kvquant.scoring.tasks import probe_distance
 
 #: The KL divergence quantiles a divergence metric reports, by name.

@@ -12,8 +12,9 @@ import math
 from kvquant.experiment.metric import ACCURACY, DIVERGENCE, METRICS
 from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, selected, verdict_text
 from kvquant.runner.report_plots import _png, _pyplot
-from kvquant.runner.results import RunResult, Verdict, bucket_end
-from kvquant.scoring.needles import needle_chance, needle_task
+from kvquant.experiment.results import RunResult, Verdict, bucket_end
+from kvquant.scoring.needles import needle_chance
+from kvquant.experiment.long_config import needle_task
 
 
 def _at_chance(run: RunResult) -> frozenset[str]:

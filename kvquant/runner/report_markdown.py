@@ -1,17 +1,18 @@
 """A run's ``report.md``: the decision and how to reproduce it, the candidates, every metric's verdict, the
 divergence from the baseline, the long-range probe, calibrated scales, a search's steps and map, a staged run's
-stages; rendered from the typed :class:`~kvquant.runner.results.RunResult` and the reports of
+stages; rendered from the typed :class:`~kvquant.experiment.results.RunResult` and the reports of
 :mod:`kvquant.runner.report_facts`.
 """
 
 from __future__ import annotations
 
 from kvquant.experiment.metric import AGREEMENT, DIVERGENCE, METRICS
-from kvquant.runner.config import ExperimentConfig
-from kvquant.runner.gate import TOO_FEW, duration, looks, verdict_text
+from kvquant.experiment.config import ExperimentConfig
+from kvquant.runner.gate import TOO_FEW, duration, verdict_text
+from kvquant.experiment.gate_config import looks
 from kvquant.runner.report_facts import CandidateReport, MetricReport, StageRow, probe_curve, stage_rows
 from kvquant.runner.report_lengths import lengths_section
-from kvquant.runner.results import LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged, bucket_end
+from kvquant.experiment.results import LONG_CONTEXT, Memory, MetricId, RunResult, SearchSummary, Staged, bucket_end
 
 
 def markdown(run: RunResult, candidates: tuple[CandidateReport, ...], run_id: str, env: dict[str, str]) -> str:

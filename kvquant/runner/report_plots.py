@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import math
 
-from kvquant.runner.config import ExperimentConfig
+from kvquant.experiment.config import ExperimentConfig
 from kvquant.runner.report_facts import CandidateReport, StageRow
 
 

@@ -29,51 +29,16 @@ from collections.abc import Callable
 from tqdm.auto import tqdm
 
 from kvquant.cache.build import spec_memory
-from kvquant.scoring import data
-from kvquant.runner.config import SEARCH_PREFIX, Candidate, ExperimentConfig
+from kvquant.experiment.config import SEARCH_PREFIX, Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
 from kvquant.experiment.metric import divergence_limits
 from kvquant.runner.gate import decide, metric_rows
+from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 from kvquant.scoring.session import BASELINE, Session, Split
-from kvquant.runner.results import Measured, SearchSummary
+from kvquant.experiment.results import Measured, SearchSummary
 from kvquant.scoring.tasks import probe_distance, resolve_task, task_manager
 
 CALIBRATION_BASELINE = SEARCH_PREFIX + "baseline"
-
-
-def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
-    """Per gated task: the document indices after its evaluation limit (none when ``search.documents`` is 0)."""
-    if not cfg.search.documents:
-        return {}
-    return {task: range(cfg.eval.tasks.limit_for(task), cfg.eval.tasks.limit_for(task) + cfg.search.documents)
-            for task in cfg.gated_tasks()}
-
-
-def _same_data(pset) -> tuple:
-    """What decides a perplexity set's windows, its name and limit aside."""
-    return tuple(v for k, v in dataclasses.asdict(pset).items() if k not in ("name", "limit"))
-
-
-def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict, count: int | None = None,
-                        what: str = "search") -> dict[str, tuple[int, list[data.Window]]]:
-    """Per gated perplexity set: the index of its first calibration window and the ``count`` (default
-    ``search.windows``) windows after what evaluation reads of the same text (the largest ``limit`` among sets cut
-    alike from it), cut as evaluation cuts them; errors name ``what`` asks for them."""
-    count = cfg.search.windows if count is None else count
-    out = {}
-    for pset in cfg.gated_perplexity():
-        alike = [p for p in cfg.eval.perplexity if _same_data(p) == _same_data(pset)]
-        if any(p.limit is None for p in alike):
-            raise KVQuantError(f"{what}: perplexity set {pset.name!r} reads text that another set reads whole, so "
-                               "no windows are left to calibrate on apart from evaluation")
-        start = max(p.limit for p in alike)
-        longer = dataclasses.replace(pset, limit=start + count)
-        windows = data.windows(longer, tokenizer, maxlen, rows[pset.name])[start:]
-        if not windows:
-            raise KVQuantError(f"{what}: perplexity set {pset.name!r} has no windows after the {start} evaluation "
-                               "reads to calibrate on; lower eval.perplexity[].limit or use a longer text")
-        out[pset.name] = start, windows
-    return out
 
 
 def check_search(cfg: ExperimentConfig, shape, dtype, tokenizer, maxlen: int, rows: dict, folder) -> None:

@@ -10,16 +10,15 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
 import stat
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from kvquant.scoring import parallel
 from kvquant.errors import KVQuantError, one_line
-from kvquant.fs import cache_dir, fresh_dir, read_file, real_dir, set_aside, write_file
+from kvquant.fs import fresh_dir, read_file, real_dir, set_aside, write_file
+from kvquant.signing import result_key
 
 LOCK = ".lock"
 
@@ -32,20 +31,20 @@ def warn(warnings: list[str], message: str) -> None:
 
 
 class ResultStore:
-    """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code
-    version (:func:`kvquant.runner.report.code_version`) are unchanged and its signature verifies: an HMAC of the key
-    and the result under this user's private key (:func:`result_key`), so a result edited by hand or written
-    by another user or machine is recomputed, never trusted. The key names the result's own candidate and metric,
-    so a file copied from another (``ppl/x`` to ``kl/x``) is never reused. An unreadable, unverified or copied
+    """One JSON file per (candidate, metric), written atomically, reused only when its inputs and the code version
+    (:func:`kvquant.experiment.provenance.code_version`) are unchanged and its signature verifies: an HMAC of the key
+    and the result under this user's private key (:func:`kvquant.signing.result_key`), so a result edited by hand or
+    written by another user or machine is recomputed, never trusted. The key names the result's own candidate and
+    metric, so a file copied from another (``ppl/x`` to ``kl/x``) is never reused. An unreadable, unverified or copied
     file is named in a warning, set aside (``*.json.corrupt``, never overwriting an earlier one) and recomputed. A
     finished result of other inputs or code is not deleted when this run replaces it: it is moved to
     ``<directory>.old-<time>/`` (:meth:`note_retired` warns once how many, and where). Counts what it reused and
-    computed. Under several processes, process 0 alone reads and writes the files: it hands every process the
-    saved result, or all of them compute it together (``compute`` shares its scoring out). A result measured
-    elsewhere becomes this store's own only when the user adopts it (:meth:`adopt`, ``python -m kvquant.adopt``).
-    ``watch`` (a :class:`~kvquant.runner.sources.SourceWatch`, or None) is checked before every signed write: a
-    change of the measuring sources under the run stops it there, what is written kept and nothing mixed.
-    :attr:`report` ties every result to its report folder (:mod:`kvquant.runner.lookplan` sets it)."""
+    computed. Under several processes, process 0 alone reads and writes the files: it hands every process the saved
+    result, or all of them compute it together (``compute`` shares its scoring out). A result measured elsewhere becomes
+    this store's own only when the user adopts it (:meth:`adopt`, ``python -m kvquant.adopt``). ``watch`` (a
+    :class:`~kvquant.experiment.provenance.SourceWatch`, or None) is checked before every signed write: a change of the
+    measuring sources under the run stops it there, what is written kept and nothing mixed. :attr:`report` ties every
+    result to its report folder (:mod:`kvquant.runner.lookplan` sets it)."""
 
     def __init__(self, directory: Path, code: dict, warnings: list[str], processes: parallel.Processes = parallel.ONE,
                  watch=None, secret: bytes | None = None):
@@ -276,36 +275,6 @@ def plan_file(entry: os.DirEntry) -> bool:
     set aside: a regular file, beside the candidates' folders."""
     return (entry.name == "plan.json" or entry.name.startswith("plan.json.corrupt")) and \
         entry.is_file(follow_symlinks=False)
-
-
-def result_key(make: bool = True) -> bytes | None:
-    """This user's secret for signing partial results (``partial-results.key`` in kvquant's private cache, made
-    once: written to a temporary file and linked into place, so racing runs agree on one); not ``make``: None where
-    there is none yet (nothing is written)."""
-    path = cache_dir("keys") / "partial-results.key"
-    if not make and not os.path.lexists(path):
-        return None
-    if not os.path.lexists(path):
-        fd, tmp = tempfile.mkstemp(dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-    try:
-        info = os.lstat(path)
-        key = read_file(path)
-    except OSError as err:
-        raise KVQuantError(f"cannot read {path} ({err.strerror or err}); remove it to make a new one") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise KVQuantError(f"{path} is not a key only you can read (mode {stat.S_IMODE(info.st_mode):o}, uid "
-                           f"{info.st_uid}): whoever reads it can sign results as you; remove it to make a new one")
-    if len(key) != 64:
-        raise KVQuantError(f"{path} is not a key kvquant wrote; remove it to make a new one")
-    return key
 
 
 class RunLock:

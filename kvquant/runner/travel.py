@@ -122,7 +122,7 @@ def read_result(path: Path, candidate: str) -> Found:
 
 
 def check_found(found: Found, code: dict, expected: Expected) -> None:
-    """``found`` was measured by this checkout's code (:func:`kvquant.runner.report.code_version`) on the inputs
+    """``found`` was measured by this checkout's code (:func:`kvquant.experiment.provenance.code_version`) on the inputs
     this config's run would key it with (:class:`~kvquant.runner.expected.Expected`)."""
     theirs = found.saved["inputs"].get("code")
     if theirs != code:

@@ -6,6 +6,6 @@
   :mod:`.fewshot` few-shot contexts that fit; :mod:`.passkey` the long-range pass-key probe; :mod:`.needles`
   retrieval documents by length and depth
 - :mod:`.models` loading models and tokenizers; :mod:`.lm_eval_model` lm-eval's ``kvquant`` model
-- :mod:`.calibrate` static scales observed on a calibration split; :mod:`.stages` the staged memory loop;
-  :mod:`.parallel` the share of a data-parallel run's work each process measures
+- :mod:`.calibrate` the calibration split (what calibration reads) and static scales observed on it;
+  :mod:`.stages` the staged memory loop; :mod:`.parallel` the share of a data-parallel run's work each process measures
 """

@@ -1,4 +1,8 @@
-"""Static KV scales observed on a calibration split, as llm-compressor observes the scales a checkpoint ships.
+"""The calibration split, and static KV scales observed on it as llm-compressor observes the scales a checkpoint ships.
+
+The split is what calibration reads, here so that the code version's hash covers it: the perplexity windows after
+those that evaluation reads of the same text (:func:`calibration_windows`) and, for the per-layer search, the task
+documents after each gated task's evaluation limit (:func:`calibration_documents`).
 
 Per layer, every calibration window is one forward; each forward's minimum and maximum of the post-RoPE keys
 (and values) are taken over all tokens, heads and channels (``tensor``) or per KV head (``head``), and a running
@@ -22,11 +26,45 @@ import json
 import torch
 
 from kvquant.cache import ObservingCache
-from kvquant.runner.config import Candidate
+from kvquant.experiment.config import Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import QUANTIZERS
-from kvquant.runner.search import calibration_windows
+from kvquant.scoring import data
 
+
+def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
+    """Per gated task: the document indices after its evaluation limit (none when ``search.documents`` is 0)."""
+    if not cfg.search.documents:
+        return {}
+    return {task: range(cfg.eval.tasks.limit_for(task), cfg.eval.tasks.limit_for(task) + cfg.search.documents)
+            for task in cfg.gated_tasks()}
+
+
+def _same_data(pset) -> tuple:
+    """What decides a perplexity set's windows, its name and limit aside."""
+    return tuple(v for k, v in dataclasses.asdict(pset).items() if k not in ("name", "limit"))
+
+
+def calibration_windows(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict, count: int | None = None,
+                        what: str = "search") -> dict[str, tuple[int, list[data.Window]]]:
+    """Per gated perplexity set: the index of its first calibration window and the ``count`` (default
+    ``search.windows``) windows after what evaluation reads of the same text (the largest ``limit`` among sets cut
+    alike from it), cut as evaluation cuts them; errors name ``what`` asks for them."""
+    count = cfg.search.windows if count is None else count
+    out = {}
+    for pset in cfg.gated_perplexity():
+        alike = [p for p in cfg.eval.perplexity if _same_data(p) == _same_data(pset)]
+        if any(p.limit is None for p in alike):
+            raise KVQuantError(f"{what}: perplexity set {pset.name!r} reads text that another set reads whole, so "
+                               "no windows are left to calibrate on apart from evaluation")
+        start = max(p.limit for p in alike)
+        longer = dataclasses.replace(pset, limit=start + count)
+        windows = data.windows(longer, tokenizer, maxlen, rows[pset.name])[start:]
+        if not windows:
+            raise KVQuantError(f"{what}: perplexity set {pset.name!r} has no windows after the {start} evaluation "
+                               "reads to calibrate on; lower eval.perplexity[].limit or use a longer text")
+        out[pset.name] = start, windows
+    return out
 
 
 @torch.inference_mode()

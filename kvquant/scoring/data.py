@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.runner.config import PerplexitySet
+from kvquant.experiment.config import PerplexitySet
 from kvquant.yaml_reader import read_text_file
 from kvquant.errors import KVQuantError, one_line
 from kvquant.paths import resolve

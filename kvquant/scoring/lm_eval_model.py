@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from kvquant.cache import CacheSpec, make_cache
 from kvquant.compat.lm_eval import set_rank
-from kvquant.runner.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.yaml_reader import load_yaml
 from kvquant.errors import ConfigError, KVQuantError, check_int, is_int
 from kvquant.scoring.scorer import Scorer, check_mode

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvquant.runner.model_config import ModelConfig, mapped_devices
+from kvquant.experiment.model_config import ModelConfig, mapped_devices
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import cache_dir
 from kvquant.packaged import PACKAGE_PREFIX, PackageMissing, file_sha256

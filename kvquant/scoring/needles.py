@@ -41,9 +41,9 @@ import re
 from dataclasses import dataclass
 
 from kvquant.errors import KVQuantError, check_int
+from kvquant.experiment.long_config import KINDS, needle_task
 from kvquant.scoring.passkey import _filler, _token_spans
 
-KINDS = ("single", "multikey", "variables")
 KEYS = 4  # needles of a multikey document (and choices of a single-needle one)
 CHAINS, HOPS = 2, 4  # variable chains of a document, and the copies after each chain's value
 LENGTH_TOLERANCE = 2  # tokens a document may differ from its length where merges at the joins prevent exactness
@@ -270,28 +270,11 @@ def _check_haystack(tokenizer, kind: str, lengths: list[int], cells: list[tuple[
                                f"with this tokenizer); a length of about {2 * own} or more fits")
 
 
-#: A needle task's name: ``needle_<kind>_<length>`` (a length without leading zeros), e.g. ``needle_single_4096``.
-TASK = re.compile(r"needle_([a-z]+)_([0-9]+)")
 #: The depths of a needle task's documents, in turn: document ``i`` is at ``DEPTHS[i % 5]``, the ``i // 5``-th of
 #: its cell, so the first ``n`` documents spread over every depth and a longer ``limit`` only adds documents.
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 #: Needle tasks' documents are drawn from this seed (fixed: a task name names the same documents in every run).
 TASK_SEED = 0
-
-
-def needle_task(name: str) -> tuple[str, int] | None:
-    """``(kind, length)`` of a needle task name, None for any other name; a name of the form with an unknown kind,
-    a zero length or a length with leading zeros is refused with one line."""
-    match = TASK.fullmatch(name)
-    if match is None:
-        return None
-    kind, length = match.group(1), int(match.group(2))
-    if kind not in KINDS:
-        raise KVQuantError(f"{name!r}: needle kind {kind!r} is unknown (kinds: {', '.join(KINDS)})")
-    if length < 1 or name != f"needle_{kind}_{length}":
-        raise KVQuantError(f"{name!r}: write needle_{kind}_<length> with a positive length of tokens, without "
-                           "leading zeros (one spelling per task, so none is measured and gated twice)")
-    return kind, length
 
 
 def task_documents(tokenizer, name: str, count: int) -> list[dict]:

@@ -91,9 +91,9 @@ def agree(processes: Processes, parts: dict[str, str]) -> None:
 
 
 def code_digest() -> str:
-    """A digest of :func:`kvquant.runner.report.code_version`: kvquant's sources and the versions of torch, transformers
-    and lm-eval."""
-    from kvquant.runner.report import code_version
+    """A digest of :func:`kvquant.experiment.provenance.code_version`: kvquant's sources and the versions of torch,
+    transformers and lm-eval."""
+    from kvquant.experiment.provenance import code_version
 
     return digest(code_version())
 
@@ -114,7 +114,7 @@ def files_digest(path: str) -> str:
 
 def run_parts(cfg, rows: dict[str, list[str]]) -> dict[str, str]:
     """What the processes of one run of ``cfg`` must agree on (:func:`agree`): the config as loaded (``--set``
-    included), the code (:func:`kvquant.runner.report.code_version`: kvquant's sources, torch, transformers,
+    included), the code (:func:`kvquant.experiment.provenance.code_version`: kvquant's sources, torch, transformers,
     lm-eval), the
     perplexity text and offline task data, and the model's files."""
     from kvquant.scoring.models import resolve_model_path

@@ -3,7 +3,7 @@ the run's :class:`kvquant.runner.store.ResultStore` so finished results are kept
 
 Everything that decides a measured value lives here or below (cache, quantizers, scoring, data, tasks); the
 runner, config, gate and report code only orchestrate and render, so they are not part of a result's code version
-(:func:`kvquant.runner.report.code_version`).
+(:func:`kvquant.experiment.provenance.code_version`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from kvquant.compat.lm_eval import quiet_git
 from kvquant.scoring import data
 
 from kvquant.scoring import parallel
-from kvquant.runner.config import Candidate, ExperimentConfig
-from kvquant.runner.gate import looks
+from kvquant.experiment.config import Candidate, ExperimentConfig
+from kvquant.experiment.gate_config import looks
 from kvquant.errors import KVQuantError
 from kvquant.scoring.divergence import divergences
 from kvquant.scoring.scorer import Scorer, memory_probe, perplexity_samples
 from kvquant.scoring.models import max_length
-from kvquant.runner.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, long_outcomes,
+from kvquant.experiment.results import (LONG_CONTEXT, Measured, Memory, Outcomes, divergence_outcomes, long_outcomes,
     perplexity_outcomes, task_outcomes)
 from kvquant.scoring.longctx import position_divergences
 from kvquant.scoring.task_setup import lm_eval_task

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from kvquant.cache import make_cache, stack_rows
-from kvquant.runner.config import ServingConfig, Stage
+from kvquant.experiment.config import ServingConfig, Stage
 from kvquant.errors import KVQuantError
-from kvquant.runner.results import Serving
+from kvquant.experiment.results import Serving
 
 
 def serving_tokens(serving: ServingConfig, ids: list[int]) -> tuple[list[int], list[list[int]]]:

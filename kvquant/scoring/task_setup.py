@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from kvquant.errors import KVQuantError
-from kvquant.scoring.needles import needle_task
+from kvquant.experiment.long_config import needle_task
 from kvquant.scoring.tasks import LASTWORD, OFFLINE_TASKS, probe_length, resolve_task, task_manager
 
 

@@ -37,7 +37,8 @@ from kvquant.scoring.data import _json
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import cache_dir, env_dir, private_dir, write_file
 from kvquant.paths import data_dir
-from kvquant.scoring.needles import needle_task, task_documents
+from kvquant.experiment.long_config import needle_task
+from kvquant.scoring.needles import task_documents
 from kvquant.scoring.task_rows import row_problem
 
 #: The metric a task is gated on where it is not ``acc``: the one its literature reports (length-normalized

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from kvquant.errors import ConfigError, is_python_int
-from kvquant.runner.binding import at_least, require
+from kvquant.experiment.binding import at_least, require
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 #: accelerate's device map strategies (``model.device_map``).

@@ -7,10 +7,9 @@ YAML, list items are addressed by index: ``candidates.0.quantizer``). What needs
 lm-eval (data files, quantizer options on the model's shapes, task names) is checked by ``kvquant.run``'s
 preflight, still before any model loads.
 
-The schema is here (the ``gate:`` section in :mod:`kvquant.runner.gate_config`, ``model:`` in
-:mod:`kvquant.runner.model_config`); binding a mapping to it is
-:mod:`kvquant.runner.binding`, ``--set`` is :mod:`kvquant.runner.overrides`, and the file is read by
-:mod:`kvquant.yaml_reader`.
+The schema is here (the ``gate:`` section in :mod:`kvquant.experiment.gate_config`, ``model:`` in
+:mod:`kvquant.experiment.model_config`, ``eval.long_context`` in :mod:`kvquant.experiment.long_config`); binding a
+mapping to it and ``--set`` are :mod:`kvquant.experiment.binding`'s, and the file is read by :mod:`kvquant.yaml_reader`.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ from typing import Any, Literal
 from kvquant.errors import ConfigError, is_python_int
 from kvquant.experiment.metric import METRICS
 from kvquant.paths import MAX_NAME_BYTES, folder_problem
-from kvquant.runner.binding import at_least, build, require
-from kvquant.runner.gate_config import GateConfig
-from kvquant.runner.long_config import LongContextConfig, check_long_context
-from kvquant.runner.model_config import ModelConfig
-from kvquant.runner.overrides import apply_override
+from kvquant.experiment.binding import apply_override, at_least, build, require
+from kvquant.experiment.gate_config import GateConfig
+from kvquant.experiment.long_config import LongContextConfig, check_long_context
+from kvquant.experiment.model_config import ModelConfig
 from kvquant.yaml_reader import load_yaml, read_text_file
 
 if typing.TYPE_CHECKING:
@@ -218,7 +216,7 @@ class EvalConfig:
     #: Tokens of perplexity text (windows joined, capped at the model's length) put through each cache to
     #: read ``memory_report()``.
     memory_probe_tokens: int = 512
-    #: Divergence by position on long documents (null: none), :mod:`kvquant.runner.long_config`.
+    #: Divergence by position on long documents (null: none), :mod:`kvquant.experiment.long_config`.
     long_context: LongContextConfig | None = None
 
     def __post_init__(self):

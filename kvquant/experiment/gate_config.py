@@ -1,5 +1,6 @@
 """The gate's thresholds as a config section (``gate:``): what a candidate must keep, decided how, and the
-bounds past which a gate passes any cache.
+bounds past which a gate passes any cache; and its sequential looks (``gate.max_documents``): the documents each
+look scores (:func:`looks`, which decides what is measured) and the confidence of each look's interval.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvquant.runner.binding import at_least, require
+from kvquant.experiment.binding import at_least, require
 
 MAX_BOOTSTRAP = 100_000
 #: A run's bootstrap: at least this many resamples, and at least :data:`MIN_TAIL_RESAMPLES` beyond each end of an
@@ -133,3 +134,19 @@ class GateConfig:
                 f"gate.bootstrap must be at least {least} resamples for {self.confidence:.4g} intervals, got "
                 f"{self.bootstrap!r}: each end is read from the {tail:.4g} of resamples beyond it, so fewer leave "
                 f"noise there (1 gives a zero-width interval that passes anything)")
+
+
+def looks(limit: int, max_documents: int | None) -> list[int]:
+    """Documents scored at each look of a sequential task: ``limit``, doubling, up to ``max_documents``."""
+    if limit < 1:
+        raise ValueError(f"a task's first look needs documents, got limit {limit}")
+    counts = [limit]
+    while max_documents is not None and counts[-1] < max_documents:
+        counts.append(min(2 * counts[-1], max_documents))
+    return counts
+
+
+def look_confidence(policy: GateConfig, planned_looks: int) -> float:
+    """Two-sided confidence of each look's interval so that ``planned_looks`` looks together err with at most
+    ``1 - policy.confidence`` (half of it on each side: a wrong pass, a wrong fail)."""
+    return 1 - (1 - policy.confidence) / max(planned_looks, 1)

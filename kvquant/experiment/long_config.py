@@ -6,14 +6,18 @@ beyond its context) and its tokenizer (a needle longer than its haystack) by pre
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvquant.errors import KVQuantError, is_python_int
+from kvquant.experiment.binding import require
 from kvquant.experiment.metric import divergence_limits
-from kvquant.runner.binding import require
-from kvquant.scoring.needles import needle_task
 
 MAX_LONG_DOCUMENTS = 10_000
+#: The needle tasks' kinds (:mod:`kvquant.scoring.needles` writes their documents).
+KINDS = ("single", "multikey", "variables")
+#: A needle task's name: ``needle_<kind>_<length>`` (a length without leading zeros), e.g. ``needle_single_4096``.
+TASK = re.compile(r"needle_([a-z]+)_([0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,28 @@ class LongContextConfig:
                 f"spread), got {self.documents!r}")
 
 
+def needle_task(name: str) -> tuple[str, int] | None:
+    """``(kind, length)`` of a needle task name, None for any other name; a name of the form with an unknown kind,
+    a zero length or a length with leading zeros is refused with one line."""
+    match = TASK.fullmatch(name)
+    if match is None:
+        return None
+    kind, length = match.group(1), int(match.group(2))
+    if kind not in KINDS:
+        raise KVQuantError(f"{name!r}: needle kind {kind!r} is unknown (kinds: {', '.join(KINDS)})")
+    if length < 1 or name != f"needle_{kind}_{length}":
+        raise KVQuantError(f"{name!r}: write needle_{kind}_<length> with a positive length of tokens, without "
+                           "leading zeros (one spelling per task, so none is measured and gated twice)")
+    return kind, length
+
+
 def needle_lengths(task_names: list[str]) -> dict[str, int]:
     """``{needle task: its length}`` among ``task_names``."""
     return {name: found[1] for name in task_names if (found := needle_task(name)) is not None}
 
 
 def check_long_context(cfg) -> None:
-    """The long-context parts of an :class:`~kvquant.runner.config.ExperimentConfig` agree: the long text is a
+    """The long-context parts of an :class:`~kvquant.experiment.config.ExperimentConfig` agree: the long text is a
     perplexity set, and ``gate.min_context`` has a long-context metric to judge (divergence buckets with a KL or
     top-1 threshold, or a gated needle task) at a length it names."""
     long, gate = cfg.eval.long_context, cfg.gate

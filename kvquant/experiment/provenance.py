@@ -1,23 +1,28 @@
-"""The measuring sources a run's results come from (:data:`MEASURING`), and a report's provenance: the digest of
-those sources on disk (:func:`source_digest`, re-read only where a file's stat changed), a run's watch over them
-(:class:`SourceWatch`: a change under a running run stops it before its next signed write, so no result or report
-mixes two versions of the code), and the git commit that holds them (:func:`commit_provenance`: a report names a
-bare commit only where that commit's measuring sources are the ones recorded).
+"""The measuring sources a run's results come from (:data:`MEASURING`), and a result's provenance: the code version
+every result is keyed by (:func:`code_version`), the digest of those sources on disk (:func:`source_digest`, re-read
+only where a file's stat changed), a run's watch over them (:class:`SourceWatch`: a change under a running run stops
+it before its next signed write, so no result or report mixes two versions of the code), and the git commit that
+holds them (:func:`commit_provenance`: a report names a bare commit only where that commit's measuring sources are
+the ones recorded).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import subprocess
+from importlib import metadata
 from pathlib import Path, PurePosixPath
 
 from kvquant.errors import KVQuantError
 
-#: The subpackages whose code computes measured values (the cache, the formats, scoring, the compatibility
-#: modules), hashed whole: a module added to one of them is part of the code version without anyone listing it.
-#: Everything else (the commands, runner, planner, report, integrations) orchestrates, checks or renders: it runs
-#: afresh every time and decides no measured value, so a change there keeps finished results reusable.
-MEASURING = ("cache", "compat", "formats", "scoring")
+#: The subpackages whose code computes or decides measured values (the cache, the formats, scoring, the
+#: compatibility modules, and the experiment's vocabulary: a candidate's cache setting, the documents each look
+#: scores, which names are needle tasks), hashed whole: a module added to one of them is part of the code version
+#: without anyone listing it. Everything else (the commands, runner, planner, report, integrations) orchestrates,
+#: checks or renders: it runs afresh every time and decides no measured value, so a change there keeps finished
+#: results reusable.
+MEASURING = ("cache", "compat", "experiment", "formats", "scoring")
 #: The package whose sources are hashed (``kvquant/``), and the folder its git checkout is rooted at.
 PACKAGE = Path(__file__).resolve().parents[1]
 SUFFIXES = (".py", ".cpp")
@@ -128,3 +133,20 @@ def commit_provenance(recorded: str, root: Path = PACKAGE) -> str:
                 "it changed after the run started)")
     changed = sorted(n for n in {*disk, *theirs} if disk.get(n) != theirs.get(n))
     return f"{commit} (with uncommitted changes: {_names(changed, 8)})"
+
+
+def version_of(package: str) -> str:
+    """``package``'s installed version, or "not installed"."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict[str, str]:
+    """What measured a result: kvquant's version and a hash of every file in the :data:`MEASURING` subpackages
+    (their ``*.py`` and the C++ kernel's source), and the versions of torch, transformers and lm-eval. Part of
+    every resume key, so results of other code are recomputed."""
+    return {"kvquant": version_of("kvquant"), "kvquant_source_sha256": source_digest(),
+            **{pkg: version_of(pkg) for pkg in ("torch", "transformers", "lm_eval")}}
