@@ -26,7 +26,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, QuantizedCache
 
 import kvquant
-from kvquant.cache import kernels
+from kvquant.formats import kernels
 from kvquant.cache import stored_bytes
 from kvquant.errors import at_least, script_parser
 from kvquant.exits import run_script

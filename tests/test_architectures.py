@@ -7,7 +7,7 @@ import transformers
 from transformers import DynamicCache
 
 import kvquant
-from kvquant.cache import kernels
+from kvquant.formats import kernels
 from reference import FakeQuantReference, Spec
 
 COMMON = dict(vocab_size=128, intermediate_size=128, num_hidden_layers=3)

@@ -289,7 +289,7 @@ def test_finite_states_at_the_fp16_limit_come_back_finite(model, monkeypatch, na
     """A group spanning ±65504 rounds its top level one step past fp16's maximum (65520 -> inf); the cache clamps
     to the dtype's range, on the kernel path and the eager one."""
     if eager:
-        monkeypatch.setattr(kvquant.cache.kernels, "usable", lambda out: False)
+        monkeypatch.setattr(kvquant.formats.kernels, "usable", lambda out: False)
     layer = kvquant.make_cache(model, name, residual_length=0).layers[0]
     x = torch.full((1, 4, 32, 8), 65504.0, dtype=torch.float16)
     x[..., ::2] = -65504.0

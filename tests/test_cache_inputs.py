@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import kvquant
-import kvquant.cache.kernels
+import kvquant.formats.kernels
 from kvquant import KVQuantError, NonFiniteKVError
 from kvquant.cache import stack_rows
 from kvquant.cache.build import written_shapes
@@ -325,7 +325,7 @@ def test_api_scorer_refuses(model, mode, chunk_size, needle):
 
 def test_api_works_under_autograd(model, story_ids, monkeypatch):
     """The eager dequantization path (every GPU, fp16 models, KVQUANT_KERNELS=0) outside torch.no_grad()."""
-    monkeypatch.setattr(kvquant.cache.kernels, "usable", lambda out: False)
+    monkeypatch.setattr(kvquant.formats.kernels, "usable", lambda out: False)
     cache = kvquant.make_cache(model, "int4")
     out = model(story_ids, cache=cache, use_cache=True)
     assert torch.isfinite(out.logits).all()
@@ -461,7 +461,7 @@ def test_a_cache_made_for_fused_decode_read_by_a_plain_model_equals_the_plain_ca
 def test_a_fused_model_still_reads_the_codes(monkeypatch):
     """The fix does not switch fused decode off: a fused model's decode steps still run the kernel, and agree with
     the plain cache within float rounding."""
-    from kvquant.cache import kernels
+    from kvquant.formats import kernels
 
     if not kernels.available():
         pytest.skip("needs the C++ kernel (a compiler)")

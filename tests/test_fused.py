@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import kvquant
-from kvquant.cache import kernels
+from kvquant.formats import kernels
 from kvquant.cache import build_cache, fused
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the C++ kernel (a compiler)")

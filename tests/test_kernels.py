@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvquant.cache import kernels
+from kvquant.formats import kernels
 from kvquant.formats.ops import sqnr_db
 from kvquant.formats.research import IntCodec, largest_divisor
 
@@ -100,7 +100,7 @@ def test_a_left_over_build_lock_never_blocks_loading():
     lock = kernels.build_dir() / "lock"
     lock.touch()
     try:
-        code = "import kvquant.cache.kernels as k; assert k.available()"
+        code = "import kvquant.formats.kernels as k; assert k.available()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     finally:
         lock.unlink(missing_ok=True)

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-import kvquant.cache.kernels
+import kvquant.formats.kernels
 from kvquant import plan
 from kvquant.cache.layer import KVQuantLayer
 from kvquant.formats import ops
@@ -386,7 +386,7 @@ def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
         calls.append(1)
         raise AssertionError("the planner asked for the fused CPU kernel")
 
-    monkeypatch.setattr(kvquant.cache.kernels, "_extension", trap)
+    monkeypatch.setattr(kvquant.formats.kernels, "_extension", trap)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(
@@ -396,7 +396,7 @@ def test_planner_never_builds_the_fused_kernel(tmp_path, monkeypatch, capsys):
     assert "int4" in capsys.readouterr().out
     assert calls == []
     with pytest.raises(AssertionError, match="fused CPU kernel"):  # outside the planner it is asked for again
-        kvquant.cache.kernels.usable(torch.empty(1, 2, 8, 64))
+        kvquant.formats.kernels.usable(torch.empty(1, 2, 8, 64))
 
 
 # a --model name too long for the file system was an internal error (OSError ENAMETOOLONG, exit 3)

@@ -179,7 +179,7 @@ def test_every_declared_role_is_a_storage_role():
 
 # -- the kernels' stream kinds ---------------------------------------------------------------------------------
 def test_the_cpp_kernel_numbers_the_stream_kinds_as_python_does():
-    source = (Path(kvquant.__file__).parent / "cache" / "csrc" / "dequant.cpp").read_text()
+    source = (Path(kvquant.__file__).parent / "formats" / "csrc" / "dequant.cpp").read_text()
     body = re.search(r"enum Kind : int64_t \{([^}]*)\};", source).group(1)
     cpp = {name: int(value) for name, value in re.findall(r"KIND_(\w+) = (\d+)", body)}
     assert cpp == {kind.name: kind.value for kind in StreamKind}

@@ -153,7 +153,7 @@ def test_a_kernel_folder_others_can_write_is_not_loaded_from(tmp_path):
     shared = tmp_path / "kernels"
     shared.mkdir()
     shared.chmod(0o777)
-    script = "import kvquant.cache.kernels as k\nprint(k.available())"
+    script = "import kvquant.formats.kernels as k\nprint(k.available())"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "KVQUANT_KERNEL_DIR": str(shared)})
     assert out.stdout.strip() == "False" and "refusing" in out.stderr

@@ -6,7 +6,7 @@ dequantized copy of the whole history.
 :class:`~kvquant.cache.KVQuantCache` made for such a model then answers a step of at most :data:`MAX_QUERY` tokens
 with placeholders (a NaN broadcast to ``[B, H, kv_len, D]``, holding no memory, keys and values carrying one
 :class:`Pending` read) instead of dequantized keys and values, and :func:`attention` runs a kernel over the
-stores: the C++ one (``kvquant/cache/csrc/dequant.cpp`` ``attend_into``) on the CPU, the Triton one
+stores: the C++ one (``kvquant/formats/csrc/dequant.cpp`` ``attend_into``) on the CPU, the Triton one
 (:mod:`.triton_attend`) on a GPU. Every other call (prefill, other caches, a layout or attention option no kernel
 reads: soft-capping, attention sinks, dropout, autograd, ``output_attentions``) goes to the attention the model
 had before, with the dequantized copy, as without fused decode.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.cache import kernels
+from kvquant.formats import kernels
 from kvquant.compat.transformers import attn_implementation, recording_attentions
 from kvquant.errors import KVQuantError
 from kvquant.formats.roles import StreamKind

@@ -6,6 +6,7 @@
   (int8/int4/int2, fp8 e4m3/e5m2, the fp16 baseline)
 - :mod:`.vllm` and :mod:`.sglang` the serving engines' formats (vLLM's ``--kv-cache-dtype`` values, SGLang's mxfp8),
   :mod:`.engine_math` the arithmetic they share
+- :mod:`.kernels` the optional C++ kernel (``csrc/dequant.cpp``): one-pass dequantization, fused decode attention
 - :mod:`.lowbit` low-bit research formats: Lloyd-Max and normal-float codebooks, dense-and-sparse outliers, a key
   offset
 - :mod:`.llamacpp` llama.cpp's cache types (q8_0, q4_0, ...), its rotation and its query arithmetic;

@@ -10,9 +10,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvquant.cache import kernels
-
-from kvquant.formats import ops
+from kvquant.formats import kernels, ops
 from kvquant.formats.roles import StorageRole
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import (Codec, Quantizer, check_choice, check_int_option, check_tokens,

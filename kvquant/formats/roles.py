@@ -2,7 +2,7 @@
 the codec, :attr:`kvquant.formats.quantizers.Codec.roles`), which decides the ``memory_report()`` category its bytes
 go to,
 and the numbering of the stored forms the fused decode kernels read (:class:`StreamKind`, shared by Python, the C++
-kernel ``kvquant/cache/csrc/dequant.cpp`` and the Triton kernel ``kvquant/cache/triton_attend.py``)."""
+kernel ``kvquant/formats/csrc/dequant.cpp`` and the Triton kernel ``kvquant/cache/triton_attend.py``)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def by_category(codec, slot_bytes: Mapping[str, int]) -> dict[str, int]:
 
 class StreamKind(enum.IntEnum):
     """The stored forms a fused decode kernel reads (:mod:`kvquant.cache.streams`), numbered once for every
-    kernel: passed as these integers to the C++ kernel (whose ``enum Kind`` in ``kvquant/cache/csrc/dequant.cpp`` must
+    kernel: passed as these integers to the C++ kernel (whose ``enum Kind`` in ``kvquant/formats/csrc/dequant.cpp`` must
     carry the same numbers: tests/test_storage_roles.py checks it) and to the Triton kernel (which compares with
     them as constexpr globals)."""
 

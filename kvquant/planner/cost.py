@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.cache import kernels
+from kvquant.formats import kernels
 from kvquant.cache import FP16_BYTES, KVQuantLayer, build_cache, check_importance
 from kvquant.cache.layer import block_tokens
 from kvquant.cache.memory import STORED_KEYS
@@ -142,7 +142,7 @@ def _stream_cost(store) -> StreamCost:
 def _one_thread() -> Iterator[None]:
     """PyTorch on one thread (then as before), for the planner's writes and the caches it builds: on a busy machine,
     small ops split over several threads wait for each other far longer than they compute. The fused CPU kernel is
-    held back (:func:`kvquant.cache.kernels.eager`): the planner reads bytes, and must never wait for its compile."""
+    held back (:func:`kvquant.formats.kernels.eager`): the planner reads bytes, and must never wait for its compile."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
