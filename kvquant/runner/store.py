@@ -63,6 +63,19 @@ class ResultStore:
         #: how long each (candidate, metric) took to measure, where known: this run's own, or what the run that
         #: measured a reused result noted (informational, outside the signature: it only prices more documents)
         self.seconds: dict[tuple[str, str], float] = {}
+        self._windows: ResultStore | None = None
+
+    def windows(self) -> ResultStore:
+        """The store of the finished groups of windows of this store's perplexity and divergence passes
+        (:mod:`kvquant.scoring.windowed`): ``<directory>/../windows/<candidate>/<metric>@<first>-<stop>.json``, kept,
+        signed, set aside and retired as this store's results are, for this store's report folder; a pass
+        interrupted between groups resumes from them. Its first signed write is this store's (the plan first)."""
+        if self._windows is None:
+            self._windows = ResultStore(self.directory.parent / "windows", self.code, self.warnings, self.processes,
+                                        secret=self.secret)
+            self._windows.check_sources = self.check_sources
+        self._windows.report = self.report
+        return self._windows
 
     def check_sources(self) -> None:
         """Before a signed write: the measuring sources are still the ones the run started with (else one line)."""

@@ -4,9 +4,9 @@ agreement, computed while both score the same windows, a few at a time (never a 
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from kvquant.errors import InternalError
+from kvquant.scoring import windowed
 from kvquant.scoring.data import Window
 from kvquant.scoring.scorer import SOFTMAX_ROWS, Scorer
 
@@ -23,26 +23,36 @@ def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window
 
 
 def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window],
-                desc: str | None = None) -> list[dict]:
+                desc: str | None = None, keep: windowed.Keep | None = None) -> list[dict]:
     """:func:`divergence_samples` of every candidate scorer against one baseline pass: windows go through the
-    baseline a few at a time, then through each candidate, so at most :data:`DISTRIBUTION_ELEMENTS` log-probabilities
-    per scorer are held at once (two scorers' worth: never a run's logits), and the baseline is scored once for all
-    of them. Under several processes each compares the windows it scored (the scorers share requests out alike) and
-    only the comparisons are gathered."""
+    baseline a few at a time (a group: at most :data:`~kvquant.scoring.windowed.WINDOWS_PER_GROUP`, fewer where
+    more than :data:`DISTRIBUTION_ELEMENTS` log-probabilities per scorer would be held at once: two scorers' worth,
+    never a run's logits), then through each candidate, and the baseline is scored once for all of them. Each group
+    goes through ``keep`` (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not
+    scored again). Under several processes each compares the windows it scored (the scorers share requests out
+    alike) and each group's comparisons are gathered."""
+    longest = max((len(w.ids) - w.score_from for w in windows), default=1)
+    step = max(1, min(windowed.WINDOWS_PER_GROUP, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
+    parts = windowed.in_groups(windows, step, lambda ws: _group(baseline, candidates, ws), keep, desc,
+                               baseline.processes.main)
+    return [windowed.joined([part[c] for part in parts], ("kl", "top1", "tokens", "nll"))
+            for c in range(len(candidates))]
+
+
+def _group(baseline: Scorer, candidates: list[Scorer], windows: list[Window]) -> list[dict]:
+    """One group of :func:`divergences`: per candidate, per window of ``windows``, its KL, top-1, tokens and nll,
+    with what the candidate read and the lengths it scored in the group."""
     scorers = [baseline, *candidates]
     for scorer in scorers:
         scorer.distributions = True
     found: list[dict[int, tuple[list[float], int, int, float]]] = [{} for _ in candidates]
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
+    before = [(c.reads.to_dict(), len(c.lengths)) for c in candidates]
     try:
-        longest = max((len(c) for _, c in requests), default=1)
-        step = max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab))
-        for start in tqdm(range(0, len(requests), step), desc=desc, leave=False,
-                          disable=desc is None or not baseline.processes.main):
-            group = requests[start : start + step]
-            reference = baseline.score_many(group, local=True)
+        with torch.inference_mode():
+            reference = baseline.score_many(requests, local=True)
             for own, candidate in zip(found, candidates):
-                for i, (ref, got) in enumerate(zip(reference, candidate.score_many(group, local=True)), start):
+                for i, (ref, got) in enumerate(zip(reference, candidate.score_many(requests, local=True))):
                     if (ref is None) != (got is None):
                         raise InternalError("the baseline and a candidate scorer shared their requests out differently")
                     if ref is not None:
@@ -51,12 +61,13 @@ def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window
         for scorer in scorers:
             scorer.distributions = False
     out = []
-    for own, candidate in zip(found, candidates):
+    for own, candidate, (reads, count) in zip(found, candidates, before):
         for part in candidate.processes.gather(own):
             own.update(part)
         kl, top1, tokens, nll = zip(*(own[i] for i in range(len(requests)))) if requests else ((),) * 4
+        now = candidate.reads.to_dict()
         out.append({"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "nll": list(nll),
-                    "reads": candidate.reads.to_dict(), "lengths": candidate.lengths})
+                    "reads": {k: now[k] - reads[k] for k in now}, "lengths": candidate.lengths[count:]})
     return out
 
 

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from kvquant.cache import CacheSpec, KVQuantCache, make_cache, stack_rows
+from kvquant.scoring import windowed
 from kvquant.scoring.data import Window
 from kvquant.errors import KVQuantError, check_int
 from kvquant.scoring.parallel import ONE, Processes
@@ -428,11 +429,20 @@ class Scorer:
                 for lp, hit, d in zip(logprobs, greedy, whole)]
 
 
-def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str = "perplexity") -> dict:
-    """Per-window summed negative log-likelihood and predicted-token count, and what attention read."""
-    scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows], desc=desc)
-    return {"nll": [float(-s.logprobs.double().sum()) for s in scored], "tokens": [len(s.logprobs) for s in scored],
-            "reads": scorer.reads.to_dict(), "lengths": scorer.lengths}
+def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None = "perplexity",
+                       keep: windowed.Keep | None = None) -> dict:
+    """Per-window summed negative log-likelihood and predicted-token count, what attention read and the lengths
+    scored: :data:`~kvquant.scoring.windowed.WINDOWS_PER_GROUP` windows at a time, each group through ``keep``
+    (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not scored again)."""
+    def group(ws: list[Window]) -> dict:
+        def measure() -> dict:
+            scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws])
+            return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
+                    "tokens": [len(s.logprobs) for s in scored]}
+        return windowed.tallied(scorer, measure)
+
+    parts = windowed.in_groups(windows, windowed.WINDOWS_PER_GROUP, group, keep, desc, scorer.processes.main)
+    return windowed.joined(parts, ("nll", "tokens"))
 
 
 def vocabulary(model) -> int:

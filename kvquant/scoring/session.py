@@ -306,7 +306,8 @@ class Session:
         if compared is not None and "nll" in compared:
             compute = lambda: {k: compared[k] for k in ("nll", "tokens", "reads", "lengths")}  # noqa: E731
         else:
-            compute = lambda: perplexity_samples(self._scorer(candidate), windows, desc=desc)  # noqa: E731
+            compute = lambda: perplexity_samples(  # noqa: E731
+                self._scorer(candidate), windows, desc, self._kept(label, f"ppl/{name}", key))
         raw = self.store.get_or_compute(label, f"ppl/{name}", {**key, "windows": ids}, compute)
         if candidate is BASELINE:
             check_baseline_finite(raw["nll"], self.cfg, f"perplexity {name!r}")
@@ -325,7 +326,8 @@ class Session:
         ids = windows_digest(windows)
         desc = f"{label} {name} divergence" if progress else None
         return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
-                                         lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc))
+                                         lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc,
+                                                                key=key, metric=f"kl/{name}"))
 
     def _long(self, candidate, label, key, windows: list[data.Window], progress: bool) -> list[Outcomes]:
         """Divergence by position on the long documents (``eval.long_context``), as per-bucket outcomes."""
@@ -338,8 +340,16 @@ class Session:
             lambda: self._compared(candidate, label, f"{what}/{ids}", windows, desc, by_position=True))
         return long_outcomes(long.text, raw, long.lengths, self._bits(candidate, [len(w.ids) for w in windows]))
 
+    def _kept(self, label: str, metric: str, key: dict):
+        """The :data:`~kvquant.scoring.windowed.Keep` of ``label``'s ``metric`` pass: each finished group of its
+        windows a result of the store's :meth:`~kvquant.runner.store.ResultStore.windows`, keyed by ``key`` and
+        the group's own windows."""
+        groups = self.store.windows()
+        return lambda start, stop, ws, compute: groups.get_or_compute(
+            label, f"{metric}@{start}-{stop}", {**key, "windows": windows_digest(ws)}, compute)
+
     def _compared(self, candidate, label, what: str, windows: list[data.Window], desc: str | None,
-                  by_position: bool = False) -> dict:
+                  by_position: bool = False, key: dict | None = None, metric: str = "") -> dict:
         """``candidate``'s divergence result on ``windows`` (``by_position``: per position of each whole window,
         :func:`position_divergences`): computed beside up to :data:`SHARED_BASELINE` - 1 of the candidates
         :attr:`ahead` of it, which share the baseline's scoring (each result waits in :attr:`waiting` until its
@@ -350,8 +360,12 @@ class Session:
             if label == candidate.label and candidate in self.ahead else []
         group = [candidate, *later[: SHARED_BASELINE - 1]]
         scorers = [self._scorer(c) for c in group]
-        raws = (position_divergences(self._scorer(BASELINE), scorers, [w.ids for w in windows], desc) if by_position
-                else divergences(self._scorer(BASELINE), scorers, windows, desc))
+        if by_position:
+            raws = position_divergences(self._scorer(BASELINE), scorers, [w.ids for w in windows], desc)
+        else:  # its groups are kept as the first candidate's, keyed by every candidate compared in them
+            beside = [[c.label, self.key(c, key["split"])["settings"]] for c in group[1:]]
+            raws = divergences(self._scorer(BASELINE), scorers, windows, desc,
+                               self._kept(label, metric, {**key, "beside": beside}))
         for other, raw in zip(group[1:], raws[1:]):
             self.waiting[(other.label, what)] = raw
         return raws[0]

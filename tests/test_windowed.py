@@ -1,0 +1,129 @@
+"""A perplexity or divergence pass keeps each finished group of windows: interrupted after k groups and resumed,
+it scores only the missing windows and gives the uninterrupted pass's result to the last bit; a tampered group is
+set aside and measured again; a group of other windows is never reused."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+import kvquant
+from kvquant.experiment.config import PerplexitySet
+from kvquant.runner.store import ResultStore
+from kvquant.scoring import windowed
+from kvquant.scoring.data import windows
+from kvquant.scoring.divergence import divergences
+from kvquant.scoring.scorer import Scorer, perplexity_samples
+from kvquant.scoring.session import Session
+
+KEY = {"settings": "int4", "split": "evaluation"}
+G = windowed.WINDOWS_PER_GROUP
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def ws(tokenizer):
+    spec = PerplexitySet(name="tinystories", source="local:text/tinystories/validation-first1000.jsonl", limit=10)
+    got = [dataclasses.replace(w, ids=w.ids[: 48 - 3 * (i % 4)]) for i, w in enumerate(windows(spec, tokenizer, 48))]
+    assert len(got) == 10 and len({len(w.ids) for w in got}) > 1  # 3 groups, the last short; rows padded
+    return got
+
+
+def scorer(model, name, scored: list, stop_after: int | None = None) -> Scorer:
+    """A streaming scorer in batches of 2 whose ``score_many`` notes the requests it scores (``scored``) and raises
+    :class:`Stop` once ``stop_after`` calls are done (an interruption between groups)."""
+    s = Scorer(model, kvquant.CacheSpec.of(name), "streaming", 16, batch_size=2)
+    real = s.score_many
+
+    def counted(requests, *args, **kwargs):
+        if stop_after is not None and len(scored) >= stop_after:
+            raise Stop
+        scored.append(len(requests))
+        return real(requests, *args, **kwargs)
+    s.score_many = counted
+    return s
+
+
+def kept(store, metric):
+    """The session's own keep (its groups in ``store.windows()``)."""
+    return Session._kept(SimpleNamespace(store=store), "int4", metric, KEY)
+
+
+def reference(model, ws) -> dict:
+    """The pass by hand: each group of G consecutive windows scored by one call, per-window sums in float64."""
+    s = Scorer(model, kvquant.CacheSpec.of("int4"), "streaming", 16, batch_size=2)
+    nll, tokens = [], []
+    for start in range(0, len(ws), G):
+        for r in s.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws[start : start + G]]):
+            nll.append(float(-r.logprobs.double().sum()))
+            tokens.append(len(r.logprobs))
+    return {"nll": nll, "tokens": tokens, "reads": s.reads.to_dict(), "lengths": s.lengths}
+
+
+def test_interrupted_perplexity_resumes_identically(model, ws, tmp_path):
+    store = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
+    first: list[int] = []
+    with pytest.raises(Stop):
+        perplexity_samples(scorer(model, "int4", first, stop_after=2), ws, None, kept(store, "ppl/t"))
+    assert first == [G, G]
+    names = sorted(p.name for p in (tmp_path / "windows" / "int4").iterdir())
+    assert names == [f"ppl__t@0-{G}.json", f"ppl__t@{G}-{2 * G}.json"]
+    again: list[int] = []
+    resumed = perplexity_samples(scorer(model, "int4", again), ws, None, kept(store.__class__(
+        tmp_path / "partial", {"code": "v1"}, []), "ppl/t"))
+    assert again == [len(ws) - 2 * G]  # only the missing windows are scored
+    assert resumed == reference(model, ws)
+    whole: list[int] = []
+    assert perplexity_samples(scorer(model, "int4", whole), ws, None) == resumed  # uninterrupted, nothing kept
+    assert whole == [G, G, len(ws) - 2 * G]
+
+
+def test_tampered_group_is_set_aside_and_measured_again(model, ws, tmp_path):
+    warnings: list[str] = []
+    store = ResultStore(tmp_path / "partial", {"code": "v1"}, warnings)
+    perplexity_samples(scorer(model, "int4", []), ws, None, kept(store, "ppl/t"))
+    path = tmp_path / "windows" / "int4" / f"ppl__t@{G}-{2 * G}.json"
+    path.write_text(path.read_text().replace('"nll": [', '"nll": [1.5, ', 1))
+    again: list[int] = []
+    got = perplexity_samples(scorer(model, "int4", again), ws, None,
+                             kept(ResultStore(tmp_path / "partial", {"code": "v1"}, warnings), "ppl/t"))
+    assert again == [G]
+    assert got == reference(model, ws)
+    assert any("signature does not verify" in w for w in warnings)
+    assert (path.parent / (path.name + ".corrupt")).exists()
+
+
+def test_group_of_other_windows_is_not_reused(model, ws, tmp_path):
+    store = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
+    perplexity_samples(scorer(model, "int4", []), ws[:G], None, kept(store, "ppl/t"))
+    other = list(reversed(ws))  # another config's windows: the same group names, other tokens
+    again: list[int] = []
+    got = perplexity_samples(scorer(model, "int4", again), other, None,
+                             kept(ResultStore(tmp_path / "partial", {"code": "v1"}, []), "ppl/t"))
+    assert again == [G, G, len(ws) - 2 * G]
+    assert got == reference(model, other)
+    code = []
+    perplexity_samples(scorer(model, "int4", code), ws[:G], None,
+                       kept(ResultStore(tmp_path / "partial", {"code": "v2"}, []), "ppl/t"))
+    assert code == [G]  # other code: measured again
+
+
+def test_interrupted_divergence_resumes_identically(model, ws, tmp_path):
+    names = ("int4", "int2")
+    store = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
+    base: list[int] = []
+    with pytest.raises(Stop):  # the baseline's third call: after two groups
+        divergences(scorer(model, "fp16", base, stop_after=2), [scorer(model, n, []) for n in names], ws, None,
+                    kept(store, "kl/t"))
+    base, counts = [], [[], []]
+    resumed = divergences(scorer(model, "fp16", base), [scorer(model, n, c) for n, c in zip(names, counts)], ws,
+                          None, kept(ResultStore(tmp_path / "partial", {"code": "v1"}, []), "kl/t"))
+    assert base == counts[0] == counts[1] == [len(ws) - 2 * G]
+    whole = divergences(scorer(model, "fp16", []), [scorer(model, n, []) for n in names], ws, None)
+    assert resumed == whole
+    alone = reference(model, ws)  # int4's nll from the comparison is its own perplexity pass's
+    assert resumed[0]["nll"] == alone["nll"] and resumed[0]["tokens"] == alone["tokens"]
+    assert all(len(got["kl"]) == len(ws) and all(x >= 0 for k in got["kl"] for x in k) for got in resumed)
