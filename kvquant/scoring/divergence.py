@@ -47,27 +47,25 @@ def _group(baseline: Scorer, candidates: list[Scorer], windows: list[Window]) ->
         scorer.distributions = True
     found: list[dict[int, tuple[list[float], int, int, float]]] = [{} for _ in candidates]
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
-    before = [(c.reads.to_dict(), len(c.lengths)) for c in candidates]
+    before = [windowed.mark(c) for c in candidates]
     try:
-        with torch.inference_mode():
-            reference = baseline.score_many(requests, local=True)
-            for own, candidate in zip(found, candidates):
-                for i, (ref, got) in enumerate(zip(reference, candidate.score_many(requests, local=True))):
-                    if (ref is None) != (got is None):
-                        raise InternalError("the baseline and a candidate scorer shared their requests out differently")
-                    if ref is not None:
-                        own[i] = (*_compare(ref.distribution, got.distribution), float(-got.logprobs.double().sum()))
+        reference = baseline.score_many(requests, local=True)
+        for own, candidate in zip(found, candidates):
+            for i, (ref, got) in enumerate(zip(reference, candidate.score_many(requests, local=True))):
+                if (ref is None) != (got is None):
+                    raise InternalError("the baseline and a candidate scorer shared their requests out differently")
+                if ref is not None:
+                    own[i] = (*_compare(ref.distribution, got.distribution), float(-got.logprobs.double().sum()))
     finally:
         for scorer in scorers:
             scorer.distributions = False
     out = []
-    for own, candidate, (reads, count) in zip(found, candidates, before):
+    for own, candidate, since in zip(found, candidates, before):
         for part in candidate.processes.gather(own):
             own.update(part)
         kl, top1, tokens, nll = zip(*(own[i] for i in range(len(requests)))) if requests else ((),) * 4
-        now = candidate.reads.to_dict()
         out.append({"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "nll": list(nll),
-                    "reads": {k: now[k] - reads[k] for k in now}, "lengths": candidate.lengths[count:]})
+                    **windowed.spent(candidate, since)})
     return out
 
 

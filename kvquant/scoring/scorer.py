@@ -435,11 +435,10 @@ def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None =
     scored: :data:`~kvquant.scoring.windowed.WINDOWS_PER_GROUP` windows at a time, each group through ``keep``
     (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not scored again)."""
     def group(ws: list[Window]) -> dict:
-        def measure() -> dict:
-            scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws])
-            return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
-                    "tokens": [len(s.logprobs) for s in scored]}
-        return windowed.tallied(scorer, measure)
+        since = windowed.mark(scorer)
+        scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws])
+        return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
+                "tokens": [len(s.logprobs) for s in scored], **windowed.spent(scorer, since)}
 
     parts = windowed.in_groups(windows, windowed.WINDOWS_PER_GROUP, group, keep, desc, scorer.processes.main)
     return windowed.joined(parts, ("nll", "tokens"))

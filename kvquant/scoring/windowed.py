@@ -44,13 +44,17 @@ def in_groups(windows: list, size: int, compute: Callable[[list], object], keep:
     return parts
 
 
-def tallied(scorer, measure: Callable[[], dict]) -> dict:
-    """``measure()`` with what ``scorer`` read and the lengths it scored during it (``reads``, ``lengths``): one
-    group's own, which :func:`joined` sums and concatenates."""
-    before, count = scorer.reads.to_dict(), len(scorer.lengths)
-    out = measure()
-    after = scorer.reads.to_dict()
-    return {**out, "reads": {k: after[k] - before[k] for k in after}, "lengths": scorer.lengths[count:]}
+def mark(scorer) -> tuple[dict[str, int], int]:
+    """Where ``scorer``'s tallies stand now (what it read, how many lengths it scored), for :func:`spent`."""
+    return scorer.reads.to_dict(), len(scorer.lengths)
+
+
+def spent(scorer, since: tuple[dict[str, int], int]) -> dict:
+    """What ``scorer`` read (``reads``) and the lengths it scored (``lengths``) since :func:`mark` gave ``since``:
+    one group's own, which :func:`joined` sums and concatenates."""
+    before, count = since
+    now = scorer.reads.to_dict()
+    return {"reads": {k: now[k] - before[k] for k in now}, "lengths": scorer.lengths[count:]}
 
 
 def joined(parts: list[dict], lists: tuple[str, ...]) -> dict:
