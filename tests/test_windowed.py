@@ -3,6 +3,7 @@ it scores only the missing windows and gives the uninterrupted pass's result to 
 set aside and measured again; a group of other windows is never reused."""
 
 import dataclasses
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -127,3 +128,57 @@ def test_interrupted_divergence_resumes_identically(model, ws, tmp_path):
     alone = reference(model, ws)  # int4's nll from the comparison is its own perplexity pass's
     assert resumed[0]["nll"] == alone["nll"] and resumed[0]["tokens"] == alone["tokens"]
     assert all(len(got["kl"]) == len(ws) and all(x >= 0 for k in got["kl"] for x in k) for got in resumed)
+
+
+GROUPED = """
+name: grouped
+output_dir: {out}
+candidates:
+  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
+  - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
+eval:
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 10, max_length: 64}}
+gate: {{bootstrap: 1000}}
+"""
+
+
+def test_run_interrupted_mid_pass_resumes_from_its_groups(tmp_path, monkeypatch):
+    """``python -m kvquant.run`` interrupted inside the candidates' divergence pass (after the baseline's two groups
+    of it) resumes there: the kept groups are not measured again and the report's numbers are an uninterrupted
+    run's."""
+    from kvquant.run import main
+
+    real = Scorer.score_many
+    scored: list[int] = []
+    stop = [True]
+
+    def counted(self, requests, *args, **kwargs):
+        if self.spec.name == "fp16" and self.distributions and stop[0] and len(scored) == 2:
+            raise KeyboardInterrupt  # the sitting ends: a third group of the divergence pass was starting
+        if self.spec.name == "fp16" and self.distributions:
+            scored.append(len(requests))
+        return real(self, requests, *args, **kwargs)
+
+    def run(folder) -> dict:
+        folder.mkdir(exist_ok=True)
+        path = folder / "grouped.yaml"
+        path.write_text(GROUPED.format(out=folder / "reports"))
+        assert main([str(path)]) in (4, 130)  # inconclusive (10 windows), or interrupted
+        report = folder / "reports" / "grouped"
+        return json.loads((report / "results.json").read_text()) if (report / "results.json").exists() else {}
+
+    monkeypatch.setattr(Scorer, "score_many", counted)
+    assert run(tmp_path / "a") == {} and scored == [G, G]
+    groups = tmp_path / "a" / "reports" / "grouped" / "windows" / "int8"
+    kept = {p.name: p.stat().st_mtime_ns for p in groups.iterdir()}
+    assert sorted(kept) == [f"kl__tinystories@0-{G}.json", f"kl__tinystories@{G}-{2 * G}.json"]
+    scored.clear()
+    stop[0] = False  # no further interruption: the resumed run's baseline scores the last group only
+    resumed = run(tmp_path / "a")
+    assert scored == [10 - 2 * G]
+    assert all(p.stat().st_mtime_ns == kept[p.name] for p in groups.iterdir() if p.name in kept)
+    scored.clear()
+    fresh = run(tmp_path / "b")
+    assert scored == [G, G, 10 - 2 * G]
+    assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]

@@ -80,7 +80,8 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
             return execute(cfg, plan, out_dir, command, rows, warnings, above, options.replan)
 
     def resume_hint() -> str:
-        return (f"; finished results are kept in {held[0] / 'partial'}; run the same command to resume"
+        return (f"; finished results are kept in {held[0] / 'partial'} (finished groups of windows in "
+                f"{held[0] / 'windows'}); run the same command to resume"
                 if held else "")
 
     return guarded("kvquant", run, log_dir=lambda: held[0] if held else None, on_interrupt=resume_hint)
