@@ -1,4 +1,4 @@
-"""A perplexity or divergence pass keeps each finished group of windows: interrupted after k groups and resumed,
+"""A perplexity or divergence pass keeps each finished group (batch) of windows: interrupted after k groups and resumed,
 it scores only the missing windows and gives the uninterrupted pass's result to the last bit; a tampered group is
 set aside and measured again; a group of other windows is never reused."""
 
@@ -18,7 +18,8 @@ from kvquant.scoring.scorer import Scorer, perplexity_samples
 from kvquant.scoring.session import Session
 
 KEY = {"settings": "int4", "split": "evaluation"}
-G = windowed.WINDOWS_PER_GROUP
+G = 2  # the test scorers' batch_size: a group is one batch of rows (windowed.group_size)
+SIZES = [G, G, G, G, 1]  # the groups of the 9 windows
 
 
 class Stop(Exception):
@@ -26,10 +27,11 @@ class Stop(Exception):
 
 
 @pytest.fixture(scope="module")
-def ws(tokenizer):
-    spec = PerplexitySet(name="tinystories", source="local:text/tinystories/validation-first1000.jsonl", limit=10)
+def ws(tokenizer, model):
+    spec = PerplexitySet(name="tinystories", source="local:text/tinystories/validation-first1000.jsonl", limit=9)
     got = [dataclasses.replace(w, ids=w.ids[: 48 - 3 * (i % 4)]) for i, w in enumerate(windows(spec, tokenizer, 48))]
-    assert len(got) == 10 and len({len(w.ids) for w in got}) > 1  # 3 groups, the last short; rows padded
+    assert len(got) == 9 and len({len(w.ids) for w in got}) > 1  # the last group short; rows padded
+    assert windowed.group_size(scorer(model, "int4", []), got) == G
     return got
 
 
@@ -75,11 +77,11 @@ def test_interrupted_perplexity_resumes_identically(model, ws, tmp_path):
     again: list[int] = []
     resumed = perplexity_samples(scorer(model, "int4", again), ws, None, kept(store.__class__(
         tmp_path / "partial", {"code": "v1"}, []), "ppl/t"))
-    assert again == [len(ws) - 2 * G]  # only the missing windows are scored
+    assert again == SIZES[2:]  # only the missing windows are scored
     assert resumed == reference(model, ws)
     whole: list[int] = []
     assert perplexity_samples(scorer(model, "int4", whole), ws, None) == resumed  # uninterrupted, nothing kept
-    assert whole == [G, G, len(ws) - 2 * G]
+    assert whole == SIZES
 
 
 def test_tampered_group_is_set_aside_and_measured_again(model, ws, tmp_path):
@@ -104,7 +106,7 @@ def test_group_of_other_windows_is_not_reused(model, ws, tmp_path):
     again: list[int] = []
     got = perplexity_samples(scorer(model, "int4", again), other, None,
                              kept(ResultStore(tmp_path / "partial", {"code": "v1"}, []), "ppl/t"))
-    assert again == [G, G, len(ws) - 2 * G]
+    assert again == SIZES
     assert got == reference(model, other)
     code = []
     perplexity_samples(scorer(model, "int4", code), ws[:G], None,
@@ -122,7 +124,7 @@ def test_interrupted_divergence_resumes_identically(model, ws, tmp_path):
     base, counts = [], [[], []]
     resumed = divergences(scorer(model, "fp16", base), [scorer(model, n, c) for n, c in zip(names, counts)], ws,
                           None, kept(ResultStore(tmp_path / "partial", {"code": "v1"}, []), "kl/t"))
-    assert base == counts[0] == counts[1] == [len(ws) - 2 * G]
+    assert base == counts[0] == counts[1] == SIZES[2:]
     whole = divergences(scorer(model, "fp16", []), [scorer(model, n, []) for n in names], ws, None)
     assert resumed == whole
     alone = reference(model, ws)  # int4's nll from the comparison is its own perplexity pass's
@@ -169,16 +171,16 @@ def test_run_interrupted_mid_pass_resumes_from_its_groups(tmp_path, monkeypatch)
         return json.loads((report / "results.json").read_text()) if (report / "results.json").exists() else {}
 
     monkeypatch.setattr(Scorer, "score_many", counted)
-    assert run(tmp_path / "a") == {} and scored == [G, G]
+    assert run(tmp_path / "a") == {} and scored == [1, 1]  # batch_size 1: a window a group
     groups = tmp_path / "a" / "reports" / "grouped" / "windows" / "int8"
     kept = {p.name: p.stat().st_mtime_ns for p in groups.iterdir()}
-    assert sorted(kept) == [f"kl__tinystories@0-{G}.json", f"kl__tinystories@{G}-{2 * G}.json"]
+    assert sorted(kept) == ["kl__tinystories@0-1.json", "kl__tinystories@1-2.json"]
     scored.clear()
     stop[0] = False  # no further interruption: the resumed run's baseline scores the last group only
     resumed = run(tmp_path / "a")
-    assert scored == [10 - 2 * G]
+    assert scored == [1] * 8
     assert all(p.stat().st_mtime_ns == kept[p.name] for p in groups.iterdir() if p.name in kept)
     scored.clear()
     fresh = run(tmp_path / "b")
-    assert scored == [G, G, 10 - 2 * G]
+    assert scored == [1] * 10
     assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]

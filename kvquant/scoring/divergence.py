@@ -25,14 +25,14 @@ def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window
 def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window],
                 desc: str | None = None, keep: windowed.Keep | None = None) -> list[dict]:
     """:func:`divergence_samples` of every candidate scorer against one baseline pass: windows go through the
-    baseline a few at a time (a group: at most :data:`~kvquant.scoring.windowed.WINDOWS_PER_GROUP`, fewer where
+    baseline a few at a time (a group: a batch, :func:`~kvquant.scoring.windowed.group_size`, fewer where
     more than :data:`DISTRIBUTION_ELEMENTS` log-probabilities per scorer would be held at once: two scorers' worth,
     never a run's logits), then through each candidate, and the baseline is scored once for all of them. Each group
     goes through ``keep`` (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not
     scored again). Under several processes each compares the windows it scored (the scorers share requests out
     alike) and each group's comparisons are gathered."""
     longest = max((len(w.ids) - w.score_from for w in windows), default=1)
-    step = max(1, min(windowed.WINDOWS_PER_GROUP, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
+    step = max(1, min(windowed.group_size(baseline, windows), DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
     parts = windowed.in_groups(windows, step, lambda ws: _group(baseline, candidates, ws), keep, desc,
                                baseline.processes.main)
     return [windowed.joined([part[c] for part in parts], ("kl", "top1", "tokens", "nll"))

@@ -432,7 +432,7 @@ class Scorer:
 def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None = "perplexity",
                        keep: windowed.Keep | None = None) -> dict:
     """Per-window summed negative log-likelihood and predicted-token count, what attention read and the lengths
-    scored: :data:`~kvquant.scoring.windowed.WINDOWS_PER_GROUP` windows at a time, each group through ``keep``
+    scored: a batch of windows at a time (:func:`~kvquant.scoring.windowed.group_size`), each group through ``keep``
     (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not scored again)."""
     def group(ws: list[Window]) -> dict:
         since = windowed.mark(scorer)
@@ -440,7 +440,7 @@ def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None =
         return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
                 "tokens": [len(s.logprobs) for s in scored], **windowed.spent(scorer, since)}
 
-    parts = windowed.in_groups(windows, windowed.WINDOWS_PER_GROUP, group, keep, desc, scorer.processes.main)
+    parts = windowed.in_groups(windows, windowed.group_size(scorer, windows), group, keep, desc, scorer.processes.main)
     return windowed.joined(parts, ("nll", "tokens"))
 
 

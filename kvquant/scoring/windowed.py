@@ -16,12 +16,16 @@ from tqdm import tqdm
 
 from kvquant.cache.reads import Reads
 
-#: Windows per group of a perplexity pass (fewer where a group's distributions would pass the divergence limit):
-#: at most this many windows are measured again after an interruption.
-WINDOWS_PER_GROUP = 4
 
 #: ``keep(start, stop, windows, compute)``: the result of the group ``windows[start:stop]``, reused or ``compute()``
 Keep = Callable[[int, int, list, Callable[[], object]], object]
+
+
+def group_size(scorer, windows: list) -> int:
+    """Windows per group of a pass of ``scorer``: the rows of one of its batches (``batch_size``, fewer where their
+    logits would be too many: :meth:`~kvquant.scoring.scorer.Scorer.rows_per_batch`), so a group is one forward's
+    rows and at most that many windows are measured again after an interruption."""
+    return scorer.rows_per_batch(max((len(w.ids) - w.score_from for w in windows), default=1))
 
 
 def computed(start: int, stop: int, windows: list, compute: Callable[[], object]) -> object:
