@@ -184,3 +184,12 @@ def test_run_interrupted_mid_pass_resumes_from_its_groups(tmp_path, monkeypatch)
     fresh = run(tmp_path / "b")
     assert scored == [1] * 10
     assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]
+
+
+def test_a_folder_in_place_of_a_group_is_refused_before_the_model_loads(tmp_path):
+    from kvquant.errors import KVQuantError
+    from kvquant.runner.preflight import check_report_dir
+
+    (tmp_path / "windows" / "int8" / "ppl__t@0-1.json").mkdir(parents=True)
+    with pytest.raises(KVQuantError, match=r"windows/int8/ppl__t@0-1.json is a folder"):
+        check_report_dir(tmp_path)

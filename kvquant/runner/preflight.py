@@ -45,7 +45,7 @@ def context_length(cfg: ExperimentConfig, model_config) -> int:
 def check_report_dir(out_dir: Path) -> None:
     """The report directory can be created and written (checked without creating anything); kvquant does not
     write through a symlink at the report directory or its ``partial/``, and what it would read or replace in
-    ``partial/`` is its own (:func:`kvquant.runner.store.check_partial`)."""
+    ``partial/`` and ``windows/`` is its own (:func:`kvquant.runner.store.check_partial`)."""
     for path in (out_dir, out_dir / "partial"):
         if path.is_symlink():
             raise KVQuantError(f"output_dir/name: {path} is a symlink; kvquant writes only into directories it can "
@@ -56,6 +56,7 @@ def check_report_dir(out_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise KVQuantError(f"output_dir/name: cannot write into {existing}")
     check_partial(out_dir / "partial")
+    check_partial(out_dir / "windows")  # the finished groups of windows of interrupted passes, kept alike
 
 
 def context_warnings(cfg: ExperimentConfig, model_config) -> list[str]:
