@@ -16,6 +16,7 @@ from kvquant.scoring.data import windows
 from kvquant.scoring.divergence import divergences
 from kvquant.scoring.scorer import Scorer, perplexity_samples
 from kvquant.scoring.session import Session
+from tiny_configs import TINY
 
 KEY = {"settings": "int4", "split": "evaluation"}
 G = 2  # the test scorers' batch_size: a group is one batch of rows (windowed.group_size)
@@ -132,19 +133,6 @@ def test_interrupted_divergence_resumes_identically(model, ws, tmp_path):
     assert all(len(got["kl"]) == len(ws) and all(x >= 0 for k in got["kl"] for x in k) for got in resumed)
 
 
-GROUPED = """
-name: grouped
-output_dir: {out}
-candidates:
-  - {{quantizer: int8, name: int8, options: {{group_size: 32, residual_length: 0}}}}
-  - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
-eval:
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 10, max_length: 64}}
-gate: {{bootstrap: 1000}}
-"""
-
-
 def test_run_interrupted_mid_pass_resumes_from_its_groups(tmp_path, monkeypatch):
     """``python -m kvquant.run`` interrupted inside the candidates' divergence pass (after the baseline's two groups
     of it) resumes there: the kept groups are not measured again and the report's numbers are an uninterrupted
@@ -164,15 +152,16 @@ def test_run_interrupted_mid_pass_resumes_from_its_groups(tmp_path, monkeypatch)
 
     def run(folder) -> dict:
         folder.mkdir(exist_ok=True)
-        path = folder / "grouped.yaml"
-        path.write_text(GROUPED.format(out=folder / "reports"))
-        assert main([str(path)]) in (4, 130)  # inconclusive (10 windows), or interrupted
-        report = folder / "reports" / "grouped"
+        path = folder / "tiny.yaml"
+        path.write_text(TINY.format(out=folder / "reports"))
+        assert main([str(path), "--set", "eval.perplexity.0.limit=10", "--set", "eval.perplexity.0.max_length=64"]
+                    ) in (4, 130)  # inconclusive (10 windows), or interrupted
+        report = folder / "reports" / "tiny"
         return json.loads((report / "results.json").read_text()) if (report / "results.json").exists() else {}
 
     monkeypatch.setattr(Scorer, "score_many", counted)
     assert run(tmp_path / "a") == {} and scored == [1, 1]  # batch_size 1: a window a group
-    groups = tmp_path / "a" / "reports" / "grouped" / "windows" / "int8"
+    groups = tmp_path / "a" / "reports" / "tiny" / "windows" / "int8"
     kept = {p.name: p.stat().st_mtime_ns for p in groups.iterdir()}
     assert sorted(kept) == ["kl__tinystories@0-1.json", "kl__tinystories@1-2.json"]
     scored.clear()
