@@ -243,7 +243,7 @@ def keeps_every_layer_doc(layers: int) -> dict:
 
     import kvquant
     from kvquant.experiment.config import Candidate
-    from kvquant.scoring.session import described
+    from kvquant.scoring.session import cache_settings
     from kvquant.runner.search import map_candidate
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=layers,
@@ -251,7 +251,7 @@ def keeps_every_layer_doc(layers: int) -> dict:
     found = map_candidate([Candidate("vllm_fp8"), Candidate("fp16")], dict.fromkeys(range(layers), 1), "searched")
     doc = document()
     entry = candidate("searched", "vllm_fp8", bits=16.0)
-    entry["settings"] = described(kvquant.make_cache(config, found.quantizer, **found.options))
+    entry["settings"] = cache_settings(kvquant.make_cache(config, found.quantizer, **found.options))
     entry["memory"]["per_layer"] = [{"layer": i} for i in range(layers)]
     doc["candidates"].append(entry)
     doc["chosen"] = "searched"

@@ -25,7 +25,7 @@ from kvquant.runner.search import CALIBRATION_BASELINE
 from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
-from kvquant.scoring.session import BASELINE, described, evaluation_split, probe_tokens, sampler_key, shares_prefix
+from kvquant.scoring.session import BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key, shares_prefix
 from kvquant.scoring.tasks import task_data_digest
 
 
@@ -152,7 +152,7 @@ class Expected:
         return None
 
     def _measured(self, label: str) -> tuple[str, object, Candidate | None]:
-        """``label``'s split, cache settings (as :func:`kvquant.scoring.session.described` gives them) and
+        """``label``'s split, cache settings (as :func:`kvquant.scoring.session.cache_settings` gives them) and
         setting (None: one a search finds)."""
         search = self.cfg.search
         if label in (BASELINE.label, *self.given):
@@ -170,7 +170,7 @@ class Expected:
     def _settings(self, label: str):
         """A given setting's cache settings on this model; a calibrating one's per-layer scales are :data:`ANY`."""
         candidate = self.given.get(label, BASELINE)
-        settings = described(make_cache(self.model_config, candidate.spec))
+        settings = cache_settings(make_cache(self.model_config, candidate.spec))
         return {**settings, "layers": ANY} if candidate.calibrate else settings
 
     def _windows(self, split: str, name: str, label: str, metric: str) -> str:

@@ -239,7 +239,7 @@ def judge(row: MetricRow, policy: GateConfig, counted: bool = True) -> Verdict:
     return verdict
 
 
-def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
+def with_more_seconds(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
     """``v`` with the time its ``more`` documents would take at ``pace`` (where it is known)."""
     per_document = pace.get((v.row.candidate, v.row.metric.source))
     if v.more is None or per_document is None:
@@ -247,7 +247,7 @@ def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
     return dataclasses.replace(v, more_seconds=v.more * per_document)
 
 
-def bounded(v: Verdict, sizes: dict[str, int]) -> Verdict:
+def with_documents_left(v: Verdict, sizes: dict[str, int]) -> Verdict:
     """``v`` with the documents its task holds beyond those scored (``sizes``: documents per task, where known;
     a task's rows only: a perplexity set's windows are not its documents, whatever its name)."""
     size = sizes.get(v.row.metric.source) if v.row.kind.on_tasks else None
@@ -320,7 +320,8 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
     windows, which picks a map and decides nothing)."""
-    verdicts = [bounded(timed(judge(r, policy, counted), pace or {}), sizes or {}) for r in rows]
+    verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
+                for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing

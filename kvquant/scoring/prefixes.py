@@ -143,8 +143,8 @@ def model_tokens(requests: list[tuple[list[int], list[int]]], mode: str, chunk_s
                  chunks: bool = True) -> int:
     """Tokens a :class:`~kvquant.scoring.scorer.Scorer` of ``mode``, ``chunk_size``, ``share_prefix`` (``share``)
     and ``share_chunks`` (``chunks``) feeds the model for these ``(context, continuation)`` requests in one
-    ``score_many`` call of one process (its ``fed``): each request whole in simulated mode; in streaming mode each
-    context less its last token (with ``share``, a context several requests have once, and with ``chunks`` too the
+    ``score_many`` call of one process (its ``tokens_fed``): each request whole in simulated mode; in streaming mode
+    each context less its last token (with ``share``, a context several requests have once, and with ``chunks`` too the
     chunks contexts begin with alike once), then the scored tokens, as many as the continuation's."""
     if mode == "simulated":
         return sum(len(c) + len(t) for c, t in requests)

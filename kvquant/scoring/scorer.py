@@ -209,7 +209,7 @@ class Scorer:
     """Scores token sequences with ``model``, reading K/V through a fresh cache of ``spec`` per batch.
 
     ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.cache.reads`), ``lengths``
-    holds every scored request's length (context + continuation tokens), in scoring order, and ``fed`` counts the
+    holds every scored request's length (context + continuation tokens), in scoring order, and ``tokens_fed`` counts the
     tokens this process fed the model (fewer where contexts are shared). With
     ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline).
     ``processes``: the run's processes, which share every call's requests (``reads`` then counts all of theirs)."""
@@ -236,7 +236,7 @@ class Scorer:
         return make_cache(self.model, self.spec).eviction is not None
 
     @property
-    def fed(self) -> int:
+    def tokens_fed(self) -> int:
         return self.tally[0]
 
     @property

@@ -49,7 +49,7 @@ def shares_prefix(candidate: Candidate) -> bool:
     return getattr(candidate, "prefix_sharing", True)
 
 
-def described(cache) -> dict:
+def cache_settings(cache) -> dict:
     """A cache's options and what it derived from the model (the groups actually used), per-layer settings last:
     resume keys and reports."""
     settings = cache.settings()
@@ -291,7 +291,7 @@ class Session:
     def key(self, candidate: Candidate, split: str) -> dict:
         """What every result of ``candidate`` on split ``split`` is keyed by (each metric adds its own data)."""
         cfg = self.cfg
-        settings = described(make_cache(self.model, candidate.spec))  # what the cache really uses, defaults filled in
+        settings = cache_settings(make_cache(self.model, candidate.spec))  # what the cache uses, defaults filled
         return {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
                 "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
                 "max_length": self.maxlen, "split": split, "settings": settings,
