@@ -10,7 +10,7 @@ import transformers
 
 import kvquant
 from kvquant.scoring import scorer as scoring
-from kvquant.scoring.prefixes import chunked, fed_tokens, kept_nodes, model_tokens, nested_order, shared_starts
+from kvquant.scoring.prefixes import chunks_of, fed_tokens, kept_nodes, model_tokens, nested_order, shared_starts
 from kvquant.scoring.scorer import Scorer
 
 
@@ -139,7 +139,7 @@ def test_the_shared_chunks_are_fed_once(monkeypatch):
     scorer = Scorer(model, kvquant.CacheSpec.of(name, options), mode="streaming", chunk_size=chunk, batch_size=4)
     scorer.score_many(requests)
     contexts = list(dict.fromkeys(tuple(c) for c, _ in requests))
-    chunks = [chunked(list(c[:-1]), chunk) for c in contexts]
+    chunks = [chunks_of(list(c[:-1]), chunk) for c in contexts]
     scored = sum(len(a) for _, a in requests)  # the context's last token, then the answer less its last
     assert sum(fed) == scorer.tokens_fed == fed_tokens(chunks) + scored
     assert scorer.tokens_fed == model_tokens(requests, "streaming", chunk, True)

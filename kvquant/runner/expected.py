@@ -3,9 +3,9 @@ tokenizer without loading the weights, so ``python -m kvquant.adopt`` refuses a 
 (:meth:`Expected.difference`).
 
 The run builds these keys in :meth:`kvquant.scoring.session.Session.measure` (with its ``_perplexity``,
-``_divergence``, ``_long``, ``_task`` and ``_memory``), :func:`kvquant.scoring.calibrate.calibrated` and the runner's
-``serve_stages``. They are rebuilt here rather than shared, because any edit under ``kvquant/scoring/`` changes
-every result's code version; ``tests/test_adopt.py`` holds the two equal on a real run. Not known without the
+``_divergence``, ``_long``, ``_task`` and ``_memory``), :func:`kvquant.scoring.calibrate.with_calibrated_scales` and
+the runner's ``serve_stages``. They are rebuilt here rather than shared, because any edit under ``kvquant/scoring/``
+changes every result's code version; ``tests/test_adopt.py`` holds the two equal on a real run. Not known without the
 model, so :data:`ANY` here: the weights' digest (``weights``), the settings of the maps a search measures and of the
 map it chooses, the per-layer scales calibration finds (``settings.layers``).
 """
@@ -201,7 +201,8 @@ class Expected:
                 "data": task_data_digest(task)}
 
     def _calibration(self, label: str) -> dict:
-        """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.calibrated` keys them)."""
+        """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.with_calibrated_scales` keys
+        them)."""
         candidate = self.given.get(label)
         if candidate is None or not candidate.calibrate:
             raise NotThisRun(f"this config's run calibrates no {label!r}")

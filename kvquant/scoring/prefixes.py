@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def chunked(ids: list[int], size: int) -> list[list[int]]:
+def chunks_of(ids: list[int], size: int) -> list[list[int]]:
     """``ids`` cut into chunks of ``size`` tokens (the last may be shorter), as streaming mode feeds them."""
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
@@ -149,6 +149,6 @@ def model_tokens(requests: list[tuple[list[int], list[int]]], mode: str, chunk_s
     if mode == "simulated":
         return sum(len(c) + len(t) for c, t in requests)
     contexts = list(dict.fromkeys(tuple(c) for c, _ in requests)) if share else [c for c, _ in requests]
-    prefixes = [chunked(list(c[:-1]), chunk_size) for c in contexts]
+    prefixes = [chunks_of(list(c[:-1]), chunk_size) for c in contexts]
     prefill = fed_tokens(prefixes) if share and chunks else sum(len(c) - 1 for c in contexts)
     return prefill + sum(len(t) for _, t in requests)
