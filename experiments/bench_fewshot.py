@@ -57,7 +57,7 @@ def score(model, requests, share: bool, args, batch_size: int | None = None) -> 
     start = time.perf_counter()
     scored = scorer.score_many(requests)
     seconds = time.perf_counter() - start
-    return [float(s.logprobs.double().sum()) for s in scored], scorer.fed, seconds
+    return [float(s.logprobs.double().sum()) for s in scored], scorer.tokens_fed, seconds
 
 
 def measure(model, requests, documents: int, args) -> dict:

@@ -90,7 +90,7 @@ def headline(report_dir: Path) -> dict:
     return out
 
 
-def shown(value) -> str:
+def describe_value(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) and math.isfinite(value) else str(value)
 
 
@@ -117,7 +117,7 @@ def compare_folders(args) -> int:
     ha, hb = headline(args.first), headline(args.second)
     print(f"\n| | {visible(args.first.name)} | {visible(args.second.name)} |\n|---|---|---|")
     for key in ha:
-        print(f"| {visible(key)} | {visible(shown(ha[key]))} | {visible(shown(hb.get(key)))} |")
+        print(f"| {visible(key)} | {visible(describe_value(ha[key]))} | {visible(describe_value(hb.get(key)))} |")
     return 0
 
 

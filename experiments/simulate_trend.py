@@ -53,7 +53,7 @@ import numpy as np
 from kvquant.errors import KVQuantError
 from kvquant.exits import run_script
 from kvquant.fs import read_json
-from kvquant.runner.bootstrap import studentized
+from kvquant.runner.bootstrap import bootstrap_t
 from kvquant.runner.positions import bucket_sums, slope_of, trend, trend_verdict
 
 SEED = 20261209
@@ -146,7 +146,7 @@ def estimates(sums: np.ndarray, layout: Layout, idx: np.ndarray) -> dict[str, np
     boot = np.take_along_axis(np.broadcast_to(own[:, None, :], idx.shape), idx, -1).mean(-1)
     old_low, old_high = np.quantile(boot, [ALPHA, 1 - ALPHA], axis=-1, method="inverted_cdf")
     mass, moment = sums.sum(-1), sums @ x
-    low, high = studentized(moment, mass, idx, 1 - 2 * ALPHA)
+    low, high = bootstrap_t(moment, mass, idx, 1 - 2 * ALPHA)
     return {"old": own.mean(-1), "old low": old_low, "old high": old_high,
             "new": slope_of(moment.sum(-1) / mass.sum(-1), x, counts), "new low": slope_of(low, x, counts),
             "new high": slope_of(high, x, counts)}

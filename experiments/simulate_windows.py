@@ -52,7 +52,7 @@ from scipy.stats import t as student
 
 from kvquant.exits import run_script
 from kvquant.fs import read_json
-from kvquant.runner.bootstrap import studentized
+from kvquant.runner.bootstrap import bootstrap_t
 
 SEED = 20261208
 GRID = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -146,7 +146,7 @@ def intervals(y: np.ndarray, idx: np.ndarray) -> dict[str, tuple[np.ndarray, np.
     means = np.take_along_axis(np.broadcast_to(y[:, None, :], idx.shape), idx, -1).mean(-1)
     low, high = np.quantile(means, [ALPHA, 1 - ALPHA], axis=-1, method="inverted_cdf")
     half = student.ppf(1 - ALPHA, n - 1) * y.std(-1, ddof=1) / np.sqrt(n)
-    return {"percentile": (low, high), "bootstrap-t": studentized(y, None, idx, 1 - 2 * ALPHA), "BCa": bca(y, means),
+    return {"percentile": (low, high), "bootstrap-t": bootstrap_t(y, None, idx, 1 - 2 * ALPHA), "BCa": bca(y, means),
             "Student t": (y.mean(-1) - half, y.mean(-1) + half)}
 
 

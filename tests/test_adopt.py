@@ -415,7 +415,7 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
     from kvquant.runner.search import _label, map_candidate, search
     from kvquant.scoring.calibrate import calibration_documents, calibration_windows
     from kvquant.scoring import data
-    from kvquant.scoring.calibrate import calibrated, with_scales
+    from kvquant.scoring.calibrate import with_calibrated_scales, with_scales
     from kvquant.scoring.models import load_tokenizer
     from kvquant.scoring.session import BASELINE, Session, Split, evaluation_split, probe_tokens
 
@@ -435,7 +435,8 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
         steps.append(lambda: kvquant.runner.pipeline.serve_stages(session, rows, parse_bytes))
     layers = {str(i): {"k_scale": 0.5, "v_scale": 0.25} for i in range(model.config.num_hidden_layers)}
     for c in (c for c in others if c.calibrate):
-        steps += [lambda c=c: calibrated(session, c, rows), lambda c=c: session.measure(with_scales(c, layers), split)]
+        steps += [lambda c=c: with_calibrated_scales(session, c, rows),
+                  lambda c=c: session.measure(with_scales(c, layers), split)]
     if cfg.search:
         rungs = dict.fromkeys(range(model.config.num_hidden_layers), 0)
         mapped = map_candidate(cfg.search.ladder, rungs, _label(rungs))

@@ -124,14 +124,14 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     from kvquant.experiment.config import Candidate
     from kvquant.integrations.deploy import native
     from kvquant.integrations.deploy_read import Setting
-    from kvquant.scoring.session import described
+    from kvquant.scoring.session import cache_settings
     from kvquant.runner.search import map_candidate
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     ladder = [Candidate("vllm_int4_per_token_head"), Candidate("fp16")]
     found = map_candidate(ladder, {0: 1, 1: 0, 2: 1, 3: 1}, "searched")
-    settings = described(kvquant.make_cache(config, found.quantizer, **found.options))
+    settings = cache_settings(kvquant.make_cache(config, found.quantizer, **found.options))
     entry = {"name": "searched", "settings": settings, "bits_per_element": 4.0, "verdict": "pass", "metrics": {}}
     setting = Setting.read(entry, 4, Path("results.json"))
     serving, skipped = native(setting)

@@ -43,7 +43,7 @@ def document() -> dict:
                            candidate("int4-pth", "vllm_int4_per_token_head", "fail", 4.5)]}
 
 
-def calibrated() -> dict:
+def calibrated_pass_document() -> dict:
     """A PASS decision for static fp8 with per-layer scales (what ``calibrate: tensor`` records)."""
     doc = document()
     doc["chosen"] = "fp8-cal"
@@ -225,14 +225,14 @@ SCALES = [("nan", float("nan")), ("negative", -0.02), ("zero", 0), ("inf-in-floa
 
 @pytest.mark.parametrize("value", [s[1] for s in SCALES], ids=[s[0] for s in SCALES])
 def test_scales_that_are_not_finite_positive_float32_numbers_are_refused(tmp_path, capsys, value):
-    doc = calibrated()
+    doc = calibrated_pass_document()
     chosen(doc)["settings"]["layers"]["7"]["v_scale"] = value
     err = refused(capsys, report(tmp_path, doc), [], "'fp8-cal''s settings.layers['7'].v_scale must be")
     assert "finite" in err
 
 
 def test_scales_of_mixed_shapes_are_refused(tmp_path, capsys):
-    doc = calibrated()
+    doc = calibrated_pass_document()
     chosen(doc)["settings"]["layers"]["7"]["k_scale"] = [0.02, 0.03]  # one layer per head, the others per tensor
     refused(capsys, report(tmp_path, doc), [], "the static scales mix shapes [(1,), (2, 1, 1)]")
 
@@ -243,7 +243,7 @@ def keeps_every_layer_doc(layers: int) -> dict:
 
     import kvquant
     from kvquant.experiment.config import Candidate
-    from kvquant.scoring.session import described
+    from kvquant.scoring.session import cache_settings
     from kvquant.runner.search import map_candidate
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=layers,
@@ -251,7 +251,7 @@ def keeps_every_layer_doc(layers: int) -> dict:
     found = map_candidate([Candidate("vllm_fp8"), Candidate("fp16")], dict.fromkeys(range(layers), 1), "searched")
     doc = document()
     entry = candidate("searched", "vllm_fp8", bits=16.0)
-    entry["settings"] = described(kvquant.make_cache(config, found.quantizer, **found.options))
+    entry["settings"] = cache_settings(kvquant.make_cache(config, found.quantizer, **found.options))
     entry["memory"]["per_layer"] = [{"layer": i} for i in range(layers)]
     doc["candidates"].append(entry)
     doc["chosen"] = "searched"
@@ -350,7 +350,7 @@ def test_a_malformed_results_json_is_one_line_and_exit_2(tmp_path, capsys, text,
 
 @pytest.mark.parametrize("blocked", DEPLOY_FILES)
 def test_a_folder_at_a_target_is_refused_before_anything_is_written(tmp_path, capsys, blocked):
-    folder = report(tmp_path, calibrated())
+    folder = report(tmp_path, calibrated_pass_document())
     (folder / blocked).mkdir()
     (folder / blocked / "theirs").write_text("kept")
     assert main([str(folder)]) == 2
@@ -366,7 +366,7 @@ def test_a_folder_at_a_target_is_refused_before_anything_is_written(tmp_path, ca
 def test_a_symlink_at_a_target_is_replaced_not_written_through(tmp_path):
     outside = tmp_path / "outside.md"
     outside.write_text("keep me")
-    folder = report(tmp_path, calibrated())
+    folder = report(tmp_path, calibrated_pass_document())
     for name in DEPLOY_FILES:
         (folder / name).symlink_to(outside)
     assert main([str(folder)]) == 0
@@ -377,7 +377,7 @@ def test_a_symlink_at_a_target_is_replaced_not_written_through(tmp_path):
 def test_the_signature_is_the_documents_last_key_and_covers_every_value(tmp_path):
     from kvquant.signing import unverified
 
-    doc = json.loads(signed_json(calibrated()))
+    doc = json.loads(signed_json(calibrated_pass_document()))
     assert list(doc)[-1] == SIGNATURE and unverified(doc) is None
     edited = copy.deepcopy(doc)
     chosen(edited)["settings"]["layers"]["3"]["k_scale"] *= 2

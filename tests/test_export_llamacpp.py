@@ -28,16 +28,16 @@ def own_key(tmp_path, monkeypatch):
 
 
 def recorded(quantizer: str, head_dim: int = 64, **options) -> dict:
-    """The settings the runner records for ``quantizer`` on a model of ``head_dim`` (``described``)."""
+    """The settings the runner records for ``quantizer`` on a model of ``head_dim`` (``cache_settings``)."""
     import transformers
 
     import kvquant
-    from kvquant.scoring.session import described
+    from kvquant.scoring.session import cache_settings
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=4 * head_dim, intermediate_size=64,
                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
                                       head_dim=head_dim)
-    return described(kvquant.make_cache(config, quantizer, **options))
+    return cache_settings(kvquant.make_cache(config, quantizer, **options))
 
 
 def candidate(name: str, settings: dict, verdict: str = "pass", bits: float = 8.5) -> dict:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from kvquant.runner.bootstrap import studentized
+from kvquant.runner.bootstrap import bootstrap_t
 from kvquant.runner.counts import MIN_TREND, MIN_TREND_GROWS, MIN_TREND_SHRINKS
 from kvquant.runner.positions import bucket_means, buckets, check_edges, slope_of, trend, trend_verdict
 
@@ -33,7 +33,7 @@ def test_buckets_weigh_each_document_alike_and_skip_unreached_ones():
     assert got[2].mean == 9.0 and math.isnan(got[2].low) and math.isnan(got[2].high)
     # the interval is the studentized bootstrap over documents (the gate's), on the seeded stream's first draw
     idx = np.random.default_rng(3).integers(0, 3, size=(500, 3))
-    np.testing.assert_allclose((got[0].low, got[0].high), studentized(np.array([2.0, 3.0, 15.0]), None, idx, 0.95))
+    np.testing.assert_allclose((got[0].low, got[0].high), bootstrap_t(np.array([2.0, 3.0, 15.0]), None, idx, 0.95))
     again = buckets(docs, EDGES + (16,), iters=500, seed=3)  # seeded: the same intervals
     assert [(b.low, b.high) for b in again[:2]] == [(b.low, b.high) for b in got[:2]]
 
@@ -144,7 +144,7 @@ def test_trend_interval_is_the_studentized_bootstrap_of_the_kl_weighted_position
     x = np.log2([(a + 1 + b) / 2 for a, b in zip(edges, edges[1:])])
     sums = np.array([[sum(d[a:b]) for a, b in zip(edges, edges[1:])] for d in docs])
     idx = np.random.default_rng(7).integers(0, 40, size=(800, 40))
-    ends = studentized(sums @ x, sums.sum(1), idx, 0.95)
+    ends = bootstrap_t(sums @ x, sums.sum(1), idx, 0.95)
 
     def factor_at(centre):  # the model's KL-weighted mean x is increasing in b
         lo, hi = -10.0, 10.0

@@ -10,7 +10,7 @@ import transformers
 
 import kvquant
 from kvquant.scoring import scorer as scoring
-from kvquant.scoring.prefixes import chunked, fed_tokens, kept_nodes, model_tokens, nested_order, shared_starts
+from kvquant.scoring.prefixes import chunks_of, fed_tokens, kept_nodes, model_tokens, nested_order, shared_starts
 from kvquant.scoring.scorer import Scorer
 
 
@@ -139,9 +139,10 @@ def test_the_shared_chunks_are_fed_once(monkeypatch):
     scorer = Scorer(model, kvquant.CacheSpec.of(name, options), mode="streaming", chunk_size=chunk, batch_size=4)
     scorer.score_many(requests)
     contexts = list(dict.fromkeys(tuple(c) for c, _ in requests))
-    chunks = [chunked(list(c[:-1]), chunk) for c in contexts]
+    chunks = [chunks_of(list(c[:-1]), chunk) for c in contexts]
     scored = sum(len(a) for _, a in requests)  # the context's last token, then the answer less its last
-    assert sum(fed) == scorer.fed == fed_tokens(chunks) + scored == model_tokens(requests, "streaming", chunk, True)
+    assert sum(fed) == scorer.tokens_fed == fed_tokens(chunks) + scored
+    assert scorer.tokens_fed == model_tokens(requests, "streaming", chunk, True)
     # 28 prefix tokens (the context less its last token) are 7 whole chunks; document 0 shares the first 2 only
     assert fed_tokens(chunks) == sum(len(c) - 1 for c in contexts) - (len(contexts) - 2) * 28 - 8
     # unshared, and in simulated mode, the scorer's count is the plan's too
@@ -149,7 +150,7 @@ def test_the_shared_chunks_are_fed_once(monkeypatch):
         scorer = Scorer(model, kvquant.CacheSpec.of(name, options), mode=mode, chunk_size=chunk, batch_size=4,
                         share_prefix=share)
         scorer.score_many(requests)
-        assert scorer.fed == model_tokens(requests, mode, chunk, share)
+        assert scorer.tokens_fed == model_tokens(requests, mode, chunk, share)
     assert model_tokens(requests, "streaming", chunk, False) == sum(len(c) + len(a) - 1 for c, a in requests)
 
 
@@ -180,7 +181,7 @@ def test_lm_eval_first_n_examples_shared_score_what_each_document_scores_alone(m
     shared, samples, scorer = _documents(model, tokenizer, quantizer, True)
     alone, _, unshared = _documents(model, tokenizer, quantizer, False)
     assert shared == alone
-    assert scorer.lengths == unshared.lengths and scorer.fed < unshared.fed / 2
+    assert scorer.lengths == unshared.lengths and scorer.tokens_fed < unshared.tokens_fed / 2
     # the two examples are documents 0 and 1 of the test split (E0, E1), each left out of its own prompt (E2 in
     # its place); the others all begin E0, E1
     parts = [p.split("\n\n") for p in [s["arguments"][0][0] for s in samples]]
@@ -202,7 +203,7 @@ def test_chunks_above_a_branch_are_fed_once(monkeypatch):
     scorer = Scorer(model, kvquant.CacheSpec.of("int4", {"group_size": 2, "residual_length": 0}),
                     mode="streaming", chunk_size=2, batch_size=1)
     shared = scorer.score_many(requests)
-    assert scorer.fed == model_tokens(requests, "streaming", 2, True) == 2 + 2 + 2 + 4
+    assert scorer.tokens_fed == model_tokens(requests, "streaming", 2, True) == 2 + 2 + 2 + 4
     assert steps[:3] == [[[1, 2]], [[3, 4]], [[5, 6]]] or steps[:3] == [[[1, 2]], [[5, 6]], [[3, 4]]]
     monkeypatch.undo()
     alone = Scorer(model, kvquant.CacheSpec.of("int4", {"group_size": 2, "residual_length": 0}), mode="streaming",
@@ -241,7 +242,7 @@ def test_shared_caches_are_freed_once_their_last_context_has_copied_them(monkeyp
     shared = scorer.score_many(requests)
     assert len(made[0].kept) == documents + 1  # the examples' last chunk, then each document's own
     assert made[0].built == {} and max(alive) <= 4
-    assert scorer.fed == model_tokens(requests, "streaming", 4, True)
+    assert scorer.tokens_fed == model_tokens(requests, "streaming", 4, True)
     alone = Scorer(_model(), spec, mode="streaming", chunk_size=4, batch_size=1, share_prefix=False)
     for a, b in zip(alone.score_many(requests), shared):
         torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-9)

@@ -175,6 +175,51 @@ def test_run_interrupted_mid_pass_resumes_from_its_groups(tmp_path, monkeypatch)
     assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]
 
 
+def test_run_interrupted_after_a_shared_divergence_pass_keeps_every_candidate_compared_in_it(tmp_path, monkeypatch):
+    """Two candidates share the baseline's divergence pass; a run interrupted right after the first one's result is
+    stored has stored the second one's too (computed in the same pass), so the resumed run scores no divergence pass
+    again and reports what an uninterrupted run reports. Before, the second one's result waited in memory and the
+    resumed run scored the whole pass again for it."""
+    from kvquant.run import main
+
+    real_score, real_store = Scorer.score_many, ResultStore.get_or_compute
+    passes: list[int] = []
+    stop = [True]
+
+    def counted(self, requests, *args, **kwargs):
+        if self.spec.name == "fp16" and self.distributions:
+            passes.append(len(requests))
+        return real_score(self, requests, *args, **kwargs)
+
+    def stored(self, candidate, metric, *args, **kwargs):
+        got = real_store(self, candidate, metric, *args, **kwargs)
+        if stop[0] and candidate == "int8" and metric.startswith("kl/"):
+            raise KeyboardInterrupt  # the sitting ends as the first candidate's divergence is stored
+        return got
+
+    two = TINY.replace("residual_length: 0}}}}\n", "residual_length: 0}}}}\n  - {{quantizer: int4, name: int4}}\n")
+    assert two != TINY
+
+    def run(folder) -> dict:
+        folder.mkdir(exist_ok=True)
+        path = folder / "tiny.yaml"
+        path.write_text(two.format(out=folder / "reports"))
+        assert main([str(path), "--set", "eval.perplexity.0.limit=4"]) in (0, 1, 4, 130)
+        report = folder / "reports" / "tiny"
+        return json.loads((report / "results.json").read_text()) if (report / "results.json").exists() else {}
+
+    monkeypatch.setattr(Scorer, "score_many", counted)
+    monkeypatch.setattr(ResultStore, "get_or_compute", stored)
+    assert run(tmp_path / "a") == {} and passes  # interrupted after one shared pass
+    passes.clear()
+    stop[0] = False
+    resumed = run(tmp_path / "a")
+    assert passes == []  # both candidates' divergences were kept
+    fresh = run(tmp_path / "b")
+    assert passes  # an uninterrupted run scores the pass
+    assert [c["metrics"] for c in resumed["candidates"]] == [c["metrics"] for c in fresh["candidates"]]
+
+
 def test_a_folder_in_place_of_a_group_is_refused_before_the_model_loads(tmp_path):
     from kvquant.errors import KVQuantError
     from kvquant.runner.preflight import check_report_dir

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from kvquant.runner.bootstrap import studentized
+from kvquant.runner.bootstrap import bootstrap_t
 from kvquant.experiment.config import load_config
 from kvquant.runner.counts import MIN_FAIL, MIN_PASS, count_warnings
 from kvquant.runner.gate import FAIL, PASS, TOO_FEW, decide, judge, paired_interval, verdict_text
@@ -41,16 +41,16 @@ def test_studentized_matches_a_resample_by_resample_reference():
     rng = np.random.default_rng(5)
     y, x = rng.lognormal(-4, 0.6, 9), rng.integers(300, 512, 9).astype(float)
     idx = rng.integers(0, 9, size=(400, 9))
-    got = studentized(y, x, idx, 0.95)
+    got = bootstrap_t(y, x, idx, 0.95)
     want = reference(list(y), list(x), idx, 0.95)
     assert got[0] == pytest.approx(want[0], rel=1e-9) and got[1] == pytest.approx(want[1], rel=1e-9)
     # a plain mean (x None) is the same as x = 1 everywhere
-    np.testing.assert_allclose(studentized(y, None, idx, 0.95), studentized(y, np.ones(9), idx, 0.95), rtol=1e-12)
+    np.testing.assert_allclose(bootstrap_t(y, None, idx, 0.95), bootstrap_t(y, np.ones(9), idx, 0.95), rtol=1e-12)
     # skewed toward high values: the upper end reaches further from the estimate than the lower
     r = y.sum() / x.sum()
     assert got[1] - r > r - got[0] > 0
     # no spread at all: the interval is the estimate
-    assert studentized(np.zeros(5), None, rng.integers(0, 5, size=(50, 5)), 0.95) == (0.0, 0.0)
+    assert bootstrap_t(np.zeros(5), None, rng.integers(0, 5, size=(50, 5)), 0.95) == (0.0, 0.0)
 
 
 def test_the_gate_reads_the_studentized_interval():
@@ -75,7 +75,7 @@ def upper_misses(draw, truth: float, n: int, rng, reps: int = 1000, iters: int =
     for _ in range(reps // 100):
         y = draw(rng, (100, n))
         idx = rng.integers(0, n, size=(100, iters, n))
-        missed["studentized"] += int((studentized(y, None, idx, 0.95)[1] < truth).sum())
+        missed["studentized"] += int((bootstrap_t(y, None, idx, 0.95)[1] < truth).sum())
         means = np.take_along_axis(np.broadcast_to(y[:, None, :], idx.shape), idx, -1).mean(-1)
         missed["percentile"] += int((np.quantile(means, 0.975, axis=-1, method="inverted_cdf") < truth).sum())
     return missed

@@ -17,7 +17,7 @@ from kvquant.formats.quantizers import QUANTIZERS, Quantizer, check_tokens, get_
 from kvquant.cache.cache import KVQuantCache
 from kvquant.cache.fused import is_fused
 from kvquant.cache.query import enable_query_conversion
-from kvquant.cache.checks import shown
+from kvquant.cache.checks import describe_value
 from kvquant.cache.layer import KVQuantLayer, check_importance
 from kvquant.cache.memory import STORED_KEYS, summarize
 from kvquant.cache.padding import Padding
@@ -35,7 +35,7 @@ def attention_layout(model_or_config) -> list[int | None | str]:
     config = getattr(model_or_config, "config", model_or_config)
     if not hasattr(config, "get_text_config"):
         raise KVQuantError(f"model_or_config must be a transformers model or config instance, got "
-                           f"{shown(model_or_config)}")
+                           f"{describe_value(model_or_config)}")
     text_config = config.get_text_config(decoder=True)
     if getattr(text_config, "is_encoder_decoder", False):
         raise KVQuantError("kvquant quantizes decoder-only self-attention caches; this model is encoder-decoder")
@@ -227,10 +227,11 @@ def check_sinks(name: str, sinks: int, context: int | None) -> None:
 def check_layout(layout) -> None:
     """Each entry of an :func:`attention_layout`: None, ``"shared"`` or a sliding window of at least one token."""
     if not isinstance(layout, (list, tuple)) or not layout:
-        raise KVQuantError(f"layout must be a non-empty list (see attention_layout), got {shown(layout)}")
+        raise KVQuantError(f"layout must be a non-empty list (see attention_layout), got {describe_value(layout)}")
     for i, entry in enumerate(layout):
         if entry is not None and entry != "shared" and not (is_python_int(entry) and entry >= 1):
-            raise KVQuantError(f"layout: layer {i} has sliding window {shown(entry).split(' ', 1)[-1]}; a window is "
+            window = describe_value(entry).split(' ', 1)[-1]
+            raise KVQuantError(f"layout: layer {i} has sliding window {window}; a window is "
                                "an integer >= 1 (None: full attention, 'shared': a layer that reuses another's KV)")
 
 

@@ -14,7 +14,7 @@ from kvquant.cache.eviction import Eviction
 from kvquant.formats.quantizers import Quantizer
 from kvquant.cache.reads import Reads
 from kvquant.errors import is_int
-from kvquant.cache.checks import check_layer_index, row_list, shown
+from kvquant.cache.checks import check_layer_index, describe_value, row_list
 from kvquant.cache.layer import KVQuantLayer
 from kvquant.cache.memory import summarize
 from kvquant.cache.padding import Padding
@@ -91,7 +91,8 @@ class KVQuantCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if not is_int(repeats) or repeats < 1:
-            raise KVQuantError(f"batch_repeat_interleave: repeats must be an integer >= 1, got {shown(repeats)}")
+            raise KVQuantError("batch_repeat_interleave: repeats must be an integer >= 1, got "
+                               f"{describe_value(repeats)}")
         rows = self.padding.mask.shape[0] if self.padding.mask is not None else None
         super().batch_repeat_interleave(repeats)
         if rows is not None:
@@ -105,11 +106,12 @@ class KVQuantCache(Cache):
                     raise TypeError("indices are integers, a bool mask or a slice")
                 chosen = torch.arange(count)[indices]
             except (IndexError, TypeError, ValueError, RuntimeError) as err:
-                raise KVQuantError(f"batch_select_indices: indices {shown(indices)} do not index a cache of {count} "
-                                   f"rows: {one_line(err)}") from None
+                raise KVQuantError(f"batch_select_indices: indices {describe_value(indices)} do not index a cache of "
+                                   f"{count} rows: {one_line(err)}") from None
             if chosen.dim() != 1 or not len(chosen):
-                raise KVQuantError(f"batch_select_indices: indices {shown(indices)} select {tuple(chosen.shape)} of "
-                                   f"a cache of {count} rows; they must select at least one row, along one dimension")
+                raise KVQuantError(f"batch_select_indices: indices {describe_value(indices)} select "
+                                   f"{tuple(chosen.shape)} of a cache of {count} rows; they must select at least one "
+                                   "row, along one dimension")
         super().batch_select_indices(indices)
         if self.padding.mask is not None:
             self.padding.select(torch.arange(self.padding.mask.shape[0])[indices].tolist())
@@ -178,15 +180,17 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
     would in its own cache. This lets rows prefilled in separate batches (contexts of similar lengths) continue in
     one batch (continuations of similar lengths)."""
     if not isinstance(sources, (list, tuple)):
-        raise KVQuantError(f"stack_rows: sources must be a list of (cache, row) pairs, got {shown(sources)}")
+        raise KVQuantError(f"stack_rows: sources must be a list of (cache, row) pairs, got {describe_value(sources)}")
     if not sources:
         raise KVQuantError("stack_rows needs at least one (cache, row)")
     for i, source in enumerate(sources):
         if not isinstance(source, (list, tuple)) or len(source) != 2:
-            got = f"{type(source).__name__} of {len(source)}" if isinstance(source, (list, tuple)) else shown(source)
+            got = (f"{type(source).__name__} of {len(source)}" if isinstance(source, (list, tuple))
+                   else describe_value(source))
             raise KVQuantError(f"stack_rows: sources[{i}] must be a (cache, row) pair, got {got}")
         if not is_int(source[1]) or source[1] < 0:
-            raise KVQuantError(f"stack_rows: sources[{i}]: row must be an integer >= 0, got {shown(source[1])}")
+            raise KVQuantError(f"stack_rows: sources[{i}]: row must be an integer >= 0, got "
+                               f"{describe_value(source[1])}")
     sources = [(cache, int(row)) for cache, row in sources]
     first = sources[0][0]
     for cache, row in sources:

@@ -12,7 +12,7 @@ from kvquant.errors import KVQuantError, NonFiniteKVError, is_int
 STATES = "[batch, heads, tokens, head_dim]"
 
 
-def shown(value) -> str:
+def describe_value(value) -> str:
     """``value`` as an error message shows it, on one short line: its type and repr (a tensor's or array's shape)."""
     if isinstance(value, torch.Tensor):
         return f"a {value.dim()}-D tensor {tuple(value.shape)} of {value.dtype}"
@@ -25,7 +25,7 @@ def shown(value) -> str:
 def check_layer_index(where: str, layer_idx, count: int) -> None:
     if type(layer_idx) is not int or not 0 <= layer_idx < count:  # bools, floats and tensors are no layer index
         raise KVQuantError(f"{where}: layer_idx must be an integer in 0-{count - 1} (the model's layers), got "
-                           f"{shown(layer_idx)}")
+                           f"{describe_value(layer_idx)}")
 
 
 def row_list(where: str, name: str, rows, count: int | None) -> list[int]:
@@ -34,17 +34,17 @@ def row_list(where: str, name: str, rows, count: int | None) -> list[int]:
     valid = "a list of row numbers or a 1-D integer tensor"
     if isinstance(rows, torch.Tensor):
         if rows.dim() != 1 or rows.dtype == torch.bool or rows.is_floating_point() or rows.is_complex():
-            raise KVQuantError(f"{where}: {name} must be {valid}, got {shown(rows)}")
+            raise KVQuantError(f"{where}: {name} must be {valid}, got {describe_value(rows)}")
         if rows.device.type == "meta":
             raise KVQuantError(f"{where}: {name} is a meta tensor, which holds no row numbers")
         rows = rows.tolist()
     elif isinstance(rows, (list, tuple, range)):
         bad = next((r for r in rows if not is_int(r)), rows)
         if bad is not rows:
-            raise KVQuantError(f"{where}: {name} must be {valid}, got {shown(bad)} in {shown(rows)}")
+            raise KVQuantError(f"{where}: {name} must be {valid}, got {describe_value(bad)} in {describe_value(rows)}")
         rows = [int(r) for r in rows]
     else:
-        raise KVQuantError(f"{where}: {name} must be {valid}, got {shown(rows)}")
+        raise KVQuantError(f"{where}: {name} must be {valid}, got {describe_value(rows)}")
     if not rows:
         raise KVQuantError(f"{where}: {name} lists no rows; give at least one row number")
     bad = next((r for r in rows if r < 0 or (count is not None and r >= count)), None)

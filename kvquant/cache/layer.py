@@ -14,7 +14,7 @@ from kvquant.cache.eviction import Eviction
 from kvquant.formats.quantizers import Codec, Quantizer
 from kvquant.cache.reads import Reads
 from kvquant.cache import fused, query
-from kvquant.cache.checks import STATES, check_states, fits, shown
+from kvquant.cache.checks import STATES, check_states, describe_value, fits
 from kvquant.cache.padding import Padding
 from kvquant.formats.roles import by_category
 from kvquant.cache.storage import Store, left_align
@@ -126,7 +126,7 @@ class KVQuantLayer(CacheLayerMixin):
         where = "update" if self.index is None else f"update(layer_idx={self.index})"
         for name, x in (("keys", keys), ("values", values)):
             if not isinstance(x, torch.Tensor):
-                raise KVQuantError(f"{where}: {name} must be a torch.Tensor {STATES}, got {shown(x)}")
+                raise KVQuantError(f"{where}: {name} must be a torch.Tensor {STATES}, got {describe_value(x)}")
             if x.dim() != 4:
                 raise KVQuantError(f"{where}: {name} have {x.dim()} dimensions {tuple(x.shape)}; states are {STATES}")
             if not x.is_floating_point():

@@ -197,14 +197,14 @@ def dequantize(kind: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.
 # ggml's byte layout
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+def pack_ggml_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """``qs``: byte ``j`` = low 4 bits of element ``j`` | those of element ``j + 16`` << 4; ``[..., 32]`` ->
     ``[..., 16]``."""
     low = codes & 0xF
     return low[..., :16] | (low[..., 16:] << 4)
 
 
-def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+def unpack_ggml_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0xF, qs >> 4], -1)
 
 
@@ -314,9 +314,9 @@ class GgmlCodec(Codec):
         if self.kind == "q8_0":
             payload = codes
         elif self.kind in ("q5_0", "q5_1"):
-            payload = torch.cat([pack_high_bits(codes), pack_nibbles(codes)], -1)
+            payload = torch.cat([pack_high_bits(codes), pack_ggml_nibbles(codes)], -1)
         else:
-            payload = pack_nibbles(codes)
+            payload = pack_ggml_nibbles(codes)
         enc = {"scale": d.squeeze(-1), "payload": payload.flatten(-2)}
         return enc if m is None else {**enc, "zero": m.squeeze(-1)}
 
@@ -328,9 +328,9 @@ class GgmlCodec(Codec):
         if self.kind == "q8_0":
             codes = body
         elif self.kind in ("q5_0", "q5_1"):
-            codes = unpack_nibbles(body[..., 4:]) | (unpack_high_bits(body[..., :4]) << 4)
+            codes = unpack_ggml_nibbles(body[..., 4:]) | (unpack_high_bits(body[..., :4]) << 4)
         else:
-            codes = unpack_nibbles(body)
+            codes = unpack_ggml_nibbles(body)
         zero = enc["zero"].unsqueeze(-1) if "zero" in enc else None
         ops.store_clamped(out, dequantize(self.kind, enc["scale"].unsqueeze(-1), zero, codes).flatten(-2))
 

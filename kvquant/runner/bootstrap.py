@@ -31,7 +31,7 @@ def _ratio(y: np.ndarray, x: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]
     return ratio, np.sqrt(spread * n / (n - 1)) / sx
 
 
-def studentized(y, x, idx, confidence: float) -> tuple[np.ndarray, np.ndarray]:
+def bootstrap_t(y, x, idx, confidence: float) -> tuple[np.ndarray, np.ndarray]:
     """Bootstrap-t interval of ``sum(y) / sum(x)`` at two-sided ``confidence``.
 
     ``y``, ``x``: per-document numerator and denominator ``[..., n]`` (``x`` > 0, None: each 1, a plain mean;
@@ -45,10 +45,10 @@ def studentized(y, x, idx, confidence: float) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"a studentized interval needs at least two documents, got {y.shape[-1]}")
     ratio, se = _ratio(y, x)
 
-    def resampled(v):
+    def resample(v):
         return np.take_along_axis(np.broadcast_to(v[..., None, :], idx.shape), idx, axis=-1)
 
-    rb, seb = _ratio(resampled(y), None if x is None else resampled(x))
+    rb, seb = _ratio(resample(y), None if x is None else resample(x))
     shift = rb - ratio[..., None]
     # a resample with no spread: t is +-inf by the sign of its shift (0 where it did not move)
     scale = np.where(seb > 0, seb, 1.0)
@@ -65,27 +65,27 @@ def studentized(y, x, idx, confidence: float) -> tuple[np.ndarray, np.ndarray]:
 def log_ratio_interval(baseline: np.ndarray, candidate: np.ndarray, iters: int, confidence: float,
                        seed: int) -> tuple[float, float]:
     """The interval of a ratio of perplexities, baseline / candidate, from per-window ``[n, 2]`` rows of (summed
-    NLL, tokens) of both: :func:`studentized` of the log of the ratio, ``sum(baseline NLL - candidate NLL) /
+    NLL, tokens) of both: :func:`bootstrap_t` of the log of the ratio, ``sum(baseline NLL - candidate NLL) /
     sum(baseline tokens)``, exponentiated (``iters`` seeded resamples; nan with fewer than 2 windows)."""
     n = len(candidate)
     if n < 2 or len(baseline) != n:  # one window shows no spread at all
         return math.nan, math.nan
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
     with np.errstate(over="ignore"):  # an unbounded log-ratio interval (too few windows) is an unbounded ratio
-        low, high = np.exp(studentized(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
+        low, high = np.exp(bootstrap_t(baseline[:, 0] - candidate[:, 0], baseline[:, 1], idx, confidence))
     return float(low), float(high)
 
 
 def mean_interval(baseline: np.ndarray | None, candidate: np.ndarray, iters: int, confidence: float,
                   seed: int) -> tuple[float, float]:
     """The interval of a token-weighted mean over windows from the candidate's per-window ``[n, 2]`` rows of (sum,
-    positions): :func:`studentized` (``iters`` seeded resamples; ``baseline`` unused: the value is measured against
+    positions): :func:`bootstrap_t` (``iters`` seeded resamples; ``baseline`` unused: the value is measured against
     the baseline already; nan with fewer than 2 windows)."""
     n = len(candidate)
     if n < 2:  # one window shows no spread at all
         return math.nan, math.nan
     idx = np.random.default_rng(seed).integers(0, n, size=(iters, n))
-    low, high = studentized(candidate[:, 0], candidate[:, 1], idx, confidence)
+    low, high = bootstrap_t(candidate[:, 0], candidate[:, 1], idx, confidence)
     return float(low), float(high)
 
 

@@ -3,9 +3,9 @@ tokenizer without loading the weights, so ``python -m kvquant.adopt`` refuses a 
 (:meth:`Expected.difference`).
 
 The run builds these keys in :meth:`kvquant.scoring.session.Session.measure` (with its ``_perplexity``,
-``_divergence``, ``_long``, ``_task`` and ``_memory``), :func:`kvquant.scoring.calibrate.calibrated` and the runner's
-``serve_stages``. They are rebuilt here rather than shared, because any edit under ``kvquant/scoring/`` changes
-every result's code version; ``tests/test_adopt.py`` holds the two equal on a real run. Not known without the
+``_divergence``, ``_long``, ``_task`` and ``_memory``), :func:`kvquant.scoring.calibrate.with_calibrated_scales` and
+the runner's ``serve_stages``. They are rebuilt here rather than shared, because any edit under ``kvquant/scoring/``
+changes every result's code version; ``tests/test_adopt.py`` holds the two equal on a real run. Not known without the
 model, so :data:`ANY` here: the weights' digest (``weights``), the settings of the maps a search measures and of the
 map it chooses, the per-layer scales calibration finds (``settings.layers``).
 """
@@ -25,7 +25,7 @@ from kvquant.runner.search import CALIBRATION_BASELINE
 from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
-from kvquant.scoring.session import BASELINE, described, evaluation_split, probe_tokens, sampler_key, shares_prefix
+from kvquant.scoring.session import BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key, shares_prefix
 from kvquant.scoring.tasks import task_data_digest
 
 
@@ -152,7 +152,7 @@ class Expected:
         return None
 
     def _measured(self, label: str) -> tuple[str, object, Candidate | None]:
-        """``label``'s split, cache settings (as :func:`kvquant.scoring.session.described` gives them) and
+        """``label``'s split, cache settings (as :func:`kvquant.scoring.session.cache_settings` gives them) and
         setting (None: one a search finds)."""
         search = self.cfg.search
         if label in (BASELINE.label, *self.given):
@@ -170,7 +170,7 @@ class Expected:
     def _settings(self, label: str):
         """A given setting's cache settings on this model; a calibrating one's per-layer scales are :data:`ANY`."""
         candidate = self.given.get(label, BASELINE)
-        settings = described(make_cache(self.model_config, candidate.spec))
+        settings = cache_settings(make_cache(self.model_config, candidate.spec))
         return {**settings, "layers": ANY} if candidate.calibrate else settings
 
     def _windows(self, split: str, name: str, label: str, metric: str) -> str:
@@ -201,7 +201,8 @@ class Expected:
                 "data": task_data_digest(task)}
 
     def _calibration(self, label: str) -> dict:
-        """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.calibrated` keys them)."""
+        """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.with_calibrated_scales` keys
+        them)."""
         candidate = self.given.get(label)
         if candidate is None or not candidate.calibrate:
             raise NotThisRun(f"this config's run calibrates no {label!r}")

@@ -157,7 +157,7 @@ def paired_interval(
     :attr:`~kvquant.experiment.metric.Metric.interval`.
 
     score ratio (accuracy): ``baseline``/``candidate`` are per-document scores ``[n]`` (:func:`ratio_interval`). The
-    others by a paired studentized bootstrap over windows (:func:`kvquant.runner.bootstrap.studentized`, ``iters``
+    others by a paired studentized bootstrap over windows (:func:`kvquant.runner.bootstrap.bootstrap_t`, ``iters``
     resamples; at least 2 windows): log ratio (perplexity) from per-window ``[n, 2]`` rows of (summed NLL, tokens) of
     both (the interval of the log of the ratio, ``sum(baseline NLL - candidate NLL) / sum(baseline tokens)``,
     exponentiated); mean (divergence, agreement) from the candidate's per-window ``[n, 2]`` rows of (sum, positions)
@@ -239,7 +239,7 @@ def judge(row: MetricRow, policy: GateConfig, counted: bool = True) -> Verdict:
     return verdict
 
 
-def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
+def with_more_seconds(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
     """``v`` with the time its ``more`` documents would take at ``pace`` (where it is known)."""
     per_document = pace.get((v.row.candidate, v.row.metric.source))
     if v.more is None or per_document is None:
@@ -247,7 +247,7 @@ def timed(v: Verdict, pace: dict[tuple[str, str], float]) -> Verdict:
     return dataclasses.replace(v, more_seconds=v.more * per_document)
 
 
-def bounded(v: Verdict, sizes: dict[str, int]) -> Verdict:
+def with_documents_left(v: Verdict, sizes: dict[str, int]) -> Verdict:
     """``v`` with the documents its task holds beyond those scored (``sizes``: documents per task, where known;
     a task's rows only: a perplexity set's windows are not its documents, whatever its name)."""
     size = sizes.get(v.row.metric.source) if v.row.kind.on_tasks else None
@@ -303,7 +303,7 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
     out: dict[str, int] = {}
     for row in rows:
         length = metric_length(row.metric)
-        if length is None or row.gated or row.metric.source in at_chance or not selected(row.metric, policy):
+        if length is None or row.gated or row.metric.source in at_chance or not is_gated_metric(row.metric, policy):
             continue
         if judge(dataclasses.replace(row, gated=True), policy).verdict == FAIL:
             out[row.candidate] = min(length, out.get(row.candidate, length))
@@ -320,7 +320,8 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
     windows, which picks a map and decides nothing)."""
-    verdicts = [bounded(timed(judge(r, policy, counted), pace or {}), sizes or {}) for r in rows]
+    verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
+                for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
@@ -368,11 +369,11 @@ def is_gated(metric: MetricId, policy: GateConfig) -> bool:
     a needle task) only at a length up to ``gate.min_context`` (none without it): longer ones are reported, and
     judged for the longest context that passes."""
     length = metric_length(metric)
-    return selected(metric, policy) and (length is None or (policy.min_context is not None
+    return is_gated_metric(metric, policy) and (length is None or (policy.min_context is not None
                                                             and length <= policy.min_context))
 
 
-def selected(metric: MetricId, policy: GateConfig) -> bool:
+def is_gated_metric(metric: MetricId, policy: GateConfig) -> bool:
     """Whether the gate judges ``metric`` at any length: a standard metric with a threshold, among
     ``gate.tasks``/``gate.perplexity`` (None: all; every position bucket of the long documents)."""
     names = policy.tasks if metric.kind.on_tasks else policy.perplexity
@@ -383,14 +384,14 @@ def selected(metric: MetricId, policy: GateConfig) -> bool:
 def length_verdicts(rows: Sequence[MetricRow], policy: GateConfig,
                     at_chance: frozenset[str] = frozenset()) -> dict[str, LengthVerdict]:
     """Per candidate with long-context metrics, the longest context they show it safe at (:func:`longest_passing`):
-    every :func:`selected` long-context row judged as if gated (also beyond ``gate.min_context``), grouped by its
+    every :func:`is_gated_metric` long-context row judged as if gated (also beyond ``gate.min_context``), grouped by its
     length; the needle tasks of ``at_chance`` (:func:`needles_at_chance`) are left out (they say nothing of a
     cache)."""
     buckets: dict[str, dict[int, dict[str, str]]] = {}
     short: dict[str, tuple[int, int]] = {}  # per candidate, the fewest documents of a too-few row, and its need
     for row in rows:
         length = metric_length(row.metric)
-        if length is None or not selected(row.metric, policy) or row.metric.source in at_chance:
+        if length is None or not is_gated_metric(row.metric, policy) or row.metric.source in at_chance:
             continue
         v = judge(dataclasses.replace(row, gated=True), policy)
         family = f"{row.metric.measure}/{row.metric.source.rpartition(BUCKET)[0] or row.metric.source}"

@@ -8,7 +8,7 @@ returns (no model, no files).
   reach it, each document weighing the same (a long document does not outvote the others).
 - **Intervals** resample documents (paired by construction: a document's KL is already its candidate against
   the baseline on the same tokens), ``iters`` times, seeded, with the studentized bootstrap the gate uses
-  (:func:`kvquant.runner.bootstrap.studentized`): a bucket's of its mean, the trend's of the ratio below.
+  (:func:`kvquant.runner.bootstrap.bootstrap_t`): a bucket's of its mean, the trend's of the ratio below.
 - **Trend**: the quasi-Poisson fit ``mean KL = exp(a + b x)``, ``x`` the ``log2`` of a bucket's mean position
   (counted from 1), on each bucket's KL summed over its positions (a log-link fit of the mean: no logarithm of a
   mean over few positions, whose downward bias in the small first buckets made the old least-squares slope of
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvquant.runner.bootstrap import studentized
+from kvquant.runner.bootstrap import bootstrap_t
 from kvquant.runner.counts import MIN_TREND, MIN_TREND_GROWS, MIN_TREND_SHRINKS, too_few
 
 #: Default bucket edges (positions): 0-512, 512-1K, 1-2K, 2-4K, 4-8K, 8-16K, 16-32K.
@@ -89,7 +89,7 @@ def buckets(per_position: list[list[float]], edges=EDGES, iters: int = 2000, con
         low = high = math.nan
         if reached.size >= 2:
             idx = rng.integers(0, reached.size, size=(iters, reached.size))
-            low, high = (float(x) for x in studentized(reached, None, idx, confidence))
+            low, high = (float(x) for x in bootstrap_t(reached, None, idx, confidence))
         out.append(Bucket(start, stop, int(reached.size), float(reached.mean()), low, high))
     return out
 
@@ -152,7 +152,7 @@ def trend(per_position: list[list[float]], edges=EDGES, iters: int = 2000, confi
     if docs < 2:
         return Trend(factor, math.nan, math.nan, trend_verdict(math.nan, math.nan, docs))
     idx = np.random.default_rng(seed).integers(0, docs, size=(iters, docs))
-    low, high = (float(v) for v in np.exp(slope_of(np.array(studentized(moment, mass, idx, confidence)), x, counts)))
+    low, high = (float(v) for v in np.exp(slope_of(np.array(bootstrap_t(moment, mass, idx, confidence)), x, counts)))
     return Trend(factor, low, high, trend_verdict(low, high, docs))
 
 

@@ -117,7 +117,7 @@ def recorded_requests(model, tokenizer, tasks: list[str], limit: int, shots: int
     return lm.scorer.requests
 
 
-def fed(session: Session, requests: list, label: str) -> int:
+def tokens_per_call(session: Session, requests: list, label: str) -> int:
     """Tokens the scorer of ``label`` feeds the model for one scoring call of ``requests``."""
     cfg = session.cfg
     shares = {c.label: shares_prefix(c) for c in [BASELINE, *(cfg.stages or cfg.candidates)]}
@@ -161,7 +161,7 @@ def task_costs(session: Session, reuse, task: str, labels: list[str], samples: d
         key = reuse.key(label)
         kept = [reuse(label, f"task/{task}" + (f"@{p.start}-{p.stop}" if p is not None else ""),
                       session.task_key(key, task, p)) for p in parts]
-        each, spent = per(tokens), per(fed(session, requests, label))
+        each, spent = per(tokens), per(tokens_per_call(session, requests, label))
         out.append(Cost(label, f"task/{task}", first, each[0], sum(counts), sum(each),
                         fed=0 if kept[0] else spent[0], most_fed=sum(n for n, k in zip(spent, kept) if not k),
                         reused=sum(kept), results=len(parts)))
@@ -174,7 +174,7 @@ def window_costs(session: Session, what: str, windows, labels: list[str], reused
     ``reused`` says the run would reuse the pass's result)."""
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
     tokens = request_tokens(requests)
-    spent = {label: 0 if reused[label] else fed(session, requests, setting or label) for label in labels}
+    spent = {label: 0 if reused[label] else tokens_per_call(session, requests, setting or label) for label in labels}
     return [Cost(label, what, len(windows), tokens, len(windows), tokens, setting=setting, fed=spent[label],
                  most_fed=spent[label], reused=int(reused[label])) for label in labels]
 
@@ -276,13 +276,13 @@ def rates(session: Session, samples: dict[str, list], settings: set[str]) -> dic
         scorer = Scorer(session.model, candidate.spec, cfg.eval.mode, cfg.eval.chunk_size,
                         batch_size=cfg.eval.batch_size, share_prefix=shares_prefix(candidate))
         scorer.score_many([(warm[: len(warm) // 2], warm[len(warm) // 2 :])])
-        before, start = scorer.fed, time.perf_counter()
+        before, start = scorer.tokens_fed, time.perf_counter()
         scorer.score_many(probe)
-        out.update(dict.fromkeys(priced, (scorer.fed - before) / max(time.perf_counter() - start, 1e-9)))
+        out.update(dict.fromkeys(priced, (scorer.tokens_fed - before) / max(time.perf_counter() - start, 1e-9)))
     return out
 
 
-def timed(cost: Cost, rate: dict[str, float]) -> Cost:
+def with_seconds(cost: Cost, rate: dict[str, float]) -> Cost:
     if not cost.most_fed:  # nothing to measure (reused): no probe
         return dataclasses.replace(cost, seconds=0.0, most_seconds=0.0)
     per_token = 1 / rate[cost.setting or cost.scorer]
@@ -294,7 +294,7 @@ def preview(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[
     anything to measure), and the probe's rates; ``store``: the report's partial results, read only."""
     found, samples = costs(session, rows, store)
     rate = rates(session, samples, {c.setting or c.scorer for c in found if c.most_fed})
-    return [timed(c, rate) for c in found], rate
+    return [with_seconds(c, rate) for c in found], rate
 
 
 def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], partial=None) -> str:

@@ -120,15 +120,14 @@ class Replay(Session):
         probes = probe_counts(cfg)
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(self.tokenizer, probes, self.maxlen,
                                                                       "eval.tasks.names")))
-        self.ahead, self.waiting = [], {}
         #: (label, task) -> the first look's documents the folder does not hold
         self.not_stored: dict[tuple[str, str], range] = {}
 
-    def measure(self, candidate, split, label=None, tasks=True, probe=None, divergence=None):
+    def measure(self, candidate, split, label=None, tasks=True, probe=None, divergence=None, shared=None):
         """:meth:`Session.measure` from the stored results, ``split``'s looks cut at the first one not stored."""
         while True:
             try:
-                return super().measure(candidate, split, label, tasks, probe, divergence)
+                return super().measure(candidate, split, label, tasks, probe, divergence, shared)
             except NotStored as err:
                 task, _, part = err.metric.removeprefix("task/").partition("@")
                 looked = [r for r in split.more.get(task, ()) if f"{r.start}-{r.stop}" == part]

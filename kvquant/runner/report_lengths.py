@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from kvquant.experiment.metric import ACCURACY, DIVERGENCE, METRICS
-from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, selected, verdict_text
+from kvquant.runner.gate import judge, length_verdicts, metric_length, needles_at_chance, is_gated_metric, verdict_text
 from kvquant.runner.report_plots import _png, _pyplot
 from kvquant.experiment.results import RunResult, Verdict, bucket_end
 from kvquant.scoring.needles import needle_chance
@@ -26,7 +26,7 @@ def long_verdicts(run: RunResult) -> list[Verdict]:
     needle tasks the baseline is not shown above chance on keep their verdict (not gated)."""
     policy, at_chance = run.config.gate, _at_chance(run)
     return [judge(dataclasses.replace(v.row, gated=True), policy)
-            if not v.row.gated and v.row.metric.source not in at_chance and selected(v.row.metric, policy) else v
+            if not v.row.gated and v.row.metric.source not in at_chance and is_gated_metric(v.row.metric, policy) else v
             for v in run.decision.verdicts if metric_length(v.row.metric) is not None]
 
 

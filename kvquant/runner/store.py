@@ -125,7 +125,7 @@ class ResultStore:
         saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
                                          else None)
         if saved is not None:
-            self.reused += 1
+            self.reused += path not in self.written  # one this run stored (a shared pass's) is not reused
             if _is_seconds(saved.get("seconds")):
                 self.seconds[candidate, metric] = float(saved["seconds"])
             return saved["result"]

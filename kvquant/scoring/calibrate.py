@@ -135,7 +135,7 @@ def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
                                f"calibration.windows to at most {len(windows):,} or use a longer text")
 
 
-def calibrated(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
+def with_calibrated_scales(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
     """``candidate`` with per-layer static scales observed on the calibration split (kept in the result store
     like any measurement), and what the report shows of them."""
     cfg = session.cfg

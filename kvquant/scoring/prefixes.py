@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def chunked(ids: list[int], size: int) -> list[list[int]]:
+def chunks_of(ids: list[int], size: int) -> list[list[int]]:
     """``ids`` cut into chunks of ``size`` tokens (the last may be shorter), as streaming mode feeds them."""
     return [ids[i : i + size] for i in range(0, len(ids), size)]
 
@@ -143,12 +143,12 @@ def model_tokens(requests: list[tuple[list[int], list[int]]], mode: str, chunk_s
                  chunks: bool = True) -> int:
     """Tokens a :class:`~kvquant.scoring.scorer.Scorer` of ``mode``, ``chunk_size``, ``share_prefix`` (``share``)
     and ``share_chunks`` (``chunks``) feeds the model for these ``(context, continuation)`` requests in one
-    ``score_many`` call of one process (its ``fed``): each request whole in simulated mode; in streaming mode each
-    context less its last token (with ``share``, a context several requests have once, and with ``chunks`` too the
+    ``score_many`` call of one process (its ``tokens_fed``): each request whole in simulated mode; in streaming mode
+    each context less its last token (with ``share``, a context several requests have once, and with ``chunks`` too the
     chunks contexts begin with alike once), then the scored tokens, as many as the continuation's."""
     if mode == "simulated":
         return sum(len(c) + len(t) for c, t in requests)
     contexts = list(dict.fromkeys(tuple(c) for c, _ in requests)) if share else [c for c, _ in requests]
-    prefixes = [chunked(list(c[:-1]), chunk_size) for c in contexts]
+    prefixes = [chunks_of(list(c[:-1]), chunk_size) for c in contexts]
     prefill = fed_tokens(prefixes) if share and chunks else sum(len(c) - 1 for c in contexts)
     return prefill + sum(len(t) for _, t in requests)

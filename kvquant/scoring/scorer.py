@@ -37,7 +37,7 @@ from kvquant.scoring import windowed
 from kvquant.scoring.data import Window
 from kvquant.errors import KVQuantError, check_int
 from kvquant.scoring.parallel import ONE, Processes
-from kvquant.scoring.prefixes import Node, Start, chunked, kept_nodes, nested_order, shared_starts
+from kvquant.scoring.prefixes import Node, Start, chunks_of, kept_nodes, nested_order, shared_starts
 from kvquant.cache.reads import Reads
 
 MODES = ("simulated", "streaming")
@@ -210,7 +210,7 @@ class Scorer:
     """Scores token sequences with ``model``, reading K/V through a fresh cache of ``spec`` per batch.
 
     ``reads`` counts what attention read from every cache the scorer used (:mod:`kvquant.cache.reads`), ``lengths``
-    holds every scored request's length (context + continuation tokens), in scoring order, and ``fed`` counts the
+    holds every scored request's length (context + continuation tokens), in scoring order, and ``tokens_fed`` counts the
     tokens this process fed the model (fewer where contexts are shared). With
     ``distributions`` set, results carry whole next-token distributions (for divergence from a baseline).
     ``processes``: the run's processes, which share every call's requests (``reads`` then counts all of theirs)."""
@@ -237,7 +237,7 @@ class Scorer:
         return make_cache(self.model, self.spec).eviction is not None
 
     @property
-    def fed(self) -> int:
+    def tokens_fed(self) -> int:
         return self.tally[0]
 
     @property
@@ -269,7 +269,7 @@ class Scorer:
             ids = context + continuation
             return [], _Row([ids], len(context) - 1, continuation)
         scored = context[-1:] + continuation[:-1]
-        return chunked(context[:-1], self.chunk_size), _Row(chunked(scored, self.chunk_size), 0, continuation)
+        return chunks_of(context[:-1], self.chunk_size), _Row(chunks_of(scored, self.chunk_size), 0, continuation)
 
     @torch.inference_mode()
     def score_many(self, requests: list[tuple[list[int], list[int]]], desc: str | None = None,

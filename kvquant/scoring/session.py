@@ -49,7 +49,7 @@ def shares_prefix(candidate: Candidate) -> bool:
     return getattr(candidate, "prefix_sharing", True)
 
 
-def described(cache) -> dict:
+def cache_settings(cache) -> dict:
     """A cache's options and what it derived from the model (the groups actually used), per-layer settings last:
     resume keys and reports."""
     settings = cache.settings()
@@ -234,6 +234,15 @@ def evaluation_split(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[s
                  dict.fromkeys(cfg.eval.tasks.names), long=tuple(long_windows(cfg, tokenizer, maxlen, rows)))
 
 
+@dataclass
+class SharedBaseline:
+    """The candidates one :func:`measure` call measures, in order: their divergences share the baseline's
+    scoring (one computed ahead of its candidate's turn is stored at once). Without one, every divergence scores
+    the baseline for itself."""
+
+    ahead: list[Candidate] = dataclasses.field(default_factory=list)
+
+
 class Session:
     """One model, tokenizer, config and result store: measures any candidate on any split, each (candidate,
     metric) result through the store (kept and reused, keyed by everything that decides it)."""
@@ -248,29 +257,28 @@ class Session:
         probes = probe_counts(cfg, first_look)
         self.folder = functools.cache(lambda: str(prepare_probe_tasks(tokenizer, probes, self.maxlen,
                                                                       "eval.tasks.names")))
-        #: the candidates :func:`measure` will measure, in order (divergences share the baseline's scoring), and
-        #: the divergence results computed ahead of their candidate's turn: (label, metric/windows) -> result
-        self.ahead: list[Candidate] = []
-        self.waiting: dict[tuple[str, str], dict] = {}
 
     def measure(self, candidate: Candidate, split: Split, label: str | None = None, tasks: bool = True,
-                probe: list[int] | None = None, divergence: bool | None = None) -> Measured:
+                probe: list[int] | None = None, divergence: bool | None = None,
+                shared: SharedBaseline | None = None) -> Measured:
         """``candidate``'s outcomes on ``split`` (its tasks too unless ``tasks`` is False; its KL divergence from
-        the baseline when ``divergence``, by default on the evaluation split only) and, given ``probe`` tokens,
-        its memory; stored under ``label`` (default: the candidate's)."""
+        the baseline when ``divergence``, by default on the evaluation split only, sharing the baseline's scoring
+        with the candidates ``shared`` holds after it) and, given ``probe`` tokens, its memory; stored under
+        ``label`` (default: the candidate's)."""
         label = label or candidate.label
+        shared = shared or SharedBaseline()
         key = self.key(candidate, split.name)
         settings = key["settings"]
         divergent = candidate is not BASELINE and (split.name == "evaluation" if divergence is None else divergence)
         outcomes, compared = [], []
         for name, ws in split.windows.items():
-            raw = self._divergence(candidate, label, key, name, ws, split.progress) if divergent else None
+            raw = self._divergence(candidate, label, key, name, ws, split.progress, shared) if divergent else None
             outcomes.append(self._perplexity(candidate, label, key, name, ws, split.progress, raw))
             if raw is not None:
                 compared += divergence_outcomes(name, raw, self._bits(candidate, [len(w.ids) for w in ws]))
         outcomes += compared
         if split.long and candidate is not BASELINE:
-            outcomes += self._long(candidate, label, key, list(split.long), split.progress)
+            outcomes += self._long(candidate, label, key, list(split.long), split.progress, shared)
         for task, documents in (split.documents.items() if tasks else ()):
             chunks = [self._task(candidate, label, key, task, documents)]
             chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
@@ -282,7 +290,7 @@ class Session:
     def key(self, candidate: Candidate, split: str) -> dict:
         """What every result of ``candidate`` on split ``split`` is keyed by (each metric adds its own data)."""
         cfg = self.cfg
-        settings = described(make_cache(self.model, candidate.spec))  # what the cache really uses, defaults filled in
+        settings = cache_settings(make_cache(self.model, candidate.spec))  # what the cache uses, defaults filled
         return {"model": asdict(cfg.model), "weights": self.weights, "mode": cfg.eval.mode,
                 "chunk_size": cfg.eval.chunk_size, "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed,
                 "max_length": self.maxlen, "split": split, "settings": settings,
@@ -320,16 +328,18 @@ class Session:
                       cfg.eval.mode, cfg.eval.chunk_size, batch_size=cfg.eval.batch_size,
                       share_prefix=shares_prefix(candidate), processes=self.processes)
 
-    def _divergence(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool) -> dict:
+    def _divergence(self, candidate, label, key, name: str, windows: list[data.Window], progress: bool,
+                    shared: SharedBaseline) -> dict:
         """KL divergence from the baseline's next-token distributions on a perplexity set, window by window (and
         the candidate's log-likelihood from the same scoring): the raw result."""
         ids = windows_digest(windows)
         desc = f"{label} {name} divergence" if progress else None
         return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
-                                         lambda: self._compared(candidate, label, f"kl/{name}/{ids}", windows, desc,
-                                                                key=key, metric=f"kl/{name}"))
+                                         lambda: self._compared(candidate, label, f"kl/{name}", key, ids, windows,
+                                                                desc, shared))
 
-    def _long(self, candidate, label, key, windows: list[data.Window], progress: bool) -> list[Outcomes]:
+    def _long(self, candidate, label, key, windows: list[data.Window], progress: bool,
+              shared: SharedBaseline) -> list[Outcomes]:
         """Divergence by position on the long documents (``eval.long_context``), as per-bucket outcomes."""
         long = self.cfg.eval.long_context
         ids = windows_digest(windows, long=True)
@@ -337,7 +347,7 @@ class Session:
         what = f"long/{long.text}"
         raw = self.store.get_or_compute(
             label, what, {**key, "windows": ids},
-            lambda: self._compared(candidate, label, f"{what}/{ids}", windows, desc, by_position=True))
+            lambda: self._compared(candidate, label, what, key, ids, windows, desc, shared, by_position=True))
         return long_outcomes(long.text, raw, long.lengths, self._bits(candidate, [len(w.ids) for w in windows]))
 
     def _kept(self, label: str, metric: str, key: dict):
@@ -348,26 +358,31 @@ class Session:
         return lambda start, stop, ws, compute: groups.get_or_compute(
             label, f"{metric}@{start}-{stop}", {**key, "windows": windows_digest(ws)}, compute)
 
-    def _compared(self, candidate, label, what: str, windows: list[data.Window], desc: str | None,
-                  by_position: bool = False, key: dict | None = None, metric: str = "") -> dict:
-        """``candidate``'s divergence result on ``windows`` (``by_position``: per position of each whole window,
+    def _compared(self, candidate, label, metric: str, key: dict, ids: str, windows: list[data.Window],
+                  desc: str | None, shared: SharedBaseline, by_position: bool = False) -> dict:
+        """``label``'s ``metric`` result on ``windows`` (digest ``ids``; ``key``: :meth:`key` of ``candidate``),
+        its divergence from the baseline (``by_position``: per position of each whole window,
         :func:`position_divergences`): computed beside up to :data:`SHARED_BASELINE` - 1 of the candidates
-        :attr:`ahead` of it, which share the baseline's scoring (each result waits in :attr:`waiting` until its
-        candidate is measured), or taken from there."""
-        if (label, what) in self.waiting:
-            return self.waiting.pop((label, what))
-        later = [c for c in self.ahead[self.ahead.index(candidate) + 1 :] if (c.label, what) not in self.waiting] \
-            if label == candidate.label and candidate in self.ahead else []
+        ``shared`` holds after it that have no stored result of it yet, which share the baseline's scoring. Theirs
+        are stored as soon as the pass ends (an interruption after it loses none), and read back in their turn."""
+        ahead = shared.ahead
+        keys = {c.label: {**self.key(c, key["split"]), "windows": ids}
+                for c in ahead[ahead.index(candidate) + 1 :]} if label == candidate.label and candidate in ahead \
+            else {}
+        # decided by the main process (it reads the store) so every process scores the same group
+        stored = self.processes.broadcast({name for name, k in keys.items() if self.store.reusable(name, metric, k)}
+                                          if self.processes.main else None)
+        later = [c for c in ahead if c.label in keys and c.label not in stored]
         group = [candidate, *later[: SHARED_BASELINE - 1]]
         scorers = [self._scorer(c) for c in group]
         if by_position:
             raws = position_divergences(self._scorer(BASELINE), scorers, [w.ids for w in windows], desc)
         else:  # its groups are kept as the first candidate's, keyed by every candidate compared in them
-            beside = [[c.label, self.key(c, key["split"])["settings"]] for c in group[1:]]
+            beside = [[c.label, keys[c.label]["settings"]] for c in group[1:]]
             raws = divergences(self._scorer(BASELINE), scorers, windows, desc,
                                self._kept(label, metric, {**key, "beside": beside}))
         for other, raw in zip(group[1:], raws[1:]):
-            self.waiting[(other.label, what)] = raw
+            self.store.get_or_compute(other.label, metric, keys[other.label], lambda raw=raw: raw)
         return raws[0]
 
     def _bits(self, candidate, lengths: list[int]) -> float:
@@ -410,8 +425,5 @@ def measure(session: Session, candidates: list[Candidate], rows: dict[str, list[
     ``rows``: the text of every perplexity set, read by preflight."""
     split = evaluation_split(session.cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(session.cfg, split, session.tokenizer, session.maxlen)
-    session.ahead = list(candidates)
-    try:
-        return {c.label: session.measure(c, split, probe=probe) for c in [BASELINE, *candidates]}
-    finally:
-        session.ahead, session.waiting = [], {}
+    shared = SharedBaseline(list(candidates))
+    return {c.label: session.measure(c, split, probe=probe, shared=shared) for c in [BASELINE, *candidates]}

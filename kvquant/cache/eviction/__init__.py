@@ -15,7 +15,7 @@ and the cache's storage drops the oldest; an importance policy sets ``importance
 from kvquant.cache.eviction.base import EVICTIONS, Eviction, available_evictions, get_eviction, register_eviction
 from kvquant.cache.eviction.key_norm import KeyNorm
 from kvquant.cache.eviction.sink_window import SinkWindow
-from kvquant.cache.eviction.window import Window
+from kvquant.cache.eviction.window import SlidingWindow
 
-__all__ = ["EVICTIONS", "Eviction", "KeyNorm", "SinkWindow", "Window", "available_evictions", "get_eviction",
+__all__ = ["EVICTIONS", "Eviction", "KeyNorm", "SinkWindow", "SlidingWindow", "available_evictions", "get_eviction",
            "register_eviction"]

@@ -10,7 +10,7 @@ from kvquant.cache.eviction.base import Eviction, register_eviction
 
 @register_eviction("window")
 @dataclass(frozen=True)
-class Window(Eviction):
+class SlidingWindow(Eviction):
     """The most recent ``window`` tokens, nothing else (a sliding window on a full-attention model)."""
 
     def check(self, sink_tokens):
