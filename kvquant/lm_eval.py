@@ -28,8 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from kvquant.compat.lm_eval import int_or_none_list, parser_actions, quiet_git, run_parser
 from kvquant.experiment.binding import build
 from kvquant.experiment.config import MAX_SEED, Candidate, EvalConfig
@@ -42,7 +40,8 @@ from kvquant.exits import guarded
 from kvquant.fs import check_env_dirs, check_trusted
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number
-from kvquant.scoring.models import DEFAULT_MAX_LENGTH, check_model, load_tokenizer, resolve_model_path, trained_context
+from kvquant.scoring.models import (DEFAULT_MAX_LENGTH, check_device_present, check_model, load_tokenizer,
+    resolve_model_path, trained_context)
 from kvquant.scoring.tasks import (check_task_data, check_tasks, prepare_probe_tasks, probe_tasks, task_data_digest,
     task_dir)
 
@@ -89,8 +88,6 @@ def check_kvquant_args(model_args: dict) -> None:
                            "gguf_file=F.gguf, or a hub id)")
     spec = _model_spec(args)
     keys = {"path": "model_args.pretrained", **{f: f"model_args.{f}" for f in ("tokenizer", "gguf_file", "device")}}
-    if spec.device.startswith("cuda") and not torch.cuda.is_available():
-        spec = dataclasses.replace(spec, device="cpu")  # as the kvquant model does: the CPU where no GPU is
     model_config = check_model(spec, keys)
     build(EvalConfig, {k: args.pop(k) for k in EVAL_ARGS if k in args}, "model_args")
     check_sharing(args.get("share_prefix", True), args.get("share_out", "documents"), "model_args.")
@@ -276,8 +273,8 @@ def _model_args(flags: dict) -> dict:
     return parse_model_args([args]) if isinstance(args, str) else dict(args)
 
 
-#: model arguments lm-eval always hands the model from its own flags (``--batch_size`` defaults to 1,
-#: ``--device`` to cuda:0, which the kvquant model takes as the CPU where there is no GPU)
+#: model arguments lm-eval always hands the model from its own flags (``--batch_size`` defaults to 1, ``--device``
+#: to cuda:0, in whose place the kvquant model gets auto: :func:`lm_eval_argv`)
 LM_EVAL_FLAGS = ("batch_size", "device")
 
 
@@ -313,6 +310,8 @@ def check(argv: list[str]) -> Path | None:
             if name in model_args:
                 raise KVQuantError(f"model_args: {name} is set with lm-eval's own flag: pass --{name} "
                                    f"{model_args[name]} instead")
+        if flags.get("device"):
+            check_device_present(flags["device"], "--device")
         check_kvquant_args(model_args)
     probes = probe_tasks(tasks, lambda _: _documents(flags.get("limit")))
     if not probes:
@@ -347,12 +346,23 @@ def _evaluate(argv: list[str]) -> int:
         fewshot.expect(None)  # the shots were this command's (its kvquant model has read them)
 
 
+def lm_eval_argv(argv: list[str], flags: dict, folder: Path | None) -> list[str]:
+    """The command line lm-eval runs: ``argv`` with kvquant's folder of task files on the include path (where
+    :func:`check` gave one) and, for ``--model kvquant`` without ``--device``, ``--device auto`` (the GPU where
+    there is one, else the CPU, as ``kvquant.run`` does) instead of lm-eval's default cuda:0."""
+    if folder is not None:
+        argv = [*argv, "--include_path", str(folder)]
+    if flags.get("model") == "kvquant" and not flags.get("device"):
+        argv = [*argv, "--device", "auto"]
+    return argv
+
+
 def _checked_evaluate(argv: list[str]) -> int:
     if not PASS_THROUGH & set(argv[:1]):
         folder = check(argv)
-        same_command(lm_eval_flags(argv))
-        if folder is not None:
-            argv = [*argv, "--include_path", str(folder)]
+        flags = lm_eval_flags(argv)
+        same_command(flags)
+        argv = lm_eval_argv(argv, flags, folder)
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = [sys.argv[0], *argv]

@@ -120,6 +120,8 @@ def files(tmp_path):
     (tmp_path / "args.yaml").write_text(yaml.safe_dump({"model_args": {"pretrained": resolve(MODEL),
                                                                         "quantizer": "int5"}}))
     (tmp_path / "list.yaml").write_text("- a\n")
+    (tmp_path / "device.yaml").write_text(yaml.safe_dump({"device": "cuda:99"}))
+    (tmp_path / "device_cpu.yaml").write_text(yaml.safe_dump({"device": "cpu"}))
     return tmp_path
 
 
@@ -163,6 +165,9 @@ ENTRY_CASES = [
     ("no-tasks", ["--model", "kvquant", "--model_args", "pretrained={model}"], "--tasks is required"),
     ("unknown-model", ["--model", "kvqant", "--model_args", "pretrained={model}", "--tasks", "tinystories_lastword"],
      "--model: unknown model 'kvqant'; did you mean kvquant"),
+    # a GPU torch does not see: was the CPU, with a note before lm-eval's output (cuda:99: no machine here has 100)
+    ("device-gpu-absent", [*BASE, "--device", "cuda:99"], "--device is 'cuda:99', but"),
+    ("device-gpu-absent-config", [*BASE, "--config", "{files}/device.yaml"], "--device is 'cuda:99', but"),
     # lm-eval hands the model --batch_size and --device itself: a model_args copy was "multiple values" (exit 3)
     ("model-args-device", ["--model", "kvquant", "--model_args", "pretrained={model},device=cpu", "--tasks",
                            "tinystories_lastword"], "model_args: device is set with lm-eval's own flag: pass --device"),
@@ -214,6 +219,22 @@ def test_lm_eval_entry_accepts(lm_eval_trapped, files, monkeypatch, extra):
     assert seen and seen[0][: len(argv)] == argv and seen[0][len(argv)] == "--include_path"
 
 
+@pytest.mark.parametrize("model, extra, device", [
+    ("kvquant", [], ["--device", "auto"]), ("kvquant", ["--device", "cpu"], []),
+    ("kvquant", ["--config", "{files}/device_cpu.yaml"], []), ("hf", [], []),
+], ids=["kvquant-default", "kvquant-cpu", "kvquant-config-cpu", "hf-default"])
+def test_lm_eval_gives_the_kvquant_model_auto_where_no_device_is_asked(lm_eval_trapped, files, monkeypatch, model,
+                                                                        extra, device):
+    """Was: lm-eval's default cuda:0 reached the kvquant model, which on a machine without a GPU printed a note
+    ("kvquant: device 'cuda:0' is not available") before a refusal's one line. Another model keeps lm-eval's own
+    default."""
+    seen = []
+    monkeypatch.setattr("lm_eval.__main__.cli_evaluate", lambda: seen.append(list(sys.argv[1:])))
+    argv = entry(["--model", model, *BASE[2:], *extra], files)
+    assert lm_eval_cli.main(argv) == 0
+    assert seen[0][:len(argv) + 1] == [*argv, "--include_path"] and seen[0][len(argv) + 2:] == device, seen
+
+
 @pytest.mark.parametrize("batch_size, max_batch_size, expected", [
     ("auto", None, 16), ("auto:4", None, 16), ("auto", 4, 4), ("auto:2", "8", 8), ("8", None, 8), (3, None, 3),
     (None, None, 1),
@@ -222,6 +243,13 @@ def test_kvquant_lm_accepts_lm_eval_batch_sizes(model, tokenizer, batch_size, ma
     lm = kvquant.scoring.lm_eval_model.KVQuantLM(model, tokenizer=tokenizer, batch_size=batch_size,
                                          max_batch_size=max_batch_size)
     assert lm.scorer.batch_size == expected
+
+
+def test_kvquant_lm_refuses_a_gpu_torch_does_not_see_before_loading(lm_eval_trapped):
+    """Was: the CPU, with a note on stderr (from Python, a device asked for is the user's own)."""
+    with pytest.raises(KVQuantError, match=r"^device is 'cuda:99', but") as info:
+        kvquant.scoring.lm_eval_model.KVQuantLM(resolve(MODEL), device="cuda:99")
+    one_line(info)
 
 
 @pytest.mark.parametrize("batch_size, max_batch_size, needle", [

@@ -16,8 +16,6 @@ with the same few-shot draws as one process, and the scorer shares out its reque
 
 from __future__ import annotations
 
-import sys
-
 import lm_eval.models  # noqa: F401  (before registering: lm-eval fills its built-in models only into an empty registry)
 import torch
 from lm_eval.api.model import TemplateLM
@@ -27,11 +25,11 @@ from tqdm import tqdm
 
 from kvquant.cache import CacheSpec, make_cache
 from kvquant.compat.lm_eval import set_rank
-from kvquant.experiment.model_config import ModelConfig
+from kvquant.experiment.model_config import ModelConfig, check_device
 from kvquant.yaml_reader import load_yaml
 from kvquant.errors import ConfigError, KVQuantError, check_int, is_int
 from kvquant.scoring.scorer import Scorer, check_mode
-from kvquant.scoring.models import load_model, max_length as model_max_length
+from kvquant.scoring.models import check_device_present, load_model, max_length as model_max_length
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel
 
@@ -130,9 +128,9 @@ class KVQuantLM(TemplateLM):
         check_mode(mode, chunk_size)
         if max_length is not None:
             check_int("max_length", max_length, minimum=2)
-        if device and device.startswith("cuda") and not torch.cuda.is_available():
-            print(f"kvquant: device {device!r} is not available (lm-eval's default); using the CPU", file=sys.stderr)
-            device = "cpu"
+        if device:  # kvquant.lm_eval passes auto where its --device is not given (lm-eval's own default: cuda:0)
+            check_device("device", device)
+            check_device_present(device, "device")
         group = parallel.current()
         if group.world > 1:  # launched with several processes: this one scores its share
             if device_map:
