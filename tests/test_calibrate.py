@@ -172,6 +172,16 @@ def test_values_beyond_the_format_at_the_calibrated_scale_are_named():
         {"0": {"k_scale": [1.0], "v_scale": [2.0]}}
 
 
+@pytest.mark.parametrize("peak, shown", [(448.3, "448.3"), (448.04, "448.04"), (448.0004, "448.0004"), (449.6, "450")],
+                         ids=["448.3", "448.04", "448.0004", "449.6"])
+def test_a_peak_just_beyond_the_format_does_not_read_as_the_limit(peak, shown):
+    """Was: 448.3 printed as "reach 448x ..., beyond the 448x the format holds"."""
+    observed = {0: {"k_amax": [1.0], "k_peak": [peak / 448], "v_amax": [1.0], "v_peak": [1.0]}}
+    assert calibrate.saturating(observed, calibrate.scales(observed, 448.0, per_head=False), 448.0) == [
+        f"layer 0 keys reach {shown}x their scale on the calibration split, beyond the 448x the format holds: they "
+        "saturate"]
+
+
 def test_an_unnamed_candidate_keeps_its_label_once_calibrated():
     from kvquant.experiment.config import Candidate
 

@@ -119,9 +119,18 @@ def saturating(observed: dict, layers: dict, divisor: float) -> list[str]:
             chosen = chosen if isinstance(chosen, list) else [chosen] * len(entry[f"{role}_peak"])
             worst = max(p / s for p, s in zip(entry[f"{role}_peak"], chosen))
             if worst > divisor:
-                out.append(f"layer {layer} {name} reach {worst:.0f}x their scale on the calibration split, beyond "
-                           f"the {divisor:.0f}x the format holds: they saturate")
+                out.append(f"layer {layer} {name} reach {apart(worst, divisor)}x their scale on the calibration "
+                           f"split, beyond the {divisor:.0f}x the format holds: they saturate")
     return out
+
+
+def apart(value: float, limit: float) -> str:
+    """``value`` (> ``limit``) with the fewest decimals, none at best, at which it does not read as ``limit`` does
+    (448.3 beside 448: ``448.3``, not ``448``)."""
+    digits = 0
+    while f"{value:.{digits}f}" == f"{limit:.{digits}f}":
+        digits += 1
+    return f"{value:.{digits}f}"
 
 
 def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
