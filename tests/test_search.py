@@ -271,6 +271,19 @@ def test_a_split_that_cannot_be_held_apart_is_refused_before_the_model_loads(tmp
     assert "Loading weights" not in err
 
 
+def test_the_task_size_check_calls_no_deprecated_lm_eval_loader(tmp_path, capsys):
+    """Was: lm-eval's ``get_task_dict`` (deprecated for ``TaskManager.load``), a DeprecationWarning each run."""
+    import warnings
+
+    path = tmp_path / "search.yaml"
+    path.write_text(CONFIG.format(out=tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([str(path), "--set", "eval.tasks.limit=495"]) == 2
+    assert "task 'tinystories_lastword' has 498 documents" in capsys.readouterr().err
+    assert not [w for w in caught if "TaskManager.load" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_calibration_starts_after_what_any_set_of_the_same_text_evaluates(tmp_path):
     from kvquant.scoring.calibrate import calibration_windows
     from kvquant.scoring.models import load_tokenizer

@@ -61,13 +61,12 @@ def check_search(cfg: ExperimentConfig, shape, dtype, tokenizer, maxlen: int, ro
             raise KVQuantError(f"search: eval.tasks.names {same!r} and {task!r} read the same documents, so one "
                                "could calibrate on what the other evaluates; list it once")
     import datasets
-    from lm_eval.tasks import get_task_dict
 
     datasets.disable_progress_bars()  # stderr holds one line on bad input
     manager = task_manager(str(folder) if folder else None)
     for task, docs in calibration_documents(cfg).items():
         name = resolve_task(task)
-        size = len(get_task_dict([name], manager)[name].eval_docs)
+        size = len(manager.load([name])["tasks"][name].eval_docs)
         if docs.stop > size:
             raise KVQuantError(f"search: task {task!r} has {size} documents; evaluation reads {docs.start} and "
                                f"calibration {len(docs)} more; lower eval.tasks.limit or search.documents")
