@@ -5,7 +5,6 @@ or wrong answer per document, the only ones the runner scores (:func:`check_answ
 from __future__ import annotations
 
 import contextlib
-import warnings
 from pathlib import Path
 
 import yaml
@@ -35,17 +34,12 @@ def held_tasks():
 def lm_eval_task(task: str, folder, sampler: str = "default"):
     """The lm-eval task object behind a task name, its files from ``folder``
     (:func:`kvquant.scoring.tasks.task_dir`), drawing its few-shot examples with ``sampler``
-    (:func:`use_sampler`); under :func:`held_tasks`, built once. lm-eval's DeprecationWarning about get_task_dict
-    is held back (it would print before a refusal's one line)."""
-    from lm_eval.tasks import get_task_dict
-
+    (:func:`use_sampler`); under :func:`held_tasks`, built once."""
     key = (task, str(folder), sampler)
     if _HELD and key in _HELD[-1]:
         return _HELD[-1][key]
     name = resolve_task(task)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*get_task_dict.*", category=DeprecationWarning)
-        found = use_sampler(get_task_dict([name], task_manager(str(folder), name))[name], sampler)
+    found = use_sampler(task_manager(str(folder), name).load([name])["tasks"][name], sampler)
     if _HELD:
         _HELD[-1][key] = found
     return found
