@@ -54,6 +54,7 @@ class ResultStore:
         #: run that writes nothing leaves nothing behind
         self.first_write = None
         self.reused, self.computed, self.set_aside = 0, 0, []
+        self.ahead: set[Path] = set()  # results :meth:`store_ahead` stored that their turn has not read yet
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         #: ``secret``: the key to verify with (a reader that must not make one: :func:`result_key`'s, existing)
         self.secret = secret if secret is not None else result_key() if processes.main else b""
@@ -125,7 +126,10 @@ class ResultStore:
         saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
                                          else None)
         if saved is not None:
-            self.reused += path not in self.written  # one this run stored (a shared pass's) is not reused
+            if path in self.ahead:  # stored by this run ahead of its turn (:meth:`store_ahead`): not reused
+                self.ahead.discard(path)
+            else:
+                self.reused += 1
             if _is_seconds(saved.get("seconds")):
                 self.seconds[candidate, metric] = float(saved["seconds"])
             return saved["result"]
@@ -146,6 +150,13 @@ class ResultStore:
                                      "seconds": self.seconds[candidate, metric]}, default=str))
         self.written.add(path)
         return result
+
+    def store_ahead(self, candidate: str, metric: str, key: dict, result) -> None:
+        """Store ``result``, computed ahead of its turn (a divergence computed beside another candidate's), as
+        :meth:`get_or_compute` would: kept if the run is interrupted before its turn, and counted as computed, not
+        reused, when its turn reads it."""
+        self.get_or_compute(candidate, metric, key, lambda: result)
+        self.ahead.add(self._path(candidate, metric))
 
     def adopt(self, candidate: str, metric: str, saved: dict) -> bool:
         """Place ``saved`` (``key``, ``inputs`` and ``result`` another machine or session wrote, checked by the

@@ -382,7 +382,7 @@ class Session:
             raws = divergences(self._scorer(BASELINE), scorers, windows, desc,
                                self._kept(label, metric, {**key, "beside": beside}))
         for other, raw in zip(group[1:], raws[1:]):
-            self.store.get_or_compute(other.label, metric, keys[other.label], lambda raw=raw: raw)
+            self.store.store_ahead(other.label, metric, keys[other.label], raw)
         return raws[0]
 
     def _bits(self, candidate, lengths: list[int]) -> float:
