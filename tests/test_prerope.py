@@ -235,11 +235,13 @@ def test_forks_and_stacked_rows_read_each_key_at_its_own_position(model64, story
     short, long = (kvquant.make_cache(m, "int4", **settings) for _ in range(2))
     run(m, ids[:, :30], short, steps=(30,))
     run(m, ids[:, 200:250], long, steps=(50,))
-    stacked = stack_rows([(short, 0), (long, 0)])  # the short row padded in front by 20
-    positions, mask = torch.tensor([[30], [50]]), torch.cat([stacked.padding.mask, torch.ones(2, 1, dtype=bool)], 1)
+    empty = kvquant.make_cache(m, "int4", **settings)  # a row nothing was written to (the scorer stacks such)
+    stacked = stack_rows([(short, 0), (long, 0), (empty, 0)])  # the short row padded in front by 20, the empty by 50
+    positions, mask = torch.tensor([[30], [50], [0]]), torch.cat([stacked.padding.mask, torch.ones(3, 1, dtype=bool)],
+                                                                 1)
     with torch.no_grad():
-        got = m(ids[:, 300:301].expand(2, 1), attention_mask=mask.long(), position_ids=positions, cache=stacked).logits
-        for row, source in enumerate((short, long)):
+        got = m(ids[:, 300:301].expand(3, 1), attention_mask=mask.long(), position_ids=positions, cache=stacked).logits
+        for row, source in enumerate((short, long, empty)):
             want = m(ids[:, 300:301], position_ids=positions[row : row + 1], cache=source).logits
             torch.testing.assert_close(got[row], want[0], rtol=0, atol=1e-10)
 
@@ -313,3 +315,42 @@ def test_fused_decode_reads_pre_rope_keys_through_the_rotated_copy(monkeypatch):
     assert not calls
     run(model, ids, kvquant.make_cache(model, "int4", residual_length=0))
     assert calls  # the same model's plain cache does use the kernel
+
+
+@pytest.mark.slow
+def test_on_qwen2_5_the_identity_is_the_models_logits_and_the_bias_comes_off_before_rope(stories):
+    """Qwen2.5-0.5B (where ``make setup`` prepared it), one story through experiments/prerope_bias.py's caches: the
+    identity before RoPE within 5e-4 of the model's logits (1.0e-4 measured; they reach 32), and Lloyd-Max 4-bit
+    keys with the ``k_proj`` bias removed before RoPE far closer to the model than with it removed after RoPE."""
+    from conftest import experiment
+    from test_qwen import real_file
+
+    real_file()
+    bench = experiment("prerope_bias")
+    model, tokenizer = bench.load_model(bench.MODEL)
+    ids = torch.tensor([next(t for s in stories if 200 <= len(t := tokenizer(s).input_ids) <= 300)])
+    caches = bench.candidates(model)
+    with torch.no_grad():
+        want = bench.logits(model, ids, DynamicCache(config=model.config))
+        got = {name: bench.logits(model, ids, kvquant.make_cache(model, **caches[name])) for name in
+               ("fp16, before RoPE", "lloyd_max 4, after RoPE, bias removed", "lloyd_max 4, before RoPE, bias removed")}
+    torch.testing.assert_close(got["fp16, before RoPE"], want, rtol=0, atol=5e-4)
+
+    def kl(name):
+        return float(torch.nn.functional.kl_div(got[name].log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                                reduction="batchmean"))
+
+    assert kl("lloyd_max 4, before RoPE, bias removed") * 5 < kl("lloyd_max 4, after RoPE, bias removed")
+
+
+def test_the_scorer_shares_prefixes_and_batches_rows_of_a_pre_rope_cache(model64, story_ids):
+    """Streaming scoring (shared contexts prefilled once, rows stacked in batches, padded in front, and an empty
+    cache stacked beside them): the identity before RoPE scores what the identity scores, in float64."""
+    from kvquant.scoring.scorer import Scorer
+
+    ids = story_ids[0].tolist()
+    requests = [(ids[:40], ids[40:52]), (ids[:40], ids[60:66]), (ids[:23], ids[23:40]), (ids[100:170], ids[170:175])]
+    scores = [Scorer(model64, kvquant.CacheSpec.of("fp16", options), mode="streaming", chunk_size=16,
+                     batch_size=3).score_many(requests) for options in ({"pre_rope": True}, {})]
+    for got, want in zip(*scores):
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-10)

@@ -126,7 +126,8 @@ class PreRope:
         counts = [part.k.length(row) if part.is_initialized else 0 for part, row in parts]
         new.positions = torch.zeros(len(parts), max(counts, default=0), dtype=torch.int32)
         for i, ((part, row), count) in enumerate(zip(parts, counts)):
-            new.positions[i, :count] = part.rope.positions[row, :count]
+            if count:
+                new.positions[i, :count] = part.rope.positions[row, :count]
         return new
 
     def tensors(self) -> list[torch.Tensor]:
