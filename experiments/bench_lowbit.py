@@ -12,6 +12,10 @@ config's shape (default SmolLM2-135M's: 3 KV heads of head_dim 64, float32 state
 - ``decode_step``: then one more token per row, stored and the history read back (a decode step's cache work,
   without fused decode).
 
+A candidate with ``pre_rope: true`` gets its cache from a one-layer model of the shape (random weights: its RoPE is
+what counts), so RoPE is taken off each chunk's keys and put back on every read; every update carries its tokens'
+positions, as transformers' attention passes them.
+
 Times are CPU seconds of this process (``time.process_time``: the load of a shared machine slows the wall clock far
 more than it changes the CPU time) and wall seconds, each the best of ``--repeats``, the candidates taken in turn
 within each repeat so that load falls on all alike; ``x int4`` is the ratio to the int4 g32 candidate's CPU time
@@ -28,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 import yaml
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import kvquant
 from kvquant.errors import KVQuantError, at_least, script_parser
@@ -48,23 +52,29 @@ def timed(fn) -> tuple[float, float]:
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
-def parts(config: LlamaConfig, candidate: dict, states: torch.Tensor, chunk: int) -> dict[str, tuple[float, float]]:
-    """The four timings of one candidate (module docstring) on ``states`` ``[2, B, H, T, D]`` (keys, values)."""
+def parts(model, candidate: dict, states: torch.Tensor, chunk: int) -> dict[str, tuple[float, float]]:
+    """The four timings of one candidate (module docstring) on ``states`` ``[2, B, H, T, D]`` (keys, values), its
+    cache made for ``model`` (one layer of the shape) where it stores keys before RoPE, else for its config."""
     quantizer, options = candidate["quantizer"], dict(candidate.get("options") or {})
-    cache_options = {k: options.pop(k) for k in ("residual_length", "sink_tokens") if k in options}
-    codecs = kvquant.get_quantizer(quantizer, **options).codecs(config.head_dim)
+    cache_options = {k: options.pop(k) for k in ("residual_length", "sink_tokens", "pre_rope") if k in options}
+    codecs = kvquant.get_quantizer(quantizer, **options).codecs(model.config.head_dim)
     encoded = [codec.encode(x) for codec, x in zip(codecs, states)]
     out = torch.empty_like(states[0])
-    cache = kvquant.make_cache(config, quantizer, **options, **cache_options)
+    cache = kvquant.make_cache(model if cache_options.get("pre_rope") else model.config, quantizer, **options,
+                               **cache_options)
+    length = states.shape[3]
+    positions = torch.arange(length + 1)[None]
 
     def prefill():
-        for start in range(0, states.shape[3], chunk):
-            cache.update(states[0, :, :, start : start + chunk], states[1, :, :, start : start + chunk], 0)
+        for start in range(0, length, chunk):
+            cache.update(states[0, :, :, start : start + chunk], states[1, :, :, start : start + chunk], 0,
+                         kwargs={"position_ids": positions[:, start : start + chunk]})
 
     return {"encode": timed(lambda: [codec.encode(x) for codec, x in zip(codecs, states)]),
             "decode": timed(lambda: [codec.decode_into(enc, out) for codec, enc in zip(codecs, encoded)]),
             "prefill": timed(prefill),
-            "decode_step": timed(lambda: cache.update(states[0, :, :, :1], states[1, :, :, :1], 0))}
+            "decode_step": timed(lambda: cache.update(states[0, :, :, :1], states[1, :, :, :1], 0,
+                                                      kwargs={"position_ids": positions[:, length:]}))}
 
 
 @torch.inference_mode()
@@ -74,12 +84,14 @@ def measure(args) -> pd.DataFrame:
     if args.anchor not in candidates:
         raise KVQuantError(f"--anchor {args.anchor!r} is not a candidate of {args.config}: {', '.join(candidates)}")
     config = LlamaConfig(**SHAPE, max_position_embeddings=args.tokens + 16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(0)
     states = torch.randn(2, args.batch, config.num_key_value_heads, args.tokens, config.head_dim, generator=gen)
     best: dict[tuple[str, str], tuple[float, float]] = {}
     for repeat in range(args.repeats + 1):  # the first is a warm-up, not counted
         for name, candidate in candidates.items():
-            for part, (cpu, wall) in parts(config, candidate, states, args.chunk).items():
+            for part, (cpu, wall) in parts(model, candidate, states, args.chunk).items():
                 if repeat:
                     old = best.get((name, part), (float("inf"),) * 2)
                     best[name, part] = (min(old[0], cpu), min(old[1], wall))

@@ -248,10 +248,10 @@ def test_stack_rows_rejects_bad_sources(model):
 
 @pytest.mark.parametrize("options,match", [
     ({"head_dim": 8}, r"make_cache: head_dim is not an option, it is read from model_or_config; the options: budget, "
-                      r"eviction, layers, residual_length"),
+                      r"eviction, layers, pre_rope, residual_length"),
     ({"layout": [None]}, r"make_cache: layout is not an option"),
     ({"residual_lenght": 0}, r"quantizer 'int4' has no option 'residual_lenght'; its options: .*group_size.*; the "
-                             r"cache's: budget, eviction, layers, residual_length, sink_tokens, window"),
+                             r"cache's: budget, eviction, layers, pre_rope, residual_length, sink_tokens, window"),
 ], ids=["head_dim", "layout", "typo of a cache option"])
 def test_make_cache_rejects_bad_options(model, options, match):
     with pytest.raises(KVQuantError, match=match) as err:

@@ -24,7 +24,9 @@ KVQUANT = Path(__file__).parent.parent / "kvquant"
 PRIVATE = [rf"(?<!\w){name}\b" for name in (
     "_attn_implementation", "_active_collector", "output_capturing", "_tp_size", "_quantized_keys",
     "_quantized_values", "_yaml_loader", "_Base", "_cli", "_subparsers", "_actions", "_int_or_none_list_arg_type",
-    "get_git_commit_hash", "get_commit_from_path")
+    "get_git_commit_hash", "get_commit_from_path",
+    # public, but transformers' modelling internals a pre-RoPE cache reads (kvquant/compat/rope.py)
+    "rotary_emb", "rope_parameters")
 ] + [r"\._rank\b", r"\._world_size\b"]
 
 
@@ -155,7 +157,7 @@ def test_kvquant_lm_implements_the_abstract_loglikelihood_tokens_of_template_lm(
 def test_no_module_outside_compat_names_a_private_symbol():
     compat = sorted((KVQUANT / "compat").glob("*.py"))
     others = [p for p in sorted(KVQUANT.rglob("*.py")) if (KVQUANT / "compat") not in p.parents]
-    assert len(compat) == 3 and len(others) > 50
+    assert len(compat) == 4 and len(others) > 50
     compat_text = "\n".join(p.read_text() for p in compat)
     for pattern in PRIVATE:  # each pattern finds its use in compat, so a miss elsewhere means something
         assert re.search(pattern, compat_text), pattern

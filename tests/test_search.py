@@ -225,6 +225,7 @@ def test_documents_0_allows_what_only_task_calibration_forbids(tmp_path, change)
     ("search.ladder=[{quantizer: int8}]", "ladder needs at least two settings"),
     ("search.name=baseline", "names must be unique and not 'baseline'"),
     ("search.ladder.0.options={layers: {0: {}}}", "'layers' is what the search decides"),
+    ("search.ladder.1.options={pre_rope: true}", "pre_rope is for the whole cache"),
     ("eval.tasks.num_fewshot=2", "num_fewshot must be 0"),
     # calibration documents start at the limit, where the first sequential look would evaluate them
     ("gate.max_documents=400", "sequential looks would evaluate; drop one of them"),

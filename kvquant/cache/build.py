@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import DummyLayer, get_layer_types_and_kwargs
 from transformers.configuration_utils import get_head_shapes
 
+from kvquant.compat.rope import rotary_tables
 from kvquant.compat.transformers import tensor_parallel_size
 from kvquant.errors import KVQuantError, is_python_int
 from kvquant.formats.quantizers import QUANTIZERS, Quantizer, check_tokens, get_quantizer
@@ -21,6 +22,7 @@ from kvquant.cache.checks import describe_value
 from kvquant.cache.layer import KVQuantLayer, check_importance
 from kvquant.cache.memory import STORED_KEYS, summarize
 from kvquant.cache.padding import Padding
+from kvquant.cache.prerope import PreRope
 from kvquant.cache.spec import CacheSpec, check_not_options
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -274,10 +276,22 @@ def cache_of_spec(layout: list[int | None | str], setting: CacheSpec, *, head_di
         if policy and policy.importance:
             for chosen, residual, _ in {spec for spec in plan if spec is not None}:
                 check_importance(policy, *chosen.codecs(head_dim), residual)
+    tables = _rope_of(model) if setting.pre_rope else None
     padding = Padding()
-    built = [DummyLayer() if spec is None else KVQuantLayer(*spec, sliding, padding, policy) for spec, sliding in
-             zip(plan, layout)]
-    return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized, policy)
+    built = [DummyLayer() if spec is None else
+             KVQuantLayer(*spec, sliding, padding, policy, tables and PreRope(tables, i))
+             for i, (spec, sliding) in enumerate(zip(plan, layout))]
+    return KVQuantCache(built, quantizer, residual_length, sink_tokens, head_dim, normalized, policy,
+                        setting.pre_rope)
+
+
+def _rope_of(model):
+    """The model's RoPE tables for a pre-RoPE cache (:mod:`kvquant.compat.rope`); one line where it has none kvquant
+    can take off (a config, a family or RoPE type it does not know, partial rotary)."""
+    try:
+        return rotary_tables(model)
+    except ValueError as err:
+        raise KVQuantError(str(err)) from None
 
 
 def _check_heads(layer: KVQuantLayer, shapes: Shapes) -> None:
@@ -339,6 +353,8 @@ def simulate_memory(
         quantizer = settings.pop("quantizer")
         check_not_options("settings", settings)
         settings = CacheSpec.of(quantizer, settings)
+    if settings.pre_rope:  # the same stored bytes as without (positions are host bookkeeping), and no model here
+        settings = settings.replace(pre_rope=None)
     states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
     cache = build_cache(layout, settings, head_dim=head_dim, context=context)
     parts, seen = {}, {}

@@ -27,12 +27,13 @@ class KVQuantCache(Cache):
 
     def __init__(self, layers: list, quantizer: Quantizer, residual_length: int, sink_tokens: int,
                  head_dim: int | None = None, layer_options: dict[str, dict] | None = None,
-                 eviction: Eviction | None = None):
+                 eviction: Eviction | None = None, pre_rope: bool = False):
         super().__init__(layers=layers)
         self.quantizer, self.residual_length, self.sink_tokens = quantizer, residual_length, sink_tokens
         self.head_dim = head_dim
         self.layer_options = layer_options or {}  # normalized ``layers=`` of make_cache
         self.eviction = eviction
+        self.pre_rope = pre_rope  # keys stored without RoPE (kvquant/cache/prerope.py): each layer has its ``rope``
         self.padding = next((layer.padding for layer in layers if isinstance(layer, KVQuantLayer)), Padding())
         self._reads: Reads | None = None
         for index, layer in enumerate(layers):
@@ -133,8 +134,9 @@ class KVQuantCache(Cache):
         rebuilds it."""
         layers = {"layers": copy.deepcopy(self.layer_options)} if self.layer_options else {}
         eviction = {"eviction": self.eviction.name, **dataclasses.asdict(self.eviction)} if self.eviction else {}
+        rope = {"pre_rope": True} if self.pre_rope else {}  # said only when on: settings from before it stay the same
         return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens,
-                **eviction, **layers}
+                **eviction, **rope, **layers}
 
     def derived(self) -> dict[str, object]:
         """What the quantizer derived from the model's head_dim: the groups actually used (``key_group``,
@@ -214,9 +216,9 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
         if not isinstance(layer, KVQuantLayer):
             layers.append(copy.copy(layer))
             continue
-        new = KVQuantLayer(layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, padding,
-                             layer.eviction)
         held = [(c.layers[index], r) for c, r in sources]
+        new = KVQuantLayer(layer.quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, padding,
+                           layer.eviction, layer.rope and layer.rope.stacked(held))
         if any(part.is_initialized for part, _ in held):  # else nothing was written anywhere: it initializes later
             template = next(part for part, _ in held if part.is_initialized)
             for name in ("k", "v"):
@@ -228,7 +230,7 @@ def stack_rows(sources: list[tuple[KVQuantCache, int]]) -> KVQuantCache:
             new._check()
         layers.append(new)
     stacked = KVQuantCache(layers, first.quantizer, first.residual_length, first.sink_tokens, first.head_dim,
-                           first.layer_options, first.eviction)
+                           first.layer_options, first.eviction, first.pre_rope)
     stacked.reads = first.reads  # the rows go on counting where they were counted
     return stacked
 
@@ -237,4 +239,5 @@ def _kinds(cache: KVQuantCache) -> list:
     """What each layer stores and how (two caches with equal kinds store alike)."""
     return [(type(layer), getattr(layer, "quantizer", None), getattr(layer, "residual_length", None),
              getattr(layer, "sink_tokens", None), getattr(layer, "sliding_window", None),
-             getattr(layer, "eviction", None)) for layer in cache.layers]
+             getattr(layer, "eviction", None), getattr(getattr(layer, "rope", None), "tables", None))
+            for layer in cache.layers]

@@ -16,6 +16,7 @@ from kvquant.cache.reads import Reads
 from kvquant.cache import fused, query
 from kvquant.cache.checks import STATES, check_states, describe_value, fits
 from kvquant.cache.padding import Padding
+from kvquant.cache.prerope import PreRope, given_positions
 from kvquant.formats.roles import by_category
 from kvquant.cache.storage import Store, left_align
 from kvquant.cache.streams import fusable
@@ -73,7 +74,7 @@ class KVQuantLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, quantizer: Quantizer, residual_length: int, sink_tokens: int, sliding_window: int | None = None,
-                 padding: Padding | None = None, eviction: Eviction | None = None):
+                 padding: Padding | None = None, eviction: Eviction | None = None, rope: PreRope | None = None):
         super().__init__()
         self.quantizer, self.residual_length = quantizer, residual_length
         self.sliding_window = sliding_window
@@ -91,6 +92,8 @@ class KVQuantLayer(CacheLayerMixin):
         self.index: int | None = None  # the layer's index in its cache (for error messages)
         self.reads: Reads | None = None  # counts what attention reads, when given a counter
         self.fused = False  # short steps return placeholders read by fused.attention (set by make_cache)
+        #: pre-RoPE keys (:mod:`kvquant.cache.prerope`): RoPE taken off before storing, put back on read
+        self.rope = rope
         #: ``(KV heads, head_dim)`` the model writes, for keys and for values (None: not known), checked at the
         #: first update (set by make_cache from the model: :func:`~kvquant.cache.build.written_shapes`)
         self.expected: tuple[tuple[int, int] | None, tuple[int, int] | None] = (None, None)
@@ -192,15 +195,23 @@ class KVQuantLayer(CacheLayerMixin):
         first = self._window()  # DynamicCache returns positions [first, past + n): min(past, W - 1) + n of them
         declared = self.padding.mask is not None
         real = self.padding.real(first, past + n, batch) if declared else None  # [B, kv_len]
-        new = [left_align(x, real[:, real.shape[1] - n :] if declared else None) for x in (key_states, value_states)]
-        for (states, _), raw, store, name in zip(new, (key_states, value_states), (self.k, self.v),
-                                                 ("keys", "values")):
+        mask = real[:, real.shape[1] - n :] if declared else None
+        new = [left_align(x, mask) for x in (key_states, value_states)]
+        raws = [key_states, value_states]
+        if self.rope is not None:  # keys stored as they were before RoPE, at their real tokens' positions
+            positions = left_align(given_positions(kwargs, n, batch)[:, None, :, None], mask)[0][:, 0, :, 0]
+            self.rope.check(positions)
+            unrotated = self.rope.take_off(new[0][0], positions)
+            new[0], raws[0] = (unrotated, new[0][1]), unrotated
+        for (states, _), raw, store, name in zip(new, raws, (self.k, self.v), ("keys", "values")):
             if not fits(raw, store.codec.max_abs):  # one reduction; then only the real tokens (padding may hold any)
                 check_states(states, store.codec.max_abs, name, store.codec.held)
             store.codec.check(states, name)  # e.g. a rotation's overflow: refused before anything is stored
         self.cumulative_length += n
         keep = self.held()  # per row, what the window still needs after this update
         visible = real.sum(1).tolist() if declared else [past + n - first] * batch
+        if self.rope is not None:
+            self.rope.append(positions, new[0][1], [self.k.length(row) for row in range(batch)])
         for (states, counts), store in zip(new, (self.k, self.v)):
             store.append(states, counts)
         if self._fuses(n):  # attention reads the stores' codes (fused.attention), before the eviction below
@@ -211,6 +222,8 @@ class KVQuantLayer(CacheLayerMixin):
                 read = states.new_empty(batch, states.shape[1], past + n - first, states.shape[3])
                 store.read(read, real, visible)
                 out.append(read)
+            if self.rope is not None:
+                self.rope.put_on(out[0], self.k.ordinals(real, visible, out[0].shape[2]))
         for (_, counts), store, name in zip(new, (self.k, self.v), ("keys", "values")):
             if self.reads is not None:
                 for row in range(batch):
@@ -227,9 +240,10 @@ class KVQuantLayer(CacheLayerMixin):
         """Whether this step's attention reads the stored codes (:mod:`kvquant.cache.fused`): fused decode is on, the
         attention module now running calls kvquant's attention (any other would read the placeholders as NaN), the
         step is short, and a kernel reads both stores as they are (no importance eviction, whose hidden tokens change
-        between steps)."""
-        return self.fused and fused.reads_codes() and n <= fused.MAX_QUERY and not self.eviction_by_importance and \
-            fusable(self.k.codec) and fusable(self.v.codec) and self.k.tail.device.type != "meta"
+        between steps; no pre-RoPE keys, whose codes hold keys without RoPE)."""
+        return self.fused and self.rope is None and fused.reads_codes() and n <= fused.MAX_QUERY and \
+            not self.eviction_by_importance and fusable(self.k.codec) and fusable(self.v.codec) and \
+            self.k.tail.device.type != "meta"
 
     @property
     def eviction_by_importance(self) -> bool:
@@ -270,6 +284,9 @@ class KVQuantLayer(CacheLayerMixin):
                     raise InternalError(
                         f"row {row} stores {stored} of {store.length(row)} tokens, expected "
                         f"{held} (+{slack}) of {written[row]}; please report this")
+            if self.rope is not None and self.rope.positions.shape[1] < written[row]:
+                raise InternalError(f"row {row} keeps the positions of {self.rope.positions.shape[1]} of its "
+                                    f"{written[row]} keys; please report this")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: the kept past and the query's own tokens, from position ``kv_offset``."""
@@ -284,6 +301,8 @@ class KVQuantLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.k = self.v = None
+        if self.rope is not None:
+            self.rope = PreRope(self.rope.tables, self.rope.layer)
         self.cumulative_length = 0
         self.is_initialized = False
 
@@ -293,6 +312,8 @@ class KVQuantLayer(CacheLayerMixin):
         if self.is_initialized:
             self.k.select(rows)
             self.v.select(rows)
+            if self.rope is not None:
+                self.rope.select(rows)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: each row keeps its own table, so rows reorder exactly."""
@@ -349,4 +370,5 @@ class KVQuantLayer(CacheLayerMixin):
         counts each storage once."""
         if not self.is_initialized:
             return []
-        return [t for store in (self.k, self.v) for t in (*store.host_tensors(), *codec_tensors(store.codec))]
+        rope = self.rope.tensors() if self.rope is not None else []
+        return [t for store in (self.k, self.v) for t in (*store.host_tensors(), *codec_tensors(store.codec))] + rope

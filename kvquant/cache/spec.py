@@ -20,13 +20,15 @@ from typing import Any
 
 from kvquant.cache.eviction import Eviction, get_eviction
 from kvquant.errors import KVQuantError
-from kvquant.formats.quantizers import QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer
+from kvquant.formats.quantizers import (QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer,
+    short_repr)
 
 #: make_cache's options of which tokens a cache keeps at full precision or drops: the residual window, the sinks and
 #: an eviction policy with its window and budget (kvquant's own: no serving engine has them)
 TOKEN_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction")
-#: make_cache's own options (the others are the quantizer's): the token options and per-layer overrides, alphabetical
-CACHE_OPTIONS = tuple(sorted((*TOKEN_OPTIONS, "layers")))
+#: make_cache's own options (the others are the quantizer's): the token options, per-layer overrides and pre-RoPE keys
+#: (:mod:`kvquant.cache.prerope`, for the whole cache), alphabetical
+CACHE_OPTIONS = tuple(sorted((*TOKEN_OPTIONS, "layers", "pre_rope")))
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class CacheSpec:
     options: dict[str, Any] = field(default_factory=dict)
     #: The registered name the setting was given by (None: a :class:`Quantizer` instance was given).
     name: str | None = None
+    #: Keys stored without the model's RoPE and rotated back on read (every layer; :mod:`kvquant.cache.prerope`).
+    pre_rope: bool = False
 
     @classmethod
     def of(cls, quantizer: str | Quantizer | CacheSpec = "int4", options: dict | None = None) -> CacheSpec:
@@ -76,8 +80,14 @@ class CacheSpec:
         check_tokens("residual_length", residual)
         sinks = own.get("sink_tokens", 0)
         check_tokens("sink_tokens", sinks)
-        return cls(built, residual, sinks, _policy(own, sinks), copy.deepcopy(own.get("layers")),
-                   {**options, **own}, name)
+        policy, pre_rope = _policy(own, sinks), own.get("pre_rope", False)
+        if not isinstance(pre_rope, bool):
+            raise KVQuantError(f"pre_rope must be true or false, got {type(pre_rope).__name__} {short_repr(pre_rope)}")
+        if pre_rope and policy is not None:
+            raise KVQuantError(f"pre_rope is not supported with an eviction policy ({policy.name!r}): kvquant has not "
+                               "built or tested pre-RoPE keys with eviction; use one or the other")
+        return cls(built, residual, sinks, policy, copy.deepcopy(own.get("layers")), {**options, **own}, name,
+                   pre_rope)
 
     def replace(self, **changes) -> CacheSpec:
         """This setting with some options changed (``None`` removes one), validated as a new one."""

@@ -30,6 +30,7 @@ import itertools
 
 import torch
 
+from kvquant.errors import InternalError
 from kvquant.formats.quantizers import Codec
 from kvquant.cache.reads import Run, last_runs
 from kvquant.formats.roles import check_roles
@@ -62,6 +63,19 @@ def _shift(x: torch.Tensor, start: list[int], width: int) -> torch.Tensor:
     pos = (torch.tensor(start)[:, None] + torch.arange(width)[None, :]).clamp(max=max(x.shape[2] - 1, 0))
     index = pos.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
     return torch.gather(x, 2, index)
+
+
+def place(values: torch.Tensor, real: torch.Tensor | None, m: int, fill: int) -> torch.Tensor:
+    """``[B, m]``: row ``b``'s ``values`` ``[B, k]`` in order at the true positions of ``real`` ``[B, m]`` (None: all
+    ``m``), ``fill`` elsewhere."""
+    rows = values.shape[0]
+    if real is None:
+        rank, real = torch.arange(m).expand(rows, m), torch.ones(rows, m, dtype=torch.bool)
+    else:
+        rank = (real.long().cumsum(1) - 1).clamp(min=0)
+    picked = torch.gather(values, 1, rank.clamp(max=max(values.shape[1] - 1, 0))) if values.shape[1] else \
+        torch.zeros_like(rank)
+    return torch.where(real, picked, fill)
 
 
 def grown(capacity: int, need: int, step: int, factor: float) -> int:
@@ -273,15 +287,7 @@ class Store:
         self.decode_units(buf[:, :, S : S + width])
         buf[:, :, S + width : S + width + T] = self.tail
         buf[:, :, -1] = 0
-        source = self._sources(counts, S, width)  # [B, max(counts)] buffer positions, in read order
-        if real is None:
-            rank = torch.arange(m).expand(self.rows, m)
-            real = torch.ones(self.rows, m, dtype=torch.bool)
-        else:
-            rank = (real.long().cumsum(1) - 1).clamp(min=0)
-        picked = torch.gather(source, 1, rank.clamp(max=max(source.shape[1] - 1, 0))) if source.shape[1] else \
-            torch.zeros_like(rank)
-        index = torch.where(real, picked, buf.shape[2] - 1)
+        index = place(self._sources(counts, S, width), real, m, buf.shape[2] - 1)
         torch.gather(buf, 2, index.to(buf.device)[:, None, :, None].expand(-1, self.heads, -1, self.head_dim),
                      out=out)
 
@@ -296,25 +302,36 @@ class Store:
             return [*range(s), *range(stored - (count - s), stored)]
         return list(range(stored - count, stored))
 
-    def _sources(self, counts: list[int], S: int, width: int) -> torch.Tensor:
-        """``[B, max(counts)]``: the buffer positions (sinks at 0, units at ``S``, tail at ``S + width``) of the
-        tokens each row returns, in order."""
+    def _positions(self, counts: list[int]) -> torch.Tensor:
+        """``[B, max(counts)]``: the stored positions (``0..stored``) of the tokens each row returns, in order."""
         most = max(counts, default=0)
-        out = torch.zeros(self.rows, most, dtype=torch.long)
-        if not most:
-            return out
         if self.ords is None or not any(self.hidden):
             r = torch.arange(most)[None, :]
             stored = torch.tensor([self.stored(b) for b in range(self.rows)])[:, None]
             sinks, count = torch.tensor(self.n_sinks)[:, None], torch.tensor(counts)[:, None]
             pinned = (sinks > 0) & (count < stored) & (r < sinks)
-            position = torch.where(pinned, r, stored - count + r).clamp(min=0)
-        else:
-            position = torch.zeros(self.rows, most, dtype=torch.long)
-            for b, count in enumerate(counts):  # importance eviction: the rows' visible tokens differ
-                if count:
-                    position[b, :count] = torch.tensor(self._order(b, count))
-            sinks = torch.tensor(self.n_sinks)[:, None]
+            return torch.where(pinned, r, stored - count + r).clamp(min=0)
+        position = torch.zeros(self.rows, most, dtype=torch.long)
+        for b, count in enumerate(counts):  # importance eviction: the rows' visible tokens differ
+            if count:
+                position[b, :count] = torch.tensor(self._order(b, count))
+        return position
+
+    def ordinals(self, real: torch.Tensor | None, counts: list[int], m: int) -> torch.Tensor:
+        """``[B, m]``: which token ever written to its row (its ordinal, 0 = the row's first real token) :meth:`read`
+        puts at each position of its ``out`` for the same ``real`` and ``counts``; -1 at padding. Not with importance
+        eviction (whose hidden tokens break the sinks-then-last-tokens order)."""
+        if self.ords is not None:
+            raise InternalError("Store.ordinals with importance eviction; please report this")
+        position, sinks = self._positions(counts), torch.tensor(self.n_sinks)[:, None]
+        ordinal = torch.where(position < sinks, position, position + torch.tensor(self.evicted)[:, None])
+        return place(ordinal, real, m, -1)
+
+    def _sources(self, counts: list[int], S: int, width: int) -> torch.Tensor:
+        """``[B, max(counts)]``: the buffer positions (sinks at 0, units at ``S``, tail at ``S + width``) of the
+        tokens each row returns, in order."""
+        position = self._positions(counts)
+        sinks = torch.tensor(self.n_sinks)[:, None]
         quantized = (torch.tensor(self.units) * self.unit)[:, None]
         return torch.where(position < sinks, position,
                            torch.where(position < sinks + quantized, S + position - sinks,

@@ -11,6 +11,11 @@ transformers (:mod:`kvquant.compat.transformers`):
 - :func:`~.transformers.tensor_parallel_size`: ``PreTrainedModel._tp_size``
 - :func:`~.transformers.quantized_tensors`: ``BaseQuantizedLayer._quantized_keys`` / ``_quantized_values``
 
+The model's RoPE as a pre-RoPE cache reads it (:mod:`kvquant.compat.rope`; public attributes, kept here because
+they are transformers' modelling internals): ``model.get_decoder().rotary_emb`` and its ``forward(x, position_ids[,
+layer_type])``, ``config.rope_parameters``, ``config.layer_types``, and the families whose attention rotates keys by
+``rotate_half`` over the whole head.
+
 lm-eval (:mod:`kvquant.compat.lm_eval`):
 
 - :func:`~.lm_eval.yaml_base_loader`: ``lm_eval.tasks._yaml_loader._Base``

@@ -257,6 +257,9 @@ class SearchConfig:
         require(len(set(labels)) == len(labels), f"ladder: names must be unique, got {labels}")
         for i, rung in enumerate(self.ladder):
             require("layers" not in rung.options, f"ladder[{i}].options: 'layers' is what the search decides")
+        pre_rope = [rung.options.get("pre_rope") is True for rung in self.ladder]
+        require(all(pre_rope) or not any(pre_rope),
+                "ladder: pre_rope is for the whole cache (no per-layer setting holds it): set it alike on every rung")
         require(1 <= self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
         require(0 <= self.documents <= MAX_CALIBRATION,
                 f"documents must be in 0..{MAX_CALIBRATION}, got {self.documents!r}")

@@ -69,9 +69,9 @@ def takers_of_scales() -> str:
     return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-#: kvquant's own options, which no engine has (the cache's token options and the quantizer's ``rotation``): a setting
-#: using any of them is a research setting
-RESEARCH_OPTIONS = (*TOKEN_OPTIONS, "rotation")
+#: kvquant's own options, which no engine has (the cache's token options, the quantizer's ``rotation`` and pre-RoPE
+#: keys): a setting using any of them is a research setting
+RESEARCH_OPTIONS = (*TOKEN_OPTIONS, "rotation", "pre_rope")
 
 #: per-layer options an engine takes from the checkpoint (exported as scales), not from a flag
 CHECKPOINT_OPTIONS = ("k_scale", "v_scale")
