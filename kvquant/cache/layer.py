@@ -265,7 +265,7 @@ class KVQuantLayer(CacheLayerMixin):
             for store in (self.k, self.v):
                 unit = block_tokens(self.k.codec, self.v.codec) if self.eviction_by_importance else store.unit
                 slack = unit - 1 if self.capacity is not None else 0
-                stored = store.stored(row)
+                stored = store.stored_tokens(row)
                 if store.length(row) != written[row] or not held <= stored <= held + slack:
                     raise InternalError(
                         f"row {row} stores {stored} of {store.length(row)} tokens, expected "

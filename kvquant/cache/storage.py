@@ -119,13 +119,13 @@ class Store:
         """Units per row a growth adds at most (:attr:`CHUNK_TOKENS`, in whole units)."""
         return max(self.CHUNK_TOKENS // self.unit, 1)
 
-    def stored(self, row: int) -> int:
+    def stored_tokens(self, row: int) -> int:
         """Tokens stored for ``row``."""
         return self.n_sinks[row] + self.units[row] * self.unit + self.n_tail[row]
 
     def length(self, row: int) -> int:
         """Tokens ever written to ``row``."""
-        return self.stored(row) + self.evicted[row]
+        return self.stored_tokens(row) + self.evicted[row]
 
     def track(self, score=None) -> None:
         """Keep ordinals (and scores with ``score``: ``[B, H, n, D]`` states -> ``[B, n]``) for importance eviction;
@@ -258,7 +258,7 @@ class Store:
         m = out.shape[2]
         n_sinks, units, n_tail = self.n_sinks, self.units, self.n_tail
         simple = real is None and len(set(n_sinks)) == 1 and len(set(units)) == 1 and len(set(n_tail)) == 1 and \
-            not any(self.hidden) and all(self.stored(r) == m for r in range(self.rows))
+            not any(self.hidden) and all(self.stored_tokens(r) == m for r in range(self.rows))
         if simple:
             s, q = n_sinks[0], units[0] * self.unit
             out[:, :, :s] = self.sinks[:, :, :s]
@@ -287,7 +287,7 @@ class Store:
 
     def _order(self, row: int, count: int) -> list[int]:
         """Stored positions (``0..stored``) of the ``count`` tokens row ``row`` returns, in order."""
-        stored, s = self.stored(row), self.n_sinks[row]
+        stored, s = self.stored_tokens(row), self.n_sinks[row]
         if self.ords is not None and self.hidden[row]:
             hidden = self.hidden[row]
             visible = [i for i, o in enumerate(self.ords[row]) if o not in hidden]
@@ -305,7 +305,7 @@ class Store:
             return out
         if self.ords is None or not any(self.hidden):
             r = torch.arange(most)[None, :]
-            stored = torch.tensor([self.stored(b) for b in range(self.rows)])[:, None]
+            stored = torch.tensor([self.stored_tokens(b) for b in range(self.rows)])[:, None]
             sinks, count = torch.tensor(self.n_sinks)[:, None], torch.tensor(counts)[:, None]
             pinned = (sinks > 0) & (count < stored) & (r < sinks)
             position = torch.where(pinned, r, stored - count + r).clamp(min=0)
@@ -327,7 +327,7 @@ class Store:
         if self.ords is not None and self.hidden[row]:
             flags = [s <= i < s + q for i in self._order(row, m)]
             return [(flag, len(list(run))) for flag, run in itertools.groupby(flags)]
-        if s and m < self.stored(row):
+        if s and m < self.stored_tokens(row):
             return [(False, s), *last_runs([(True, q), (False, t)], m - s)]
         return last_runs([(False, s), (True, q), (False, t)], m)
 

@@ -54,7 +54,7 @@ def cache_settings(cache) -> dict:
     resume keys and reports."""
     settings = cache.settings()
     layers = settings.pop("layers", None)
-    return {**settings, **cache.derived(), **({"layers": layers} if layers else {})}
+    return {**settings, **cache.derived_settings(), **({"layers": layers} if layers else {})}
 
 
 def check_baseline_finite(scores: list[float], cfg: ExperimentConfig, what: str) -> None:
