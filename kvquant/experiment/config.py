@@ -332,7 +332,7 @@ class ExperimentConfig:
                               f"{reserved[0]!r}")
         require(bool(self.eval.perplexity or self.eval.tasks.names),
                 "eval: nothing to measure; list perplexity sets and/or tasks")
-        gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
+        gated = [*self._gated_names("tasks", self.eval.tasks.names), *self._gated_names("perplexity",
                                                                               [p.name for p in self.eval.perplexity])]
         require(bool(gated) or self.gate.min_context is not None, "gate: nothing is gated (gate.tasks and "
                 "gate.perplexity select no task and no perplexity set), so every candidate would pass; gate at least "
@@ -394,13 +394,13 @@ class ExperimentConfig:
                 "reads, and calibration would see them")
 
     def gated_perplexity(self) -> list[PerplexitySet]:
-        names = self._gated("perplexity", [p.name for p in self.eval.perplexity])
+        names = self._gated_names("perplexity", [p.name for p in self.eval.perplexity])
         return [p for p in self.eval.perplexity if p.name in names]
 
     def gated_tasks(self) -> list[str]:
-        return self._gated("tasks", self.eval.tasks.names)
+        return self._gated_names("tasks", self.eval.tasks.names)
 
-    def _gated(self, kind: str, measured: list[str]) -> list[str]:
+    def _gated_names(self, kind: str, measured: list[str]) -> list[str]:
         """The gated names of one kind; a gated name that is not measured is an error naming the measured ones."""
         listed = getattr(self.gate, kind)
         if listed is None:

@@ -70,7 +70,7 @@ class Exercise:
     def length_quantile(self, q: float) -> float:
         return float(np.quantile(self.lengths, q)) if self.lengths else math.nan
 
-    def joined(self, other: Exercise) -> Exercise:
+    def concat(self, other: Exercise) -> Exercise:
         lengths = self.lengths + other.lengths
         bits = self.bits_per_element if len(self.lengths) >= len(other.lengths) else other.bits_per_element
         return Exercise(self.reads.add(other.reads), lengths, bits)
@@ -111,12 +111,12 @@ class Outcomes:
                                    per_token=self.per_token[:n])
 
     @staticmethod
-    def joined(parts: list[Outcomes]) -> Outcomes:
+    def concat(parts: list[Outcomes]) -> Outcomes:
         """These outcomes of one metric, one part after another (documents measured in stages)."""
         first = parts[0]
         exercise = first.exercise
         for part in parts[1:]:
-            exercise = exercise.joined(part.exercise) if exercise and part.exercise else exercise or part.exercise
+            exercise = exercise.concat(part.exercise) if exercise and part.exercise else exercise or part.exercise
         return Outcomes(first.metric, sum((p.scores for p in parts), ()), sum((p.tokens for p in parts), ()),
                         exercise, sum((p.per_token for p in parts), ()))
 

@@ -43,9 +43,9 @@ MIN_TREND = min(MIN_TREND_GROWS, MIN_TREND_SHRINKS)
 
 def needed(kind: Metric | str, verdict: str) -> int | None:
     """The fewest documents that decide ``verdict`` (``pass`` or ``fail``) on a metric ``kind``, None where its
-    interval is no bootstrap (accuracy, flips: :attr:`~kvquant.experiment.metric.Metric.counted`) or the verdict
+    interval is no bootstrap (accuracy, flips: :attr:`~kvquant.experiment.metric.Metric.is_bootstrap`) or the verdict
     decides nothing."""
-    if not Metric.of(kind).counted:
+    if not Metric.of(kind).is_bootstrap:
         return None
     return {"pass": MIN_PASS, "fail": MIN_FAIL}.get(verdict)
 

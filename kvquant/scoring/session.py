@@ -283,7 +283,7 @@ class Session:
             chunks = [self._task(candidate, label, key, task, documents)]
             chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
                        for more in split.more.get(task, ())]
-            outcomes += [Outcomes.joined(parts) for parts in zip(*chunks)]
+            outcomes += [Outcomes.concat(parts) for parts in zip(*chunks)]
         memory = self._memory(candidate, label, key, settings, probe) if probe else None
         return Measured(label, tuple(outcomes), memory)
 
