@@ -136,7 +136,7 @@ def expect(shots: int | None) -> None:
         _expected["*"] = int(shots)
 
 
-def expected() -> int:
+def expected_shots() -> int:
     """The shots :func:`expect` announced (0: none)."""
     return _expected.get("*", 0)
 

@@ -324,9 +324,9 @@ class Scorer:
                 for i, scored in self._score_pool(requests, pool, [starts[id(m)] for m in pool], nodes):
                     results[i] = scored
                 bar.update(sum(map(len, pool)))
-        return self._gathered(results, before, local)
+        return self._gather(results, before, local)
 
-    def _gathered(self, results: list[Scored | None], before: dict[str, int], local: bool) -> list[Scored | None]:
+    def _gather(self, results: list[Scored | None], before: dict[str, int], local: bool) -> list[Scored | None]:
         """Under several processes: ``reads`` summed over all of them, and (unless ``local``) every process's
         results in place of the None of the requests it scored."""
         if self.processes.world == 1:
