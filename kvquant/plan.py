@@ -23,7 +23,7 @@ import torch
 
 from kvquant.cache.storage import Store
 from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, parse_args, visible
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.models import DTYPES
 from kvquant.planner.cost import MAX_LAYER_KINDS
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    return guarded("kvquant", lambda: _print_plan(args))
+    return run_guarded("kvquant", lambda: _print_plan(args))
 
 
 def model_warning(fitted: FittedContext, model: str) -> str | None:

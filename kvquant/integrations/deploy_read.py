@@ -30,7 +30,7 @@ import torch
 
 from kvquant.cache.build import layer_bounds
 from kvquant.errors import KVQuantError, is_python_int, one_line
-from kvquant.signing import unverified
+from kvquant.signing import why_unverified
 
 MAX_BYTES = 256 * 2**20
 #: more layers than any model has (a bound, so that no edited file makes a DEPLOY.md of megabytes)
@@ -132,7 +132,7 @@ def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str, l
         raise KVQuantError(f"{path} is not a kvquant results.json (not a JSON object but {type(doc).__name__})")
     if not trust_unsigned:
         try:
-            why = unverified(doc)
+            why = why_unverified(doc)
         except RecursionError:
             why = "it is nested too deep to verify"
         if why:

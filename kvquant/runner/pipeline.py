@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.runner import preview, render, report
 from kvquant.experiment import provenance as provenance_module
 from kvquant.experiment.config import ExperimentConfig, Stage, load_config
@@ -56,7 +56,7 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
     """The exit code of the run ``options`` ask for (``command``: its command line, as the report states it;
     ``above``: what the run takes from the planner and the deploy files). Bad input is one line and exit 2, an
     interrupt exit 130 naming where finished results are kept, anything else exit 3 with its traceback in the
-    report directory's ``error.log`` (:func:`kvquant.exits.guarded`)."""
+    report directory's ``error.log`` (:func:`kvquant.exits.run_guarded`)."""
     held: list[Path] = []  # the report directory, once this run holds it
 
     def run() -> int:
@@ -70,13 +70,13 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
                 _, rows, warnings = preflight(cfg, above, preview.SAMPLE_DOCUMENTS)
                 return preview.dry_run(cfg, rows, warnings, options.replan, above.shape_of)
         if options.render_only:  # nothing is measured: what it reads is checked against the stored results
-            with locked(out_dir, held):
+            with hold_lock(out_dir, held):
                 return render.render_only(cfg, plan_steps(cfg), out_dir, command, options.partial, options.replan,
                                           functools.partial(take_steps, above=above), above.shape_of)
         with held_tasks():  # preflight's checks share each task's object; the measurements load their own
             plan, rows, warnings = preflight(cfg, above)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
-        with locked(out_dir, held):
+        with hold_lock(out_dir, held):
             return execute(cfg, plan, out_dir, command, rows, warnings, above, options.replan)
 
     def resume_hint() -> str:
@@ -84,11 +84,11 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
                 f"{held[0] / 'windows'}); run the same command to resume"
                 if held else "")
 
-    return guarded("kvquant", run, log_dir=lambda: held[0] if held else None, on_interrupt=resume_hint)
+    return run_guarded("kvquant", run, log_dir=lambda: held[0] if held else None, on_interrupt=resume_hint)
 
 
 @contextlib.contextmanager
-def locked(out_dir: Path, held: list[Path]):
+def hold_lock(out_dir: Path, held: list[Path]):
     """The run's hold on ``out_dir``: process 0 takes its :class:`RunLock` and tells the others whether it could
     (so all of them stop with its one line when it cannot)."""
     processes = parallel.current()

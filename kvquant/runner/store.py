@@ -145,7 +145,7 @@ class ResultStore:
         stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
         if os.path.lexists(path) and path not in self.written:  # of other inputs or code: kept, not replaced
             self._retire(path)
-        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored, **_tied(self.report),
+        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored, **_report_field(self.report),
                                      "signature": self._sign(digest, stored),
                                      "seconds": self.seconds[candidate, metric]}, default=str))
         self.written.add(path)
@@ -174,7 +174,7 @@ class ResultStore:
             self._retire(path)
         took = saved.get("seconds")  # how long it took there, if noted (informational, as in get_or_compute)
         write_file(path, json.dumps({"key": digest, "inputs": saved["inputs"], "result": saved["result"],
-                                     **_tied(self.report), "signature": self._sign(digest, saved["result"]),
+                                     **_report_field(self.report), "signature": self._sign(digest, saved["result"]),
                                      **({"seconds": float(took)} if _is_seconds(took) else {})}, default=str))
         return True
 
@@ -248,7 +248,7 @@ class ResultStore:
             return None
 
 
-def _tied(report: str) -> dict:
+def _report_field(report: str) -> dict:
     """A result file's field naming the report folder it is signed for (none for a folder older than these ids)."""
     return {"report": report} if report else {}
 
