@@ -321,7 +321,7 @@ class Provenance:
     processes: int = 1
     seconds: float | None = None
     #: a report rendered from stored results (``--render-only``): the code that measured them and the code that
-    #: judged them, where they were read and what was not there (:meth:`kvquant.runner.render.Replay.rendered`)
+    #: judged them, where they were read and what was not there (:meth:`kvquant.runner.render.Replay.render_provenance`)
     rendered: dict | None = None
 
 

@@ -114,7 +114,7 @@ class Expected:
             return self._serving(label)
         if metric == "calibration":
             return self._calibration(label)
-        split, settings, candidate = self._measured(label)
+        split, settings, candidate = self._measurement(label)
         cfg = self.cfg
         key = {"model": asdict(cfg.model), "weights": ANY, "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed, "max_length": self.maxlen, "split": split,
@@ -151,7 +151,7 @@ class Expected:
             return Shape(documents=inputs.get("limit"))
         return None
 
-    def _measured(self, label: str) -> tuple[str, object, Candidate | None]:
+    def _measurement(self, label: str) -> tuple[str, object, Candidate | None]:
         """``label``'s split, cache settings (as :func:`kvquant.scoring.session.cache_settings` gives them) and
         setting (None: one a search finds)."""
         search = self.cfg.search

@@ -179,7 +179,7 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
                                        record and record.record)
     table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
     replayed = isinstance(session, render.Replay)  # a report rendered from stored results (--render-only)
-    decision = session.noted(decision) if replayed else decision  # the looks it lacks, named
+    decision = session.with_unstored_looks(decision) if replayed else decision  # the looks it lacks, named
     replanned = record and record.record(table)
     if replanned:  # the verdict line, report.md's header and results.json say the plan changed after the data
         decision = dataclasses.replace(decision, reason=f"{decision.reason} ({replanned_note(replanned)})")
@@ -193,7 +193,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         return code
     store.note_retired()  # before the report, which keeps the warnings
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
-                            round(time.monotonic() - start, 1), session.rendered(out_dir) if replayed else None)
+                            round(time.monotonic() - start, 1),
+                            session.render_provenance(out_dir) if replayed else None)
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
                     calibration, plan, replanned)
     store.check_sources()  # results.json is signed: never of other code than the results it reports

@@ -74,7 +74,7 @@ class StoredResults(ResultStore):
             ACTION.reset(token)
         secret = result_key(make=False) or b""
         super().__init__(folder, found[0].saved["inputs"]["code"], warnings, parallel.ONE, secret=secret)
-        unsigned = [f for f in found if self.verified(f.path) is None]
+        unsigned = [f for f in found if self.verified_result(f.path) is None]
         if unsigned and not vouched:
             refuse(f"{unsigned[0].path}: its signature does not verify under your key (edited, or written by another "
                    "user or machine); name its folder with --partial to vouch for results measured elsewhere")
@@ -137,7 +137,7 @@ class Replay(Session):
                 kept = tuple(r for r in split.more[task] if r.start < looked[0].start)
                 split = dataclasses.replace(split, more={**split.more, task: kept})
 
-    def noted(self, decision):
+    def with_unstored_looks(self, decision):
         """``decision`` with each inconclusive gated verdict whose next look, which the run would take (its
         candidate has not failed), is not stored saying so."""
         verdicts = []
@@ -151,7 +151,7 @@ class Replay(Session):
             verdicts.append(v)
         return dataclasses.replace(decision, verdicts=verdicts)
 
-    def rendered(self, out_dir: Path) -> dict:
+    def render_provenance(self, out_dir: Path) -> dict:
         """What the report's header and results.json say of this render (:attr:`Provenance.rendered`)."""
         code, judged = dict(self.store.code), provenance.code_version()["kvquant_source_sha256"]
         try:  # the report it replaces names the commit of these measuring sources (measured or, rendered, its own)

@@ -178,7 +178,7 @@ class ResultStore:
                                      **({"seconds": float(took)} if _is_seconds(took) else {})}, default=str))
         return True
 
-    def verified(self, path: Path) -> dict | None:
+    def verified_result(self, path: Path) -> dict | None:
         """The result at ``path`` (under this store's folder) if this user's key signed it, for whichever report
         folder (its ``report``), and its key is the digest of the inputs it holds, whatever those inputs; else None.
         Nothing is moved."""
@@ -193,10 +193,10 @@ class ResultStore:
         return saved if signed and digest == inputs_digest(saved["inputs"]) else None
 
     def reports(self) -> collections.Counter:
-        """How many of the results in this store's folder (:meth:`verified`) were signed for each report folder id
-        ("": older than these ids). Nothing is moved."""
+        """How many of the results in this store's folder (:meth:`verified_result`) were signed for each report folder
+        id ("": older than these ids). Nothing is moved."""
         paths = sorted(self.directory.glob("*/*.json")) if self.directory.is_dir() else []
-        found = (self.verified(p) for p in paths if not p.name.startswith(".") and not p.is_symlink())
+        found = (self.verified_result(p) for p in paths if not p.name.startswith(".") and not p.is_symlink())
         return collections.Counter(saved.get("report", "") for saved in found if saved is not None)
 
     def _retire(self, path: Path) -> None:
