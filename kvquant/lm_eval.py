@@ -419,14 +419,14 @@ def until_scoring():
 
     phase, evaluate = _Held(sys.stderr), lm_eval.evaluator.evaluate
 
-    def marked(lm, *args, **kwargs):
+    def evaluate_marking_scoring(lm, *args, **kwargs):
         for name in REQUEST_TYPES:
             method = getattr(lm, name, None)
             if method is not None:
                 setattr(lm, name, functools.partial(_first, phase, method))
         return evaluate(lm, *args, **kwargs)
 
-    sys.stderr, lm_eval.evaluator.evaluate = phase, marked
+    sys.stderr, lm_eval.evaluator.evaluate = phase, evaluate_marking_scoring
     try:
         yield phase
     finally:

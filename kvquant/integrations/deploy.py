@@ -165,15 +165,15 @@ def unshippable_scales(setting: Setting) -> str | None:
     None: kvquant writes them per layer (``layers``) for a format whose class says so (:attr:`Serving.layer_scales`:
     vllm_fp8), not one scale for all layers nor what a format's :attr:`Serving.unshipped_scales` says (nvfp4's
     global scales), and no other format takes any."""
-    def measured(values: list) -> bool:
+    def any_measured(values: list) -> bool:
         return any(v not in (None, 1.0) for v in values)
 
     top = [setting.settings.get(k) for k in CHECKPOINT_OPTIONS]
     per_layer = [own.get(k) for own in setting.layers.values() for k in CHECKPOINT_OPTIONS]
     serving = serving_of(setting.quantizer)
     if serving is not None and serving.layer_scales:
-        return serving.unshipped_scales if measured(top) else None
-    if not measured([*top, *per_layer]):
+        return serving.unshipped_scales if any_measured(top) else None
+    if not any_measured([*top, *per_layer]):
         return None
     if serving is not None and serving.unshipped_scales:
         return serving.unshipped_scales

@@ -141,7 +141,7 @@ def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str, l
     return doc
 
 
-def quoted(text, limit: int = 80) -> str:
+def quote(text, limit: int = 80) -> str:
     """A name from the file for a message: its ``repr`` (control characters escaped), cut at ``limit``."""
     shown = repr(text)
     return shown if len(shown) <= limit else f"{shown[:limit]}...'"
@@ -207,7 +207,7 @@ def check_candidate(candidate, path: Path, where: str) -> None:
     metrics = candidate.get("metrics")
     need(isinstance(metrics, dict), path, f"{where}.metrics", "an object", metrics)
     for name, metric in metrics.items():
-        at = f"{where}.metrics[{quoted(name)}]"
+        at = f"{where}.metrics[{quote(name)}]"
         need(isinstance(metric, dict), path, at, "an object", metric)
         need(isinstance(metric.get("gated", False), bool), path, f"{at}.gated", "true or false", metric.get("gated"))
         need(isinstance(metric.get("verdict"), str), path, f"{at}.verdict", "a string", metric.get("verdict"))
@@ -226,22 +226,22 @@ def check_chosen(doc: dict, path: Path) -> None:
     per-layer settings naming layers the model has and its static scales usable."""
     chosen, name = chosen_candidate(doc), doc["chosen"]
     if chosen is None:
-        raise KVQuantError(f"{path}: the chosen setting {quoted(name)} is not among its candidates")
+        raise KVQuantError(f"{path}: the chosen setting {quote(name)} is not among its candidates")
     if doc["decision"] != "pass" or chosen["verdict"] != "pass" or chosen.get("passed", True) is not True:
-        raise KVQuantError(f"{path}: the decision is {doc['decision'].upper()} and {quoted(name)}'s verdict "
-                           f"{quoted(chosen['verdict'])}, yet it names {quoted(name)} as chosen: a setting is chosen "
+        raise KVQuantError(f"{path}: the decision is {doc['decision'].upper()} and {quote(name)}'s verdict "
+                           f"{quote(chosen['verdict'])}, yet it names {quote(name)} as chosen: a setting is chosen "
                            f"only under a PASS decision, with a pass verdict; {WROTE}")
     gated = {k: m for k, m in chosen["metrics"].items() if m.get("gated")}
-    need(len(gated) <= MAX_GATED, path, f"{quoted(name)}'s gated metrics", f"at most {MAX_GATED:,}",
+    need(len(gated) <= MAX_GATED, path, f"{quote(name)}'s gated metrics", f"at most {MAX_GATED:,}",
          f"{len(gated):,} of them")
     for metric, m in gated.items():
-        at = f"{quoted(name)}'s metric {quoted(metric)}"
+        at = f"{quote(name)}'s metric {quote(metric)}"
         need(m["verdict"] in ("pass", "not gated"), path, f"{at} verdict", "pass (the setting passed)", m["verdict"])
         if m["verdict"] == "pass":
             for key in ("value", "baseline"):
                 need(is_finite(m[key]), path, f"{at} {key}", "finite (it passed)", m[key])
     if not any(m["verdict"] == "pass" for m in gated.values()):
-        raise KVQuantError(f"{path}: {quoted(name)} passed no gated metric, yet it is chosen; {WROTE}")
+        raise KVQuantError(f"{path}: {quote(name)} passed no gated metric, yet it is chosen; {WROTE}")
     layers = model_layers(doc, chosen, path)
     for candidate in doc["candidates"]:  # the chosen one's, and those export compares it with
         layer_map(candidate["settings"], layers, path, candidate["name"])
@@ -266,7 +266,7 @@ def layer_map(settings: dict, layers: int, path: Path, name: str) -> dict[int, d
     with its own settings; a layer named twice is refused."""
     found: dict[int, dict] = {}
     for selector, own in (settings.get("layers") or {}).items():
-        at = f"{quoted(name)}'s settings.layers[{quoted(selector)}]"
+        at = f"{quote(name)}'s settings.layers[{quote(selector)}]"
         need(SELECTOR.fullmatch(selector) is not None, path, f"{at}'s key", "a layer N or a range N-M", selector)
         low, high = layer_bounds(selector)
         need(low <= high, path, f"{at}'s range", "low-high (low <= high)", selector)
@@ -283,12 +283,12 @@ def check_scales(settings: dict, path: Path, name: str) -> None:
     """Every static scale (``k_scale``, ``v_scale``, at the top and per layer): a number, or one per KV head,
     finite and positive as float32 (what the checkpoint stores)."""
     layers = settings.get("layers") or {}
-    owners = [("settings", settings), *((f"settings.layers[{quoted(k)}]", v) for k, v in layers.items())]
+    owners = [("settings", settings), *((f"settings.layers[{quote(k)}]", v) for k, v in layers.items())]
     for where, own in owners:
         for key in SCALES:
             if key not in own:
                 continue
-            value, at = own[key], f"{quoted(name)}'s {where}.{key}"
+            value, at = own[key], f"{quote(name)}'s {where}.{key}"
             flat = value if isinstance(value, list) else [value]
             need(1 <= len(flat) <= MAX_HEADS and all(is_finite(v) for v in flat), path, at,
                  f"a finite number or a list of 1 to {MAX_HEADS} finite numbers", value)

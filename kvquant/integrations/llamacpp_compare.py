@@ -201,7 +201,7 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         loaded, _ = load_model(spec)
 
         @contextlib.contextmanager
-        def emulated():  # kvquant's engine side only: the verdict is measured with the model's own matmuls
+        def emulating_matmuls():  # kvquant's engine side only: the verdict is measured with the model's own matmuls
             handles = emulate_matmuls(loaded, gguf) if matmul == "llamacpp" else []
             try:
                 yield
@@ -213,7 +213,7 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         from kvquant.experiment.provenance import code_version
 
         inputs = f"{gguf}|{Path(gguf).stat().st_size}|{matmul}|{threads}|{code_version()}"
-        found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs, emulated=emulated,
+        found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs, emulated=emulating_matmuls,
                         **({"rope_layout": rope_layout} if rope_layout else {}))
         seconds = time.perf_counter() - start
     finally:
