@@ -13,7 +13,6 @@ map it chooses, the per-layer scales calibration finds (``settings.layers``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
 from dataclasses import asdict
@@ -25,7 +24,8 @@ from kvquant.runner.search import CALIBRATION_BASELINE
 from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
-from kvquant.scoring.session import BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key, shares_prefix
+from kvquant.scoring.session import (BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key,
+                                     shares_prefix, windows_digest)
 from kvquant.scoring.tasks import task_data_digest
 
 
@@ -44,11 +44,6 @@ HINTS = {"windows": "other text, tokenizer or window settings", "probe": "other 
 
 class NotThisRun(Exception):
     """A (candidate, metric) this config's run does not measure."""
-
-
-def windows_digest(windows: list[data.Window]) -> str:
-    """How a perplexity or divergence result names the token windows it read (as ``Session._perplexity``)."""
-    return hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
 
 
 def plain(value):
@@ -126,8 +121,7 @@ class Expected:
             return {**key, **self._task(split, name, label, metric)}
         long = cfg.eval.long_context
         if kind == "long" and split == "evaluation" and candidate is not BASELINE and long and name == long.text:
-            return {**key, "windows": hashlib.sha256(json.dumps([w.ids for w in self._evaluation.long]).encode())
-                    .hexdigest()}
+            return {**key, "windows": windows_digest(self._evaluation.long, long=True)}
         if metric == "memory" and split == "evaluation":
             return {**key, "probe": probe_tokens(cfg, self._evaluation, self._text[0], self.maxlen)}
         raise NotThisRun(f"this config's run measures no {metric} of {label}")
@@ -209,10 +203,9 @@ class Expected:
         tokenizer, rows = self._text
         found = calibration_windows(self.cfg, tokenizer, self.maxlen, rows, self.cfg.calibration.windows,
                                     f"{label}: calibrate")
-        windows = [w.ids for _, ws in found.values() for w in ws]
+        windows = [w for _, ws in found.values() for w in ws]
         return {"model": asdict(self.cfg.model), "weights": ANY, "calibrate": candidate.calibrate,
-                "averaging": self.cfg.calibration.averaging,
-                "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
+                "averaging": self.cfg.calibration.averaging, "windows": windows_digest(windows, long=True)}
 
     def _serving(self, label: str) -> dict:
         """A staged run's serving measurement of a stage or the baseline (as the runner's ``serve_stages``)."""
