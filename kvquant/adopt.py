@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     return run_guarded("kvquant", lambda: adopt(args.config, args.overrides, args.folders, args.dry_run),
-                   on_interrupt=lambda: "; the results adopted so far are in place, each whole and signed; run the "
-                                        "same command to adopt the rest")
+                       on_interrupt=lambda: "; the results adopted so far are in place, each whole and signed; run the "
+                                            "same command to adopt the rest")
 
 
 if __name__ == "__main__":

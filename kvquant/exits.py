@@ -83,7 +83,7 @@ def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | No
 
 
 def run_guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
-            on_interrupt: Callable[[], str] = lambda: "") -> int:
+                on_interrupt: Callable[[], str] = lambda: "") -> int:
     """Run a command's ``body`` so that no input reaches a raw traceback: :class:`KVQuantError` is one line and
     exit 2, Ctrl-C exit 130 and SIGTERM exit 143 (each with ``on_interrupt()``'s hint, after the body's cleanup
     ran), anything else one line naming a log file with the traceback and exit 3."""

@@ -140,7 +140,7 @@ def test_the_llama_cpp_comparison_states_the_same_verdict_beside_the_engines_own
             for h in handles:
                 h.remove()
 
-    found = engine_module.measure(FakeEngine(), model, [ids], [Setting("q8_0", True)], emulated=rounded)
+    found = engine_module.measure_engines(FakeEngine(), model, [ids], [Setting("q8_0", True)], emulated=rounded)
     sides = found["q8_0 rot on"]
     verdict = float(np.mean(sides["verdict"]["kl"][0]))
     assert verdict == pytest.approx(by_hand(model, ids), rel=1e-6)

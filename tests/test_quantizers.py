@@ -159,8 +159,8 @@ def test_per_stream_group_sizes_replace_group_size_for_their_stream(real_kv):
     assert key_bytes == b * h * tokens * d * 4 // 8 + b * h * (tokens // 64) * d * 4
     assert value_bytes == b * h * tokens * d * 2 // 8 + b * h * tokens * (d // 4) * 4
     # unset, a stream keeps group_size
-    assert kvquant.get_quantizer("int4", group_size=16, value_group_size=4).derived_settings(8) == {"key_group": 16,
-                                                                                         "value_group": 4}
+    assert kvquant.get_quantizer("int4", group_size=16, value_group_size=4).derived_settings(8) == {
+        "key_group": 16, "value_group": 4}
 
 
 def test_per_stream_group_sizes_follow_the_stream_when_the_axes_are_swapped():

@@ -353,7 +353,7 @@ class RunPlan:
 
 
 @dataclass(frozen=True)
-class Serving:
+class StageServing:
     """One stage on a staged run's serving shape (:func:`kvquant.scoring.stages.serve`): KV bytes at the end (all
     requests, per request, what several requests still share, what each further request adds), the bytes prefix
     sharing saved, fp16's bytes for the same tokens, and each decode step's latency (ms, this machine)."""
@@ -379,17 +379,17 @@ class Serving:
         return {**dataclasses.asdict(self), "step_ms": list(self.step_ms)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Serving:
+    def from_dict(cls, d: dict) -> StageServing:
         return cls(**{**d, "step_ms": tuple(d["step_ms"])})
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A staged run's serving step: each stage's (and the baseline's) :class:`Serving`, the stages in order, the
+    """A staged run's serving step: each stage's (and the baseline's) :class:`StageServing`, the stages in order, the
     memory budget in bytes, the serving shape as configured, which stages share the prefix, and, once the gate
     has judged them, the first stage that does not pass (None: every stage passes)."""
 
-    serving: dict[str, Serving]
+    serving: dict[str, StageServing]
     stages: tuple[str, ...]
     budget_bytes: int
     shape: dict

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.integrations.deploy_read import Setting, need, quote
+from kvquant.integrations.deploy_read import CandidateRecord, need, quote
 from kvquant.formats.llamacpp import CACHE_TYPES, CPU_PATHS, FLOAT_TYPES, LlamaCppQuantizer
 from kvquant.formats.quantizers import QUANTIZERS
 
@@ -110,13 +110,13 @@ class CacheTypes:
         return f"OLLAMA_FLASH_ATTENTION=1 OLLAMA_KV_CACHE_TYPE={self.key} ollama serve"
 
 
-def is_llamacpp(setting: Setting) -> bool:
+def is_llamacpp(setting: CandidateRecord) -> bool:
     """Whether a setting's quantizer is one of llama.cpp's cache types (``llamacpp_*``)."""
     cls = QUANTIZERS.classes.get(setting.quantizer)
     return isinstance(cls, type) and issubclass(cls, LlamaCppQuantizer)
 
 
-def read(setting: Setting, path: Path) -> CacheTypes:
+def read(setting: CandidateRecord, path: Path) -> CacheTypes:
     """The llama.cpp cache a ``llamacpp_*`` setting measured, every value checked as the runner writes it (``path``:
     the results.json it is in, for the messages)."""
     settings = setting.settings

@@ -12,7 +12,7 @@ document whose every value export uses is what the runner writes.
   how many, at most :data:`MAX_LAYERS`), no layer named twice; static scales finite and positive in float32.
 
 Every refusal is one :class:`KVQuantError` line naming the file, the key and the value. What passes is typed
-(:class:`Report`, :class:`Setting`, :class:`Metric`): the renderers read nothing else.
+(:class:`Report`, :class:`CandidateRecord`, :class:`MetricRecord`): the renderers read nothing else.
 """
 
 from __future__ import annotations
@@ -186,12 +186,12 @@ def check_document(doc: dict, path: Path) -> None:
          model.get("model", {}).get("path"))
     need(isinstance(doc["candidates"], list), path, "candidates", "a list", doc["candidates"])
     for i, candidate in enumerate(doc["candidates"]):
-        check_candidate(candidate, path, f"candidates[{i}]")
+        check_recorded_candidate(candidate, path, f"candidates[{i}]")
     if doc["chosen"] is not None:
         check_chosen(doc, path)
 
 
-def check_candidate(candidate, path: Path, where: str) -> None:
+def check_recorded_candidate(candidate, path: Path, where: str) -> None:
     """What export reads of every candidate (its name, settings, bits and verdict, its metrics' types)."""
     need(isinstance(candidate, dict), path, where, "an object", candidate)
     need(isinstance(candidate.get("name"), str), path, f"{where}.name", "a string", candidate.get("name"))
@@ -298,7 +298,7 @@ def check_scales(settings: dict, path: Path, name: str) -> None:
 
 
 @dataclass(frozen=True)
-class Metric:
+class MetricRecord:
     """A candidate's metric as results.json records it: its name (as the report names it), value, the baseline's,
     the gate's verdict and whether it was gated."""
 
@@ -310,7 +310,7 @@ class Metric:
 
 
 @dataclass(frozen=True)
-class Setting:
+class CandidateRecord:
     """A candidate as results.json records it: its name, its cache settings as the runner records them (the
     quantizer's and the cache's options, what they derived, per-layer ``layers``), bits per element as stored, the
     gate's verdict, its metrics in the report's order, and each layer a ``layers`` key names with its own settings
@@ -320,7 +320,7 @@ class Setting:
     settings: dict
     bits_per_element: float
     verdict: str
-    metrics: tuple[Metric, ...]
+    metrics: tuple[MetricRecord, ...]
     layers: dict[int, dict]
 
     @property
@@ -328,9 +328,9 @@ class Setting:
         return self.settings["quantizer"]
 
     @classmethod
-    def read(cls, candidate: dict, layers: int, path: Path) -> Setting:
+    def read(cls, candidate: dict, layers: int, path: Path) -> CandidateRecord:
         """A candidate of a checked document (:func:`check_document`) on a model of ``layers`` layers."""
-        metrics = tuple(Metric(name, m["value"], m["baseline"], m["verdict"], m.get("gated", False))
+        metrics = tuple(MetricRecord(name, m["value"], m["baseline"], m["verdict"], m.get("gated", False))
                         for name, m in candidate["metrics"].items())
         return cls(candidate["name"], candidate["settings"], candidate["bits_per_element"], candidate["verdict"],
                    metrics, layer_map(candidate["settings"], layers, path, candidate["name"]))
@@ -345,8 +345,8 @@ class Report:
 
     path: Path
     decision: str
-    chosen: Setting | None
-    candidates: tuple[Setting, ...]
+    chosen: CandidateRecord | None
+    candidates: tuple[CandidateRecord, ...]
     layers: int | None
     run_id: str | None
     reason: str | None
@@ -385,7 +385,7 @@ def checked_report(doc: dict, path: Path) -> Report:
     chosen, candidates, layers = chosen_candidate(doc), (), None
     if chosen is not None:
         layers = model_layers(doc, chosen, path)
-        candidates = tuple(Setting.read(candidate, layers, path) for candidate in doc["candidates"])
+        candidates = tuple(CandidateRecord.read(candidate, layers, path) for candidate in doc["candidates"])
     return Report(path, doc["decision"], next((c for c in candidates if c.name == doc["chosen"]), None), candidates,
                   layers, doc.get("run_id"), doc.get("reason"), doc.get("command"),
                   doc.get("config", {}).get("model", {}).get("path", "?"), chosen_lengths(doc, doc.get("chosen"), path))

@@ -27,7 +27,7 @@ from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS
 from kvquant.runner.judging import add_documents, judge_run
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.preflight import AboveRunner, plan_steps, preflight, say, serving_text
-from kvquant.experiment.results import Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.experiment.results import Provenance, RunPlan, RunResult, StageServing, Staged
 from kvquant.runner.search import search
 from kvquant.experiment.provenance import SourceWatch
 from kvquant.runner.store import ResultStore, RunLock, warn
@@ -122,7 +122,7 @@ def serve_stages(session: Session, rows: dict, parse_bytes) -> Staged:
     for stage in [Stage(BASELINE.quantizer, {}, BASELINE.label), *cfg.stages]:
         key = {"model": dataclasses.asdict(cfg.model), "serving": dataclasses.asdict(cfg.serving),
                "stage": dataclasses.asdict(stage), "text": pset.name}
-        serving[stage.label] = Serving.from_dict(store.get_or_compute(
+        serving[stage.label] = StageServing.from_dict(store.get_or_compute(
             stage.label, "serving", key,
             lambda s=stage: serve(session.model, s, cfg.serving, prefix, suffixes).to_dict()))
     return Staged(serving, tuple(s.label for s in cfg.stages), parse_bytes(cfg.serving.memory_budget),
