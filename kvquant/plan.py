@@ -125,7 +125,7 @@ def build_plan(args) -> dict:
             "reserved_tokens_max": Store.CHUNK_TOKENS}
 
 
-def render(plan: dict) -> str:
+def render_plan(plan: dict) -> str:
     lines = [f"model {plan['model']}: {plan['layers']} layers ({plan['sliding_layers']} sliding-window), "
              f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
              f"batch {plan['batch']} x context {plan['context']:,} tokens; B = bytes, GiB = 2^30 B, GB = 10^9 B"]
@@ -234,7 +234,7 @@ def _print_plan(args) -> int:
         if warning:
             print(f"kvquant: warning: {warning}", file=sys.stderr)
     print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
-          if args.json else render(plan))
+          if args.json else render_plan(plan))
     return EXIT_PASS
 
 

@@ -21,7 +21,7 @@ from kvquant.cache.build import spec_memory
 from kvquant.cache.memory import summarize
 from kvquant.yaml_reader import load_yaml
 from kvquant.errors import InternalError, KVQuantError, check_int, is_python_int, one_line
-from kvquant.planner.cost import MEMORY_KEYS, layer_costs, written
+from kvquant.planner.cost import MEMORY_KEYS, layer_costs, memory_after_write
 from kvquant.formats.quantizers import available_quantizers
 
 FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -297,15 +297,16 @@ class Planner:
         return batch * (totals["payload_bytes"] + totals["scale_bytes"] + totals["full_precision_bytes"])
 
     def verify(self, context: int) -> None:
-        """The arithmetic against kvquant's cache code, run in full (:func:`kvquant.planner.cost.written`, one write
-        per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes' repeat
-        (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
+        """The arithmetic against kvquant's cache code, run in full (:func:`kvquant.planner.cost.memory_after_write`,
+        one write per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes'
+        repeat (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
         :data:`VERIFY_TOKENS`. A difference is a kvquant bug (exit 3), never an answer. ``python -m kvquant.plan``
         checks each setting's final answer so."""
         tokens = context if context < self.steady else self.steady + (context - self.steady) % self.period
         if tokens > VERIFY_TOKENS or tokens <= 0:
             return
-        real = written(self.shape.layout, self.settings, self.shape.kv_heads, self.shape.head_dim, self.dtype, tokens)
+        real = memory_after_write(self.shape.layout, self.settings, self.shape.kv_heads, self.shape.head_dim,
+                                  self.dtype, tokens)
         for i, cost in self.layers.items():
             if cost.memory(tokens) != real[i]:
                 raise InternalError(f"the planner's arithmetic gives {cost.memory(tokens)} for layer {i} at {tokens} "

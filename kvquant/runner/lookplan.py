@@ -226,7 +226,7 @@ def merge_histories(first: list[dict], second: list[dict]) -> list[dict] | None:
     return merged
 
 
-def entry(plan: LookPlan) -> dict:
+def new_plan_entry(plan: LookPlan) -> dict:
     return {"plan": plan.to_dict(), "digest": plan.digest(), "looks": {}}
 
 
@@ -388,7 +388,7 @@ class PlanRecord:
             if os.path.lexists(self.path):
                 self.signed_history()  # set aside, said
             self.store.report = self._carried_id()  # the results here go on
-            self.history = [{**entry(self.plan), UNKNOWN_BEFORE: True}]
+            self.history = [{**new_plan_entry(self.plan), UNKNOWN_BEFORE: True}]
             self.write()
             return
         history = self.signed_history()
@@ -399,7 +399,7 @@ class PlanRecord:
                 warn(self.store.warnings, f"the partial results in {self.store.directory} carry no recorded plan "
                      "(measured before kvquant recorded plans): this run's plan is recorded from now on, and looks "
                      "taken earlier under another plan, if any, are not counted")
-            self.history = [entry(self.plan)]
+            self.history = [new_plan_entry(self.plan)]
             if os.path.lexists(self.store.directory):
                 self.write()
             else:  # with the first result: a run stopped before any leaves no folder behind
@@ -408,7 +408,7 @@ class PlanRecord:
             self.history = found[0]
             last = LookPlan.from_dict(self.history[-1]["plan"])
             if self.plan.difference(last) is not None:  # with --replan
-                self.history = [*self.history, entry(self.plan)]
+                self.history = [*self.history, new_plan_entry(self.plan)]
                 self.write()
 
     def write(self) -> None:
