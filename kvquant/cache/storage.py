@@ -8,11 +8,11 @@ Positions of a row count from its first real token (padding is never stored):
 Shapes (``B`` rows, ``H`` heads, ``D`` head_dim; ``[*u]`` what a codec stores per unit and head, e.g. int4
 per-channel keys' payload ``[group, D/2]``):
 
-- ``pool[role]`` ``[N, H, *u]``: one slot per quantized unit, of any row. A unit is encoded once from all of its
-  tokens and never modified, so rows share slots freely: a fork (prefix sharing, beam search, ``stack_rows``)
-  copies a row's table, not its units. A slot no table holds any more is reused by the next write; a full pool
-  grows (:func:`grown`) by a quarter while it is small and by at most :attr:`Store.CHUNK_TOKENS` tokens' units per
-  row once it is large, so the slots it reserves for later writes stay below both.
+- ``pool[role]`` ``[N, H, *u]``: one slot per quantized unit, of any row. A unit is encoded once from all of its tokens
+  and never modified, so rows share slots freely: a fork (prefix sharing, beam search, ``stack_rows``) copies a row's
+  table, not its units. A slot no table holds any more is reused by the next write; a full pool grows
+  (:func:`next_capacity`) by a quarter while it is small and by at most :attr:`Store.CHUNK_TOKENS` tokens' units per row
+  once it is large, so the slots it reserves for later writes stay below both.
 - ``table`` ``[B, U]`` long (CPU): row ``b``'s slots in token order in its first ``units[b]`` columns (-1 after).
 - ``sinks`` ``[B, H, S, D]`` and ``tail`` ``[B, H, T, D]``: row ``b`` holds the first ``n_sinks[b]`` /
   ``n_tail[b]`` of them (copied, not shared, by a fork: at most ``S`` and residual + unit tokens).
@@ -64,7 +64,7 @@ def _shift(x: torch.Tensor, start: list[int], width: int) -> torch.Tensor:
     return torch.gather(x, 2, index)
 
 
-def grown(capacity: int, need: int, step: int, factor: float) -> int:
+def next_capacity(capacity: int, need: int, step: int, factor: float) -> int:
     """The capacity a full pool (or block table) of ``capacity`` grows to when it must hold ``need``: by ``factor``
     while that is less than ``step`` more, by ``step`` after that, and exactly ``need`` when a write needs more. So
     what it reserves beyond ``need`` is below ``capacity * (factor - 1)`` and below ``step``: a quarter at most of a
@@ -76,7 +76,7 @@ def grown(capacity: int, need: int, step: int, factor: float) -> int:
 class Store:
     """One layer's keys (or values) for all rows; see the module docstring for the layout."""
 
-    #: Factor by which a small full pool grows (see :func:`grown`).
+    #: Factor by which a small full pool grows (see :func:`next_capacity`).
     GROWTH = 1.25
     #: Most tokens per row a growth adds to a large pool (in whole units, at least one): the bound on what a store
     #: reserves for later writes at long contexts. A growth copies the pool once every this many tokens per row
@@ -208,7 +208,7 @@ class Store:
             self.pool[role][slots.to(value.device)] = picked
         need = max(u + n for u, n in zip(self.units, new_units))
         if need > self.table.shape[1]:  # grown like the pool, so a decode step does not copy the table
-            more = grown(self.table.shape[1], need, self.step, self.GROWTH) - self.table.shape[1]
+            more = next_capacity(self.table.shape[1], need, self.step, self.GROWTH) - self.table.shape[1]
             self.table = torch.cat([self.table, torch.full((self.rows, more), -1, dtype=torch.long)], dim=1)
         rows = picks // chosen.shape[1]  # picks run row by row, unit j of row r at r * width / unit + j
         cols = torch.tensor(self.units, dtype=torch.long)[rows] + picks % chosen.shape[1]
@@ -225,7 +225,7 @@ class Store:
             self.pool = {role: v.new_empty(0, v.shape[1], *v.shape[3:]) for role, v in like.items()}
         capacity = next(iter(self.pool.values())).shape[0]
         if self.top + fresh > capacity:
-            size = grown(capacity, self.top + fresh, self.rows * self.step, self.GROWTH)
+            size = next_capacity(capacity, self.top + fresh, self.rows * self.step, self.GROWTH)
             self.pool = {role: torch.cat([p, p.new_empty(size - capacity, *p.shape[1:])]) for role, p in
                          self.pool.items()}
         slots = torch.cat([reuse, torch.arange(self.top, self.top + fresh, dtype=torch.long)])

@@ -147,7 +147,7 @@ def quote(text, limit: int = 80) -> str:
     return shown if len(shown) <= limit else f"{shown[:limit]}...'"
 
 
-def _shown(value) -> str:
+def _type_and_repr(value) -> str:
     with contextlib.suppress(Exception):
         text = one_line(repr(value[:100] if isinstance(value, str | list) else value))
         return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
@@ -157,7 +157,7 @@ def _shown(value) -> str:
 def need(ok: bool, path: Path, where: str, wanted: str, value) -> None:
     """One line naming ``where`` in the file at ``path`` unless ``ok``."""
     if not ok:
-        raise KVQuantError(f"{path}: {where} must be {wanted}, got {_shown(value)}; {WROTE}")
+        raise KVQuantError(f"{path}: {where} must be {wanted}, got {_type_and_repr(value)}; {WROTE}")
 
 
 def is_number(value) -> bool:
@@ -368,12 +368,13 @@ def chosen_lengths(doc: dict, name: str | None, path: Path) -> tuple[int | None,
     entry = found.get(name) if isinstance(found, dict) and name is not None else None
     if entry is None:
         return None
-    need(isinstance(entry, dict), path, f"long_context.candidates.{_shown(name)}", "an object", entry)
+    need(isinstance(entry, dict), path, f"long_context.candidates.{_type_and_repr(name)}", "an object", entry)
     out = []
     for key in ("passes_up_to", "fails_from"):
         value = entry.get(key)
         need(value is None or is_python_int(value) and 0 < value <= MAX_LENGTH, path,
-             f"long_context.candidates.{_shown(name)}.{key}", f"null or a number of tokens in 1..{MAX_LENGTH}", value)
+             f"long_context.candidates.{_type_and_repr(name)}.{key}", f"null or a number of tokens in 1..{MAX_LENGTH}",
+             value)
         out.append(value)
     return out[0], out[1]
 

@@ -365,7 +365,7 @@ def window_file(folder: Path, w: int) -> Path:
     return folder / f"window-{w:04d}.npz"
 
 
-def _kept(path: Path) -> dict[str, np.ndarray] | None:
+def _window_arrays(path: Path) -> dict[str, np.ndarray] | None:
     """The arrays of the window file ``path`` (with its ``key``): None where there is none, it is a symlink
     (never followed) or it cannot be read."""
     if not path.is_file() or path.is_symlink():
@@ -383,7 +383,7 @@ def _kept(path: Path) -> dict[str, np.ndarray] | None:
 def load_window(folder: Path, w: int, key: str) -> dict[str, np.ndarray] | None:
     """The arrays kept for window ``w`` under ``key``; None where there are none, or they were kept under another
     key (other tokens, settings, model or code: measured again, and set aside when replaced) or cannot be read."""
-    kept = _kept(window_file(folder, w))
+    kept = _window_arrays(window_file(folder, w))
     if kept is None or str(kept.pop("key")) != key:
         return None
     return kept
@@ -395,7 +395,7 @@ def save_window(folder: Path, w: int, key: str, arrays: dict[str, np.ndarray]) -
     under another key is set aside (``.old``; unreadable: ``.corrupt``), never overwritten."""
     path = writable_target(window_file(real_dir(folder, "llama.cpp windows"), w), "llama.cpp windows")
     if os.path.lexists(path) and not path.is_symlink():
-        kept = _kept(path)
+        kept = _window_arrays(path)
         if kept is None or str(kept["key"]) != key:
             set_aside(path, ".corrupt" if kept is None else ".old")
     buffer = io.BytesIO()

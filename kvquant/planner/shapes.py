@@ -57,24 +57,24 @@ class ModelShape:
         return len(self.layout)
 
 
-def _known(name, layers, heads, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
+def _shape(name, layers, heads, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
     layout = [window if i % (pattern or 1) == 0 else None for i in range(layers)]
     return ModelShape(name, layout, kv_heads, head_dim, params, max_positions, heads=heads)
 
 
 #: Published architecture facts (layers, attention heads, KV heads, head_dim, parameters, trained context).
 KNOWN_MODELS = {
-    "llama-2-7b": _known("llama-2-7b", 32, 32, 32, 128, 6.74e9, 4096),
-    "llama-2-13b": _known("llama-2-13b", 40, 40, 40, 128, 13.02e9, 4096),
-    "llama-2-70b": _known("llama-2-70b", 80, 64, 8, 128, 68.98e9, 4096),
-    "llama-3.1-8b": _known("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
-    "llama-3.1-70b": _known("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
-    "mistral-7b": _known("mistral-7b", 32, 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
-    "mistral-7b-v0.1": _known("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, window=4096),
-    "qwen2.5-7b": _known("qwen2.5-7b", 28, 28, 4, 128, 7.62e9, 131072),
-    "qwen2.5-0.5b": _known("qwen2.5-0.5b", 24, 14, 2, 64, 0.49e9, 32768),
-    "qwen2.5-coder-0.5b": _known("qwen2.5-coder-0.5b", 24, 14, 2, 64, 0.49e9, 32768),  # packaged: kvquant.packaged
-    "gemma-2-9b": _known("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other
+    "llama-2-7b": _shape("llama-2-7b", 32, 32, 32, 128, 6.74e9, 4096),
+    "llama-2-13b": _shape("llama-2-13b", 40, 40, 40, 128, 13.02e9, 4096),
+    "llama-2-70b": _shape("llama-2-70b", 80, 64, 8, 128, 68.98e9, 4096),
+    "llama-3.1-8b": _shape("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
+    "llama-3.1-70b": _shape("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
+    "mistral-7b": _shape("mistral-7b", 32, 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
+    "mistral-7b-v0.1": _shape("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, window=4096),
+    "qwen2.5-7b": _shape("qwen2.5-7b", 28, 28, 4, 128, 7.62e9, 131072),
+    "qwen2.5-0.5b": _shape("qwen2.5-0.5b", 24, 14, 2, 64, 0.49e9, 32768),
+    "qwen2.5-coder-0.5b": _shape("qwen2.5-coder-0.5b", 24, 14, 2, 64, 0.49e9, 32768),  # packaged: kvquant.packaged
+    "gemma-2-9b": _shape("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other
 }
 
 

@@ -75,10 +75,10 @@ def difference(expected, found, where: str = "inputs") -> str | None:
         return None
     top = where.split(".")[1] if where.count(".") else where
     hint = f" ({HINTS[top]})" if top in HINTS else ""
-    return f"{where} is {_shown(found)}, this config's run would use {_shown(expected)}{hint}"
+    return f"{where} is {_short_json(found)}, this config's run would use {_short_json(expected)}{hint}"
 
 
-def _shown(value) -> str:
+def _short_json(value) -> str:
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
 
