@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, parse_args, script_parser, visible
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 
 #: results.json keys that record the run, not its results
 PROVENANCE = {"run_id", "environment", "signature", "command", "output_dir", "seconds"}
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    return guarded("compare_reports", lambda: compare_folders(args))
+    return run_guarded("compare_reports", lambda: compare_folders(args))
 
 
 if __name__ == "__main__":

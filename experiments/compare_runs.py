@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, parse_args, script_parser, visible
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 
 
 def results(report_dir: Path) -> dict[str, dict]:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    return guarded("compare_runs", lambda: compare_folders(args))
+    return run_guarded("compare_runs", lambda: compare_folders(args))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     spec, gguf = le.model_spec(args.model)
     meta = le.gguf_metadata(gguf)
-    le.check_settings([le.Setting(t, True) for t in types], meta["head_dim"])  # before anything loads
+    le.check_cache_types([le.Setting(t, True) for t in types], meta["head_dim"])  # before anything loads
     out = output_dir(args.out, "--out") if args.out else None  # checked before the measurement, written after it
     le.import_llama_cpp()
     engine = le.Engine(gguf, args.threads)

@@ -25,6 +25,9 @@ breaks the annotation; such imports are marked ``[type]`` in the listings). A na
   (``_tp_size``, ``_rank``, ...) that kvquant does not define itself.
 - **commands**: no module imports ``run.py``, ``plan.py``, ``lm_eval.py``, ``export.py`` or ``adopt.py``;
   **transformers.cache_utils**: imported only under ``cache/``.
+- **one meaning per name**: a public class or function defined at the top of two modules of the package is a breach
+  (a method is not: one that overrides another is the same meaning), but for :data:`PROTOCOL_NAMES`, each with its
+  reason.
 
 A breach listed in :data:`DEBTS` (to be removed) or :data:`EXCEPTIONS` (kept, with the reason) is reported but
 accepted at exactly the listed size: a new breach, a larger one, and a debt that shrank or is gone (so its entry
@@ -62,6 +65,10 @@ EXCEPTIONS = {
     ("function size", "kvquant/cache/triton_attend.py:_attend_kernel"): 94,
     ("function size", "kvquant/cache/triton_attend.py:_stream_args"): 76,
     ("function size", "kvquant/cache/triton_attend.py:attend"): 68,
+}
+#: public names several modules define on purpose, one protocol each, with the reason (the one-meaning rule skips them)
+PROTOCOL_NAMES = {
+    "main": "each command's entry point (`python -m kvquant.X`, `kvquant X`): argv in, exit code out",
 }
 
 
@@ -359,7 +366,22 @@ def breaches(found: Structure) -> list[Breach]:
             if t.target in commands]
     out += [Breach("transformers.cache_utils outside cache/", f"{e.importer}:{e.line}") for e in found.external
             if e.module.startswith("transformers.cache_utils") and not e.importer.startswith(f"{package}/cache/")]
+    out += [Breach("name defined twice", name, len(places), ", ".join(places))
+            for name, places in sorted(public_definitions(found).items()) if len(places) > 1
+            and name not in PROTOCOL_NAMES]
     return out
+
+
+def public_definitions(found: Structure) -> dict[str, list[str]]:
+    """Every public class and function defined at a module's top level (under a top-level ``if`` or ``try`` too, not
+    in a class or function), by name: the ``path:line`` of each definition."""
+    places = defaultdict(list)
+    for source in found.sources.values():
+        for node, in_function, _, prefix in statements(source.tree.body):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not in_function
+                    and not prefix and not node.name.startswith("_")):
+                places[node.name].append(f"{source.path}:{node.lineno}")
+    return places
 
 
 def judge(found: list[Breach], listed: dict[tuple[str, str], int]) -> list[str]:
@@ -408,8 +430,13 @@ def figures(found: Structure) -> str:
               "`--check` and tests/test_layout_rules.py fail on any other, and on a listed one that is gone:", ""]
     for b in sorted(listed, key=lambda b: b.key):
         kind = "debt" if b.key in DEBTS else "exception" if b.key in EXCEPTIONS else "NOT LISTED"
-        unit = {"cycle": "file", "upward import": "name"}.get(b.rule, "line") + ("s" if b.size != 1 else "")
+        unit = {"cycle": "file", "upward import": "name", "name defined twice": "module"}.get(b.rule, "line")
+        unit += "s" if b.size != 1 else ""
         lines.append(f"- {kind}, {b.rule}: `{b.where}` ({b.size} {unit})" + (f"; {b.detail}" if b.detail else ""))
+    defined = public_definitions(found)
+    lines += ["", "Public names defined in several modules on purpose (one protocol each; any other name defined",
+              "twice is a breach):", ""]
+    lines += [f"- `{name}` ({len(defined.get(name, []))} modules): {reason}" for name, reason in PROTOCOL_NAMES.items()]
     return "\n".join(lines)
 
 

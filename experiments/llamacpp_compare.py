@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from kvquant.errors import OneLineParser, parse_args
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.fs import output_dir, real_dir, write_together
 from kvquant.integrations.llamacpp_compare import MATMULS, compare, to_json
 from kvquant.integrations.llamacpp_engine import MODELS, QUANTIZED, Setting
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser(), argv)
     if isinstance(args, int):
         return args
-    return guarded(PROG, lambda: run(args))
+    return run_guarded(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from kvquant.scoring.longctx import position_divergences
 from kvquant.scoring.models import load_model, load_tokenizer
 from kvquant.scoring.scorer import Scorer
 from kvquant.scoring.session import BASELINE
-from kvquant.signing import DOCUMENT_DOMAIN, signed_json, unverified
+from kvquant.signing import DOCUMENT_DOMAIN, signed_json, why_unverified
 
 
 def inputs(cfg, window) -> dict:
@@ -82,7 +82,7 @@ def measure(cfg, args) -> list[dict]:
         path, key = partial / f"doc-{d}.json", inputs(cfg, window)
         kept = kept_document(path)
         if kept is not None:
-            why = unverified(kept, DOCUMENT_DOMAIN) if kept.get("inputs") == key else "it is of other inputs"
+            why = why_unverified(kept, DOCUMENT_DOMAIN) if kept.get("inputs") == key else "it is of other inputs"
             if why is None:
                 out.append(kept["result"])
                 continue

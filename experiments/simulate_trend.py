@@ -10,7 +10,7 @@
   bucket's summed KL and its positions: ``b`` solves ``sum(x n e^(b x)) / sum(n e^(b x)) = C``, where ``C`` is the
   KL-weighted mean ``x`` over documents, a ratio of sums (``sum_d sum_b x_b KL_db / sum_d sum_b KL_db``) that no
   logarithm of a small-sample mean enters. Its interval is the gate's studentized bootstrap of ``C`` over documents
-  (``kvquant.runner.bootstrap.studentized``) mapped through the increasing ``C -> b`` (a monotone map keeps the
+  (``kvquant.runner.bootstrap.bootstrap_t``) mapped through the increasing ``C -> b`` (a monotone map keeps the
   coverage).
 
 Generators, each a way to draw ``n`` documents' per-bucket summed KL with a known true factor per doubling (the

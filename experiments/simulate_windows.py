@@ -4,7 +4,7 @@ windows (issue 53 item 3): the coverage of four 95% intervals of a mean over ``n
 The intervals, each from the same ``iters`` resamples ``rng.integers(0, n, size=(iters, n))`` the gate draws:
 
 - **percentile**: the percentile bootstrap kvquant used before (ranks ``iters x 0.025`` and ``iters x 0.975``);
-- **bootstrap-t**: the studentized bootstrap kvquant uses now (``kvquant.runner.bootstrap.studentized``, called
+- **bootstrap-t**: the studentized bootstrap kvquant uses now (``kvquant.runner.bootstrap.bootstrap_t``, called
   here on whole batches of samples: the gate's own function);
 - **BCa**: the bias-corrected and accelerated percentile interval (Efron 1987; the acceleration from the jackknife,
   closed form for a mean);

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from kvquant.errors import OneLineParser, parse_args
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.fs import check_env_dirs
 from kvquant.importpath import drop_working_dir
 from kvquant.runner.preflight import check_report_dir, context_length
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    return guarded("kvquant", lambda: adopt(args.config, args.overrides, args.folders, args.dry_run),
-                   on_interrupt=lambda: "; the results adopted so far are in place, each whole and signed; run the "
-                                        "same command to adopt the rest")
+    return run_guarded("kvquant", lambda: adopt(args.config, args.overrides, args.folders, args.dry_run),
+                       on_interrupt=lambda: "; the results adopted so far are in place, each whole and signed; run the "
+                                            "same command to adopt the rest")
 
 
 if __name__ == "__main__":

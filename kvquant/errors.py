@@ -1,5 +1,5 @@
 """Errors kvquant raises for bad settings and bad inputs (never a silent wrong result), and how its commands
-report them (one line; a command's body runs under :func:`kvquant.exits.guarded`).
+report them (one line; a command's body runs under :func:`kvquant.exits.run_guarded`).
 
 Exit codes of ``python -m kvquant.run``, ``kvquant.plan`` and ``kvquant.lm_eval``: 0 pass (or done), 1 the
 gate failed, 4 inconclusive (no candidate shown to pass, not all shown to fail), 2 bad input (config, data,

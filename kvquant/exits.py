@@ -82,8 +82,8 @@ def _outcome(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | No
         return EXIT_INTERNAL
 
 
-def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
-            on_interrupt: Callable[[], str] = lambda: "") -> int:
+def run_guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | None] = lambda: None,
+                on_interrupt: Callable[[], str] = lambda: "") -> int:
     """Run a command's ``body`` so that no input reaches a raw traceback: :class:`KVQuantError` is one line and
     exit 2, Ctrl-C exit 130 and SIGTERM exit 143 (each with ``on_interrupt()``'s hint, after the body's cleanup
     ran), anything else one line naming a log file with the traceback and exit 3."""
@@ -100,10 +100,10 @@ def guarded(prog: str, body: Callable[[], int], log_dir: Callable[[], Path | Non
 
 def run_script(prog: str, main: Callable[[], object]) -> int:
     """The exit code of a script's ``main()`` (whatever it returns counts as done, exit 0; an ``int`` is its exit
-    code) run under :func:`guarded`: bad input one line and exit 2, anything else one line, a log and exit 3."""
+    code) run under :func:`run_guarded`: bad input one line and exit 2, anything else one line, a log and exit 3."""
 
     def body() -> int:
         code = main()
         return code if is_python_int(code) else EXIT_PASS
 
-    return guarded(prog, body)
+    return run_guarded(prog, body)

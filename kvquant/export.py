@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvquant.integrations.deploy import export
 from kvquant.errors import OneLineParser, parse_args
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.importpath import drop_working_dir
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvquant: wrote {export(args.report_dir, args.trust_unsigned)}")
         return 0
 
-    return guarded("kvquant", run)
+    return run_guarded("kvquant", run)
 
 
 if __name__ == "__main__":

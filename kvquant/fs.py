@@ -39,7 +39,7 @@ def _unsafe_ancestor(path: Path) -> str | None:
     return None
 
 
-def _untrusted(item: Path) -> str | None:
+def _why_untrusted(item: Path) -> str | None:
     """Why another user could change what ``item`` (already resolved) holds, else None."""
     info = item.stat()
     if info.st_uid not in (os.getuid(), 0):
@@ -112,7 +112,7 @@ def check_trusted(path: str | Path, what: str) -> Path:
             included.update(r.resolve() for r in includes)
             todo += [*includes, *modules]
         folder = item if item.is_dir() else item.parent
-        reason = _untrusted(item) or _untrusted(folder) or _unsafe_ancestor(folder)
+        reason = _why_untrusted(item) or _why_untrusted(folder) or _unsafe_ancestor(folder)
         if reason:
             raise KVQuantError(f"{what}: refusing {top}: {reason}; lm-eval runs code that task files name, so they "
                                "must be files only you can write")

@@ -36,7 +36,7 @@ from kvquant.yaml_reader import load_yaml, read_text_file
 from kvquant.scoring import fewshot
 from kvquant.scoring import parallel
 from kvquant.errors import EXIT_PASS, ConfigError, KVQuantError, one_line
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.fs import check_env_dirs, check_trusted
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.lm_eval_model import batch_rows, parse_value, whole_number
@@ -419,14 +419,14 @@ def until_scoring():
 
     phase, evaluate = _Held(sys.stderr), lm_eval.evaluator.evaluate
 
-    def marked(lm, *args, **kwargs):
+    def evaluate_marking_scoring(lm, *args, **kwargs):
         for name in REQUEST_TYPES:
             method = getattr(lm, name, None)
             if method is not None:
                 setattr(lm, name, functools.partial(_first, phase, method))
         return evaluate(lm, *args, **kwargs)
 
-    sys.stderr, lm_eval.evaluator.evaluate = phase, marked
+    sys.stderr, lm_eval.evaluator.evaluate = phase, evaluate_marking_scoring
     try:
         yield phase
     finally:
@@ -452,7 +452,7 @@ def offline_hint(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     drop_working_dir()
     argv = list(sys.argv[1:] if argv is None else argv)
-    return guarded("kvquant", lambda: _evaluate(argv))
+    return run_guarded("kvquant", lambda: _evaluate(argv))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, OneLineParser, one_line, parse_args, visible
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.fs import cache_dir, private_dir
 from kvquant.wheel_data import Unavailable, WheelPart, assemble as assemble_wheels
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PACKAGE_PREFIX}{name}: {visible(path)} (verified)")
         return 0
 
-    return guarded("kvquant", body)
+    return run_guarded("kvquant", body)
 
 
 if __name__ == "__main__":

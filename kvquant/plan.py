@@ -23,7 +23,7 @@ import torch
 
 from kvquant.cache.storage import Store
 from kvquant.errors import EXIT_PASS, KVQuantError, OneLineParser, parse_args, visible
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.importpath import drop_working_dir
 from kvquant.scoring.models import DTYPES
 from kvquant.planner.cost import MAX_LAYER_KINDS
@@ -125,7 +125,7 @@ def build_plan(args) -> dict:
             "reserved_tokens_max": Store.CHUNK_TOKENS}
 
 
-def render(plan: dict) -> str:
+def render_plan(plan: dict) -> str:
     lines = [f"model {plan['model']}: {plan['layers']} layers ({plan['sliding_layers']} sliding-window), "
              f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
              f"batch {plan['batch']} x context {plan['context']:,} tokens; B = bytes, GiB = 2^30 B, GB = 10^9 B"]
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, argv)
     if isinstance(args, int):
         return args
-    return guarded("kvquant", lambda: _print_plan(args))
+    return run_guarded("kvquant", lambda: _print_plan(args))
 
 
 def model_warning(fitted: FittedContext, model: str) -> str | None:
@@ -234,7 +234,7 @@ def _print_plan(args) -> int:
         if warning:
             print(f"kvquant: warning: {warning}", file=sys.stderr)
     print(json.dumps(plan, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
-          if args.json else render(plan))
+          if args.json else render_plan(plan))
     return EXIT_PASS
 
 

@@ -65,7 +65,7 @@ def _signature(doc: dict, key: bytes, domain: bytes = DOMAIN) -> str:
     return hmac.new(key, domain + text.encode("ascii"), hashlib.sha256).hexdigest()
 
 
-def recorded(doc: dict) -> dict:
+def json_form(doc: dict) -> dict:
     """``doc`` as ``results.json`` records it and a reader parses it back: JSON's types (lists for tuples, string
     keys), values JSON cannot hold written as floats."""
     return json.loads(json.dumps(doc, default=float))
@@ -74,13 +74,13 @@ def recorded(doc: dict) -> dict:
 def signed_json(doc: dict, domain: bytes = DOMAIN, indent: int | None = 2) -> str:
     """``results.json``'s text (``domain``: :data:`DOCUMENT_DOMAIN` for a long-context document file's): ``doc`` as
     JSON (values JSON cannot hold written as floats) with its signature under this user's key as its last key."""
-    plain = recorded(doc)
+    plain = json_form(doc)
     if SIGNATURE in plain:
         raise ValueError(f"a report document has no key {SIGNATURE!r} of its own")
     return json.dumps({**plain, SIGNATURE: _signature(plain, result_key(), domain)}, indent=indent)
 
 
-def unverified(doc: dict, domain: bytes = DOMAIN) -> str | None:
+def why_unverified(doc: dict, domain: bytes = DOMAIN) -> str | None:
     """Why ``doc`` (a parsed ``results.json``, or a file signed under ``domain``) is not one this user's kvquant
     signed, else None."""
     signature = doc.get(SIGNATURE)

@@ -59,7 +59,7 @@ def test_architecture(name):
     # no residual window so every token beyond an incomplete key group is read quantized
     cache = kvquant.make_cache(model, "int4", residual_length=0)
     value_group = largest_divisor(head_dim, 32)
-    assert cache.derived()["key_group"] == 32 and cache.derived()["value_group"] == value_group
+    assert cache.derived_settings()["key_group"] == 32 and cache.derived_settings()["value_group"] == value_group
     reference = FakeQuantReference(model, Spec("int", 4, "channel", 32), Spec("int", 4, "token", value_group))
     quantized = run(model, ids, cache)
     torch.testing.assert_close(quantized, run(model, ids, reference), rtol=0, atol=2e-5)

@@ -117,7 +117,7 @@ def test_bookkeeping_of_windows_and_groups(model, story_ids):
         assert k.n_sinks[0] == v.n_sinks[0] == min(sinks, length)
         k_tail, v_tail = k.n_tail[0], v.n_tail[0]
         assert k.unit == group and v.unit == 1  # a key unit is a whole group of tokens
-        assert k.stored(0) == v.stored(0) == length
+        assert k.stored_tokens(0) == v.stored_tokens(0) == length
         if length - sinks >= residual + group:
             assert residual <= k_tail < residual + group  # only the window and an incomplete group
         if length - sinks >= residual:
@@ -326,7 +326,7 @@ def _feed(model, cache, parts, mask, pad_first=False):
 def stored_of(cache):
     """Tokens layer 0 stores per row."""
     k = cache.layers[0].k
-    return [k.stored(r) for r in range(k.rows)]
+    return [k.stored_tokens(r) for r in range(k.rows)]
 
 
 @pytest.mark.parametrize("name", ["fp16", "int4", "int2"])
@@ -392,7 +392,7 @@ def test_padding_is_never_checked_against_the_scale_limit(model):
     keys = torch.ones(2, 4, 3, 8)
     keys[0, :, 2] = 3e7  # padding
     out, _ = layer.update(keys, torch.ones(2, 4, 3, 8))
-    assert torch.isfinite(out).all() and [layer.k.stored(r) for r in range(2)] == [2, 3]
+    assert torch.isfinite(out).all() and [layer.k.stored_tokens(r) for r in range(2)] == [2, 3]
     cache = kvquant.make_cache(model, "fp8_e4m3")
     cache.set_padding(torch.tensor([[1, 1, 0], [1, 1, 1]]))
     keys[1, :, 0] = 3e7  # real

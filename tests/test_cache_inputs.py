@@ -271,14 +271,14 @@ def test_make_cache_rejects_what_is_no_model_or_config_instance(model, kind):
 def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, capsys):
     """Was: ``KVQuantError("internal error ...")``, which the commands report as bad input (exit 2)."""
     from kvquant.errors import EXIT_INTERNAL, InternalError
-    from kvquant.exits import guarded
+    from kvquant.exits import run_guarded
 
     cache = written(model)
     cache.layers[0].k.evicted[1] += 1  # what a bookkeeping bug would leave behind
     with pytest.raises(InternalError, match=r"row 1 stores .* tokens") as info:
         cache.layers[0]._check()
     assert not isinstance(info.value, KVQuantError)
-    assert guarded("kvquant", lambda: cache.layers[0]._check()) == EXIT_INTERNAL
+    assert run_guarded("kvquant", lambda: cache.layers[0]._check()) == EXIT_INTERNAL
     assert "internal error (InternalError: row 1" in capsys.readouterr().err
 
 

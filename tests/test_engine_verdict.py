@@ -113,11 +113,11 @@ def test_every_path_gives_the_make_cache_kl(saved, tmp_path):
 
 
 def test_the_llama_cpp_comparison_states_the_same_verdict_beside_the_engines_own(saved):
-    """kvquant/integrations/llamacpp_engine.measure: each side against its own f16 cache (the engine's number, what
-    issue 37 compares), and beside it the verdict: make_cache's KL from the model's own computation, measured with
-    float32 matmuls even while kvquant's engine side runs with llama.cpp's (here: every linear layer's input rounded
-    to multiples of 1/16, a step function as llama.cpp's quantized activations are: a small change upstream moves
-    inputs across a step)."""
+    """kvquant/integrations/llamacpp_engine.measure_engines: each side against its own f16 cache (the engine's number,
+    what issue 37 compares), and beside it the verdict: make_cache's KL from the model's own computation, measured with
+    float32 matmuls even while kvquant's engine side runs with llama.cpp's (here: every linear layer's input rounded to
+    multiples of 1/16, a step function as llama.cpp's quantized activations are: a small change upstream moves inputs
+    across a step)."""
     from kvquant.integrations import llamacpp_engine as engine_module
     from kvquant.integrations.llamacpp_engine import Setting
 
@@ -140,7 +140,7 @@ def test_the_llama_cpp_comparison_states_the_same_verdict_beside_the_engines_own
             for h in handles:
                 h.remove()
 
-    found = engine_module.measure(FakeEngine(), model, [ids], [Setting("q8_0", True)], emulated=rounded)
+    found = engine_module.measure_engines(FakeEngine(), model, [ids], [Setting("q8_0", True)], emulated=rounded)
     sides = found["q8_0 rot on"]
     verdict = float(np.mean(sides["verdict"]["kl"][0]))
     assert verdict == pytest.approx(by_hand(model, ids), rel=1e-6)

@@ -253,7 +253,7 @@ def test_key_norm_frees_whole_units_and_its_bytes_do_not_depend_on_the_data(grou
             assert out.shape[2] == min(layer.cumulative_length - n, capacity) + n
             for store in (layer.k, layer.v):
                 assert len(store.visible(0)) == min(layer.cumulative_length, capacity)
-                assert store.stored(0) - len(store.visible(0)) <= group - 1
+                assert store.stored_tokens(0) - len(store.visible(0)) <= group - 1
         assert layer.cumulative_length > 3 * capacity
     assert layers[0].memory() == layers[1].memory() == layers[2].memory()
 
@@ -334,12 +334,12 @@ def test_evicted_units_of_a_shared_prefix_are_freed_by_the_formula(rows):
     ("int8", {"layers": {"0": {"quantizer": "int2"}}, "residual_length": 8}),
 ])
 def test_settings_round_trip_through_make_cache(quantizer, options):
-    """settings() holds options only (derived groups are in derived()): make_cache(**settings()) rebuilds a cache
-    whose settings, derived values and stored K/V are the original's."""
+    """settings() holds options only (derived groups are in derived_settings()): make_cache(**settings()) rebuilds a
+    cache whose settings, derived values and stored K/V are the original's."""
     model = model_of()
     cache = kvquant.make_cache(model, quantizer, **options)
     rebuilt = kvquant.make_cache(model, **cache.settings())
-    assert rebuilt.settings() == cache.settings() and rebuilt.derived() == cache.derived()
+    assert rebuilt.settings() == cache.settings() and rebuilt.derived_settings() == cache.derived_settings()
     ids = torch.randint(0, 64, (1, 50), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         assert torch.equal(model(ids, cache=cache).logits, model(ids, cache=rebuilt).logits)

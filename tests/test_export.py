@@ -123,7 +123,7 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     import kvquant
     from kvquant.experiment.config import Candidate
     from kvquant.integrations.deploy import native
-    from kvquant.integrations.deploy_read import Setting
+    from kvquant.integrations.deploy_read import CandidateRecord
     from kvquant.scoring.session import cache_settings
     from kvquant.runner.search import map_candidate
 
@@ -133,7 +133,7 @@ def test_a_searched_map_of_an_engine_format_and_fp16_exports_the_fp16_layers_as_
     found = map_candidate(ladder, {0: 1, 1: 0, 2: 1, 3: 1}, "searched")
     settings = cache_settings(kvquant.make_cache(config, found.quantizer, **found.options))
     entry = {"name": "searched", "settings": settings, "bits_per_element": 4.0, "verdict": "pass", "metrics": {}}
-    setting = Setting.read(entry, 4, Path("results.json"))
+    setting = CandidateRecord.read(entry, 4, Path("results.json"))
     serving, skipped = native(setting)
     assert (serving.engine, serving.flag, serving.needs, skipped) == ("vLLM", "int4_per_token_head",
                                                                       "vLLM's Triton attention backend", [0, 2, 3])

@@ -375,11 +375,11 @@ def test_a_symlink_at_a_target_is_replaced_not_written_through(tmp_path):
 
 
 def test_the_signature_is_the_documents_last_key_and_covers_every_value(tmp_path):
-    from kvquant.signing import unverified
+    from kvquant.signing import why_unverified
 
     doc = json.loads(signed_json(calibrated_pass_document()))
-    assert list(doc)[-1] == SIGNATURE and unverified(doc) is None
+    assert list(doc)[-1] == SIGNATURE and why_unverified(doc) is None
     edited = copy.deepcopy(doc)
     chosen(edited)["settings"]["layers"]["3"]["k_scale"] *= 2
-    assert "does not verify" in unverified(edited)
-    assert "carries no signature" in unverified({k: v for k, v in doc.items() if k != SIGNATURE})
+    assert "does not verify" in why_unverified(edited)
+    assert "carries no signature" in why_unverified({k: v for k, v in doc.items() if k != SIGNATURE})

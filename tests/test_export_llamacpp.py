@@ -252,7 +252,7 @@ def test_report_text_stays_inert_beside_the_llamacpp_commands(tmp_path):
 
 def test_the_runner_step_writes_deploy_md_for_a_llamacpp_decision(tmp_path):
     from kvquant.integrations.deploy import deploy_beside
-    from kvquant.signing import recorded as as_written
+    from kvquant.signing import json_form as as_written
 
     folder = tmp_path / "report"
     folder.mkdir()

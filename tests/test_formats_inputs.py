@@ -213,7 +213,7 @@ def test_every_format_reads_large_states_back_finite_or_refuses_them_on_arrival(
                 keys, values = layer.update(x, x.clone())
             except KVQuantError as err:
                 assert "\n" not in str(err), where
-                assert layer.cumulative_length == 0 and (layer.k is None or layer.k.stored(0) == 0), where
+                assert layer.cumulative_length == 0 and (layer.k is None or layer.k.stored_tokens(0) == 0), where
                 ordinary = extreme_states("scaled", 1.0, dtype, head_dim)
                 keys, values = layer.update(ordinary, ordinary)
                 assert layer.cumulative_length == ordinary.shape[2], where

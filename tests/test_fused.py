@@ -173,8 +173,8 @@ def test_models_built_from_one_config_object_each_read_the_codes(monkeypatch):
     config = LlamaConfig(vocab_size=97, hidden_size=320, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=80, max_position_embeddings=256)
     ids = torch.randint(3, 97, (1, 33), generator=torch.Generator().manual_seed(4))
-    calls, kernel = [], fused.attend
-    monkeypatch.setattr(fused, "attend", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls, kernel = [], fused.attend_codes
+    monkeypatch.setattr(fused, "attend_codes", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     for seed in (0, 1):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()

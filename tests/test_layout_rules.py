@@ -58,7 +58,9 @@ FAKE = {
                           "    lm._rank = 0\n",
     "user.py": "import pkg.run\n\n\ndef size(model):\n    return model._tp_size\n\n\ndef own(store):\n"
                "    return store._rank\n\n\ndef _rank():\n    return 0\n",
-    "run.py": "",
+    "run.py": "def main():\n    return 0\n",
+    "dup.py": "class Thing:\n    def helper(self):\n        pass\n\n\ndef _rank():\n    return 1\n\n\ndef main():\n"
+              "    return 0\n",
     "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.fits import x\n",
 }
 
@@ -107,7 +109,25 @@ def test_each_deliberate_breach_is_reported(fake):
         ("private symbol", "pkg/user.py:5 _tp_size"): 1,  # a name compat/ wraps; _rank is pkg's own
         ("command imported", "pkg/user.py:1 pkg/run.py"): 1,
         ("transformers.cache_utils outside cache/", "pkg/leak.py:1"): 1,
+        ("name defined twice", "Thing"): 2,
+        ("name defined twice", "long"): 2,  # long.py's and short.py's
+        ("name defined twice", "size"): 2,  # compat/'s and user.py's
     }
+
+
+def test_a_public_name_defined_at_the_top_of_two_modules_is_a_breach_unless_it_is_a_listed_protocol(fake, monkeypatch):
+    """``Thing`` is a class in low/base.py and in dup.py; dup.py's method ``helper`` (a function in low/base.py), its
+    private ``_rank`` (also user.py's) and ``main`` (also run.py's: a protocol name) are no breach."""
+    found = {b.key: b for b in rules.breaches(fake)}
+    twice = found["name defined twice", "Thing"]
+    assert (twice.size, twice.detail) == (2, "pkg/dup.py:1, pkg/low/base.py:4")
+    assert {key[1] for key in found if key[0] == "name defined twice"} == {"Thing", "long", "size"}
+    assert rules.judge(list(found.values()), {k: b.size for k, b in found.items() if k[1] != "Thing"}) == [
+        "name defined twice: Thing (2): pkg/dup.py:1, pkg/low/base.py:4"]
+    monkeypatch.setattr(rules, "PROTOCOL_NAMES", {})
+    again = {b.key: b.detail for b in rules.breaches(fake)}
+    assert set(again) - set(found) == {("name defined twice", "main")}
+    assert again["name defined twice", "main"] == "pkg/dup.py:10, pkg/run.py:1"
 
 
 def test_a_listed_debt_passes_only_at_its_size_and_must_go_when_it_is_gone(fake):

@@ -171,7 +171,7 @@ def test_rotation_follows_llama_cpp_head_sizes_and_types():
         assert q8.rotations(d) == blocks
         assert kvquant.get_quantizer("llamacpp_q8_0", attn_rot=False).rotations(d) == (None, None)
     mixed = kvquant.get_quantizer("llamacpp_q8_0", value_type="f16")
-    assert mixed.rotations(128) == (128, None) and mixed.resolved(128)["value_type"] == "f16"
+    assert mixed.rotations(128) == (128, None) and mixed.derived_settings(128)["value_type"] == "f16"
     assert kvquant.get_quantizer("llamacpp_f16", value_type="q4_0").rotations(256) == (None, 64)
     assert kvquant.get_quantizer("llamacpp_f16").rotations(128) == (None, None)
     assert kvquant.get_quantizer("llamacpp_q4_0", attn_rot=True).rotations(192) == (64, 64)

@@ -66,16 +66,16 @@ def test_rotation_at_a_head_size_llama_cpp_cannot_rotate_is_refused(capsys, noth
     line = refused(capsys, ["--model", "smollm2", "--types", "q8_0", "--rotation", "on"])
     assert "rotates only head sizes that are multiples of 64" in line and "not head_dim 96" in line
     # the same head size unrotated is what llama.cpp stores: allowed (it goes on to need llama_cpp)
-    engine.check_settings([Setting("q8_0", False)], 96)
+    engine.check_cache_types([Setting("q8_0", False)], 96)
 
 
 @pytest.mark.parametrize("head_dim, needle", [(96, "not head_dim 96"), (160, "not head_dim 160"),
                                               (8, "not a multiple of llama.cpp's blocks of 32")])
 def test_check_settings_refuses_what_llama_cpp_would_not_do(head_dim, needle):
     with pytest.raises(KVQuantError, match=needle):
-        engine.check_settings([Setting("q4_0", True)], head_dim)
+        engine.check_cache_types([Setting("q4_0", True)], head_dim)
     for d in (64, 128, 192, 256):
-        engine.check_settings([Setting(kind, rot) for kind in engine.QUANTIZED for rot in (True, False)], d)
+        engine.check_cache_types([Setting(kind, rot) for kind in engine.QUANTIZED for rot in (True, False)], d)
 
 
 def test_a_head_size_that_is_not_a_multiple_of_32_is_refused_from_the_gguf(capsys, nothing_loads):
@@ -197,7 +197,7 @@ def test_the_rows_verdicts_and_checks_by_value():
     found = made_up({"q8_0 rot on": (0.004, 0.0041, 0.0042, 0.0002), "q4_0 rot on": (0.05, 0.03),
                      "q8_0 rot off": (0.005, 0.0002),
                      "q4_0 rot off": (0.15, 0.16), "q5_0 rot on": (0.0005, 0.0001), "q5_0 rot off": (0.04, 0.00005)})
-    rows, draws = comparison.summarize(found, settings)
+    rows, draws = comparison.rows_with_draws(found, settings)
     by = {r.setting.label: r for r in rows}
     for r in rows:
         both = [np.concatenate(found[r.setting.label][side]["kl"]).mean() for side in engine.SIDES]
@@ -233,7 +233,7 @@ def test_the_rows_verdicts_and_checks_by_value():
 def test_a_swap_llama_cpp_cannot_separate_is_named_as_noise():
     settings = [Setting("q4_1", True), Setting("iq4_nl", True)]
     found = made_up({"q4_1 rot on": (0.0400, 0.041), "iq4_nl rot on": (0.0401, 0.039)})
-    rows, draws = comparison.summarize(found, settings)
+    rows, draws = comparison.rows_with_draws(found, settings)
     check = comparison.order_check(rows, draws, True)
     assert not check["same"] and check["swapped"][0]["pair"] == ("q4_1", "iq4_nl")
     assert not check["swapped"][0]["llamacpp_separates"] and check["same_where_llamacpp_separates"]
@@ -390,20 +390,20 @@ def test_an_interrupted_comparison_resumes_at_the_next_window(tmp_path, monkeypa
     monkeypatch.setattr(engine_module, "kvquant_logits", lambda model, ids, s, **options: logits(ids, s))
     settings = [Setting("q8_0", True), Setting("q4_0", False)]
     windows = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
-    first = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
+    first = engine_module.measure_engines(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
     # per window: llama.cpp's f16 and two settings; kvquant's fp16 (the model's own), two verdicts, f16, two
     assert len(calls) == 3 * 9 and len(list(tmp_path.glob("window-*.npz"))) == 3
     calls.clear()
-    again = engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
+    again = engine_module.measure_engines(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="a")
     assert calls == []
     for label in first:
         for side in first[label]:
             for what in ("kl", "top1"):
                 assert all(np.array_equal(x, y) for x, y in zip(first[label][side][what], again[label][side][what]))
-    engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
+    engine_module.measure_engines(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
     assert len(calls) == 27  # other inputs: every window measured again
     calls.clear()
     window_2 = tmp_path / "window-0002.npz"
     window_2.unlink()  # as if interrupted during window 2
-    engine_module.measure(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
+    engine_module.measure_engines(FakeEngine(), None, windows, settings, saved=tmp_path, inputs="another model")
     assert {ids for ids, _ in calls} == {tuple(windows[1])}

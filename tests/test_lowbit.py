@@ -110,7 +110,7 @@ def test_the_rotation_goes_around_the_codebook_by_default():
     r = hadamard_rotation(64, seed=0)
     want = (codebook_fake_quant((x.double() @ r).float(), lloyd_max_gaussian(3).float(), "rms").double() @ r.T)
     torch.testing.assert_close(read(key, x).double(), want, rtol=0, atol=1e-5)
-    assert kvquant.get_quantizer("lloyd_max").resolved(64) == {"rotation_block": 64}
+    assert kvquant.get_quantizer("lloyd_max").derived_settings(64) == {"rotation_block": 64}
 
 
 def gaussian_states(head_dim, seed=0):

@@ -32,7 +32,7 @@ def test_thresholds_directions_and_relative_scores():
     assert PERPLEXITY.relative(5.0, 4.0) == pytest.approx(0.8) and ACCURACY.relative(0.45, 0.5) == pytest.approx(0.9)
     assert AGREEMENT.relative(0.93, 1.0) == pytest.approx(0.93)
     assert math.isnan(DIVERGENCE.relative(0.02, 0.0)) and math.isnan(FLIPS.relative(0.1, 0.0))
-    assert [m.counted for m in METRICS] == [False, True, True, True, True, False]  # bootstraps: held to counts
+    assert [m.is_bootstrap for m in METRICS] == [False, True, True, True, True, False]  # bootstraps: held to counts
     assert divergence_limits(gate) == {"max_kl_divergence": 0.01, "min_top1_agreement": 0.9}
     assert divergence_limits(GateConfig(min_top1_agreement=0.9), bucketed=True) == {"min_top1_agreement": 0.9}
     assert AGREEMENT.limit_phrase(0.9) == "top-1 agreement >= 0.9"

@@ -139,7 +139,7 @@ def test_zeros_store_what_meta_tensors_store(monkeypatch):
         for elements in (1 << 30, 0):
             monkeypatch.setattr(plan_cost, "CPU_ELEMENTS", elements)
             try:
-                out.append(plan_cost.written(layout, settings, H, D, torch.float16, 200))
+                out.append(plan_cost.memory_after_write(layout, settings, H, D, torch.float16, 200))
             except KVQuantError as err:
                 out.append(str(err))
         return out

@@ -312,7 +312,7 @@ def test_a_folder_from_before_report_ids_goes_on_untied_and_a_tied_plan_is_not_i
     import hashlib
     import hmac
 
-    from kvquant.runner.lookplan import DOMAIN, FOREIGN, LookPlan, PlanRecord, entry
+    from kvquant.runner.lookplan import DOMAIN, FOREIGN, LookPlan, PlanRecord, new_plan_entry
     from kvquant.runner.store import ResultStore
     from kvquant.signing import result_key
 
@@ -325,7 +325,7 @@ def test_a_folder_from_before_report_ids_goes_on_untied_and_a_tied_plan_is_not_i
     old = ResultStore(partial, {"code": "v1"}, [])  # no id: as before ids
     old.get_or_compute("int8", "memory", {"k": 1}, lambda: {"bits": 8.5})
     record = PlanRecord(old, plan)
-    record.history = [entry(plan)]
+    record.history = [new_plan_entry(plan)]
     record.write()
     doc = json.loads((partial / "plan.json").read_text())
     text = json.dumps(doc["history"], sort_keys=True, separators=(",", ":")).encode()

@@ -131,7 +131,7 @@ def test_default_groups_fit_every_common_head_dim(name, head_dim):
     expected = max(d for d in range(1, default + 1) if head_dim % d == 0)
     key_codec, value_codec = quantizer.codecs(head_dim)
     assert (key_codec.group, value_codec.group) == (default, expected)
-    assert quantizer.resolved(head_dim) == {"key_group": default, "value_group": expected}
+    assert quantizer.derived_settings(head_dim) == {"key_group": default, "value_group": expected}
 
 
 def test_an_explicit_group_that_does_not_fit_is_an_error():
@@ -145,7 +145,7 @@ def test_per_stream_group_sizes_replace_group_size_for_their_stream(real_kv):
     split = kvquant.get_quantizer("int4", value_bits=2, key_group_size=64, value_group_size=4)
     key_codec, value_codec = split.codecs(8)
     assert (key_codec.group, value_codec.group) == (64, 4)
-    assert split.resolved(8) == {"key_group": 64, "value_group": 4}
+    assert split.derived_settings(8) == {"key_group": 64, "value_group": 4}
     # each stream reads exactly what a quantizer with that one group_size reads
     for codec, x, alone in ((key_codec, keys, kvquant.get_quantizer("int4", group_size=64).codecs(8)[0]),
                             (value_codec, values, kvquant.get_quantizer("int2", group_size=4).codecs(8)[1])):
@@ -159,8 +159,8 @@ def test_per_stream_group_sizes_replace_group_size_for_their_stream(real_kv):
     assert key_bytes == b * h * tokens * d * 4 // 8 + b * h * (tokens // 64) * d * 4
     assert value_bytes == b * h * tokens * d * 2 // 8 + b * h * tokens * (d // 4) * 4
     # unset, a stream keeps group_size
-    assert kvquant.get_quantizer("int4", group_size=16, value_group_size=4).resolved(8) == {"key_group": 16,
-                                                                                         "value_group": 4}
+    assert kvquant.get_quantizer("int4", group_size=16, value_group_size=4).derived_settings(8) == {
+        "key_group": 16, "value_group": 4}
 
 
 def test_per_stream_group_sizes_follow_the_stream_when_the_axes_are_swapped():

@@ -484,7 +484,7 @@ def test_a_quantized_cache_reads_what_the_reference_reads(qwen, ids, name, key, 
     model = qwen[0]
     prompt = ids[:, :160]
     cache = kvquant.make_cache(model, name, residual_length=0)
-    assert (cache.derived()["key_group"], cache.derived()["value_group"]) == (key.group, value.group)
+    assert (cache.derived_settings()["key_group"], cache.derived_settings()["value_group"]) == (key.group, value.group)
     got = stream(model, prompt, cache, 40)
     want = stream(model, prompt, FakeQuantReference(model, key, value), 40)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-4)

@@ -14,7 +14,7 @@ from kvquant.cache.reads import Reads
 from kvquant.runner.report_facts import candidate_reports, stage_rows
 from kvquant.runner.report_markdown import markdown
 from kvquant.experiment.results import (Decision, Exercise, Measured, Memory, MetricId, MetricRow, Outcomes, Provenance,
-    RunResult, Serving, Staged, Verdict)
+    RunResult, StageServing, Staged, Verdict)
 
 STORIES = "local:text/tinystories/validation-first1000.jsonl"
 ENV = {"python": "3.x", "kvquant": "k", "torch": "t", "transformers": "tf", "lm_eval": "le", "datasets": "d",
@@ -150,7 +150,7 @@ def test_an_undecided_row_says_when_its_task_has_too_few_documents_left(config, 
 
 def test_stage_rows_read_the_serving_figures_and_the_gate(config):
     run = hand_built_run(config)
-    serving = {name: Serving(4, 160, 4000, 1000.0, 1000, own, 0, 8000, (1.0, 2.0), 1.5, 2.0)
+    serving = {name: StageServing(4, 160, 4000, 1000.0, 1000, own, 0, 8000, (1.0, 2.0), 1.5, 2.0)
                for name, own in (("baseline", 750.0), ("int8", 250.0), ("int4", 125.0))}
     staged = Staged(serving, ("int8", "int4"), 3000, {"requests": 4, "prefix": 128, "suffix": 32, "decode_steps": 8,
                                                       "memory_budget": "3000B"}, {"int4": True}, "int8")

@@ -132,7 +132,7 @@ def test_settings_name_the_rotation_block(model):
     cache = kvquant.make_cache(model, "int4", rotation="hadamard", rotation_seed=2)
     settings = cache.settings()
     assert settings["rotation"] == "hadamard" and settings["rotation_seed"] == 2
-    assert cache.derived()["rotation_block"] == 8
+    assert cache.derived_settings()["rotation_block"] == 8
 
 
 def test_a_single_outlier_channel_fits_once_rotated():

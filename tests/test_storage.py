@@ -47,7 +47,7 @@ def test_identity_rows_read_back_exactly_what_each_wrote(sinks, residual):
             assert torch.equal(out[r, :, most + 2 - w.shape[1] :], w)
             assert torch.equal(out[r, :, : most + 2 - w.shape[1]], torch.zeros_like(out[r, :, : most + 2 - w.shape[1]]))
             assert store.n_sinks[r] == min(sinks, w.shape[1])
-            assert store.stored(r) == w.shape[1]
+            assert store.stored_tokens(r) == w.shape[1]
 
 
 @pytest.mark.parametrize("name, options", [("int4", {"group_size": 4}), ("int8", {}), ("fp8_e4m3", {}),

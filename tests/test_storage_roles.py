@@ -194,6 +194,6 @@ def test_both_kernels_are_handed_the_stream_kind_numbers(name, options, kind):
     states = torch.randn(1, HEADS, 64, HEAD_DIM)
     cache.layers[0].update(states, states)
     store = cache.layers[0].k
-    s = stream(store, [store.stored(0)])
+    s = stream(store, [store.stored_tokens(0)])
     assert fused._args(s)[1][0] == kind
     assert triton_attend._stream_args(s, torch.float32, HEAD_DIM, HEADS, 1, torch.device("cpu"))[1][0] == kind

@@ -389,8 +389,8 @@ def test_matches_store_read_then_eager_attention(name, options, head_dim, dtype)
             for r, c in enumerate(steps):
                 x[r, :, c:] = 0
             s.append(x, steps)
-    stored = [stores[0].stored(r) for r in range(rows)]
-    assert stored == [stores[1].stored(r) for r in range(rows)]
+    stored = [stores[0].stored_tokens(r) for r in range(rows)]
+    assert stored == [stores[1].stored_tokens(r) for r in range(rows)]
     counts = [stored[0], stored[1] - 5, stored[2] - 1]  # row 1 starts inside a key group, past its sinks
     key, value = stream(stores[0], counts), stream(stores[1], counts)
     assert key.counts().tolist() == counts == value.counts().tolist()

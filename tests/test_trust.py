@@ -440,9 +440,9 @@ def test_the_planner_refuses_an_option_set_twice():
 
 
 def test_a_sigterm_while_an_error_is_being_reported_still_exits_143():
-    """The signal can land while guarded() prints an error line; it escaped as a raw traceback with exit 1."""
+    """The signal can land while run_guarded() prints an error line; it escaped as a raw traceback with exit 1."""
     from kvquant.errors import EXIT_TERMINATED
-    from kvquant.exits import Terminated, guarded
+    from kvquant.exits import Terminated, run_guarded
 
     class Late(KVQuantError):
         def __str__(self):  # the SIGTERM handler fires while the message is formatted
@@ -451,7 +451,7 @@ def test_a_sigterm_while_an_error_is_being_reported_still_exits_143():
     def body():
         raise Late("bad input")
 
-    assert guarded("kvquant", body) == EXIT_TERMINATED
+    assert run_guarded("kvquant", body) == EXIT_TERMINATED
 
 
 OWN_TASK = ("task: own\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {docs}}}}}\ntest_split: test\n"

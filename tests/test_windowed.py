@@ -53,7 +53,7 @@ def scorer(model, name, scored: list, stop_after: int | None = None) -> Scorer:
 
 def kept(store, metric):
     """The session's own keep (its groups in ``store.windows()``)."""
-    return Session._kept(SimpleNamespace(store=store), "int4", metric, KEY)
+    return Session._keep_in_store(SimpleNamespace(store=store), "int4", metric, KEY)
 
 
 def reference(model, ws) -> dict:

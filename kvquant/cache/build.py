@@ -373,6 +373,6 @@ def simulate_memory(
 def spec_memory(spec: CacheSpec, shape, *, tokens: int, dtype: torch.dtype, batch: int = 1,
                 context: int | None = None) -> dict[str, float]:
     """:func:`simulate_memory` of ``spec`` on a model of ``shape`` (its ``layout``, ``kv_heads`` and ``head_dim``: a
-    :class:`kvquant.planner.shapes.Shape` or a session's) after ``tokens`` tokens of one row, times ``batch``."""
+    :class:`kvquant.planner.shapes.ModelShape` or a session's) after ``tokens`` tokens of one row, times ``batch``."""
     return simulate_memory(shape.layout, spec, batch=batch, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                            tokens=tokens, dtype=dtype, context=context)

@@ -138,10 +138,10 @@ class KVQuantCache(Cache):
         return {**self.quantizer.describe(), "residual_length": self.residual_length, "sink_tokens": self.sink_tokens,
                 **eviction, **rope, **layers}
 
-    def derived(self) -> dict[str, object]:
+    def derived_settings(self) -> dict[str, object]:
         """What the quantizer derived from the model's head_dim: the groups actually used (``key_group``,
         ``value_group``), ``rotation_block``. Not options: reports show them beside :meth:`settings`."""
-        return self.quantizer.resolved(self.head_dim) if self.head_dim else {}
+        return self.quantizer.derived_settings(self.head_dim) if self.head_dim else {}
 
     def memory_report(self) -> dict[str, float]:
         """What the cache holds, in bytes.

@@ -167,8 +167,8 @@ def _args(s: Stream) -> tuple[list[torch.Tensor], list[int]]:
              s.sinks, s.tail, s.n_sinks, s.skip, s.units, s.n_tail], [kind, s.bits, s.group, int(s.token_axis)])
 
 
-def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, hi: torch.Tensor,
-           scaling: float) -> torch.Tensor | None:
+def attend_codes(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, hi: torch.Tensor,
+                 scaling: float) -> torch.Tensor | None:
     """``softmax(scaling * q k^T) v`` for ``query`` ``[B, Hq, n, D]`` over each query's read tokens ``[lo, hi)``,
     read from the stored codes; ``[B, Hq, n, D]``, or None where no kernel can run it here."""
     if query.device.type == "cpu":
@@ -182,7 +182,7 @@ def attend(query: torch.Tensor, keys: Stream, values: Stream, lo: torch.Tensor, 
     if query.device.type == "cuda":
         from kvquant.cache import triton_attend
 
-        if triton_attend.available():
+        if triton_attend.triton_importable():
             return triton_attend.attend(query, keys, values, hi.to(query.device), scaling, lo=lo.to(query.device))
     return None
 
@@ -220,8 +220,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             and not recording_attentions():
         ranges = pending.ranges(attention_mask, query.shape[2])
         if ranges is not None:
-            out = attend(query, stream(pending.keys, pending.counts), stream(pending.values, pending.counts),
-                         *ranges, scaling)
+            out = attend_codes(query, stream(pending.keys, pending.counts), stream(pending.values, pending.counts),
+                               *ranges, scaling)
     if out is None:
         key, value = pending.materialize(query)
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

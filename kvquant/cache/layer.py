@@ -119,7 +119,7 @@ class KVQuantLayer(CacheLayerMixin):
         """First (virtual) position still held: all but the last ``capacity`` positions are gone."""
         return max(self.cumulative_length - self.capacity, 0) if self.capacity is not None else 0
 
-    def held(self) -> list[int]:
+    def readable_tokens(self) -> list[int]:
         """Per row: real tokens attention may still read."""
         return self.padding.count(self._window(), self.cumulative_length, self.batch)
 
@@ -208,7 +208,7 @@ class KVQuantLayer(CacheLayerMixin):
                 check_states(states, store.codec.max_abs, name, store.codec.held)
             store.codec.check(states, name)  # e.g. a rotation's overflow: refused before anything is stored
         self.cumulative_length += n
-        keep = self.held()  # per row, what the window still needs after this update
+        keep = self.readable_tokens()  # per row, what the window still needs after this update
         visible = real.sum(1).tolist() if declared else [past + n - first] * batch
         if self.rope is not None:
             self.rope.append(positions, new[0][1], [self.k.length(row) for row in range(batch)])
@@ -275,11 +275,11 @@ class KVQuantLayer(CacheLayerMixin):
     def _check(self) -> None:
         """Stored tokens agree with what was written (cheap; a disagreement is a bug, never a silent result)."""
         written = self.padding.count(0, self.cumulative_length, self.batch)
-        for row, held in enumerate(self.held()):
+        for row, held in enumerate(self.readable_tokens()):
             for store in (self.k, self.v):
                 unit = block_tokens(self.k.codec, self.v.codec) if self.eviction_by_importance else store.unit
                 slack = unit - 1 if self.capacity is not None else 0
-                stored = store.stored(row)
+                stored = store.stored_tokens(row)
                 if store.length(row) != written[row] or not held <= stored <= held + slack:
                     raise InternalError(
                         f"row {row} stores {stored} of {store.length(row)} tokens, expected "
@@ -349,7 +349,7 @@ class KVQuantLayer(CacheLayerMixin):
             return out
         # an evicting layer's fp16 reference is every token written (what it saves is the point); a sliding
         # window's is what the model's own cache holds
-        tokens = self.padding.count(0, self.cumulative_length, self.batch) if self.eviction else self.held()
+        tokens = self.padding.count(0, self.cumulative_length, self.batch) if self.eviction else self.readable_tokens()
         for store in (self.k, self.v):
             holders = store.holders()
             live, shared = int((holders > 0).sum()), int((holders > 1).sum())

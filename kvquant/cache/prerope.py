@@ -22,7 +22,7 @@ import torch
 from kvquant.compat.rope import RotaryTables
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import MAX_TOKENS
-from kvquant.cache.storage import Store, grown
+from kvquant.cache.storage import Store, next_capacity
 
 
 def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False) -> None:
@@ -48,7 +48,7 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return work.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """``x`` ``[B, H, n, D]`` rotated by ``R_p`` (the model's RoPE) in place, computed in float32 at least."""
     work = torch.promote_types(x.dtype, torch.float32)
     if x.dtype == work:
@@ -98,7 +98,7 @@ class PreRope:
         index = ordinals.clamp(min=0)
         positions = torch.where(ordinals >= 0, torch.gather(self.positions, 1, index.to(torch.long)), 0) \
             if ordinals.numel() else ordinals
-        rotate(keys, *self.tables.cos_sin(self.layer, positions.long().to(keys.device), keys.dtype))
+        apply_rope(keys, *self.tables.cos_sin(self.layer, positions.long().to(keys.device), keys.dtype))
 
     def append(self, positions: torch.Tensor, counts: list[int], lengths: list[int]) -> None:
         """Keep the first ``counts[b]`` of ``positions`` ``[B, n]`` as row ``b``'s ordinals from ``lengths[b]``."""
@@ -107,7 +107,7 @@ class PreRope:
         if self.positions.shape[0] != rows:  # the first write
             self.positions = torch.zeros(rows, 0, dtype=torch.int32)
         if need > width:  # grown like a store's table (by a quarter, at most a chunk of tokens at a time)
-            size = grown(width, need, Store.CHUNK_TOKENS, Store.GROWTH)
+            size = next_capacity(width, need, Store.CHUNK_TOKENS, Store.GROWTH)
             self.positions = torch.cat([self.positions, torch.zeros(rows, size - width, dtype=torch.int32)], dim=1)
         new = positions.to("cpu", torch.int32)
         for row, (length, count) in enumerate(zip(lengths, counts)):

@@ -3,10 +3,10 @@ the stored keys (llama.cpp's CPU flash attention: to K's ``vec_dot_type``, q8_0 
 key codec's ``query(q)`` (``[B, Hq, n, D]`` -> float32, the same shape).
 
 A :class:`~kvquant.cache.KVQuantLayer` tags the keys it returns with that conversion (:func:`tag`);
-:func:`attention`, registered with transformers' ``AttentionInterface`` in front of the model's own attention by
-:func:`enable_query_conversion`, hands the model's attention the converted query, rounded to the query's dtype,
-when the keys carry a tag, and the query untouched otherwise. ``make_cache(model, ...)`` enables it for a model
-whose cache converts the query (a quantizer with ``converts_query``); on a model with fused decode the conversion
+:func:`converting_attention`, registered with transformers' ``AttentionInterface`` in front of the model's own attention
+by :func:`enable_query_conversion`, hands the model's attention the converted query, rounded to the query's dtype, when
+the keys carry a tag, and the query untouched otherwise. ``make_cache(model, ...)`` enables it for a model whose cache
+converts the query (a quantizer with ``converts_query``); on a model with fused decode the conversion
 goes in front of the attention fused decode falls back to, so fused decode stays on for other caches.
 """
 
@@ -51,7 +51,7 @@ def _previous(module):
     return attention_before(module, "_kvquant_query_previous")
 
 
-def attention(module, query, key, value, attention_mask, **kwargs):
+def converting_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention-function contract: the previous attention, with ``query`` ``[B, Hq, n, D]`` converted
     as ``key``'s tag says."""
     convert = getattr(key, TAG, None)
@@ -65,7 +65,7 @@ def _register(previous: str) -> str:
     from transformers.modeling_utils import AttentionInterface
 
     name = f"{NAME}_{previous}"
-    AttentionInterface.register(name, attention)
+    AttentionInterface.register(name, converting_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[previous])
     return name
 

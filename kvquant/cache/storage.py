@@ -8,11 +8,11 @@ Positions of a row count from its first real token (padding is never stored):
 Shapes (``B`` rows, ``H`` heads, ``D`` head_dim; ``[*u]`` what a codec stores per unit and head, e.g. int4
 per-channel keys' payload ``[group, D/2]``):
 
-- ``pool[role]`` ``[N, H, *u]``: one slot per quantized unit, of any row. A unit is encoded once from all of its
-  tokens and never modified, so rows share slots freely: a fork (prefix sharing, beam search, ``stack_rows``)
-  copies a row's table, not its units. A slot no table holds any more is reused by the next write; a full pool
-  grows (:func:`grown`) by a quarter while it is small and by at most :attr:`Store.CHUNK_TOKENS` tokens' units per
-  row once it is large, so the slots it reserves for later writes stay below both.
+- ``pool[role]`` ``[N, H, *u]``: one slot per quantized unit, of any row. A unit is encoded once from all of its tokens
+  and never modified, so rows share slots freely: a fork (prefix sharing, beam search, ``stack_rows``) copies a row's
+  table, not its units. A slot no table holds any more is reused by the next write; a full pool grows
+  (:func:`next_capacity`) by a quarter while it is small and by at most :attr:`Store.CHUNK_TOKENS` tokens' units per row
+  once it is large, so the slots it reserves for later writes stay below both.
 - ``table`` ``[B, U]`` long (CPU): row ``b``'s slots in token order in its first ``units[b]`` columns (-1 after).
 - ``sinks`` ``[B, H, S, D]`` and ``tail`` ``[B, H, T, D]``: row ``b`` holds the first ``n_sinks[b]`` /
   ``n_tail[b]`` of them (copied, not shared, by a fork: at most ``S`` and residual + unit tokens).
@@ -65,7 +65,7 @@ def _shift(x: torch.Tensor, start: list[int], width: int) -> torch.Tensor:
     return torch.gather(x, 2, index)
 
 
-def place(values: torch.Tensor, real: torch.Tensor | None, m: int, fill: int) -> torch.Tensor:
+def spread_to_positions(values: torch.Tensor, real: torch.Tensor | None, m: int, fill: int) -> torch.Tensor:
     """``[B, m]``: row ``b``'s ``values`` ``[B, k]`` in order at the true positions of ``real`` ``[B, m]`` (None: all
     ``m``), ``fill`` elsewhere."""
     rows = values.shape[0]
@@ -78,7 +78,7 @@ def place(values: torch.Tensor, real: torch.Tensor | None, m: int, fill: int) ->
     return torch.where(real, picked, fill)
 
 
-def grown(capacity: int, need: int, step: int, factor: float) -> int:
+def next_capacity(capacity: int, need: int, step: int, factor: float) -> int:
     """The capacity a full pool (or block table) of ``capacity`` grows to when it must hold ``need``: by ``factor``
     while that is less than ``step`` more, by ``step`` after that, and exactly ``need`` when a write needs more. So
     what it reserves beyond ``need`` is below ``capacity * (factor - 1)`` and below ``step``: a quarter at most of a
@@ -90,7 +90,7 @@ def grown(capacity: int, need: int, step: int, factor: float) -> int:
 class Store:
     """One layer's keys (or values) for all rows; see the module docstring for the layout."""
 
-    #: Factor by which a small full pool grows (see :func:`grown`).
+    #: Factor by which a small full pool grows (see :func:`next_capacity`).
     GROWTH = 1.25
     #: Most tokens per row a growth adds to a large pool (in whole units, at least one): the bound on what a store
     #: reserves for later writes at long contexts. A growth copies the pool once every this many tokens per row
@@ -133,13 +133,13 @@ class Store:
         """Units per row a growth adds at most (:attr:`CHUNK_TOKENS`, in whole units)."""
         return max(self.CHUNK_TOKENS // self.unit, 1)
 
-    def stored(self, row: int) -> int:
+    def stored_tokens(self, row: int) -> int:
         """Tokens stored for ``row``."""
         return self.n_sinks[row] + self.units[row] * self.unit + self.n_tail[row]
 
     def length(self, row: int) -> int:
         """Tokens ever written to ``row``."""
-        return self.stored(row) + self.evicted[row]
+        return self.stored_tokens(row) + self.evicted[row]
 
     def track(self, score=None) -> None:
         """Keep ordinals (and scores with ``score``: ``[B, H, n, D]`` states -> ``[B, n]``) for importance eviction;
@@ -222,7 +222,7 @@ class Store:
             self.pool[role][slots.to(value.device)] = picked
         need = max(u + n for u, n in zip(self.units, new_units))
         if need > self.table.shape[1]:  # grown like the pool, so a decode step does not copy the table
-            more = grown(self.table.shape[1], need, self.step, self.GROWTH) - self.table.shape[1]
+            more = next_capacity(self.table.shape[1], need, self.step, self.GROWTH) - self.table.shape[1]
             self.table = torch.cat([self.table, torch.full((self.rows, more), -1, dtype=torch.long)], dim=1)
         rows = picks // chosen.shape[1]  # picks run row by row, unit j of row r at r * width / unit + j
         cols = torch.tensor(self.units, dtype=torch.long)[rows] + picks % chosen.shape[1]
@@ -239,7 +239,7 @@ class Store:
             self.pool = {role: v.new_empty(0, v.shape[1], *v.shape[3:]) for role, v in like.items()}
         capacity = next(iter(self.pool.values())).shape[0]
         if self.top + fresh > capacity:
-            size = grown(capacity, self.top + fresh, self.rows * self.step, self.GROWTH)
+            size = next_capacity(capacity, self.top + fresh, self.rows * self.step, self.GROWTH)
             self.pool = {role: torch.cat([p, p.new_empty(size - capacity, *p.shape[1:])]) for role, p in
                          self.pool.items()}
         slots = torch.cat([reuse, torch.arange(self.top, self.top + fresh, dtype=torch.long)])
@@ -272,7 +272,7 @@ class Store:
         m = out.shape[2]
         n_sinks, units, n_tail = self.n_sinks, self.units, self.n_tail
         simple = real is None and len(set(n_sinks)) == 1 and len(set(units)) == 1 and len(set(n_tail)) == 1 and \
-            not any(self.hidden) and all(self.stored(r) == m for r in range(self.rows))
+            not any(self.hidden) and all(self.stored_tokens(r) == m for r in range(self.rows))
         if simple:
             s, q = n_sinks[0], units[0] * self.unit
             out[:, :, :s] = self.sinks[:, :, :s]
@@ -287,13 +287,13 @@ class Store:
         self.decode_units(buf[:, :, S : S + width])
         buf[:, :, S + width : S + width + T] = self.tail
         buf[:, :, -1] = 0
-        index = place(self._sources(counts, S, width), real, m, buf.shape[2] - 1)
+        index = spread_to_positions(self._sources(counts, S, width), real, m, buf.shape[2] - 1)
         torch.gather(buf, 2, index.to(buf.device)[:, None, :, None].expand(-1, self.heads, -1, self.head_dim),
                      out=out)
 
     def _order(self, row: int, count: int) -> list[int]:
         """Stored positions (``0..stored``) of the ``count`` tokens row ``row`` returns, in order."""
-        stored, s = self.stored(row), self.n_sinks[row]
+        stored, s = self.stored_tokens(row), self.n_sinks[row]
         if self.ords is not None and self.hidden[row]:
             hidden = self.hidden[row]
             visible = [i for i, o in enumerate(self.ords[row]) if o not in hidden]
@@ -307,7 +307,7 @@ class Store:
         most = max(counts, default=0)
         if self.ords is None or not any(self.hidden):
             r = torch.arange(most)[None, :]
-            stored = torch.tensor([self.stored(b) for b in range(self.rows)])[:, None]
+            stored = torch.tensor([self.stored_tokens(b) for b in range(self.rows)])[:, None]
             sinks, count = torch.tensor(self.n_sinks)[:, None], torch.tensor(counts)[:, None]
             pinned = (sinks > 0) & (count < stored) & (r < sinks)
             return torch.where(pinned, r, stored - count + r).clamp(min=0)
@@ -325,7 +325,7 @@ class Store:
             raise InternalError("Store.ordinals with importance eviction; please report this")
         position, sinks = self._positions(counts), torch.tensor(self.n_sinks)[:, None]
         ordinal = torch.where(position < sinks, position, position + torch.tensor(self.evicted)[:, None])
-        return place(ordinal, real, m, -1)
+        return spread_to_positions(ordinal, real, m, -1)
 
     def _sources(self, counts: list[int], S: int, width: int) -> torch.Tensor:
         """``[B, max(counts)]``: the buffer positions (sinks at 0, units at ``S``, tail at ``S + width``) of the
@@ -344,7 +344,7 @@ class Store:
         if self.ords is not None and self.hidden[row]:
             flags = [s <= i < s + q for i in self._order(row, m)]
             return [(flag, len(list(run))) for flag, run in itertools.groupby(flags)]
-        if s and m < self.stored(row):
+        if s and m < self.stored_tokens(row):
             return [(False, s), *last_runs([(True, q), (False, t)], m - s)]
         return last_runs([(False, s), (True, q), (False, t)], m)
 

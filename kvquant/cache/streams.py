@@ -71,7 +71,7 @@ def stream(store: Store, counts: list[int]) -> Stream:
     (all of its sinks are read: :meth:`Store.read` without hidden tokens)."""
     codec, rows = store.codec, store.rows
     heads, head_dim, unit = store.heads, store.head_dim, store.unit
-    stored = [store.stored(b) for b in range(rows)]
+    stored = [store.stored_tokens(b) for b in range(rows)]
     skip = [s - c for s, c in zip(stored, counts)]
     if any(k < 0 for k in skip):
         raise ValueError(f"rows read more tokens than they store: {counts} of {stored}")

@@ -10,7 +10,7 @@ history is never written anywhere. With several splits a second kernel merges th
 each split. GQA: the ``G = Hq / H`` query heads of one KV head (times the ``n`` queries) are the rows of one tile,
 so each key and value is read once per KV head (per block of up to 4096 / head_dim such rows).
 
-Triton is optional: nothing here imports it until :func:`attend` (or :func:`available`) is called. The kernels
+Triton is optional: nothing here imports it until :func:`attend` (or :func:`triton_importable`) is called. The kernels
 are written below as plain functions and wrapped by ``triton.jit`` on first use, once per value of
 ``TRITON_INTERPRET``, so the interpreter (CPU tests) works whatever imported this module or triton first.
 """
@@ -35,7 +35,7 @@ _KINDS = ("int", "fp8", "full")
 _FP8 = {torch.float8_e4m3fn: (4, 3, 7), torch.float8_e5m2: (5, 2, 15)}
 
 
-def available() -> bool:
+def triton_importable() -> bool:
     """Whether triton can be imported (the kernels still need a GPU, or ``TRITON_INTERPRET=1`` on the CPU)."""
     try:
         import triton  # noqa: F401

@@ -1,7 +1,7 @@
 """YAML mappings bound to frozen config dataclasses, generically: the binder refuses unknown and missing keys and
 checks each value against its field's annotation (no bool where an int is wanted, no float for an int, no NaN or
 infinity, no NUL in text), building nested dataclasses; each dataclass then checks its own values in
-``__post_init__`` with :func:`require` and :func:`at_least`, and the binder puts where the key sits before the
+``__post_init__`` with :func:`require` and :func:`check_at_least`, and the binder puts where the key sits before the
 message (``eval.tasks.limit must be >= 1``). Before binding, :func:`apply_override` applies a ``--set a.b=value`` to the
 raw mapping (``value`` is parsed as YAML; list items are addressed by index: ``candidates.0.quantizer``).
 """
@@ -24,7 +24,7 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def at_least(key: str, value, low: int, nullable: bool = False) -> None:
+def check_at_least(key: str, value, low: int, nullable: bool = False) -> None:
     """``value >= low`` (or None when ``nullable``)."""
     if value is None and nullable:
         return

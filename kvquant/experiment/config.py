@@ -26,7 +26,7 @@ from typing import Any, Literal
 from kvquant.errors import ConfigError, is_python_int
 from kvquant.experiment.metric import METRICS
 from kvquant.paths import MAX_NAME_BYTES, folder_problem
-from kvquant.experiment.binding import apply_override, at_least, build, require
+from kvquant.experiment.binding import apply_override, check_at_least, build, require
 from kvquant.experiment.gate_config import GateConfig
 from kvquant.experiment.long_config import LongContextConfig, check_long_context
 from kvquant.experiment.model_config import ModelConfig
@@ -148,8 +148,8 @@ class PerplexitySet:
     def __post_init__(self):
         check_plain_name("name", self.name)
         require(bool(self.source or self.hub), "source or hub: a perplexity set needs a file or a datasets id")
-        at_least("limit", self.limit, 1, nullable=True)
-        at_least("max_length", self.max_length, 2)
+        check_at_least("limit", self.limit, 1, nullable=True)
+        check_at_least("max_length", self.max_length, 2)
         require(self.stride is None or 1 <= self.stride <= self.max_length,
                 f"stride must be in 1..max_length ({self.max_length}) or null, got {self.stride!r}")
         require(bool(self.text_field), "text_field must name a field, got ''")
@@ -188,7 +188,7 @@ class TaskSet:
         require(len(set(self.names)) == len(self.names), f"names must be unique, got {self.names}")
         require(self.fewshot_sampler == "default" or any(map(self.fewshot_for, self.names)),
                 f"fewshot_sampler: {self.fewshot_sampler!r} draws few-shot examples, and num_fewshot gives no task any")
-        at_least("limit", self.limit, 1, nullable=True)
+        check_at_least("limit", self.limit, 1, nullable=True)
         for task, limit in self.limits.items():
             require(task in self.names, f"limits: {task!r} is not among names ({', '.join(self.names) or 'none'})")
             require(limit is None or (is_python_int(limit) and limit >= 1),
@@ -220,9 +220,9 @@ class EvalConfig:
     long_context: LongContextConfig | None = None
 
     def __post_init__(self):
-        at_least("chunk_size", self.chunk_size, 1)
-        at_least("batch_size", self.batch_size, 1)
-        at_least("memory_probe_tokens", self.memory_probe_tokens, 2)
+        check_at_least("chunk_size", self.chunk_size, 1)
+        check_at_least("batch_size", self.batch_size, 1)
+        check_at_least("memory_probe_tokens", self.memory_probe_tokens, 2)
         require(0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed!r}")
         names = [p.name for p in self.perplexity]
         require(len(set(names)) == len(names), f"perplexity: set names must be unique, got {names}")
@@ -282,7 +282,7 @@ class CalibrationConfig:
     averaging: float = 0.01
 
     def __post_init__(self):
-        at_least("windows", self.windows, 1)
+        check_at_least("windows", self.windows, 1)
         require(self.windows <= MAX_CALIBRATION, f"windows must be in 1..{MAX_CALIBRATION}, got {self.windows!r}")
         require(0 < self.averaging <= 1, f"averaging must be in (0, 1], got {self.averaging!r}")
 
@@ -335,7 +335,7 @@ class ExperimentConfig:
                               f"{reserved[0]!r}")
         require(bool(self.eval.perplexity or self.eval.tasks.names),
                 "eval: nothing to measure; list perplexity sets and/or tasks")
-        gated = [*self._gated("tasks", self.eval.tasks.names), *self._gated("perplexity",
+        gated = [*self._gated_names("tasks", self.eval.tasks.names), *self._gated_names("perplexity",
                                                                               [p.name for p in self.eval.perplexity])]
         require(bool(gated) or self.gate.min_context is not None, "gate: nothing is gated (gate.tasks and "
                 "gate.perplexity select no task and no perplexity set), so every candidate would pass; gate at least "
@@ -397,13 +397,13 @@ class ExperimentConfig:
                 "reads, and calibration would see them")
 
     def gated_perplexity(self) -> list[PerplexitySet]:
-        names = self._gated("perplexity", [p.name for p in self.eval.perplexity])
+        names = self._gated_names("perplexity", [p.name for p in self.eval.perplexity])
         return [p for p in self.eval.perplexity if p.name in names]
 
     def gated_tasks(self) -> list[str]:
-        return self._gated("tasks", self.eval.tasks.names)
+        return self._gated_names("tasks", self.eval.tasks.names)
 
-    def _gated(self, kind: str, measured: list[str]) -> list[str]:
+    def _gated_names(self, kind: str, measured: list[str]) -> list[str]:
         """The gated names of one kind; a gated name that is not measured is an error naming the measured ones."""
         listed = getattr(self.gate, kind)
         if listed is None:

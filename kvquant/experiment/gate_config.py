@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvquant.experiment.binding import at_least, require
+from kvquant.experiment.binding import check_at_least, require
 
 MAX_BOOTSTRAP = 100_000
 #: A run's bootstrap: at least this many resamples, and at least :data:`MIN_TAIL_RESAMPLES` beyond each end of an
@@ -79,7 +79,7 @@ class GateConfig:
         require(0 < self.confidence < 1, f"confidence must be in (0, 1), got {self.confidence!r}")
         require(1 <= self.bootstrap <= MAX_BOOTSTRAP,
                 f"bootstrap must be in 1..{MAX_BOOTSTRAP} resamples, got {self.bootstrap!r}")
-        at_least("max_documents", self.max_documents, 1, nullable=True)
+        check_at_least("max_documents", self.max_documents, 1, nullable=True)
         require(self.max_documents is None or self.max_documents <= MAX_DOCUMENTS,
                 f"max_documents must be at most {MAX_DOCUMENTS}, got {self.max_documents!r}")
         require(0 <= self.min_quantized_share <= 1,
@@ -93,7 +93,7 @@ class GateConfig:
                 f"max_kl_tail_share must be in (0, 1) (a share of positions) or null, got {self.max_kl_tail_share!r}")
         require(0 < self.kl_tail_nats <= MAX_KL_DIVERGENCE,
                 f"kl_tail_nats must be in (0, {MAX_KL_DIVERGENCE}] nats, got {self.kl_tail_nats!r}")
-        at_least("min_context", self.min_context, 1, nullable=True)
+        check_at_least("min_context", self.min_context, 1, nullable=True)
         require(self.max_flip_rate is None or 0 < self.max_flip_rate < 1,
                 f"max_flip_rate must be in (0, 1) (a share of documents) or null, got {self.max_flip_rate!r}")
 

@@ -70,7 +70,7 @@ class Metric:
     digits: int = 4
 
     @property
-    def counted(self) -> bool:
+    def is_bootstrap(self) -> bool:
         """Whether its interval is a bootstrap, held to the fewest documents one decides with."""
         return self.interval in BOOTSTRAPS
 

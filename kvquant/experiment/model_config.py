@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from kvquant.errors import ConfigError, is_python_int
-from kvquant.experiment.binding import at_least, require
+from kvquant.experiment.binding import check_at_least, require
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 #: accelerate's device map strategies (``model.device_map``).
@@ -72,7 +72,7 @@ class ModelConfig:
 
         problem = gguf_file_problem(self.path, self.gguf_file)
         require(problem is None, problem or "")
-        at_least("max_length", self.max_length, 2, nullable=True)
+        check_at_least("max_length", self.max_length, 2, nullable=True)
         check_device("device", self.device)
         if isinstance(self.device_map, dict):
             require(bool(self.device_map), "device_map: an explicit map names at least one module")

@@ -70,7 +70,7 @@ class Exercise:
     def length_quantile(self, q: float) -> float:
         return float(np.quantile(self.lengths, q)) if self.lengths else math.nan
 
-    def joined(self, other: Exercise) -> Exercise:
+    def concat(self, other: Exercise) -> Exercise:
         lengths = self.lengths + other.lengths
         bits = self.bits_per_element if len(self.lengths) >= len(other.lengths) else other.bits_per_element
         return Exercise(self.reads.add(other.reads), lengths, bits)
@@ -111,12 +111,12 @@ class Outcomes:
                                    per_token=self.per_token[:n])
 
     @staticmethod
-    def joined(parts: list[Outcomes]) -> Outcomes:
+    def concat(parts: list[Outcomes]) -> Outcomes:
         """These outcomes of one metric, one part after another (documents measured in stages)."""
         first = parts[0]
         exercise = first.exercise
         for part in parts[1:]:
-            exercise = exercise.joined(part.exercise) if exercise and part.exercise else exercise or part.exercise
+            exercise = exercise.concat(part.exercise) if exercise and part.exercise else exercise or part.exercise
         return Outcomes(first.metric, sum((p.scores for p in parts), ()), sum((p.tokens for p in parts), ()),
                         exercise, sum((p.per_token for p in parts), ()))
 
@@ -321,7 +321,7 @@ class Provenance:
     processes: int = 1
     seconds: float | None = None
     #: a report rendered from stored results (``--render-only``): the code that measured them and the code that
-    #: judged them, where they were read and what was not there (:meth:`kvquant.runner.render.Replay.rendered`)
+    #: judged them, where they were read and what was not there (:meth:`kvquant.runner.render.Replay.render_provenance`)
     rendered: dict | None = None
 
 
@@ -353,7 +353,7 @@ class RunPlan:
 
 
 @dataclass(frozen=True)
-class Serving:
+class StageServing:
     """One stage on a staged run's serving shape (:func:`kvquant.scoring.stages.serve`): KV bytes at the end (all
     requests, per request, what several requests still share, what each further request adds), the bytes prefix
     sharing saved, fp16's bytes for the same tokens, and each decode step's latency (ms, this machine)."""
@@ -379,17 +379,17 @@ class Serving:
         return {**dataclasses.asdict(self), "step_ms": list(self.step_ms)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> Serving:
+    def from_dict(cls, d: dict) -> StageServing:
         return cls(**{**d, "step_ms": tuple(d["step_ms"])})
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A staged run's serving step: each stage's (and the baseline's) :class:`Serving`, the stages in order, the
+    """A staged run's serving step: each stage's (and the baseline's) :class:`StageServing`, the stages in order, the
     memory budget in bytes, the serving shape as configured, which stages share the prefix, and, once the gate
     has judged them, the first stage that does not pass (None: every stage passes)."""
 
-    serving: dict[str, Serving]
+    serving: dict[str, StageServing]
     stages: tuple[str, ...]
     budget_bytes: int
     shape: dict

@@ -459,11 +459,11 @@ class LlamaCppQuantizer(Quantizer):
         return (key,
                 AttnRotCodec(value, value_block) if value_block else value)
 
-    def resolved(self, head_dim: int) -> dict[str, object]:
+    def derived_settings(self, head_dim: int) -> dict[str, object]:
         key_block, value_block = self.rotations(head_dim)
         key_type, value_type = self.types()
         return {"key_type": key_type, "value_type": value_type, "key_rotation_block": key_block,
-                "value_rotation_block": value_block, **super().resolved(head_dim)}
+                "value_rotation_block": value_block, **super().derived_settings(head_dim)}
 
 
 def _register(kind: str) -> type:

@@ -300,7 +300,7 @@ class Quantizer:
         """Name and options, enough to rebuild it with :func:`get_quantizer`."""
         return {"quantizer": self.name, **dataclasses.asdict(self)}
 
-    def resolved(self, head_dim: int) -> dict[str, object]:
+    def derived_settings(self, head_dim: int) -> dict[str, object]:
         """Settings this quantizer derives for a head dimension (e.g. the groups actually used)."""
         return {"rotation_block": head_dim & -head_dim} if self.rotation else {}
 

@@ -226,9 +226,9 @@ class IntQuantizer(Quantizer):
     def _codecs(self, head_dim):
         return self._codec("key", head_dim), self._codec("value", head_dim)
 
-    def resolved(self, head_dim: int) -> dict[str, object]:
+    def derived_settings(self, head_dim: int) -> dict[str, object]:
         return {"key_group": self.group_for("key", head_dim),
-                "value_group": self.group_for("value", head_dim), **super().resolved(head_dim)}
+                "value_group": self.group_for("value", head_dim), **super().derived_settings(head_dim)}
 
 
 @register_quantizer("int8")

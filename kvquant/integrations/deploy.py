@@ -29,7 +29,7 @@ import torch
 from kvquant.cache.spec import TOKEN_OPTIONS
 from kvquant.integrations import deploy_llamacpp
 from kvquant.integrations.deploy_llamacpp import CacheTypes
-from kvquant.integrations.deploy_read import Report, Setting, checked_report, load_report, open_results
+from kvquant.integrations.deploy_read import Report, CandidateRecord, checked_report, load_report, open_results
 from kvquant.errors import KVQuantError, one_line, visible
 from kvquant.fs import write_together
 from kvquant.formats.quantizers import QUANTIZERS, Serving
@@ -77,7 +77,7 @@ RESEARCH_OPTIONS = (*TOKEN_OPTIONS, "rotation", "pre_rope")
 CHECKPOINT_OPTIONS = ("k_scale", "v_scale")
 
 
-def skipped_layers(setting: Setting) -> list[int] | None:
+def skipped_layers(setting: CandidateRecord) -> list[int] | None:
     """The layers a per-layer setting keeps at model precision (fp16), [] when it has no per-layer settings, or
     None when its layers differ in a way no engine expresses (static scales differ per layer in a checkpoint)."""
     settings, skipped = setting.settings, []
@@ -90,7 +90,7 @@ def skipped_layers(setting: Setting) -> list[int] | None:
     return sorted(skipped)
 
 
-def native(setting: Setting) -> tuple[Serving, list[int]] | None:
+def native(setting: CandidateRecord) -> tuple[Serving, list[int]] | None:
     """(how the engine runs it, skipped layers) when a cache setting is an engine's own format, else None."""
     serving = serving_of(setting.quantizer)
     if serving is None:
@@ -101,7 +101,7 @@ def native(setting: Setting) -> tuple[Serving, list[int]] | None:
     return None if skipped is None else (serving, skipped)
 
 
-def llamacpp_research(setting: Setting) -> str | None:
+def llamacpp_research(setting: CandidateRecord) -> str | None:
     """Why llama.cpp does not run a ``llamacpp_*`` setting (kvquant's own options, layers apart), else None."""
     own = [k for k in RESEARCH_OPTIONS if setting.settings.get(k)]
     if own:
@@ -113,7 +113,7 @@ def llamacpp_research(setting: Setting) -> str | None:
     return None
 
 
-def deployable(setting: Setting) -> bool:
+def deployable(setting: CandidateRecord) -> bool:
     """Whether a setting is an engine format export writes ``DEPLOY.md`` for (a vLLM/SGLang format or a llama.cpp
     cache type)."""
     if deploy_llamacpp.is_llamacpp(setting):
@@ -121,7 +121,7 @@ def deployable(setting: Setting) -> bool:
     return native(setting) is not None
 
 
-def nearest_engine_format(report: Report, chosen: Setting) -> str:
+def nearest_engine_format(report: Report, chosen: CandidateRecord) -> str:
     """The engine format measured in this report nearest the chosen setting's bits, with its verdict."""
     measured = [c for c in report.candidates if deployable(c)]
     if not measured:
@@ -131,7 +131,7 @@ def nearest_engine_format(report: Report, chosen: Setting) -> str:
             f"{near.bits_per_element:.2f} bits/element): {near.verdict.upper()}")
 
 
-def checkpoint_scales(setting: Setting) -> tuple[dict, dict[str, torch.Tensor]] | None:
+def checkpoint_scales(setting: CandidateRecord) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """For static fp8 with per-layer scales (calibrated): the compressed-tensors ``quantization_config`` that
     declares them (``kv_cache_scheme``: 8-bit float, symmetric, static, per ``tensor`` or ``attn_head``) and the
     tensors as compressed-tensors names them (``model.layers.N.self_attn.k_scale``: ``[1]`` per tensor,
@@ -160,20 +160,20 @@ def checkpoint_scales(setting: Setting) -> tuple[dict, dict[str, torch.Tensor]] 
             "kv_cache_scheme": scheme}, tensors
 
 
-def unshippable_scales(setting: Setting) -> str | None:
+def unshippable_scales(setting: CandidateRecord) -> str | None:
     """Why static scales that were measured (anything but 1.0, at the top or in any layer) cannot be exported, else
     None: kvquant writes them per layer (``layers``) for a format whose class says so (:attr:`Serving.layer_scales`:
     vllm_fp8), not one scale for all layers nor what a format's :attr:`Serving.unshipped_scales` says (nvfp4's
     global scales), and no other format takes any."""
-    def measured(values: list) -> bool:
+    def any_measured(values: list) -> bool:
         return any(v not in (None, 1.0) for v in values)
 
     top = [setting.settings.get(k) for k in CHECKPOINT_OPTIONS]
     per_layer = [own.get(k) for own in setting.layers.values() for k in CHECKPOINT_OPTIONS]
     serving = serving_of(setting.quantizer)
     if serving is not None and serving.layer_scales:
-        return serving.unshipped_scales if measured(top) else None
-    if not measured([*top, *per_layer]):
+        return serving.unshipped_scales if any_measured(top) else None
+    if not any_measured([*top, *per_layer]):
         return None
     if serving is not None and serving.unshipped_scales:
         return serving.unshipped_scales
@@ -194,7 +194,7 @@ def engine_own_skips(serving: Serving, skipped: list[int], layers: int) -> str:
             if own else "")
 
 
-def verdict_table(chosen: Setting) -> str:
+def verdict_table(chosen: CandidateRecord) -> str:
     """The chosen setting's gated metrics as a Markdown table (names rendered inert)."""
     rows = "\n".join(f"| {prose(m.name, 200)} | {m.value:.4g} (baseline {m.baseline:.4g}) | "
                      f"{prose(m.verdict, 40)} |" for m in chosen.metrics if m.gated)
@@ -232,7 +232,7 @@ PYTHON_CALLS = {
 }
 
 
-def deploy_text(report: Report, chosen: Setting, found: tuple[Serving, list[int]], layers: int) -> str:
+def deploy_text(report: Report, chosen: CandidateRecord, found: tuple[Serving, list[int]], layers: int) -> str:
     """``DEPLOY.md``: what to run, what was measured, the verdicts, what was not measured."""
     serving, skipped = found
     engine, flag, needs = serving.engine, serving.flag, serving.needs
@@ -255,7 +255,7 @@ prefill, which may attend to unquantized states where kvquant quantizes on write
 """
 
 
-def llamacpp_text(report: Report, chosen: Setting, types: CacheTypes) -> str:
+def llamacpp_text(report: Report, chosen: CandidateRecord, types: CacheTypes) -> str:
     """``DEPLOY.md`` for a llama.cpp cache type: llama.cpp's flags, Ollama's line (or why none), llama-cpp-python's
     keyword arguments, what was measured, the verdicts, what was not measured."""
     return f"""# Deploying {code(chosen.name, 200)} (llama.cpp `-ctk {types.key} -ctv {types.value}`)
@@ -275,7 +275,7 @@ GGUF's own weights where the report measured another file of the model (llama.cp
 """
 
 
-def keeps_model_precision(setting: Setting, layers: int) -> bool:
+def keeps_model_precision(setting: CandidateRecord, layers: int) -> bool:
     """Whether a setting quantizes nothing: fp16 for every one of the model's ``layers`` (its own, or a layer's
     own), with none of kvquant's own cache options (:data:`RESEARCH_OPTIONS`)."""
     settings = setting.settings
@@ -285,7 +285,7 @@ def keeps_model_precision(setting: Setting, layers: int) -> bool:
                for own in (setting.layers.get(i, settings) for i in range(layers)))
 
 
-def keep_text(report: Report, chosen: Setting, layers: int) -> str:
+def keep_text(report: Report, chosen: CandidateRecord, layers: int) -> str:
     """``DEPLOY.md`` for a setting that quantizes nothing: keep the engine's default, model-precision cache."""
     kept = f"a per-layer setting that keeps all {layers} layers at fp16" if chosen.layers else "fp16"
     return f"""# Deploying {code(chosen.name, 200)}: keep the model-precision KV cache

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvquant.integrations.deploy_read import Setting, need, quoted
+from kvquant.integrations.deploy_read import CandidateRecord, need, quote
 from kvquant.formats.llamacpp import CACHE_TYPES, CPU_PATHS, FLOAT_TYPES, LlamaCppQuantizer
 from kvquant.formats.quantizers import QUANTIZERS
 
@@ -110,19 +110,19 @@ class CacheTypes:
         return f"OLLAMA_FLASH_ATTENTION=1 OLLAMA_KV_CACHE_TYPE={self.key} ollama serve"
 
 
-def is_llamacpp(setting: Setting) -> bool:
+def is_llamacpp(setting: CandidateRecord) -> bool:
     """Whether a setting's quantizer is one of llama.cpp's cache types (``llamacpp_*``)."""
     cls = QUANTIZERS.classes.get(setting.quantizer)
     return isinstance(cls, type) and issubclass(cls, LlamaCppQuantizer)
 
 
-def read(setting: Setting, path: Path) -> CacheTypes:
+def read(setting: CandidateRecord, path: Path) -> CacheTypes:
     """The llama.cpp cache a ``llamacpp_*`` setting measured, every value checked as the runner writes it (``path``:
     the results.json it is in, for the messages)."""
     settings = setting.settings
     own = {k: settings.get(k) for k in SETTINGS}
     default = QUANTIZERS.classes[setting.quantizer].cache_type
-    at = f"{quoted(setting.name)}'s settings"
+    at = f"{quote(setting.name)}'s settings"
     for key in ("key_type", "value_type"):
         own[key] = own[key] if key in settings else default
         need(isinstance(own[key], str) and own[key] in CACHE_TYPES, path, f"{at}.{key}",
@@ -162,7 +162,7 @@ def check_blocks(own: dict, settings: dict, path: Path, at: str) -> None:
 def check_no_scales(settings: dict, path: Path, at: str) -> None:
     """No ``k_scale``/``v_scale``, at the top or in a layer: llama.cpp's cache types have no static scales (each
     block of 32 carries its own), so the runner never records one for a ``llamacpp_*`` setting."""
-    owners = [("", settings), *((f".layers[{quoted(k)}]", v) for k, v in (settings.get("layers") or {}).items())]
+    owners = [("", settings), *((f".layers[{quote(k)}]", v) for k, v in (settings.get("layers") or {}).items())]
     for where, own_settings in owners:
         for key in ("k_scale", "v_scale"):
             need(key not in own_settings, path, f"{at}{where}.{key}", "absent (llama.cpp's cache types take no "

@@ -12,7 +12,7 @@ document whose every value export uses is what the runner writes.
   how many, at most :data:`MAX_LAYERS`), no layer named twice; static scales finite and positive in float32.
 
 Every refusal is one :class:`KVQuantError` line naming the file, the key and the value. What passes is typed
-(:class:`Report`, :class:`Setting`, :class:`Metric`): the renderers read nothing else.
+(:class:`Report`, :class:`CandidateRecord`, :class:`MetricRecord`): the renderers read nothing else.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from kvquant.cache.build import layer_bounds
 from kvquant.errors import KVQuantError, is_python_int, one_line
-from kvquant.signing import unverified
+from kvquant.signing import why_unverified
 
 MAX_BYTES = 256 * 2**20
 #: more layers than any model has (a bound, so that no edited file makes a DEPLOY.md of megabytes)
@@ -132,7 +132,7 @@ def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str, l
         raise KVQuantError(f"{path} is not a kvquant results.json (not a JSON object but {type(doc).__name__})")
     if not trust_unsigned:
         try:
-            why = unverified(doc)
+            why = why_unverified(doc)
         except RecursionError:
             why = "it is nested too deep to verify"
         if why:
@@ -141,13 +141,13 @@ def verified_document(report_dir: Path, trust_unsigned: bool, why_signed: str, l
     return doc
 
 
-def quoted(text, limit: int = 80) -> str:
+def quote(text, limit: int = 80) -> str:
     """A name from the file for a message: its ``repr`` (control characters escaped), cut at ``limit``."""
     shown = repr(text)
     return shown if len(shown) <= limit else f"{shown[:limit]}...'"
 
 
-def _shown(value) -> str:
+def _type_and_repr(value) -> str:
     with contextlib.suppress(Exception):
         text = one_line(repr(value[:100] if isinstance(value, str | list) else value))
         return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
@@ -157,7 +157,7 @@ def _shown(value) -> str:
 def need(ok: bool, path: Path, where: str, wanted: str, value) -> None:
     """One line naming ``where`` in the file at ``path`` unless ``ok``."""
     if not ok:
-        raise KVQuantError(f"{path}: {where} must be {wanted}, got {_shown(value)}; {WROTE}")
+        raise KVQuantError(f"{path}: {where} must be {wanted}, got {_type_and_repr(value)}; {WROTE}")
 
 
 def is_number(value) -> bool:
@@ -186,12 +186,12 @@ def check_document(doc: dict, path: Path) -> None:
          model.get("model", {}).get("path"))
     need(isinstance(doc["candidates"], list), path, "candidates", "a list", doc["candidates"])
     for i, candidate in enumerate(doc["candidates"]):
-        check_candidate(candidate, path, f"candidates[{i}]")
+        check_recorded_candidate(candidate, path, f"candidates[{i}]")
     if doc["chosen"] is not None:
         check_chosen(doc, path)
 
 
-def check_candidate(candidate, path: Path, where: str) -> None:
+def check_recorded_candidate(candidate, path: Path, where: str) -> None:
     """What export reads of every candidate (its name, settings, bits and verdict, its metrics' types)."""
     need(isinstance(candidate, dict), path, where, "an object", candidate)
     need(isinstance(candidate.get("name"), str), path, f"{where}.name", "a string", candidate.get("name"))
@@ -207,7 +207,7 @@ def check_candidate(candidate, path: Path, where: str) -> None:
     metrics = candidate.get("metrics")
     need(isinstance(metrics, dict), path, f"{where}.metrics", "an object", metrics)
     for name, metric in metrics.items():
-        at = f"{where}.metrics[{quoted(name)}]"
+        at = f"{where}.metrics[{quote(name)}]"
         need(isinstance(metric, dict), path, at, "an object", metric)
         need(isinstance(metric.get("gated", False), bool), path, f"{at}.gated", "true or false", metric.get("gated"))
         need(isinstance(metric.get("verdict"), str), path, f"{at}.verdict", "a string", metric.get("verdict"))
@@ -226,22 +226,22 @@ def check_chosen(doc: dict, path: Path) -> None:
     per-layer settings naming layers the model has and its static scales usable."""
     chosen, name = chosen_candidate(doc), doc["chosen"]
     if chosen is None:
-        raise KVQuantError(f"{path}: the chosen setting {quoted(name)} is not among its candidates")
+        raise KVQuantError(f"{path}: the chosen setting {quote(name)} is not among its candidates")
     if doc["decision"] != "pass" or chosen["verdict"] != "pass" or chosen.get("passed", True) is not True:
-        raise KVQuantError(f"{path}: the decision is {doc['decision'].upper()} and {quoted(name)}'s verdict "
-                           f"{quoted(chosen['verdict'])}, yet it names {quoted(name)} as chosen: a setting is chosen "
+        raise KVQuantError(f"{path}: the decision is {doc['decision'].upper()} and {quote(name)}'s verdict "
+                           f"{quote(chosen['verdict'])}, yet it names {quote(name)} as chosen: a setting is chosen "
                            f"only under a PASS decision, with a pass verdict; {WROTE}")
     gated = {k: m for k, m in chosen["metrics"].items() if m.get("gated")}
-    need(len(gated) <= MAX_GATED, path, f"{quoted(name)}'s gated metrics", f"at most {MAX_GATED:,}",
+    need(len(gated) <= MAX_GATED, path, f"{quote(name)}'s gated metrics", f"at most {MAX_GATED:,}",
          f"{len(gated):,} of them")
     for metric, m in gated.items():
-        at = f"{quoted(name)}'s metric {quoted(metric)}"
+        at = f"{quote(name)}'s metric {quote(metric)}"
         need(m["verdict"] in ("pass", "not gated"), path, f"{at} verdict", "pass (the setting passed)", m["verdict"])
         if m["verdict"] == "pass":
             for key in ("value", "baseline"):
                 need(is_finite(m[key]), path, f"{at} {key}", "finite (it passed)", m[key])
     if not any(m["verdict"] == "pass" for m in gated.values()):
-        raise KVQuantError(f"{path}: {quoted(name)} passed no gated metric, yet it is chosen; {WROTE}")
+        raise KVQuantError(f"{path}: {quote(name)} passed no gated metric, yet it is chosen; {WROTE}")
     layers = model_layers(doc, chosen, path)
     for candidate in doc["candidates"]:  # the chosen one's, and those export compares it with
         layer_map(candidate["settings"], layers, path, candidate["name"])
@@ -266,7 +266,7 @@ def layer_map(settings: dict, layers: int, path: Path, name: str) -> dict[int, d
     with its own settings; a layer named twice is refused."""
     found: dict[int, dict] = {}
     for selector, own in (settings.get("layers") or {}).items():
-        at = f"{quoted(name)}'s settings.layers[{quoted(selector)}]"
+        at = f"{quote(name)}'s settings.layers[{quote(selector)}]"
         need(SELECTOR.fullmatch(selector) is not None, path, f"{at}'s key", "a layer N or a range N-M", selector)
         low, high = layer_bounds(selector)
         need(low <= high, path, f"{at}'s range", "low-high (low <= high)", selector)
@@ -283,12 +283,12 @@ def check_scales(settings: dict, path: Path, name: str) -> None:
     """Every static scale (``k_scale``, ``v_scale``, at the top and per layer): a number, or one per KV head,
     finite and positive as float32 (what the checkpoint stores)."""
     layers = settings.get("layers") or {}
-    owners = [("settings", settings), *((f"settings.layers[{quoted(k)}]", v) for k, v in layers.items())]
+    owners = [("settings", settings), *((f"settings.layers[{quote(k)}]", v) for k, v in layers.items())]
     for where, own in owners:
         for key in SCALES:
             if key not in own:
                 continue
-            value, at = own[key], f"{quoted(name)}'s {where}.{key}"
+            value, at = own[key], f"{quote(name)}'s {where}.{key}"
             flat = value if isinstance(value, list) else [value]
             need(1 <= len(flat) <= MAX_HEADS and all(is_finite(v) for v in flat), path, at,
                  f"a finite number or a list of 1 to {MAX_HEADS} finite numbers", value)
@@ -298,7 +298,7 @@ def check_scales(settings: dict, path: Path, name: str) -> None:
 
 
 @dataclass(frozen=True)
-class Metric:
+class MetricRecord:
     """A candidate's metric as results.json records it: its name (as the report names it), value, the baseline's,
     the gate's verdict and whether it was gated."""
 
@@ -310,7 +310,7 @@ class Metric:
 
 
 @dataclass(frozen=True)
-class Setting:
+class CandidateRecord:
     """A candidate as results.json records it: its name, its cache settings as the runner records them (the
     quantizer's and the cache's options, what they derived, per-layer ``layers``), bits per element as stored, the
     gate's verdict, its metrics in the report's order, and each layer a ``layers`` key names with its own settings
@@ -320,7 +320,7 @@ class Setting:
     settings: dict
     bits_per_element: float
     verdict: str
-    metrics: tuple[Metric, ...]
+    metrics: tuple[MetricRecord, ...]
     layers: dict[int, dict]
 
     @property
@@ -328,9 +328,9 @@ class Setting:
         return self.settings["quantizer"]
 
     @classmethod
-    def read(cls, candidate: dict, layers: int, path: Path) -> Setting:
+    def read(cls, candidate: dict, layers: int, path: Path) -> CandidateRecord:
         """A candidate of a checked document (:func:`check_document`) on a model of ``layers`` layers."""
-        metrics = tuple(Metric(name, m["value"], m["baseline"], m["verdict"], m.get("gated", False))
+        metrics = tuple(MetricRecord(name, m["value"], m["baseline"], m["verdict"], m.get("gated", False))
                         for name, m in candidate["metrics"].items())
         return cls(candidate["name"], candidate["settings"], candidate["bits_per_element"], candidate["verdict"],
                    metrics, layer_map(candidate["settings"], layers, path, candidate["name"]))
@@ -345,8 +345,8 @@ class Report:
 
     path: Path
     decision: str
-    chosen: Setting | None
-    candidates: tuple[Setting, ...]
+    chosen: CandidateRecord | None
+    candidates: tuple[CandidateRecord, ...]
     layers: int | None
     run_id: str | None
     reason: str | None
@@ -368,12 +368,13 @@ def chosen_lengths(doc: dict, name: str | None, path: Path) -> tuple[int | None,
     entry = found.get(name) if isinstance(found, dict) and name is not None else None
     if entry is None:
         return None
-    need(isinstance(entry, dict), path, f"long_context.candidates.{_shown(name)}", "an object", entry)
+    need(isinstance(entry, dict), path, f"long_context.candidates.{_type_and_repr(name)}", "an object", entry)
     out = []
     for key in ("passes_up_to", "fails_from"):
         value = entry.get(key)
         need(value is None or is_python_int(value) and 0 < value <= MAX_LENGTH, path,
-             f"long_context.candidates.{_shown(name)}.{key}", f"null or a number of tokens in 1..{MAX_LENGTH}", value)
+             f"long_context.candidates.{_type_and_repr(name)}.{key}", f"null or a number of tokens in 1..{MAX_LENGTH}",
+             value)
         out.append(value)
     return out[0], out[1]
 
@@ -385,7 +386,7 @@ def checked_report(doc: dict, path: Path) -> Report:
     chosen, candidates, layers = chosen_candidate(doc), (), None
     if chosen is not None:
         layers = model_layers(doc, chosen, path)
-        candidates = tuple(Setting.read(candidate, layers, path) for candidate in doc["candidates"])
+        candidates = tuple(CandidateRecord.read(candidate, layers, path) for candidate in doc["candidates"])
     return Report(path, doc["decision"], next((c for c in candidates if c.name == doc["chosen"]), None), candidates,
                   layers, doc.get("run_id"), doc.get("reason"), doc.get("command"),
                   doc.get("config", {}).get("model", {}).get("path", "?"), chosen_lengths(doc, doc.get("chosen"), path))

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from kvquant.errors import KVQuantError
-from kvquant.integrations.llamacpp_engine import (F16_LABEL, MODEL_SIDES, SIDES, Engine, Setting, check_settings,
-    gguf_metadata, import_llama_cpp, measure, model_spec, same_tokens, token_windows)
+from kvquant.integrations.llamacpp_engine import (F16_LABEL, MODEL_SIDES, SIDES, Engine, Setting, check_cache_types,
+    gguf_metadata, import_llama_cpp, measure_engines, model_spec, same_tokens, token_windows)
 
 #: how kvquant's side multiplies the GGUF's weights: llama.cpp's quantized activations, or float32 (transformers)
 MATMULS = ("llamacpp", "float32")
@@ -66,8 +66,8 @@ def _interval(draws: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def summarize(found: dict, settings: list[Setting], block: int = 32, iters: int = 2000, seed: int = 0,
-              confidence: float = 0.95) -> tuple[list[Row], dict[str, np.ndarray]]:
+def rows_with_draws(found: dict, settings: list[Setting], block: int = 32, iters: int = 2000, seed: int = 0,
+                    confidence: float = 0.95) -> tuple[list[Row], dict[str, np.ndarray]]:
     """The rows, and every (label, side)'s bootstrap draws of the mean KL: blocks of ``block`` consecutive
     positions resampled with replacement, the same resamples for both sides and every setting (paired)."""
     sums = {(s.label, side): block_sums(found[s.label][side]["kl"], block) for s in settings
@@ -188,7 +188,7 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         raise KVQuantError(f"--matmul {matmul!r}: {' or '.join(MATMULS)}")
     spec, gguf = model_spec(model)
     meta = gguf_metadata(gguf)
-    check_settings(settings, meta["head_dim"])
+    check_cache_types(settings, meta["head_dim"])
     import_llama_cpp()
     torch.set_num_threads(threads)
     engine = Engine(gguf, threads)
@@ -201,7 +201,7 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         loaded, _ = load_model(spec)
 
         @contextlib.contextmanager
-        def emulated():  # kvquant's engine side only: the verdict is measured with the model's own matmuls
+        def emulating_matmuls():  # kvquant's engine side only: the verdict is measured with the model's own matmuls
             handles = emulate_matmuls(loaded, gguf) if matmul == "llamacpp" else []
             try:
                 yield
@@ -213,12 +213,12 @@ def compare(model: str, windows: int, length: int, settings: list[Setting], thre
         from kvquant.experiment.provenance import code_version
 
         inputs = f"{gguf}|{Path(gguf).stat().st_size}|{matmul}|{threads}|{code_version()}"
-        found = measure(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs, emulated=emulated,
-                        **({"rope_layout": rope_layout} if rope_layout else {}))
+        found = measure_engines(engine, loaded, ids, settings, progress, saved=saved, inputs=inputs,
+                                emulated=emulating_matmuls, **({"rope_layout": rope_layout} if rope_layout else {}))
         seconds = time.perf_counter() - start
     finally:
         engine.close()
-    rows, draws = summarize(found, settings)
+    rows, draws = rows_with_draws(found, settings)
     checks = verdicts(rows, draws)
     offsets = f16_offsets(found)
     return {"rows": rows, "checks": checks, "text": summary_text(rows, checks, offsets), "found": found,

@@ -28,7 +28,7 @@ Both sides read the same token ids (kvquant's tokenizer; each window's first tok
 ``tokenizer.ggml.add_bos_token``, as ``llama-perplexity`` does, ``tools/perplexity/perplexity.cpp:1799-1801``).
 At most one window's logits per side (reference and one setting) are held.
 :mod:`kvquant.integrations.llamacpp_compare` turns
-what :func:`measure` finds into the side-by-side table.
+what :func:`measure_engines` finds into the side-by-side table.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def import_llama_cpp():
     return llama_cpp
 
 
-def check_settings(settings: list[Setting], head_dim: int) -> None:
+def check_cache_types(settings: list[Setting], head_dim: int) -> None:
     """Every setting is a quantized type llama.cpp allows, at a head size it stores and, where asked, rotates
     (kvquant's quantizer decides exactly as llama.cpp does); one :class:`KVQuantError` line otherwise."""
     import kvquant
@@ -296,9 +296,9 @@ MODEL_SIDES = ("llamacpp_model", "verdict")
 F16_LABEL = "f16"
 
 
-def measure(engine: Engine, model, windows: list[list[int]], settings: list[Setting],
-            progress=lambda message: None, saved: Path | None = None, inputs: str = "",
-            emulated=contextlib.nullcontext, **options) -> dict[str, dict[str, dict[str, list]]]:
+def measure_engines(engine: Engine, model, windows: list[list[int]], settings: list[Setting],
+                    progress=lambda message: None, saved: Path | None = None, inputs: str = "",
+                    emulated=contextlib.nullcontext, **options) -> dict[str, dict[str, dict[str, list]]]:
     """``{label: {side: {"kl": [per-position KL per window], "top1": [per-position agreement per window]}}}``:
     each window's positions ``0 .. n-2`` (those predicting a token of the window). Sides: :data:`SIDES` (each
     engine against its own f16 cache) and :data:`MODEL_SIDES` (against the model's own computation: ``model`` with
@@ -328,8 +328,8 @@ def measure(engine: Engine, model, windows: list[list[int]], settings: list[Sett
 
 
 def _measure_window(engine, model, ids, settings, emulated, options, progress) -> dict[str, np.ndarray]:
-    """One window's ``{"label|side|kl": ..., "label|side|top1": ...}`` (:func:`measure`): at most the model's own
-    logits, one engine's f16 logits and one setting's are held at once."""
+    """One window's ``{"label|side|kl": ..., "label|side|top1": ...}`` (:func:`measure_engines`): at most the model's
+    own logits, one engine's f16 logits and one setting's are held at once."""
     out = {}
 
     def compare(label, side, reference, got):
@@ -365,7 +365,7 @@ def window_file(folder: Path, w: int) -> Path:
     return folder / f"window-{w:04d}.npz"
 
 
-def _kept(path: Path) -> dict[str, np.ndarray] | None:
+def _window_arrays(path: Path) -> dict[str, np.ndarray] | None:
     """The arrays of the window file ``path`` (with its ``key``): None where there is none, it is a symlink
     (never followed) or it cannot be read."""
     if not path.is_file() or path.is_symlink():
@@ -383,7 +383,7 @@ def _kept(path: Path) -> dict[str, np.ndarray] | None:
 def load_window(folder: Path, w: int, key: str) -> dict[str, np.ndarray] | None:
     """The arrays kept for window ``w`` under ``key``; None where there are none, or they were kept under another
     key (other tokens, settings, model or code: measured again, and set aside when replaced) or cannot be read."""
-    kept = _kept(window_file(folder, w))
+    kept = _window_arrays(window_file(folder, w))
     if kept is None or str(kept.pop("key")) != key:
         return None
     return kept
@@ -395,7 +395,7 @@ def save_window(folder: Path, w: int, key: str, arrays: dict[str, np.ndarray]) -
     under another key is set aside (``.old``; unreadable: ``.corrupt``), never overwritten."""
     path = writable_target(window_file(real_dir(folder, "llama.cpp windows"), w), "llama.cpp windows")
     if os.path.lexists(path) and not path.is_symlink():
-        kept = _kept(path)
+        kept = _window_arrays(path)
         if kept is None or str(kept["key"]) != key:
             set_aside(path, ".corrupt" if kept is None else ".old")
     buffer = io.BytesIO()

@@ -18,9 +18,8 @@ bounded, periodic remainder. ``slot``, ``token`` and ``unit`` depend on the quan
 reads them off one short write per quantizer (two blocks of units, no sinks or window) through the cache's own
 code and checks the arithmetic against that write's ``memory()``; the rest of a layer's rules are its settings.
 :class:`kvquant.planner.shapes.Planner` checks the arithmetic of every kind of layer again at the tokens it answers
-(:func:`written`, see :meth:`kvquant.planner.shapes.Planner.verify`). Writes are small when they can be (zeros on the
-CPU:
-:data:`CPU_ELEMENTS`), else on meta tensors (shapes, no data).
+(:func:`memory_after_write`, see :meth:`kvquant.planner.shapes.Planner.verify`). Writes are small when they can be
+(zeros on the CPU: :data:`CPU_ELEMENTS`), else on meta tensors (shapes, no data).
 """
 
 from __future__ import annotations
@@ -152,7 +151,8 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def write(layer: KVQuantLayer, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+def layer_memory_after_write(layer: KVQuantLayer, tokens: int, kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> dict[str, int]:
     """``layer.memory()`` after one write of ``tokens`` tokens (states ``[1, kv_heads, tokens, head_dim]``): zeros
     on the CPU up to :data:`CPU_ELEMENTS` elements, meta tensors (shapes, no data) beyond."""
     if tokens * kv_heads * head_dim <= CPU_ELEMENTS:
@@ -174,7 +174,7 @@ def _probe(quantizer: Quantizer, kv_heads: int, head_dim: int, dtype: torch.dtyp
                            f"(their token groups' least common multiple), over the {MAX_BLOCK_TOKENS:,} the planner "
                            "takes; use smaller token groups (group_size, key_group_size, value_group_size)")
     layer = build_cache([None], quantizer, residual_length=0, head_dim=head_dim).layers[0]
-    reported = write(layer, 2 * block, kv_heads, head_dim, dtype)
+    reported = layer_memory_after_write(layer, 2 * block, kv_heads, head_dim, dtype)
     streams = (_stream_cost(layer.k), _stream_cost(layer.v))
     plain = LayerCost(0, 0, None, False, False, streams)
     if plain.memory(2 * block) != reported:
@@ -245,13 +245,13 @@ def layer_costs(layout: list, settings: dict, kv_heads: int, head_dim: int, dtyp
 
 
 @_one_thread()
-def written(layout: list, settings: dict, kv_heads: int, head_dim: int, dtype: torch.dtype,
-            tokens: int) -> dict[int, dict[str, int]]:
+def memory_after_write(layout: list, settings: dict, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       tokens: int) -> dict[int, dict[str, int]]:
     """Per layer that stores anything, ``memory()`` after one write of ``tokens`` tokens to one row, by the cache
     code in full (:func:`write`); layers of one :func:`kind` are written once."""
     layers = storing_layers(layout, settings, head_dim)
     seen: dict[tuple, dict[str, int]] = {}
     for layer in layers.values():
         if kind(layer) not in seen:
-            seen[kind(layer)] = write(layer, tokens, kv_heads, head_dim, dtype)
+            seen[kind(layer)] = layer_memory_after_write(layer, tokens, kv_heads, head_dim, dtype)
     return {i: seen[kind(layer)] for i, layer in layers.items()}

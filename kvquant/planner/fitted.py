@@ -12,7 +12,7 @@ from kvquant.errors import KVQuantError, visible
 from kvquant.planner.shapes import MAX_CONTEXT
 
 #: what a report's settings hold beside the cache's options: what the quantizer derived from the model's head_dim
-#: (:meth:`kvquant.cache.KVQuantCache.derived`), not options a cache is made with
+#: (:meth:`kvquant.cache.KVQuantCache.derived_settings`), not options a cache is made with
 DERIVED = ("key_group", "value_group", "rotation_block")
 
 

@@ -21,7 +21,7 @@ from kvquant.cache.build import spec_memory
 from kvquant.cache.memory import summarize
 from kvquant.yaml_reader import load_yaml
 from kvquant.errors import InternalError, KVQuantError, check_int, is_python_int, one_line
-from kvquant.planner.cost import MEMORY_KEYS, layer_costs, written
+from kvquant.planner.cost import MEMORY_KEYS, layer_costs, memory_after_write
 from kvquant.formats.quantizers import available_quantizers
 
 FULL_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -57,24 +57,24 @@ class ModelShape:
         return len(self.layout)
 
 
-def _known(name, layers, heads, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
+def _shape(name, layers, heads, kv_heads, head_dim, params, max_positions, window=None, pattern=None):
     layout = [window if i % (pattern or 1) == 0 else None for i in range(layers)]
     return ModelShape(name, layout, kv_heads, head_dim, params, max_positions, heads=heads)
 
 
 #: Published architecture facts (layers, attention heads, KV heads, head_dim, parameters, trained context).
 KNOWN_MODELS = {
-    "llama-2-7b": _known("llama-2-7b", 32, 32, 32, 128, 6.74e9, 4096),
-    "llama-2-13b": _known("llama-2-13b", 40, 40, 40, 128, 13.02e9, 4096),
-    "llama-2-70b": _known("llama-2-70b", 80, 64, 8, 128, 68.98e9, 4096),
-    "llama-3.1-8b": _known("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
-    "llama-3.1-70b": _known("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
-    "mistral-7b": _known("mistral-7b", 32, 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
-    "mistral-7b-v0.1": _known("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, window=4096),
-    "qwen2.5-7b": _known("qwen2.5-7b", 28, 28, 4, 128, 7.62e9, 131072),
-    "qwen2.5-0.5b": _known("qwen2.5-0.5b", 24, 14, 2, 64, 0.49e9, 32768),
-    "qwen2.5-coder-0.5b": _known("qwen2.5-coder-0.5b", 24, 14, 2, 64, 0.49e9, 32768),  # packaged: kvquant.packaged
-    "gemma-2-9b": _known("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other
+    "llama-2-7b": _shape("llama-2-7b", 32, 32, 32, 128, 6.74e9, 4096),
+    "llama-2-13b": _shape("llama-2-13b", 40, 40, 40, 128, 13.02e9, 4096),
+    "llama-2-70b": _shape("llama-2-70b", 80, 64, 8, 128, 68.98e9, 4096),
+    "llama-3.1-8b": _shape("llama-3.1-8b", 32, 32, 8, 128, 8.03e9, 131072),
+    "llama-3.1-70b": _shape("llama-3.1-70b", 80, 64, 8, 128, 70.55e9, 131072),
+    "mistral-7b": _shape("mistral-7b", 32, 32, 8, 128, 7.25e9, 32768),  # v0.2/v0.3: full attention
+    "mistral-7b-v0.1": _shape("mistral-7b-v0.1", 32, 32, 8, 128, 7.24e9, 32768, window=4096),
+    "qwen2.5-7b": _shape("qwen2.5-7b", 28, 28, 4, 128, 7.62e9, 131072),
+    "qwen2.5-0.5b": _shape("qwen2.5-0.5b", 24, 14, 2, 64, 0.49e9, 32768),
+    "qwen2.5-coder-0.5b": _shape("qwen2.5-coder-0.5b", 24, 14, 2, 64, 0.49e9, 32768),  # packaged: kvquant.packaged
+    "gemma-2-9b": _shape("gemma-2-9b", 42, 16, 8, 256, 9.24e9, 8192, window=4096, pattern=2),  # sliding every other
 }
 
 
@@ -297,15 +297,16 @@ class Planner:
         return batch * (totals["payload_bytes"] + totals["scale_bytes"] + totals["full_precision_bytes"])
 
     def verify(self, context: int) -> None:
-        """The arithmetic against kvquant's cache code, run in full (:func:`kvquant.planner.cost.written`, one write
-        per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes' repeat
-        (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
+        """The arithmetic against kvquant's cache code, run in full (:func:`kvquant.planner.cost.memory_after_write`,
+        one write per kind of layer): at ``context`` tokens, or past :attr:`steady` at the same place in the bytes'
+        repeat (where the bytes differ from ``context``'s by whole repeats); skipped when that is over
         :data:`VERIFY_TOKENS`. A difference is a kvquant bug (exit 3), never an answer. ``python -m kvquant.plan``
         checks each setting's final answer so."""
         tokens = context if context < self.steady else self.steady + (context - self.steady) % self.period
         if tokens > VERIFY_TOKENS or tokens <= 0:
             return
-        real = written(self.shape.layout, self.settings, self.shape.kv_heads, self.shape.head_dim, self.dtype, tokens)
+        real = memory_after_write(self.shape.layout, self.settings, self.shape.kv_heads, self.shape.head_dim,
+                                  self.dtype, tokens)
         for i, cost in self.layers.items():
             if cost.memory(tokens) != real[i]:
                 raise InternalError(f"the planner's arithmetic gives {cost.memory(tokens)} for layer {i} at {tokens} "

@@ -41,25 +41,25 @@ MIN_TREND_SHRINKS = 32
 MIN_TREND = min(MIN_TREND_GROWS, MIN_TREND_SHRINKS)
 
 
-def needed(kind: Metric | str, verdict: str) -> int | None:
+def fewest_documents(kind: Metric | str, verdict: str) -> int | None:
     """The fewest documents that decide ``verdict`` (``pass`` or ``fail``) on a metric ``kind``, None where its
-    interval is no bootstrap (accuracy, flips: :attr:`~kvquant.experiment.metric.Metric.counted`) or the verdict
+    interval is no bootstrap (accuracy, flips: :attr:`~kvquant.experiment.metric.Metric.is_bootstrap`) or the verdict
     decides nothing."""
-    if not Metric.of(kind).counted:
+    if not Metric.of(kind).is_bootstrap:
         return None
     return {"pass": MIN_PASS, "fail": MIN_FAIL}.get(verdict)
 
 
 def fewest(kind: Metric | str) -> int | None:
     """Below this many documents nothing about a ``kind`` is decided (its smallest count), None without one."""
-    return None if needed(kind, "fail") is None else min(MIN_FAIL, MIN_PASS)
+    return None if fewest_documents(kind, "fail") is None else min(MIN_FAIL, MIN_PASS)
 
 
 def settle(kind: Metric | str, verdict: str, n: int) -> tuple[str, int | None]:
     """``verdict`` as ``n`` documents can decide it: ``(verdict, None)``, or ``(TOO_FEW, documents needed)`` where
     ``n`` is below the count of the end it reads (below the smaller count: whatever the verdict)."""
     small = fewest(kind)
-    need = small if small is not None and n < small else needed(kind, verdict)
+    need = small if small is not None and n < small else fewest_documents(kind, verdict)
     return (TOO_FEW, need) if need is not None and n < need else (verdict, None)
 
 

@@ -13,7 +13,6 @@ map it chooses, the per-layer scales calibration finds (``settings.layers``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
 from dataclasses import asdict
@@ -25,7 +24,8 @@ from kvquant.runner.search import CALIBRATION_BASELINE
 from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
-from kvquant.scoring.session import BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key, shares_prefix
+from kvquant.scoring.session import (BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key,
+                                     shares_prefix, windows_digest)
 from kvquant.scoring.tasks import task_data_digest
 
 
@@ -44,11 +44,6 @@ HINTS = {"windows": "other text, tokenizer or window settings", "probe": "other 
 
 class NotThisRun(Exception):
     """A (candidate, metric) this config's run does not measure."""
-
-
-def windows_digest(windows: list[data.Window]) -> str:
-    """How a perplexity or divergence result names the token windows it read (as ``Session._perplexity``)."""
-    return hashlib.sha256(json.dumps([[w.ids, w.score_from] for w in windows]).encode()).hexdigest()
 
 
 def plain(value):
@@ -80,10 +75,10 @@ def difference(expected, found, where: str = "inputs") -> str | None:
         return None
     top = where.split(".")[1] if where.count(".") else where
     hint = f" ({HINTS[top]})" if top in HINTS else ""
-    return f"{where} is {_shown(found)}, this config's run would use {_shown(expected)}{hint}"
+    return f"{where} is {_short_json(found)}, this config's run would use {_short_json(expected)}{hint}"
 
 
-def _shown(value) -> str:
+def _short_json(value) -> str:
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -114,7 +109,7 @@ class Expected:
             return self._serving(label)
         if metric == "calibration":
             return self._calibration(label)
-        split, settings, candidate = self._measured(label)
+        split, settings, candidate = self._measurement(label)
         cfg = self.cfg
         key = {"model": asdict(cfg.model), "weights": ANY, "mode": cfg.eval.mode, "chunk_size": cfg.eval.chunk_size,
                "batch_size": cfg.eval.batch_size, "seed": cfg.eval.seed, "max_length": self.maxlen, "split": split,
@@ -126,8 +121,7 @@ class Expected:
             return {**key, **self._task(split, name, label, metric)}
         long = cfg.eval.long_context
         if kind == "long" and split == "evaluation" and candidate is not BASELINE and long and name == long.text:
-            return {**key, "windows": hashlib.sha256(json.dumps([w.ids for w in self._evaluation.long]).encode())
-                    .hexdigest()}
+            return {**key, "windows": windows_digest(self._evaluation.long, long=True)}
         if metric == "memory" and split == "evaluation":
             return {**key, "probe": probe_tokens(cfg, self._evaluation, self._text[0], self.maxlen)}
         raise NotThisRun(f"this config's run measures no {metric} of {label}")
@@ -151,7 +145,7 @@ class Expected:
             return Shape(documents=inputs.get("limit"))
         return None
 
-    def _measured(self, label: str) -> tuple[str, object, Candidate | None]:
+    def _measurement(self, label: str) -> tuple[str, object, Candidate | None]:
         """``label``'s split, cache settings (as :func:`kvquant.scoring.session.cache_settings` gives them) and
         setting (None: one a search finds)."""
         search = self.cfg.search
@@ -209,10 +203,9 @@ class Expected:
         tokenizer, rows = self._text
         found = calibration_windows(self.cfg, tokenizer, self.maxlen, rows, self.cfg.calibration.windows,
                                     f"{label}: calibrate")
-        windows = [w.ids for _, ws in found.values() for w in ws]
+        windows = [w for _, ws in found.values() for w in ws]
         return {"model": asdict(self.cfg.model), "weights": ANY, "calibrate": candidate.calibrate,
-                "averaging": self.cfg.calibration.averaging,
-                "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
+                "averaging": self.cfg.calibration.averaging, "windows": windows_digest(windows, long=True)}
 
     def _serving(self, label: str) -> dict:
         """A staged run's serving measurement of a stage or the baseline (as the runner's ``serve_stages``)."""

@@ -78,7 +78,7 @@ def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[
     sequential look scores both), from how long this run's results took (``seconds``: the store's, per
     (candidate, metric); a task's looks are its metrics ``task/<task>`` and ``task/<task>@<a>-<b>``); a pair
     missing any time is left out."""
-    def spent(label: str, task: str) -> float | None:
+    def seconds_of(label: str, task: str) -> float | None:
         parts = [s for (who, metric), s in seconds.items()
                  if who == label and (metric == f"task/{task}" or metric.startswith(f"task/{task}@"))]
         return sum(parts) if parts else None
@@ -86,7 +86,7 @@ def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[
     pace = {}
     for row in table:
         if row.kind.on_tasks and row.gated and row.n:
-            mine, base = spent(row.candidate, row.metric.source), spent(BASELINE.label, row.metric.source)
+            mine, base = seconds_of(row.candidate, row.metric.source), seconds_of(BASELINE.label, row.metric.source)
             if mine is not None and base is not None:
                 pace[row.candidate, row.metric.source] = (mine + base) / row.n
     return pace

@@ -226,7 +226,7 @@ def merge_histories(first: list[dict], second: list[dict]) -> list[dict] | None:
     return merged
 
 
-def entry(plan: LookPlan) -> dict:
+def new_plan_entry(plan: LookPlan) -> dict:
     return {"plan": plan.to_dict(), "digest": plan.digest(), "looks": {}}
 
 
@@ -237,7 +237,7 @@ FOREIGN = "is another report folder's plan, copied here (no partial result besid
 class PlanRecord:
     """A run's plan and the history of plans its partial results were measured under (``<partial>/plan.json``,
     signed with the store's key). :meth:`settle` (before the model loads) refuses a changed plan unless
-    ``replan``; :meth:`record` keeps the looks each judgement takes; :meth:`replanned` is the re-planned error.
+    ``replan``; :meth:`record` keeps the looks each judgement takes; :meth:`replanned_error` is the re-planned error.
 
     The plan file and every partial result beside it carry the report folder's id (random, made with its first
     plan) under their signatures (:attr:`ResultStore.report <kvquant.runner.store.ResultStore.report>`): a plan
@@ -265,7 +265,7 @@ class PlanRecord:
 
     def identify(self) -> None:
         """Give the store this folder's id (its plan's, else its results'), reading only: what a run would reuse."""
-        if self.recorded(move=False) is None:
+        if self.signed_history(move=False) is None:
             self.store.report = self._carried_id()
 
     def settle(self) -> None:
@@ -295,7 +295,7 @@ class PlanRecord:
             raise ValueError(FOREIGN)
         return history, report
 
-    def recorded(self, move: bool = True) -> list[dict] | None:
+    def signed_history(self, move: bool = True) -> list[dict] | None:
         """The history in this run's plan file where this user's key signed it for this report folder (the store
         then signs for the folder's id); None where there is none, or where it does not verify (then, with
         ``move``, set aside with a warning: its looks are not counted)."""
@@ -343,7 +343,7 @@ class PlanRecord:
             raise KVQuantError(f"adopt: {self.path} {why}: the plan the partial results there were measured under is "
                                "unknown; run python -m kvquant.run with --replan first, or move the folder away; "
                                "nothing adopted")
-        merged = self.recorded(move=False) or []
+        merged = self.signed_history(move=False) or []
         if not merged:  # results placed without a plan carried with them stay without one, as they were measured
             self.store.report = self._carried_id(fresh=bool(carried))
         for path, history in carried:
@@ -373,7 +373,7 @@ class PlanRecord:
                 f"{self.path} {why}: the plan the partial results in {self.store.directory} were measured under "
                 "is unknown; rerun with --replan to go on (the verdict then says the error over the earlier looks "
                 "is unknown), or move the folder away to start afresh")
-        history = self.recorded(move=False)
+        history = self.signed_history(move=False)
         change = None if history is None else self.plan.difference(LookPlan.from_dict(history[-1]["plan"]))
         if change is not None and not self.replan:
             raise KVQuantError(
@@ -386,12 +386,12 @@ class PlanRecord:
         measured = any(self.store.directory.glob("*/*.json"))
         if self._unknown() is not None:  # with --replan
             if os.path.lexists(self.path):
-                self.recorded()  # set aside, said
+                self.signed_history()  # set aside, said
             self.store.report = self._carried_id()  # the results here go on
-            self.history = [{**entry(self.plan), UNKNOWN_BEFORE: True}]
+            self.history = [{**new_plan_entry(self.plan), UNKNOWN_BEFORE: True}]
             self.write()
             return
-        history = self.recorded()
+        history = self.signed_history()
         found = None if history is None else (history, "")
         if found is None:
             self.store.report = self._carried_id()  # its results' ("" where older than ids), else a fresh one
@@ -399,7 +399,7 @@ class PlanRecord:
                 warn(self.store.warnings, f"the partial results in {self.store.directory} carry no recorded plan "
                      "(measured before kvquant recorded plans): this run's plan is recorded from now on, and looks "
                      "taken earlier under another plan, if any, are not counted")
-            self.history = [entry(self.plan)]
+            self.history = [new_plan_entry(self.plan)]
             if os.path.lexists(self.store.directory):
                 self.write()
             else:  # with the first result: a run stopped before any leaves no folder behind
@@ -408,7 +408,7 @@ class PlanRecord:
             self.history = found[0]
             last = LookPlan.from_dict(self.history[-1]["plan"])
             if self.plan.difference(last) is not None:  # with --replan
-                self.history = [*self.history, entry(self.plan)]
+                self.history = [*self.history, new_plan_entry(self.plan)]
                 self.write()
 
     def write(self) -> None:
@@ -422,7 +422,7 @@ class PlanRecord:
 
     def record(self, rows) -> dict | None:
         """Keep the looks the gate's ``rows`` took (each gated row: its documents or windows, its one-sided error)
-        under the current plan, written at once where any is new; returns :meth:`replanned` (None in a process
+        under the current plan, written at once where any is new; returns :meth:`replanned_error` (None in a process
         other than 0, which keeps no history)."""
         if not self.history:
             return None
@@ -436,7 +436,7 @@ class PlanRecord:
                 mine[look], new = error, True
         if new:
             self.write()
-        return self.replanned()
+        return self.replanned_error()
 
-    def replanned(self) -> dict | None:
+    def replanned_error(self) -> dict | None:
         return replanned_error(self.history, (1 - self.plan.gate["confidence"]) / 2)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvquant.errors import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, KVQuantError
-from kvquant.exits import guarded
+from kvquant.exits import run_guarded
 from kvquant.runner import preview, render, report
 from kvquant.experiment import provenance as provenance_module
 from kvquant.experiment.config import ExperimentConfig, Stage, load_config
@@ -27,7 +27,7 @@ from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS
 from kvquant.runner.judging import add_documents, judge_run
 from kvquant.runner.lookplan import LookPlan, PlanRecord, replanned_note
 from kvquant.runner.preflight import AboveRunner, plan_steps, preflight, say, serving_text
-from kvquant.experiment.results import Provenance, RunPlan, RunResult, Serving, Staged
+from kvquant.experiment.results import Provenance, RunPlan, RunResult, StageServing, Staged
 from kvquant.runner.search import search
 from kvquant.experiment.provenance import SourceWatch
 from kvquant.runner.store import ResultStore, RunLock, warn
@@ -56,7 +56,7 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
     """The exit code of the run ``options`` ask for (``command``: its command line, as the report states it;
     ``above``: what the run takes from the planner and the deploy files). Bad input is one line and exit 2, an
     interrupt exit 130 naming where finished results are kept, anything else exit 3 with its traceback in the
-    report directory's ``error.log`` (:func:`kvquant.exits.guarded`)."""
+    report directory's ``error.log`` (:func:`kvquant.exits.run_guarded`)."""
     held: list[Path] = []  # the report directory, once this run holds it
 
     def run() -> int:
@@ -70,13 +70,13 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
                 _, rows, warnings = preflight(cfg, above, preview.SAMPLE_DOCUMENTS)
                 return preview.dry_run(cfg, rows, warnings, options.replan, above.shape_of)
         if options.render_only:  # nothing is measured: what it reads is checked against the stored results
-            with locked(out_dir, held):
+            with hold_lock(out_dir, held):
                 return render.render_only(cfg, plan_steps(cfg), out_dir, command, options.partial, options.replan,
                                           functools.partial(take_steps, above=above), above.shape_of)
         with held_tasks():  # preflight's checks share each task's object; the measurements load their own
             plan, rows, warnings = preflight(cfg, above)
         parallel.check_same_run(cfg, rows)  # before the lock and the model: every process runs the same run
-        with locked(out_dir, held):
+        with hold_lock(out_dir, held):
             return execute(cfg, plan, out_dir, command, rows, warnings, above, options.replan)
 
     def resume_hint() -> str:
@@ -84,11 +84,11 @@ def run_experiment(options: RunOptions, command: str, above: AboveRunner) -> int
                 f"{held[0] / 'windows'}); run the same command to resume"
                 if held else "")
 
-    return guarded("kvquant", run, log_dir=lambda: held[0] if held else None, on_interrupt=resume_hint)
+    return run_guarded("kvquant", run, log_dir=lambda: held[0] if held else None, on_interrupt=resume_hint)
 
 
 @contextlib.contextmanager
-def locked(out_dir: Path, held: list[Path]):
+def hold_lock(out_dir: Path, held: list[Path]):
     """The run's hold on ``out_dir``: process 0 takes its :class:`RunLock` and tells the others whether it could
     (so all of them stop with its one line when it cannot)."""
     processes = parallel.current()
@@ -122,7 +122,7 @@ def serve_stages(session: Session, rows: dict, parse_bytes) -> Staged:
     for stage in [Stage(BASELINE.quantizer, {}, BASELINE.label), *cfg.stages]:
         key = {"model": dataclasses.asdict(cfg.model), "serving": dataclasses.asdict(cfg.serving),
                "stage": dataclasses.asdict(stage), "text": pset.name}
-        serving[stage.label] = Serving.from_dict(store.get_or_compute(
+        serving[stage.label] = StageServing.from_dict(store.get_or_compute(
             stage.label, "serving", key,
             lambda s=stage: serve(session.model, s, cfg.serving, prefix, suffixes).to_dict()))
     return Staged(serving, tuple(s.label for s in cfg.stages), parse_bytes(cfg.serving.memory_budget),
@@ -179,7 +179,7 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
                                        record and record.record)
     table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
     replayed = isinstance(session, render.Replay)  # a report rendered from stored results (--render-only)
-    decision = session.noted(decision) if replayed else decision  # the looks it lacks, named
+    decision = session.with_unstored_looks(decision) if replayed else decision  # the looks it lacks, named
     replanned = record and record.record(table)
     if replanned:  # the verdict line, report.md's header and results.json say the plan changed after the data
         decision = dataclasses.replace(decision, reason=f"{decision.reason} ({replanned_note(replanned)})")
@@ -193,7 +193,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         return code
     store.note_retired()  # before the report, which keeps the warnings
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,
-                            round(time.monotonic() - start, 1), session.rendered(out_dir) if replayed else None)
+                            round(time.monotonic() - start, 1),
+                            session.render_provenance(out_dir) if replayed else None)
     run = RunResult(cfg, tuple(candidates), results, tuple(table), decision, command, provenance, searched, staged,
                     calibration, plan, replanned)
     store.check_sources()  # results.json is signed: never of other code than the results it reports

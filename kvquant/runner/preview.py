@@ -297,7 +297,7 @@ def preview(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[
     return [with_seconds(c, rate) for c in found], rate
 
 
-def render(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], partial=None) -> str:
+def render_preview(cfg: ExperimentConfig, found: list[Cost], rate: dict[str, float], partial=None) -> str:
     """The preview as printed; ``partial``: the folder reused results come from."""
     lines = [f"kvquant: cost preview of {cfg.name} (nothing measured, nothing written)", "",
              "| scorer | measurement | documents | tokens | model tokens | time | reused | most documents | "
@@ -345,5 +345,5 @@ def dry_run(cfg: ExperimentConfig, rows: dict, warnings: list[str], replan: bool
     say(warnings)
     model, tokenizer = load_model(cfg.model)
     session = Session(cfg, model, tokenizer, None, shape_of(model.config, cfg.model.path), first_look=True)
-    print(render(cfg, *preview(session, rows, store if key is not None else None), partial))
+    print(render_preview(cfg, *preview(session, rows, store if key is not None else None), partial))
     return 0

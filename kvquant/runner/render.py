@@ -29,7 +29,7 @@ from kvquant.fs import check_env_dirs, read_json
 from kvquant.experiment import provenance
 from kvquant.runner.expected import Expected, difference, plain
 from kvquant.runner.gate import FAIL, INCONCLUSIVE
-from kvquant.runner.lookplan import PLAN, LookPlan, PlanRecord, _signature, entry, read_plan_file
+from kvquant.runner.lookplan import PLAN, LookPlan, PlanRecord, _signature, new_plan_entry, read_plan_file
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
 from kvquant.experiment.provenance import commit_provenance
 from kvquant.runner.store import ResultStore
@@ -49,7 +49,7 @@ class NotStored(Exception):
         self.candidate, self.metric = candidate, metric
 
 
-def refuse(message: str):
+def refuse_render(message: str):
     raise KVQuantError(f"render: {message}; nothing rendered")
 
 
@@ -65,8 +65,8 @@ class StoredResults(ResultStore):
             found = read_folder(folder)
             codes = {report_code(f.saved["inputs"]) for f in found}
             if len(codes) > 1:
-                refuse(f"{folder} holds results measured by {len(codes)} code versions ({', '.join(sorted(codes))})"
-                       "; render the results of one")
+                refuse_render(f"{folder} holds results measured by {len(codes)} code versions "
+                              f"({', '.join(sorted(codes))}); render the results of one")
             for f in found:  # before anything is printed or written: of this config's inputs, by that one code
                 check_found(f, found[0].saved["inputs"]["code"], expected)
             check_weights(found, set(), folder)
@@ -74,10 +74,11 @@ class StoredResults(ResultStore):
             ACTION.reset(token)
         secret = result_key(make=False) or b""
         super().__init__(folder, found[0].saved["inputs"]["code"], warnings, parallel.ONE, secret=secret)
-        unsigned = [f for f in found if self.verified(f.path) is None]
+        unsigned = [f for f in found if self.verified_result(f.path) is None]
         if unsigned and not vouched:
-            refuse(f"{unsigned[0].path}: its signature does not verify under your key (edited, or written by another "
-                   "user or machine); name its folder with --partial to vouch for results measured elsewhere")
+            refuse_render(f"{unsigned[0].path}: its signature does not verify under your key (edited, or written by "
+                          "another user or machine); name its folder with --partial to vouch for results measured "
+                          "elsewhere")
         self.found = {(f.candidate, f.metric): f for f in found}
         self.read: set[tuple[str, str]] = set()
         self.vouched = len(unsigned)
@@ -89,8 +90,8 @@ class StoredResults(ResultStore):
             raise NotStored(candidate, metric)
         inputs, digest = self._inputs(candidate, metric, key)
         if found.saved["key"] != digest:
-            refuse(f"{found.path} is no result this config's run would read: "
-                   f"{difference(plain(inputs), found.saved['inputs'])}")
+            refuse_render(f"{found.path} is no result this config's run would read: "
+                          f"{difference(plain(inputs), found.saved['inputs'])}")
         self.read.add((candidate, metric))
         self.reused = len(self.read)  # each result once, however often the looks read it again
         if isinstance(found.saved.get("seconds"), (int, float)):
@@ -137,7 +138,7 @@ class Replay(Session):
                 kept = tuple(r for r in split.more[task] if r.start < looked[0].start)
                 split = dataclasses.replace(split, more={**split.more, task: kept})
 
-    def noted(self, decision):
+    def with_unstored_looks(self, decision):
         """``decision`` with each inconclusive gated verdict whose next look, which the run would take (its
         candidate has not failed), is not stored saying so."""
         verdicts = []
@@ -151,7 +152,7 @@ class Replay(Session):
             verdicts.append(v)
         return dataclasses.replace(decision, verdicts=verdicts)
 
-    def rendered(self, out_dir: Path) -> dict:
+    def render_provenance(self, out_dir: Path) -> dict:
         """What the report's header and results.json say of this render (:attr:`Provenance.rendered`)."""
         code, judged = dict(self.store.code), provenance.code_version()["kvquant_source_sha256"]
         try:  # the report it replaces names the commit of these measuring sources (measured or, rendered, its own)
@@ -185,7 +186,7 @@ def plan_record(cfg, store: StoredResults, vouched: bool, replan: bool) -> PlanR
     try:
         found = read_plan_file(path)
     except (OSError, ValueError, RecursionError) as err:
-        refuse(f"{path} is not a plan kvquant wrote ({one_line(err)[:100]})")
+        refuse_render(f"{path} is not a plan kvquant wrote ({one_line(err)[:100]})")
     if found is None:
         store.warnings.append(f"{store.directory} carries no recorded plan (measured before kvquant recorded plans)"
                               ": judged under this config's plan as if it was fixed before the data; looks taken "
@@ -193,15 +194,15 @@ def plan_record(cfg, store: StoredResults, vouched: bool, replan: bool) -> PlanR
         return None
     history, signature, report = found
     if not vouched and not hmac.compare_digest(signature, _signature(history, store.secret, report)):
-        refuse(f"{path}: its signature does not verify under your key; name its folder with --partial to vouch "
-               "for it")
+        refuse_render(f"{path}: its signature does not verify under your key; name its folder with --partial to vouch "
+                      "for it")
     plan = LookPlan.of(cfg)
     record = ReadOnlyRecord(store, plan, replan)
     change = plan.difference(LookPlan.from_dict(history[-1]["plan"]))
     if change is not None and not replan:
-        refuse(f"the results in {store.directory} were measured under another plan ({change}); render with the "
-               "config of that plan, or with --replan to report the error over every look taken")
-    record.history = [*history, *([entry(plan)] if change is not None else [])]
+        refuse_render(f"the results in {store.directory} were measured under another plan ({change}); render with the "
+                      "config of that plan, or with --replan to report the error over every look taken")
+    record.history = [*history, *([new_plan_entry(plan)] if change is not None else [])]
     return record
 
 
@@ -213,8 +214,8 @@ def render_only(cfg, plan, out_dir: Path, command: str, folder: Path | None, rep
     ``take_steps``, with the session standing in for the model; ``shape_of``: the planner's ``shape_from_config``,
     which the session's bits per element are computed on). Returns the gate's exit code."""
     if cfg.search or any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
-        refuse("a search or calibration runs on the model between measurements; only runs without them are "
-               "rendered from stored results")
+        refuse_render("a search or calibration runs on the model between measurements; only runs without them are "
+                      "rendered from stored results")
     check_env_dirs()
     check_report_dir(out_dir)
     model_config = check_model(cfg.model)
@@ -227,7 +228,7 @@ def render_only(cfg, plan, out_dir: Path, command: str, folder: Path | None, rep
     try:
         code = steps(Replay(cfg, store, shape_of), plan, out_dir, command, rows, time.monotonic(), record)
     except NotStored as err:
-        refuse(f"{store.directory} holds no {err.metric} of {err.candidate}, which the report needs; measure it "
-               "(python -m kvquant.run CONFIG) or name the folder that holds it")
+        refuse_render(f"{store.directory} holds no {err.metric} of {err.candidate}, which the report needs; measure it "
+                      "(python -m kvquant.run CONFIG) or name the folder that holds it")
     say(warnings[:found])  # the report's header holds them too
     return code

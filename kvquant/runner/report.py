@@ -33,7 +33,7 @@ from kvquant.runner.report_plots import probe_plot, quality_plot, stages_plot
 from kvquant.experiment import provenance
 from kvquant.experiment.provenance import commit_provenance, version_of
 from kvquant.experiment.results import Memory, RunResult
-from kvquant.signing import recorded, signed_json
+from kvquant.signing import json_form, signed_json
 
 #: Every file a run may leave in its report directory (besides ``partial/``): what a run does not regenerate
 #: is removed, so nothing there describes an earlier run.
@@ -194,7 +194,7 @@ def _csv(doc: dict) -> str:
     return frame.to_csv(index=False)
 
 
-def _searched(run: RunResult, run_id: str, out_dir: Path) -> str:
+def _searched_yaml(run: RunResult, run_id: str, out_dir: Path) -> str:
     """searched.yaml: the map a search found, as a config that evaluates it alone (no search) on the same data."""
     cfg = run.config
     found = next(c for c in run.candidates if c.label == run.search.name)
@@ -208,11 +208,11 @@ def render(out_dir: Path, run: RunResult, run_id: str,
            env: dict[str, str]) -> tuple[dict[str, str | bytes], dict]:
     """Every report file of ``run`` by name, as text or bytes (``out_dir``: where they will be, which
     searched.yaml names), and the document results.json holds as a reader parses it back
-    (:func:`kvquant.signing.recorded`, without its signature)."""
+    (:func:`kvquant.signing.json_form`, without its signature)."""
     cfg = run.config
     candidates = candidate_reports(run)
     doc = document(run, run_id, env, candidates)
-    written = recorded(doc)
+    written = json_form(doc)
     curve = probe_curve(run.rows)
     files = {"results.json": signed_json(written), "results.csv": _csv(doc),
              "plot.png": quality_plot(candidates, cfg),
@@ -220,7 +220,7 @@ def render(out_dir: Path, run: RunResult, run_id: str,
                                       "describe\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
              "report.md": markdown(run, candidates, run_id, env)}
     if run.search:
-        files["searched.yaml"] = _searched(run, run_id, out_dir)
+        files["searched.yaml"] = _searched_yaml(run, run_id, out_dir)
     if run.staged:
         files["stages.png"] = stages_plot(stage_rows(run, candidates), cfg)
     if curve:

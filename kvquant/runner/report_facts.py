@@ -75,7 +75,7 @@ class CandidateReport:
     def metric(self, metric: MetricId) -> MetricReport | None:
         return self.metrics.get(metric.name)
 
-    def gated(self) -> list[MetricReport]:
+    def gated_metrics(self) -> list[MetricReport]:
         return [m for m in self.metrics.values() if m.row.gated]
 
 
@@ -152,7 +152,7 @@ def stage_rows(run: RunResult, candidates: tuple[CandidateReport, ...]) -> list[
     for name in ["baseline", *staged.stages]:
         serving = staged.serving[name]
         c = by_label.get(name)
-        gated = [m.row.relative for m in c.gated()] if c else [1.0]
+        gated = [m.row.relative for m in c.gated_metrics()] if c else [1.0]
         out.append(StageRow(name, serving.kv_bytes_per_request, serving.max_batch(staged.budget_bytes),
                             serving.p50_ms, serving.p99_ms, min(gated), c.passed if c else True,
                             staged.prefix_sharing.get(name, False)))

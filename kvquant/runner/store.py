@@ -145,7 +145,7 @@ class ResultStore:
         stored = json.loads(json.dumps(result, default=str))  # as a later run reads it back
         if os.path.lexists(path) and path not in self.written:  # of other inputs or code: kept, not replaced
             self._retire(path)
-        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored, **_tied(self.report),
+        write_file(path, json.dumps({"key": digest, "inputs": inputs, "result": stored, **_report_field(self.report),
                                      "signature": self._sign(digest, stored),
                                      "seconds": self.seconds[candidate, metric]}, default=str))
         self.written.add(path)
@@ -174,11 +174,11 @@ class ResultStore:
             self._retire(path)
         took = saved.get("seconds")  # how long it took there, if noted (informational, as in get_or_compute)
         write_file(path, json.dumps({"key": digest, "inputs": saved["inputs"], "result": saved["result"],
-                                     **_tied(self.report), "signature": self._sign(digest, saved["result"]),
+                                     **_report_field(self.report), "signature": self._sign(digest, saved["result"]),
                                      **({"seconds": float(took)} if _is_seconds(took) else {})}, default=str))
         return True
 
-    def verified(self, path: Path) -> dict | None:
+    def verified_result(self, path: Path) -> dict | None:
         """The result at ``path`` (under this store's folder) if this user's key signed it, for whichever report
         folder (its ``report``), and its key is the digest of the inputs it holds, whatever those inputs; else None.
         Nothing is moved."""
@@ -193,10 +193,10 @@ class ResultStore:
         return saved if signed and digest == inputs_digest(saved["inputs"]) else None
 
     def reports(self) -> collections.Counter:
-        """How many of the results in this store's folder (:meth:`verified`) were signed for each report folder id
-        ("": older than these ids). Nothing is moved."""
+        """How many of the results in this store's folder (:meth:`verified_result`) were signed for each report folder
+        id ("": older than these ids). Nothing is moved."""
         paths = sorted(self.directory.glob("*/*.json")) if self.directory.is_dir() else []
-        found = (self.verified(p) for p in paths if not p.name.startswith(".") and not p.is_symlink())
+        found = (self.verified_result(p) for p in paths if not p.name.startswith(".") and not p.is_symlink())
         return collections.Counter(saved.get("report", "") for saved in found if saved is not None)
 
     def _retire(self, path: Path) -> None:
@@ -248,7 +248,7 @@ class ResultStore:
             return None
 
 
-def _tied(report: str) -> dict:
+def _report_field(report: str) -> dict:
     """A result file's field naming the report folder it is signed for (none for a folder older than these ids)."""
     return {"report": report} if report else {}
 

@@ -181,7 +181,7 @@ def local_weights(store: ResultStore, code: dict, model) -> set[str]:
     code and ``model`` (the config's ``model`` section): what this machine's model files hash to."""
     found = set()
     for path in sorted(store.directory.glob("*/*.json")) if store.directory.is_dir() else []:
-        saved = store.verified(path) if path.is_file() and not path.is_symlink() else None
+        saved = store.verified_result(path) if path.is_file() and not path.is_symlink() else None
         inputs = saved["inputs"] if saved else {}
         if inputs.get("code") == code and _text(inputs.get("model")) == _text(asdict(model)) and "weights" in inputs:
             found.add(str(inputs["weights"]))

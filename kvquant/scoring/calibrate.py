@@ -73,7 +73,7 @@ def observe(model, windows: list[list[int]], per_head: bool, averaging: float) -
     ``k_peak``/``v_peak`` (the largest ``|x|`` seen), over one forward per window of token ids."""
     running: dict[tuple[int, str], list[torch.Tensor]] = {}
 
-    def seen(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def track_ranges(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         for role, x in (("k", keys), ("v", values)):
             x = x.detach().float()
             dims = (0, 2, 3) if per_head else (0, 1, 2, 3)
@@ -87,7 +87,7 @@ def observe(model, windows: list[list[int]], per_head: bool, averaging: float) -
 
     device = model.get_input_embeddings().weight.device
     for ids in windows:
-        model(torch.tensor([ids], device=device), cache=ObservingCache(model, seen), use_cache=True)
+        model(torch.tensor([ids], device=device), cache=ObservingCache(model, track_ranges), use_cache=True)
     out: dict[int, dict[str, list[float]]] = {}
     for (layer, role), (low, high, peak) in sorted(running.items()):
         amax = torch.maximum(low.clamp(max=0).abs(), high.clamp(min=0))

@@ -35,7 +35,7 @@ def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window
     step = max(1, min(windowed.group_size(baseline, windows), DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
     parts = windowed.in_groups(windows, step, lambda ws: _group(baseline, candidates, ws), keep, desc,
                                baseline.processes.main)
-    return [windowed.joined([part[c] for part in parts], ("kl", "top1", "tokens", "nll"))
+    return [windowed.join_groups([part[c] for part in parts], ("kl", "top1", "tokens", "nll"))
             for c in range(len(candidates))]
 
 
@@ -47,7 +47,7 @@ def _group(baseline: Scorer, candidates: list[Scorer], windows: list[Window]) ->
         scorer.distributions = True
     found: list[dict[int, tuple[list[float], int, int, float]]] = [{} for _ in candidates]
     requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
-    before = [windowed.mark(c) for c in candidates]
+    before = [windowed.tallies(c) for c in candidates]
     try:
         reference = baseline.score_many(requests, local=True)
         for own, candidate in zip(found, candidates):
@@ -65,7 +65,7 @@ def _group(baseline: Scorer, candidates: list[Scorer], windows: list[Window]) ->
             own.update(part)
         kl, top1, tokens, nll = zip(*(own[i] for i in range(len(requests)))) if requests else ((),) * 4
         out.append({"kl": list(kl), "top1": list(top1), "tokens": list(tokens), "nll": list(nll),
-                    **windowed.spent(candidate, since)})
+                    **windowed.tallies_since(candidate, since)})
     return out
 
 

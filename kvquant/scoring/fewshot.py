@@ -67,7 +67,8 @@ def counter(tokenizer) -> Callable[[list[str]], list[int]]:
 
 def task_builds(cfg, task: str, size: int) -> list[dict]:
     """The requests the runner has lm-eval build for ``task`` (a task of ``size`` documents): the first ``limit``,
-    then each sequential look's range of documents (``kvquant.run.add_documents``), each with a fresh few-shot draw."""
+    then each sequential look's range of documents (``kvquant.runner.judging.add_documents``), each with a fresh
+    few-shot draw."""
     from kvquant.experiment.gate_config import looks
 
     limit = cfg.eval.tasks.limit_for(task)
@@ -136,7 +137,7 @@ def expect(shots: int | None) -> None:
         _expected["*"] = int(shots)
 
 
-def expected() -> int:
+def expected_shots() -> int:
     """The shots :func:`expect` announced (0: none)."""
     return _expected.get("*", 0)
 

@@ -147,7 +147,7 @@ class KVQuantLM(TemplateLM):
             self.model, self.tokenizer = pretrained, tokenizer
             spec = ModelConfig(max_length=max_length)
         self.max_length = model_max_length(self.model, spec)
-        self.shots = fewshot.expected()  # kvquant.lm_eval's --num_fewshot: requests are checked to fit, never cut
+        self.shots = fewshot.expected_shots()  # kvquant.lm_eval's --num_fewshot: requests are checked to fit, never cut
         options = {k: parse_value(v) for k, v in cache_options.items()}
         self.spec = CacheSpec.of(quantizer, options)
         make_cache(self.model, self.spec)  # validate the settings on this model now, not at the first request

@@ -324,9 +324,9 @@ class Scorer:
                 for i, scored in self._score_pool(requests, pool, [starts[id(m)] for m in pool], nodes):
                     results[i] = scored
                 bar.update(sum(map(len, pool)))
-        return self._gathered(results, before, local)
+        return self._gather(results, before, local)
 
-    def _gathered(self, results: list[Scored | None], before: dict[str, int], local: bool) -> list[Scored | None]:
+    def _gather(self, results: list[Scored | None], before: dict[str, int], local: bool) -> list[Scored | None]:
         """Under several processes: ``reads`` summed over all of them, and (unless ``local``) every process's
         results in place of the None of the requests it scored."""
         if self.processes.world == 1:
@@ -435,13 +435,13 @@ def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None =
     scored: a batch of windows at a time (:func:`~kvquant.scoring.windowed.group_size`), each group through ``keep``
     (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not scored again)."""
     def group(ws: list[Window]) -> dict:
-        since = windowed.mark(scorer)
+        since = windowed.tallies(scorer)
         scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws])
         return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
-                "tokens": [len(s.logprobs) for s in scored], **windowed.spent(scorer, since)}
+                "tokens": [len(s.logprobs) for s in scored], **windowed.tallies_since(scorer, since)}
 
     parts = windowed.in_groups(windows, windowed.group_size(scorer, windows), group, keep, desc, scorer.processes.main)
-    return windowed.joined(parts, ("nll", "tokens"))
+    return windowed.join_groups(parts, ("nll", "tokens"))
 
 
 def vocabulary(model) -> int:

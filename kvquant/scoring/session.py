@@ -54,7 +54,7 @@ def cache_settings(cache) -> dict:
     resume keys and reports."""
     settings = cache.settings()
     layers = settings.pop("layers", None)
-    return {**settings, **cache.derived(), **({"layers": layers} if layers else {})}
+    return {**settings, **cache.derived_settings(), **({"layers": layers} if layers else {})}
 
 
 def check_baseline_finite(scores: list[float], cfg: ExperimentConfig, what: str) -> None:
@@ -283,7 +283,7 @@ class Session:
             chunks = [self._task(candidate, label, key, task, documents)]
             chunks += [self._task(candidate, label, key, task, more, f"@{more.start}-{more.stop}")
                        for more in split.more.get(task, ())]
-            outcomes += [Outcomes.joined(parts) for parts in zip(*chunks)]
+            outcomes += [Outcomes.concat(parts) for parts in zip(*chunks)]
         memory = self._memory(candidate, label, key, settings, probe) if probe else None
         return Measured(label, tuple(outcomes), memory)
 
@@ -315,7 +315,7 @@ class Session:
             compute = lambda: {k: compared[k] for k in ("nll", "tokens", "reads", "lengths")}  # noqa: E731
         else:
             compute = lambda: perplexity_samples(  # noqa: E731
-                self._scorer(candidate), windows, desc, self._kept(label, f"ppl/{name}", key))
+                self._scorer(candidate), windows, desc, self._keep_in_store(label, f"ppl/{name}", key))
         raw = self.store.get_or_compute(label, f"ppl/{name}", {**key, "windows": ids}, compute)
         if candidate is BASELINE:
             check_baseline_finite(raw["nll"], self.cfg, f"perplexity {name!r}")
@@ -335,8 +335,8 @@ class Session:
         ids = windows_digest(windows)
         desc = f"{label} {name} divergence" if progress else None
         return self.store.get_or_compute(label, f"kl/{name}", {**key, "windows": ids},
-                                         lambda: self._compared(candidate, label, f"kl/{name}", key, ids, windows,
-                                                                desc, shared))
+                                         lambda: self._shared_pass(candidate, label, f"kl/{name}", key, ids, windows,
+                                                                   desc, shared))
 
     def _long(self, candidate, label, key, windows: list[data.Window], progress: bool,
               shared: SharedBaseline) -> list[Outcomes]:
@@ -347,10 +347,10 @@ class Session:
         what = f"long/{long.text}"
         raw = self.store.get_or_compute(
             label, what, {**key, "windows": ids},
-            lambda: self._compared(candidate, label, what, key, ids, windows, desc, shared, by_position=True))
+            lambda: self._shared_pass(candidate, label, what, key, ids, windows, desc, shared, by_position=True))
         return long_outcomes(long.text, raw, long.lengths, self._bits(candidate, [len(w.ids) for w in windows]))
 
-    def _kept(self, label: str, metric: str, key: dict):
+    def _keep_in_store(self, label: str, metric: str, key: dict):
         """The :data:`~kvquant.scoring.windowed.Keep` of ``label``'s ``metric`` pass: each finished group of its
         windows a result of the store's :meth:`~kvquant.runner.store.ResultStore.windows`, keyed by ``key`` and
         the group's own windows."""
@@ -358,8 +358,8 @@ class Session:
         return lambda start, stop, ws, compute: groups.get_or_compute(
             label, f"{metric}@{start}-{stop}", {**key, "windows": windows_digest(ws)}, compute)
 
-    def _compared(self, candidate, label, metric: str, key: dict, ids: str, windows: list[data.Window],
-                  desc: str | None, shared: SharedBaseline, by_position: bool = False) -> dict:
+    def _shared_pass(self, candidate, label, metric: str, key: dict, ids: str, windows: list[data.Window],
+                     desc: str | None, shared: SharedBaseline, by_position: bool = False) -> dict:
         """``label``'s ``metric`` result on ``windows`` (digest ``ids``; ``key``: :meth:`key` of ``candidate``),
         its divergence from the baseline (``by_position``: per position of each whole window,
         :func:`position_divergences`): computed beside up to :data:`SHARED_BASELINE` - 1 of the candidates
@@ -380,7 +380,7 @@ class Session:
         else:  # its groups are kept as the first candidate's, keyed by every candidate compared in them
             beside = [[c.label, keys[c.label]["settings"]] for c in group[1:]]
             raws = divergences(self._scorer(BASELINE), scorers, windows, desc,
-                               self._kept(label, metric, {**key, "beside": beside}))
+                               self._keep_in_store(label, metric, {**key, "beside": beside}))
         for other, raw in zip(group[1:], raws[1:]):
             self.store.store_ahead(other.label, metric, keys[other.label], raw)
         return raws[0]

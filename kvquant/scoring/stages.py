@@ -19,7 +19,7 @@ import torch
 from kvquant.cache import make_cache, stack_rows
 from kvquant.experiment.config import ServingConfig, Stage
 from kvquant.errors import KVQuantError
-from kvquant.experiment.results import Serving
+from kvquant.experiment.results import StageServing
 
 
 def serving_tokens(serving: ServingConfig, ids: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -33,7 +33,7 @@ def serving_tokens(serving: ServingConfig, ids: list[int]) -> tuple[list[int], l
 
 
 @torch.inference_mode()
-def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffixes: list[list[int]]) -> Serving:
+def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffixes: list[list[int]]) -> StageServing:
     """Bytes and decode latency of one stage on the serving shape."""
     device = model.get_input_embeddings().weight.device
     n = len(suffixes)
@@ -58,11 +58,11 @@ def serve(model, stage: Stage, serving: ServingConfig, prefix: list[int], suffix
     total = report["total_bytes"]
     shared_once = report["shared_bytes"]  # still held by several requests at the end (eviction may free some)
     own = (total - shared_once) / n  # what each further request adds
-    return Serving(requests=n, tokens_per_request=len(prefix) + len(suffixes[0]) + serving.decode_steps,
-                   kv_bytes=total, kv_bytes_per_request=total / n, shared_bytes=shared_once,
-                   own_bytes_per_request=own, shared_saved_bytes=report["shared_saved_bytes"],
-                   fp16_bytes=report["fp16_bytes"], step_ms=tuple(steps),
-                   p50_ms=float(np.percentile(steps, 50)), p99_ms=float(np.percentile(steps, 99)))
+    return StageServing(requests=n, tokens_per_request=len(prefix) + len(suffixes[0]) + serving.decode_steps,
+                        kv_bytes=total, kv_bytes_per_request=total / n, shared_bytes=shared_once,
+                        own_bytes_per_request=own, shared_saved_bytes=report["shared_saved_bytes"],
+                        fp16_bytes=report["fp16_bytes"], step_ms=tuple(steps),
+                        p50_ms=float(np.percentile(steps, 50)), p99_ms=float(np.percentile(steps, 99)))
 
 
 def staged_decision(stages: list[Stage], passed: dict[str, bool]) -> tuple[str, str | None, str | None, str]:

@@ -18,11 +18,11 @@ def row_problem(task: str, row: dict, fields: tuple[str, ...]) -> str | None:
         return f"no field {missing[0]!r} (the task reads {', '.join(fields)})"
     wrong = [f for f in fields if f not in NOT_STRINGS and not isinstance(row[f], str)]
     if wrong:
-        return f"field {wrong[0]!r} is {_shown(row[wrong[0]])}, not a string"
+        return f"field {wrong[0]!r} is {_short_repr(row[wrong[0]])}, not a string"
     return ROW_CHECKS.get(task, lambda _: None)(row)
 
 
-def _shown(value) -> str:
+def _short_repr(value) -> str:
     """``value`` for a message: its repr, cut short."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -38,11 +38,11 @@ def _hellaswag(row: dict) -> str | None:
     renders it and reads the digits back)."""
     endings, label = row["endings"], row["label"]
     if not _string_list(endings):
-        return f"field 'endings' is {_shown(endings)}, not a non-empty list of strings"
+        return f"field 'endings' is {_short_repr(endings)}, not a non-empty list of strings"
     digits = isinstance(label, str) and re.fullmatch(r"0|[1-9][0-9]*", label)
     index = label if type(label) is int else int(label) if digits else None
     if index is None or not 0 <= index < len(endings):
-        return f"field 'label' is {_shown(label)}, not the index of one of the {len(endings)} endings"
+        return f"field 'label' is {_short_repr(label)}, not the index of one of the {len(endings)} endings"
     return None
 
 
@@ -51,7 +51,7 @@ def _arc(row: dict) -> str | None:
     choices = row["choices"]
     if not (isinstance(choices, dict) and _string_list(choices.get("text")) and _string_list(choices.get("label"))
             and len(choices["text"]) == len(choices["label"])):
-        return (f"field 'choices' is {_shown(choices)}, not an object of two string lists of the same length, "
+        return (f"field 'choices' is {_short_repr(choices)}, not an object of two string lists of the same length, "
                 "'text' and 'label'")
     if row["answerKey"] not in choices["label"]:
         return f"field 'answerKey' is {row['answerKey']!r}, not one of choices.label ({', '.join(choices['label'])})"
@@ -62,7 +62,7 @@ def _binary_label(row: dict) -> str | None:
     """``label``: the index of the right one of two choices (``true``/``false`` or 0/1)."""
     label = row["label"]
     if type(label) not in (bool, int) or label not in (0, 1):
-        return f"field 'label' is {_shown(label)}, not 0, 1, true or false"
+        return f"field 'label' is {_short_repr(label)}, not 0, 1, true or false"
     return None
 
 
@@ -71,16 +71,16 @@ def _winogrande(row: dict) -> str | None:
     ``'1'`` or ``'2'``."""
     sentence = row["sentence"]
     if not sentence.partition("_")[2].strip():
-        return f"field 'sentence' is {_shown(sentence)}, not a sentence with a blank '_' and words after it"
+        return f"field 'sentence' is {_short_repr(sentence)}, not a sentence with a blank '_' and words after it"
     if row["answer"] not in ("1", "2"):
-        return f"field 'answer' is {_shown(row['answer'])}, not '1' or '2'"
+        return f"field 'answer' is {_short_repr(row['answer'])}, not '1' or '2'"
     return None
 
 
 def _lambada(row: dict) -> str | None:
     """``text``: ends in a word, the one the task predicts (after the last space)."""
     if not row["text"].split(" ")[-1].strip():
-        return f"field 'text' is {_shown(row['text'])}, which does not end in a word to predict"
+        return f"field 'text' is {_short_repr(row['text'])}, which does not end in a word to predict"
     return None
 
 

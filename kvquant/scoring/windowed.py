@@ -28,7 +28,7 @@ def group_size(scorer, windows: list) -> int:
     return scorer.rows_per_batch(max((len(w.ids) - w.score_from for w in windows), default=1))
 
 
-def computed(start: int, stop: int, windows: list, compute: Callable[[], object]) -> object:
+def keep_nothing(start: int, stop: int, windows: list, compute: Callable[[], object]) -> object:
     """The :data:`Keep` that keeps nothing: every group is computed."""
     return compute()
 
@@ -38,7 +38,7 @@ def in_groups(windows: list, size: int, compute: Callable[[list], object], keep:
     """``compute(group)`` of each run of ``size`` consecutive ``windows`` (through ``keep``), in order; one
     progress bar over the windows (``desc``; ``shown``: this process shows it), which counts a reused group's
     windows as done."""
-    keep = keep or computed
+    keep = keep or keep_nothing
     parts = []
     with tqdm(total=len(windows), desc=desc, leave=False, disable=desc is None or not shown) as bar:
         for start in range(0, len(windows), size):
@@ -48,20 +48,20 @@ def in_groups(windows: list, size: int, compute: Callable[[list], object], keep:
     return parts
 
 
-def mark(scorer) -> tuple[dict[str, int], int]:
-    """Where ``scorer``'s tallies stand now (what it read, how many lengths it scored), for :func:`spent`."""
+def tallies(scorer) -> tuple[dict[str, int], int]:
+    """Where ``scorer``'s tallies stand now (what it read, how many lengths it scored), for :func:`tallies_since`."""
     return scorer.reads.to_dict(), len(scorer.lengths)
 
 
-def spent(scorer, since: tuple[dict[str, int], int]) -> dict:
-    """What ``scorer`` read (``reads``) and the lengths it scored (``lengths``) since :func:`mark` gave ``since``:
-    one group's own, which :func:`joined` sums and concatenates."""
+def tallies_since(scorer, since: tuple[dict[str, int], int]) -> dict:
+    """What ``scorer`` read (``reads``) and the lengths it scored (``lengths``) since :func:`tallies` gave ``since``:
+    one group's own, which :func:`join_groups` sums and concatenates."""
     before, count = since
     now = scorer.reads.to_dict()
     return {"reads": {k: now[k] - before[k] for k in now}, "lengths": scorer.lengths[count:]}
 
 
-def joined(parts: list[dict], lists: tuple[str, ...]) -> dict:
+def join_groups(parts: list[dict], lists: tuple[str, ...]) -> dict:
     """Groups' results as one pass's: the per-window ``lists`` (and ``lengths``) concatenated in order, ``reads``
     summed."""
     reads = Reads()
