@@ -272,6 +272,31 @@ def _span(entry: dict, role: str) -> str:
 
 
 def _calibration_section(calibration: dict) -> list[str]:
+    """Each calibrated candidate's static scales or key offsets, in a table of each (every layer's in
+    results.json)."""
+    offsets = {label: entry for label, entry in calibration.items() if entry["granularity"] == "key_offset"}
+    scales = {label: entry for label, entry in calibration.items() if label not in offsets}
+    return [*(_scales_section(scales) if scales else []), *(_offsets_section(offsets) if offsets else [])]
+
+
+def _offsets_section(calibration: dict) -> list[str]:
+    """Each candidate's key offsets: the largest |offset| of each layer, its range over layers and where the
+    largest is."""
+    lines = ["## Calibrated key offsets", "", "| candidate | windows | tokens | largest absolute offset per layer, "
+             "min..max | largest in layer |", "|---|---:|---:|---|---:|"]
+    for label, entry in calibration.items():
+        largest = {layer: max(abs(v) for row in own["key_offset"] for v in row)
+                   for layer, own in entry["layers"].items()}
+        top = max(largest, key=largest.get)
+        lines.append(f"| {label} | {entry['windows']} | {entry['tokens']:,} | {min(largest.values()):.4g}.."
+                     f"{largest[top]:.4g} | {top} |")
+    return [*lines, "", "A layer's key offset is the post-RoPE keys' mean per KV head and channel over the tokens of "
+            "the calibration split (windows after each gated perplexity set's evaluation windows), subtracted from "
+            "every key before it is quantized and added back on read; every layer's is in results.json "
+            "(`calibration`).", ""]
+
+
+def _scales_section(calibration: dict) -> list[str]:
     """Each calibrated candidate's static scales: their range over layers (and KV heads), per layer in
     results.json."""
     lines = ["## Calibrated scales", "", "| candidate | granularity | windows | k_scale min..max | v_scale min..max |",
