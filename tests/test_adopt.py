@@ -452,7 +452,8 @@ def test_the_keys_rebuilt_without_the_model_are_those_a_run_builds(tmp_path, mod
     plain = tiny_run("tiny", "int4", 5)
     searched = {**plain, "candidates": [*plain["candidates"], {"quantizer": "vllm_fp8", "name": "fp8",
                                                                "calibrate": "tensor"},
-                                        {"quantizer": "lloyd_max", "name": "offset", "calibrate": "key_offset"}],
+                                        {"quantizer": "lloyd_max", "name": "offset", "calibrate": "key_offset"},
+                                        {"quantizer": "fitted_levels", "name": "levels", "calibrate": "fisher_kmeans"}],
                 "eval": {**plain["eval"], "long_context": {"text": "tinystories", "lengths": [32, 64], "documents": 2}},
                 "calibration": {"windows": 2}, "search": {"name": "mixed", "windows": 2, "documents": 4, "ladder": [
                     {"quantizer": "int2", "name": "int2"}, {"quantizer": "int8", "name": "int8"}]}}
@@ -475,7 +476,8 @@ def test_the_keys_rebuilt_without_the_model_are_those_a_run_builds(tmp_path, mod
                     ("int4", "long/tinystories"),
                     ("int8", PPL), ("int8", "kl/tinystories"), ("int8", TASK), ("int8", "memory"),
                     ("fp8", "calibration"), ("fp8", "kl/tinystories"), ("offset", "calibration"),
-                    ("offset", "kl/tinystories"), ("search", PPL), ("search", TASK)}
+                    ("offset", "kl/tinystories"), ("levels", "calibration"), ("levels", "kl/tinystories"),
+                    ("search", PPL), ("search", TASK)}
 
 
 # --- a whole run ----------------------------------------------------------------------------------------------

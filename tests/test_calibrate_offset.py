@@ -124,17 +124,27 @@ def test_every_calibrate_value_has_its_calibration():
 @pytest.mark.parametrize("candidate, message", [
     ("{quantizer: int4, name: calibrated, calibrate: key_offset}",
      "candidates[0] (calibrated): calibrate: 'int4' has no key offset (key_offset) to calibrate; these have: "
-     "lloyd_max, normal_float"),
+     "fitted_levels, lloyd_max, normal_float"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: key_offset, options: {key_offset: [0, 0, 0, 0, 0, 0, 0, 0]}}",
      "candidates[0] (calibrated): calibrate sets key_offset per layer; remove options.key_offset"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: key_offset, options: {layers: {0: {key_bits: 3}}}}",
      "candidates[0] (calibrated): calibrate sets key_offset per layer; remove options.layers"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: keys}",
-     "calibrate must be one of ['tensor', 'head', 'key_offset'] or null, got 'keys'"),
+     "calibrate must be one of ['tensor', 'head', 'key_offset', 'kmeans', 'fisher_kmeans'] or null, got 'keys'"),
     ("{quantizer: vllm_fp8, name: calibrated, calibrate: key_offset}",
      "calibrate: 'vllm_fp8' has no key offset (key_offset) to calibrate"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: head}",
      "calibrate: 'lloyd_max' has no static scales (k_scale, v_scale) to calibrate; these have: vllm_fp8, vllm_nvfp4"),
+    # codebook levels (tests/test_fitted_levels.py)
+    ("{quantizer: lloyd_max, name: calibrated, calibrate: fisher_kmeans}",
+     "calibrate: 'lloyd_max' has no fitted levels (key_levels, value_levels) to calibrate; these have: "
+     "fitted_levels"),
+    ("{quantizer: fitted_levels, name: calibrated, calibrate: kmeans, options: {outliers: 1}}",
+     "candidates[0] (calibrated): calibrate: kmeans fits levels to the states a codebook codes, and "
+     "options.outliers changes them (not supported yet); drop it"),
+    ("{quantizer: fitted_levels, name: calibrated, calibrate: kmeans, options: {key_bits: 2, "
+     "key_levels: [-1, 0, 0.5, 1]}}",
+     "candidates[0] (calibrated): calibrate sets key_levels and value_levels per layer; remove options.key_levels"),
 ])
 def test_a_calibration_the_quantizer_cannot_take_is_one_line_before_the_model_loads(tmp_path, capsys, no_model_load,
                                                                                     candidate, message):

@@ -202,6 +202,9 @@ def placeholder_calibration(candidate: Candidate, shape, where: str) -> Candidat
     if clash:
         raise KVQuantError(f"{where}: calibrate sets {' and '.join(calibration.options)} per layer; remove "
                            f"options.{clash[0]}")
+    refusal = calibration.refusal(candidate)
+    if refusal:
+        raise KVQuantError(f"{where}: {refusal}")
     return dataclasses.replace(candidate, options={**candidate.options, **calibration.placeholder(shape)})
 
 

@@ -37,6 +37,7 @@ from kvquant.experiment.config import Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import QUANTIZERS
 from kvquant.scoring import data
+from kvquant.scoring.level_fit import fitted_levels
 
 
 def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
@@ -151,11 +152,12 @@ def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
                                f"calibration.windows to at most {len(windows):,} or use a longer text")
 
 
-def calibration_key(cfg: ExperimentConfig, calibrate: str, windows: list[list[int]], weights) -> dict:
-    """What a candidate's observation is kept under in the result store: the model and its weights, the
-    ``calibrate`` value, what else decides it (``averaging`` for scales) and the calibration windows (a digest)."""
-    return {"model": dataclasses.asdict(cfg.model), "weights": weights, "calibrate": calibrate,
-            **CALIBRATIONS[calibrate].decided_by(cfg),
+def calibration_key(cfg: ExperimentConfig, candidate: Candidate, windows: list[list[int]], weights) -> dict:
+    """What a candidate's observation is kept under in the result store: the model and its weights, its
+    ``calibrate`` value, what else decides it (``averaging`` for scales, the quantizer's options for levels) and the
+    calibration windows (a digest)."""
+    return {"model": dataclasses.asdict(cfg.model), "weights": weights, "calibrate": candidate.calibrate,
+            **CALIBRATIONS[candidate.calibrate].decided_by(cfg, candidate),
             "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
 
 
@@ -166,9 +168,9 @@ def with_calibration(session, candidate: Candidate, rows: dict) -> tuple[Candida
     found = calibration_windows(cfg, session.tokenizer, session.maxlen, rows, cfg.calibration.windows,
                                 f"{candidate.label}: calibrate")
     windows = [w.ids for _, ws in found.values() for w in ws]
-    key, processes = calibration_key(cfg, candidate.calibrate, windows, session.weights), session.processes
+    key, processes = calibration_key(cfg, candidate, windows, session.weights), session.processes
     observed = session.store.get_or_compute(candidate.label, "calibration", key, lambda: processes.broadcast(
-        calibration.observe(session.model, windows, cfg) if processes.main else None))
+        calibration.observe(session.model, windows, cfg, candidate) if processes.main else None))
     layers = calibration.layers(observed, candidate.quantizer)
     summary = {"granularity": candidate.calibrate, "windows": len(windows), "tokens": sum(map(len, windows)),
                **calibration.summary(observed, layers, candidate.quantizer, cfg), "layers": layers}
@@ -212,13 +214,18 @@ class Calibration:
     options: tuple[str, ...]
     what: str
 
-    def decided_by(self, cfg: ExperimentConfig) -> dict:
+    def decided_by(self, cfg: ExperimentConfig, candidate: Candidate) -> dict:
         """What, besides the model and the windows, decides the observation (a key of the stored one)."""
         return {}
 
-    def observe(self, model, windows: list[list[int]], cfg: ExperimentConfig) -> dict:  # pragma: no cover - interface
+    def observe(self, model, windows: list[list[int]], cfg: ExperimentConfig,
+                candidate: Candidate) -> dict:  # pragma: no cover - interface
         """Per layer, what is observed over one forward per window (JSON: the result store keeps it)."""
         raise NotImplementedError
+
+    def refusal(self, candidate: Candidate) -> str | None:
+        """Why ``candidate``'s other options rule this calibration out (preflight says it in one line), or None."""
+        return None
 
     def layers(self, observed: dict, quantizer: str) -> dict[str, dict]:  # pragma: no cover - interface
         """The ``layers`` option that sets :attr:`options` per layer from ``observed``."""
@@ -239,10 +246,10 @@ class StaticScales(Calibration):
 
     per_head: bool = False
 
-    def decided_by(self, cfg):
+    def decided_by(self, cfg, candidate):
         return {"averaging": cfg.calibration.averaging}
 
-    def observe(self, model, windows, cfg):
+    def observe(self, model, windows, cfg, candidate):
         return observe(model, windows, self.per_head, cfg.calibration.averaging)
 
     def layers(self, observed, quantizer):
@@ -262,7 +269,7 @@ class StaticScales(Calibration):
 class KeyOffsets(Calibration):
     """``key_offset``: per layer ``[kv_heads, head_dim]``, the post-RoPE keys' mean over the calibration tokens."""
 
-    def observe(self, model, windows, cfg):
+    def observe(self, model, windows, cfg, candidate):
         return {layer: mean.tolist() for layer, mean in key_means(model, windows).items()}
 
     def layers(self, observed, quantizer):
@@ -272,9 +279,39 @@ class KeyOffsets(Calibration):
         return {"key_offset": [[0.0] * shape.head_dim] * shape.kv_heads}
 
 
+@dataclasses.dataclass(frozen=True)
+class Levels(Calibration):
+    """``kmeans`` / ``fisher_kmeans``: per layer, a codebook's key and value levels fitted on the calibration states,
+    weighted by their Fisher information where ``fisher`` (:mod:`kvquant.scoring.level_fit`)."""
+
+    fisher: bool = False
+
+    def decided_by(self, cfg, candidate):
+        return {"quantizer": candidate.spec.quantizer.describe()}
+
+    def observe(self, model, windows, cfg, candidate):
+        return fitted_levels(model, windows, candidate.spec.quantizer, self.fisher)
+
+    def layers(self, observed, quantizer):
+        return {layer: {"key_levels": entry["key_levels"], "value_levels": entry["value_levels"]}
+                for layer, entry in _by_layer(observed)}
+
+    def placeholder(self, shape):
+        return {}  # the quantizer's own levels until fitted
+
+    def refusal(self, candidate):
+        given = [k for k in ("outliers", "key_offset") if candidate.spec.quantizer.describe().get(k)]
+        if not given:
+            return None
+        return (f"calibrate: {candidate.calibrate} fits levels to the states a codebook codes, and options.{given[0]} "
+                "changes them (not supported yet); drop it")
+
+
 #: Each ``calibrate:`` value (:data:`kvquant.experiment.config.CALIBRATE` names them for the config's check).
 CALIBRATIONS: dict[str, Calibration] = {
     "tensor": StaticScales(("k_scale", "v_scale"), "static scales", per_head=False),
     "head": StaticScales(("k_scale", "v_scale"), "static scales", per_head=True),
     "key_offset": KeyOffsets(("key_offset",), "key offset"),
+    "kmeans": Levels(("key_levels", "value_levels"), "fitted levels", fisher=False),
+    "fisher_kmeans": Levels(("key_levels", "value_levels"), "fitted levels", fisher=True),
 }
