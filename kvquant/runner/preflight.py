@@ -189,8 +189,8 @@ def check_settings(cfg: ExperimentConfig, shape, check_candidate: Callable) -> l
 
 def placeholder_calibration(candidate: Candidate, shape, where: str) -> Candidate:
     """A candidate that calibrates, with placeholders of the right shape in place of the options calibration will
-    find (scales of 1.0, one per KV head for ``head``; a zero key offset), so preflight checks its quantizer's
-    options; any other candidate as it is."""
+    find (scales of 1.0, one per KV head for ``head``; a zero key offset; levels: the quantizer's own), so preflight
+    checks its quantizer's options; any other candidate as it is."""
     if not candidate.calibrate:
         return candidate
     calibration = CALIBRATIONS[candidate.calibrate]

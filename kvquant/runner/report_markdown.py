@@ -272,7 +272,7 @@ def _span(entry: dict, role: str) -> str:
 
 
 def _calibration_section(calibration: dict) -> list[str]:
-    """Each calibrated candidate's static scales or key offsets, in a table of each (every layer's in
+    """Each calibrated candidate's static scales, key offsets or levels, a table for each kind (every layer's in
     results.json)."""
     grouped: dict = {}
     for label, entry in calibration.items():
