@@ -215,3 +215,16 @@ def test_the_runner_measures_with_levels_fitted_on_the_calibration_windows(tmp_p
     first = " ".join(f"{v:+.3f}" for v in entry["layers"]["0"]["key_levels"])
     assert "## Calibrated levels" in report and f"| fisher | fisher_kmeans | 2 | {entry['tokens']:,} | {first} |" \
         in report
+
+
+def test_levels_fitted_where_the_fp16_scale_rounds_down_stay_within_one():
+    """SmolLM2's layer 16 keys (configs/smollm2-lowbit-calibrated.yaml) fitted a top level of 1.0000659, which the
+    quantizer refused: ``max|x|`` rounded down to fp16 leaves ``x / s`` above 1."""
+    from kvquant.scoring.level_fit import levels
+
+    codec = kvquant.get_quantizer("fitted_levels", key_bits=2).codecs(4)[0]
+    u, _ = codec.normalized(torch.tensor([[[[1.0004, 0.2, -0.3, -1.0004]]]]))
+    assert float(u.max()) > 1 and float(u.min()) < -1  # fp16(1.0004) is 1.0
+    fitted = levels(u.reshape(-1), torch.ones(4), 4)
+    assert fitted == pytest.approx([-1.0, -0.3, 0.2, 1.0], abs=1e-6)
+    kvquant.get_quantizer("fitted_levels", key_bits=2, key_levels=fitted)  # accepted

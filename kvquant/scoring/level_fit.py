@@ -79,5 +79,12 @@ def fitted_levels(model, windows: list[list[int]], quantizer: Quantizer,
     out: dict[int, dict[str, list[float]]] = {}
     for (layer, role), parts in sorted(samples.items()):
         u, weight = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        out.setdefault(layer, {})[f"{role}_levels"] = weighted_kmeans(u.cpu(), weight.cpu(), 2 ** bits[role]).tolist()
+        out.setdefault(layer, {})[f"{role}_levels"] = levels(u, weight, 2 ** bits[role])
     return out
+
+
+def levels(u: torch.Tensor, weight: torch.Tensor, count: int) -> list[float]:
+    """The weighted k-means of ``u`` ``[N]`` with ``weight`` ``[N]``, clamped to [-1, 1]: ``u = x / s`` passes 1
+    where the stored scale ``s`` is ``max|x|`` rounded down (fp16: by up to 2^-11), and a level beyond 1 codes
+    nothing better than 1 does (the quantizer holds levels to [-1, 1])."""
+    return weighted_kmeans(u.cpu(), weight.cpu(), count).clamp(-1, 1).tolist()
