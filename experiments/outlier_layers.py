@@ -31,7 +31,7 @@ from kvquant.fs import output_dir, write_together
 from kvquant.experiment.config import load_config
 from kvquant.runner.outliers import FACTOR, layer_statistics, margin, median, outlier_table, outliers
 from kvquant.runner.report import environment
-from kvquant.scoring.calibrate import calibration_windows
+from kvquant.scoring.calibrate import calibration_windows, key_means
 
 
 def key_biases(model) -> list[np.ndarray] | None:
@@ -42,24 +42,6 @@ def key_biases(model) -> list[np.ndarray] | None:
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return [m.bias.detach().double().reshape(-1, head_dim).numpy() for m in layers]
-
-
-@torch.inference_mode()
-def key_means(model, windows: list[list[int]]) -> list[np.ndarray]:
-    """Per layer ``[kv_heads, head_dim]``: the post-RoPE keys' mean per channel over every token of ``windows``."""
-    from kvquant.cache import ObservingCache
-
-    sums: dict[int, torch.Tensor] = {}
-    counts: dict[int, int] = {}
-
-    def seen(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # keys [B, H, T, D]
-        sums[layer] = sums.get(layer, 0) + keys.double().sum((0, 2))
-        counts[layer] = counts.get(layer, 0) + keys.shape[0] * keys.shape[2]
-
-    device = model.get_input_embeddings().weight.device
-    for ids in windows:
-        model(torch.tensor([ids], device=device), cache=ObservingCache(model, seen), use_cache=True)
-    return [(sums[i] / counts[i]).cpu().numpy() for i in sorted(sums)]
 
 
 def section(title: str, what: str, stats, factor: float) -> tuple[list[str], dict]:
@@ -103,7 +85,7 @@ def main(argv=None):
     if not windows:
         raise KVQuantError(f"{args.config}: no calibration windows")
     start = time.perf_counter()
-    means = key_means(model, windows)
+    means = [mean.numpy() for mean in key_means(model, windows).values()]
     seconds = time.perf_counter() - start
     env = environment()
     doc = {"command": "python " + " ".join(sys.argv), "environment": env, "model": cfg.model.path,

@@ -20,6 +20,7 @@ from kvquant.formats import research  # noqa: F401  (registers kvquant's own for
 from kvquant.formats import sglang, vllm  # noqa: F401  (register the serving engines' formats)
 from kvquant.formats import llamacpp  # noqa: F401  (registers llama.cpp's cache types)
 from kvquant.formats import lowbit  # noqa: F401  (registers the low-bit research formats)
+from kvquant.formats import fitted  # noqa: F401  (registers fitted_levels)
 
 
 

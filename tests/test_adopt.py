@@ -415,12 +415,13 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
     from kvquant.runner.search import _label, map_candidate, search
     from kvquant.scoring.calibrate import calibration_documents, calibration_windows
     from kvquant.scoring import data
-    from kvquant.scoring.calibrate import with_calibrated_scales, with_scales
+    from kvquant.scoring.calibrate import CALIBRATIONS, with_calibration, with_layers
     from kvquant.scoring.models import load_tokenizer
     from kvquant.scoring.session import BASELINE, Session, Split, evaluation_split, probe_tokens
 
     store, tokenizer = Recording(), load_tokenizer(cfg.model)
-    session = Session(cfg, model, tokenizer, store, shape_from_config(model.config, cfg.model.path))
+    shape = shape_from_config(model.config, cfg.model.path)
+    session = Session(cfg, model, tokenizer, store, shape)
     rows = {p.name: data.load_rows(p) for p in cfg.eval.perplexity}
     split = evaluation_split(cfg, tokenizer, session.maxlen, rows)
     first, *others = cfg.stages or cfg.candidates
@@ -433,10 +434,10 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
         steps.append(lambda: session.measure(first, Split("evaluation", {}, {}, long=split.long)))
     if cfg.stages:
         steps.append(lambda: kvquant.runner.pipeline.serve_stages(session, rows, parse_bytes))
-    layers = {str(i): {"k_scale": 0.5, "v_scale": 0.25} for i in range(model.config.num_hidden_layers)}
-    for c in (c for c in others if c.calibrate):
-        steps += [lambda c=c: with_calibrated_scales(session, c, rows),
-                  lambda c=c: session.measure(with_scales(c, layers), split)]
+    for c in (c for c in others if c.calibrate):  # measured with options of the shape calibration finds
+        layers = {str(i): CALIBRATIONS[c.calibrate].placeholder(shape) for i in range(model.config.num_hidden_layers)}
+        steps += [lambda c=c: with_calibration(session, c, rows),
+                  lambda c=c, layers=layers: session.measure(with_layers(c, layers), split)]
     if cfg.search:
         rungs = dict.fromkeys(range(model.config.num_hidden_layers), 0)
         mapped = map_candidate(cfg.search.ladder, rungs, _label(rungs))
@@ -450,7 +451,9 @@ def asked_by_a_run(cfg, model) -> list[tuple]:
 def test_the_keys_rebuilt_without_the_model_are_those_a_run_builds(tmp_path, model):
     plain = tiny_run("tiny", "int4", 5)
     searched = {**plain, "candidates": [*plain["candidates"], {"quantizer": "vllm_fp8", "name": "fp8",
-                                                               "calibrate": "tensor"}],
+                                                               "calibrate": "tensor"},
+                                        {"quantizer": "lloyd_max", "name": "offset", "calibrate": "key_offset"},
+                                        {"quantizer": "fitted_levels", "name": "levels", "calibrate": "fisher_kmeans"}],
                 "eval": {**plain["eval"], "long_context": {"text": "tinystories", "lengths": [32, 64], "documents": 2}},
                 "calibration": {"windows": 2}, "search": {"name": "mixed", "windows": 2, "documents": 4, "ladder": [
                     {"quantizer": "int2", "name": "int2"}, {"quantizer": "int8", "name": "int8"}]}}
@@ -472,7 +475,9 @@ def test_the_keys_rebuilt_without_the_model_are_those_a_run_builds(tmp_path, mod
                     ("int4", PPL), ("int4", "kl/tinystories"), ("int4", TASK), ("int4", "memory"),
                     ("int4", "long/tinystories"),
                     ("int8", PPL), ("int8", "kl/tinystories"), ("int8", TASK), ("int8", "memory"),
-                    ("fp8", "calibration"), ("fp8", "kl/tinystories"), ("search", PPL), ("search", TASK)}
+                    ("fp8", "calibration"), ("fp8", "kl/tinystories"), ("offset", "calibration"),
+                    ("offset", "kl/tinystories"), ("levels", "calibration"), ("levels", "kl/tinystories"),
+                    ("search", PPL), ("search", TASK)}
 
 
 # --- a whole run ----------------------------------------------------------------------------------------------

@@ -137,7 +137,8 @@ def test_the_runner_measures_with_scales_calibrated_on_the_held_out_windows(tmp_
      "calibrate; these have: vllm_fp8, vllm_nvfp4"),
     ("quantizer: vllm_fp8, name: fp8-head, calibrate: head", "k_scale is one global scale per layer, not a list"),
     ("name: fp8-tensor, calibrate: tensor}", "calibrate sets k_scale and v_scale per layer; remove options.k_scale"),
-    ("calibrate: tensor}", "calibrate must be one of ['tensor', 'head'] or null"),
+    ("calibrate: tensor}", "calibrate must be one of ['tensor', 'head', 'key_offset', 'kmeans', 'fisher_kmeans'] or "
+     "null"),
 ])
 def test_bad_calibration_settings_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, change, message):
     replacement = {
@@ -186,7 +187,7 @@ def test_an_unnamed_candidate_keeps_its_label_once_calibrated():
     from kvquant.experiment.config import Candidate
 
     plain = Candidate("vllm_fp8", calibrate="tensor")
-    calibrated = calibrate.with_scales(plain, {"0": {"k_scale": 0.1, "v_scale": 0.2}})
+    calibrated = calibrate.with_layers(plain, {"0": {"k_scale": 0.1, "v_scale": 0.2}})
     assert calibrated.label == plain.label == "vllm_fp8" and calibrated.calibrate is None
 
 

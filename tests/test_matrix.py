@@ -31,6 +31,8 @@ LAYOUTS = {  # head_dim 16 everywhere
 PROMPTS = slow_where([5, WINDOW - 1, WINDOW, 3 * WINDOW], lambda tokens: tokens >= WINDOW)
 DECODE = 8
 SINKS, RESIDUAL, GROUP = 2, 3, 8
+KEY_LEVELS = [-0.9, -0.15, 0.35, 1.0]
+VALUE_LEVELS = [-1.0, -0.6, -0.3, -0.05, 0.1, 0.4, 0.7, 0.95]
 #: quantizer -> (make_cache options, key spec, value spec) for head_dim 16
 SETTINGS = {
     "fp16": ({}, Spec("exact"), Spec("exact")),
@@ -46,6 +48,10 @@ SETTINGS = {
     "normal_float": ({"rotation": None},
                      Spec("fn", fn=lambda x: codebook_fake_quant(x, normal_float(4).float(), "absmax")),
                      Spec("fn", fn=lambda x: codebook_fake_quant(x, normal_float(4).float(), "absmax"))),
+    # levels as calibration fits them (kvquant/formats/fitted.py): given here, uneven on purpose
+    "fitted_levels": ({"key_bits": 2, "value_bits": 3, "key_levels": KEY_LEVELS, "value_levels": VALUE_LEVELS},
+                      Spec("fn", fn=lambda x: codebook_fake_quant(x, torch.tensor(KEY_LEVELS), "absmax")),
+                      Spec("fn", fn=lambda x: codebook_fake_quant(x, torch.tensor(VALUE_LEVELS), "absmax"))),
 }
 
 

@@ -56,15 +56,16 @@ def test_the_table_lists_the_outlier_layers_only():
 
 
 def test_the_calibration_statistic_is_the_keys_mean_per_channel(model, story_ids):
-    """experiments/outlier_layers.py's ``key_means`` over two windows against the keys a ``DynamicCache`` stored
+    """``key_means`` (kvquant/scoring/calibrate.py: experiments/outlier_layers.py's statistic, a key offset's value)
+    over two windows against the keys a ``DynamicCache`` stored
     for each, averaged over every token by hand."""
     import torch
     from transformers import DynamicCache
 
-    from conftest import experiment
+    from kvquant.scoring.calibrate import key_means
 
     windows = [story_ids[0, :50].tolist(), story_ids[0, 50:130].tolist()]
-    got = experiment("outlier_layers").key_means(model, windows)
+    got = key_means(model, windows)
     stored = []
     for ids in windows:
         cache = DynamicCache(config=model.config)
@@ -75,7 +76,8 @@ def test_the_calibration_statistic_is_the_keys_mean_per_channel(model, story_ids
     assert len(got) == layers
     for i in range(layers):
         keys = torch.cat([s[i] for s in stored], dim=1)  # [H, 130, D]
-        np.testing.assert_allclose(got[i], keys.mean(1).numpy(), rtol=1e-12, atol=1e-12)
+        assert got[i].dtype == torch.float64
+        np.testing.assert_allclose(got[i].numpy(), keys.mean(1).numpy(), rtol=1e-12, atol=1e-12)
 
 
 def test_the_weights_statistic_reads_the_key_bias_or_says_there_is_none(model):

@@ -370,7 +370,7 @@ def test_preflight_plans_the_steps_a_config_asks_for(path, want):
     gate = "gate (the last stage before the first that does not pass)" if plan.staged else "gate"
     assert steps[-2:] == [gate, "report"]
     assert any(s.startswith("search a per-layer map") for s in steps) is (plan.search is not None)
-    assert any(s.startswith("calibrate static scales") for s in steps) is bool(plan.calibrate)
+    assert any(s.startswith("calibrate per-layer options") for s in steps) is bool(plan.calibrate)
 
 
 def test_the_runner_takes_the_plans_steps_not_the_configs(tmp_path, monkeypatch):

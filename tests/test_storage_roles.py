@@ -71,7 +71,7 @@ LAYOUTS = {
     "vllm_turboquant_k8v4": (Layout(8, 0), Layout(4, 4)),
     # non-uniform codebooks (kvquant/formats/lowbit.py): 4-bit codes, one fp16 scale (RMS or largest |x|) per token
     # and head
-    "lloyd_max": per_token(4, 2), "normal_float": per_token(4, 2),
+    "lloyd_max": per_token(4, 2), "normal_float": per_token(4, 2), "fitted_levels": per_token(4, 2),
 }
 
 

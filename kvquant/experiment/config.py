@@ -42,8 +42,10 @@ MAX_FEWSHOT = 100
 MAX_CALIBRATION = 100_000
 #: Result labels the search uses for its own measurements.
 SEARCH_PREFIX = "search-"
-#: How a candidate's static scales are calibrated: one per layer and tensor, or per layer and KV head.
-CALIBRATE = ("tensor", "head")
+#: What a candidate calibrates (``kvquant.scoring.calibrate.CALIBRATIONS``): static scales, one per layer and tensor
+#: or per layer and KV head; a key offset per layer and KV head; codebook levels per layer, fitted by a k-means
+#: unweighted or weighted by the states' Fisher information.
+CALIBRATE = ("tensor", "head", "key_offset", "kmeans", "fisher_kmeans")
 
 
 def check_plain_name(key: str, value: str) -> None:
@@ -70,8 +72,10 @@ class Candidate:
     options: dict[str, Any] = field(default_factory=dict)
     #: Label in reports (default: derived from quantizer and options).
     name: str | None = None
-    #: Static scales (a quantizer's ``k_scale``/``v_scale``) observed on the calibration split (``calibration:``)
-    #: per layer, one per tensor (``tensor``) or per KV head (``head``), as llm-compressor observes them.
+    #: Per-layer options observed on the calibration split (``calibration:``): static scales (a quantizer's
+    #: ``k_scale``/``v_scale``), one per tensor (``tensor``) or per KV head (``head``), as llm-compressor observes
+    #: them; a quantizer's ``key_offset`` (``key_offset``: the keys' mean per KV head and channel); or its
+    #: ``key_levels``/``value_levels`` (``kmeans``, ``fisher_kmeans``: per layer, a k-means of the normalized states).
     calibrate: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self):

@@ -332,7 +332,8 @@ class RunPlan:
     on the evaluation split, in the report's order (the config's candidates or stages, then a searched map)."""
 
     candidates: tuple[str, ...]
-    #: candidates whose static scales are observed on the calibration split first
+    #: candidates whose per-layer options (static scales, a key offset, codebook levels) are observed on the
+    #: calibration split first
     calibrate: tuple[str, ...] = ()
     #: the name under which a per-layer map, searched on the calibration split, joins the candidates
     search: str | None = None
@@ -344,7 +345,8 @@ class RunPlan:
     def steps(self) -> list[str]:
         """The steps in the order the runner takes them, as the report lists them."""
         looks = ", ".join(f"{task}: {n} looks" for task, n in self.looks.items())
-        return [*([f"calibrate static scales: {', '.join(self.calibrate)}"] if self.calibrate else []),
+        return [*([f"calibrate per-layer options on the calibration split: {', '.join(self.calibrate)}"]
+                  if self.calibrate else []),
                 *([f"search a per-layer map on the calibration split ({self.search})"] if self.search else []),
                 *(["measure each stage's serving memory"] if self.staged else []),
                 f"measure the baseline and {', '.join(self.candidates)} on the evaluation split",

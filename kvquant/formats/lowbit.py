@@ -122,7 +122,9 @@ class CodebookCodec(Codec):
         return ("its float32 per-vector scales can hold" if self.scale_dtype == torch.float32 else
                 "its per-vector scales can hold (scale_dtype='float32' holds more)")
 
-    def encode(self, x):
+    def normalized(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(u, scale)`` of states ``x`` ``[..., D]``: what is coded, ``x / s`` ``[..., D]`` float32 (against the
+        stored ``s``; 0 where ``s`` is), and the scale as stored, ``[..., 1]`` in ``scale_dtype``."""
         x = x.float()
         amax = x.abs().amax(-1, keepdim=True)
         if self.statistic == "rms":  # amax * rms(x / amax): no overflow in the squares
@@ -131,7 +133,10 @@ class CodebookCodec(Codec):
             s = amax
         scale = s.to(self.scale_dtype)
         stored = scale.float()
-        u = x / torch.where(stored > 0, stored, torch.ones_like(stored))
+        return x / torch.where(stored > 0, stored, torch.ones_like(stored)), scale
+
+    def encode(self, x):
+        u, scale = self.normalized(x)
         return {"payload": ops.pack_codes(self._codes(u), self.bits), "scale": scale}
 
     def _codes(self, u: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ tokenizer without loading the weights, so ``python -m kvquant.adopt`` refuses a 
 (:meth:`Expected.difference`).
 
 The run builds these keys in :meth:`kvquant.scoring.session.Session.measure` (with its ``_perplexity``,
-``_divergence``, ``_long``, ``_task`` and ``_memory``), :func:`kvquant.scoring.calibrate.with_calibrated_scales` and
+``_divergence``, ``_long``, ``_task`` and ``_memory``), :func:`kvquant.scoring.calibrate.with_calibration` and
 the runner's ``serve_stages``. They are rebuilt here rather than shared, because any edit under ``kvquant/scoring/``
 changes every result's code version; ``tests/test_adopt.py`` holds the two equal on a real run. Not known without the
 model, so :data:`ANY` here: the weights' digest (``weights``), the settings of the maps a search measures and of the
@@ -21,7 +21,7 @@ from kvquant.cache import make_cache
 from kvquant.experiment.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
 from kvquant.runner.plausible import Shape
 from kvquant.runner.search import CALIBRATION_BASELINE
-from kvquant.scoring.calibrate import calibration_documents, calibration_windows
+from kvquant.scoring.calibrate import calibration_documents, calibration_key, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
 from kvquant.scoring.session import (BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key,
@@ -195,7 +195,7 @@ class Expected:
                 "data": task_data_digest(task)}
 
     def _calibration(self, label: str) -> dict:
-        """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.with_calibrated_scales` keys
+        """A calibrating setting's observed ranges (as :func:`kvquant.scoring.calibrate.with_calibration` keys
         them)."""
         candidate = self.given.get(label)
         if candidate is None or not candidate.calibrate:
@@ -203,9 +203,7 @@ class Expected:
         tokenizer, rows = self._text
         found = calibration_windows(self.cfg, tokenizer, self.maxlen, rows, self.cfg.calibration.windows,
                                     f"{label}: calibrate")
-        windows = [w for _, ws in found.values() for w in ws]
-        return {"model": asdict(self.cfg.model), "weights": ANY, "calibrate": candidate.calibrate,
-                "averaging": self.cfg.calibration.averaging, "windows": windows_digest(windows, long=True)}
+        return calibration_key(self.cfg, candidate, [w.ids for _, ws in found.values() for w in ws], ANY)
 
     def _serving(self, label: str) -> dict:
         """A staged run's serving measurement of a stage or the baseline (as the runner's ``serve_stages``)."""

@@ -32,7 +32,7 @@ from kvquant.runner.search import search
 from kvquant.experiment.provenance import SourceWatch
 from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring import models, parallel
-from kvquant.scoring.calibrate import with_calibrated_scales
+from kvquant.scoring.calibrate import with_calibration
 from kvquant.scoring.models import load_model
 from kvquant.scoring.session import BASELINE, Session, measure
 from kvquant.scoring.stages import serve
@@ -161,8 +161,8 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     cfg, store, processes, warnings = session.cfg, session.store, session.processes, session.store.warnings
     chosen, calibration = {c.label: c for c in cfg.stages or cfg.candidates}, {}
     for label in plan.calibrate:
-        chosen[label], calibration[label] = with_calibrated_scales(session, chosen[label], rows)
-        saturating = calibration[label]["saturating"]
+        chosen[label], calibration[label] = with_calibration(session, chosen[label], rows)
+        saturating = calibration[label].get("saturating")
         if saturating:  # every layer's line is in results.json and report.md
             warn(warnings, f"{label}: calibration values of {len(saturating)} layer streams reach beyond the "
                  f"format's range at their calibrated scale (they saturate), e.g. {saturating[0]}")

@@ -27,7 +27,7 @@ from kvquant.runner.judging import planned_looks
 from kvquant.experiment.results import RunPlan
 from kvquant.runner.search import check_search
 from kvquant.scoring import data, models
-from kvquant.scoring.calibrate import check_calibration
+from kvquant.scoring.calibrate import CALIBRATIONS, check_calibration
 from kvquant.scoring.fewshot import check_runner_fewshot
 from kvquant.scoring.models import check_model, load_tokenizer, model_dtype
 from kvquant.scoring.session import check_long_documents, probe_counts
@@ -169,11 +169,11 @@ def check_settings(cfg: ExperimentConfig, shape, check_candidate: Callable) -> l
     checked = []
     for i, candidate in enumerate(cfg.candidates):
         where = f"candidates[{i}] ({candidate.label})"
-        checked.append(placeholder_scales(candidate, shape, where))
+        checked.append(placeholder_calibration(candidate, shape, where))
         check_candidate(checked[-1], shape, where)
     for i, stage in enumerate(cfg.stages):
         where = f"stages[{i}] ({stage.label})"
-        checked.append(placeholder_scales(stage, shape, where))
+        checked.append(placeholder_calibration(stage, shape, where))
         check_candidate(checked[-1], shape, where)
         if stage.offload:
             raise KVQuantError(f"stages[{i}] ({stage.label}): offload is not supported on this device "
@@ -187,20 +187,25 @@ def check_settings(cfg: ExperimentConfig, shape, check_candidate: Callable) -> l
     return evicting
 
 
-def placeholder_scales(candidate: Candidate, shape, where: str) -> Candidate:
-    """A candidate that calibrates, with scales of 1.0 in place of the ones calibration will find (one per KV
-    head for ``head``), so preflight checks its quantizer's options; any other candidate as it is."""
+def placeholder_calibration(candidate: Candidate, shape, where: str) -> Candidate:
+    """A candidate that calibrates, with placeholders of the right shape in place of the options calibration will
+    find (scales of 1.0, one per KV head for ``head``; a zero key offset; levels: the quantizer's own), so preflight
+    checks its quantizer's options; any other candidate as it is."""
     if not candidate.calibrate:
         return candidate
-    statics = [n for n in available_quantizers() if "k_scale" in QUANTIZERS.options(n)]
-    if candidate.quantizer not in statics:
-        raise KVQuantError(f"{where}: calibrate: {candidate.quantizer!r} has no static scales (k_scale, v_scale) to "
-                           f"calibrate; these have: {', '.join(statics)}")
-    clash = [k for k in ("k_scale", "v_scale", "layers") if k in candidate.options]
+    calibration = CALIBRATIONS[candidate.calibrate]
+    able = [n for n in available_quantizers() if set(calibration.options) <= set(QUANTIZERS.options(n))]
+    if candidate.quantizer not in able:
+        raise KVQuantError(f"{where}: calibrate: {candidate.quantizer!r} has no {calibration.what} "
+                           f"({', '.join(calibration.options)}) to calibrate; these have: {', '.join(able)}")
+    clash = [k for k in (*calibration.options, "layers") if k in candidate.options]
     if clash:
-        raise KVQuantError(f"{where}: calibrate sets k_scale and v_scale per layer; remove options.{clash[0]}")
-    one = 1.0 if candidate.calibrate == "tensor" else [1.0] * shape.kv_heads
-    return dataclasses.replace(candidate, options={**candidate.options, "k_scale": one, "v_scale": one})
+        raise KVQuantError(f"{where}: calibrate sets {' and '.join(calibration.options)} per layer; remove "
+                           f"options.{clash[0]}")
+    refusal = calibration.refusal(candidate)
+    if refusal:
+        raise KVQuantError(f"{where}: {refusal}")
+    return dataclasses.replace(candidate, options={**candidate.options, **calibration.placeholder(shape)})
 
 
 def check_processes(cfg: ExperimentConfig, world: int) -> None:

@@ -272,6 +272,57 @@ def _span(entry: dict, role: str) -> str:
 
 
 def _calibration_section(calibration: dict) -> list[str]:
+    """Each calibrated candidate's static scales, key offsets or levels, a table for each kind (every layer's in
+    results.json)."""
+    grouped: dict = {}
+    for label, entry in calibration.items():
+        grouped.setdefault(SECTIONS.get(entry["granularity"], _scales_section), {})[label] = entry
+    return [line for section, entries in grouped.items() for line in section(entries)]
+
+
+def _table(title: str, columns: list[str], row, note: str, calibration: dict) -> list[str]:
+    """A section: ``title``, a table of ``columns`` (the first left-aligned text, numbers where a column's name says
+    so) with ``row(label, entry)`` per candidate, then ``note``."""
+    align = "|".join("---:" if c in ("windows", "tokens", "largest in layer") else "---" for c in columns)
+    return [f"## {title}", "", f"| {' | '.join(columns)} |", f"|{align}|",
+            *(f"| {' | '.join(row(label, entry))} |" for label, entry in calibration.items()), "", note, ""]
+
+
+def _levels_row(label: str, entry: dict) -> list[str]:
+    first = entry["layers"][min(entry["layers"], key=int)]
+    return [label, entry["granularity"], str(entry["windows"]), f"{entry['tokens']:,}",
+            *(" ".join(f"{v:+.3f}" for v in first[f"{role}_levels"]) for role in ("key", "value"))]
+
+
+def _levels_section(calibration: dict) -> list[str]:
+    """Each candidate's fitted levels: layer 0's, every layer's in results.json."""
+    return _table("Calibrated levels", ["candidate", "calibrate", "windows", "tokens", "layer 0 key levels",
+                                        "layer 0 value levels"], _levels_row,
+                  "Levels per layer for keys and values apart, on x / max|x| per token and head: a k-means of the "
+                  "calibration split's states, each weighted by its Fisher information (squared gradient of the "
+                  "loss, times the vector's scale squared) for `fisher_kmeans`, alike for `kmeans` "
+                  "(docs/quantizers.md); every layer's are in results.json (`calibration`).", calibration)
+
+
+def _offsets_row(label: str, entry: dict) -> list[str]:
+    largest = {layer: max(abs(v) for row in own["key_offset"] for v in row) for layer, own in entry["layers"].items()}
+    top = max(largest, key=largest.get)
+    return [label, str(entry["windows"]), f"{entry['tokens']:,}",
+            f"{min(largest.values()):.4g}..{largest[top]:.4g}", top]
+
+
+def _offsets_section(calibration: dict) -> list[str]:
+    """Each candidate's key offsets: the largest |offset| of each layer, its range over layers and where the
+    largest is."""
+    return _table("Calibrated key offsets", ["candidate", "windows", "tokens", "largest absolute offset per layer, "
+                                             "min..max", "largest in layer"], _offsets_row,
+                  "A layer's key offset is the post-RoPE keys' mean per KV head and channel over the tokens of the "
+                  "calibration split (windows after each gated perplexity set's evaluation windows), subtracted from "
+                  "every key before it is quantized and added back on read; every layer's is in results.json "
+                  "(`calibration`).", calibration)
+
+
+def _scales_section(calibration: dict) -> list[str]:
     """Each calibrated candidate's static scales: their range over layers (and KV heads), per layer in
     results.json."""
     lines = ["## Calibrated scales", "", "| candidate | granularity | windows | k_scale min..max | v_scale min..max |",
@@ -288,6 +339,10 @@ def _calibration_section(calibration: dict) -> list[str]:
                       "calibrated scale on the calibration split</summary>", "",
                       *(f"- {message}" for message in entry["saturating"]), "", "</details>", ""]
     return lines
+
+
+#: The report section of each kind of calibration (``granularity``); static scales where not named.
+SECTIONS = {"key_offset": _offsets_section, "kmeans": _levels_section, "fisher_kmeans": _levels_section}
 
 
 def _search_outcome(search: SearchSummary) -> str:

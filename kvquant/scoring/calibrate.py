@@ -15,6 +15,13 @@ llm-compressor computes in the model's dtype (bf16 on a GPU).
 A moving average sits below the largest value seen, so some calibration values can lie beyond the format's range at
 the scale chosen: each layer's largest ``|x| / scale`` is kept and the runner warns where it passes the divisor
 (they saturate). Under several processes, process 0 observes and hands the result to the others.
+
+A key offset (``calibrate: key_offset``, a quantizer with the ``key_offset`` option) is, per layer, KV head and
+channel, the mean of the post-RoPE keys over every calibration token, summed in float64 (:func:`key_means`): what
+:class:`kvquant.formats.lowbit.OffsetCodec` subtracts before quantizing and adds back on read.
+
+Each ``calibrate:`` value is a :class:`Calibration` of :data:`CALIBRATIONS`: what it observes, the quantizer options
+it sets per layer (through ``layers``) from that, what keys the stored observation and what the report shows.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from kvquant.experiment.config import Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import QUANTIZERS
 from kvquant.scoring import data
+from kvquant.scoring.level_fit import fitted_levels
 
 
 def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
@@ -105,17 +113,17 @@ def scales(observed: dict, divisor: float, per_head: bool) -> dict[str, dict[str
         values = [a / divisor if a > 0 else eps for a in amax]
         return values if per_head else values[0]
 
-    return {str(layer): {"k_scale": scale(entry["k_amax"]), "v_scale": scale(entry["v_amax"])}
-            for layer, entry in sorted(observed.items(), key=lambda item: int(item[0]))}
+    return {layer: {"k_scale": scale(entry["k_amax"]), "v_scale": scale(entry["v_amax"])}
+            for layer, entry in _by_layer(observed)}
 
 
 def saturating(observed: dict, layers: dict, divisor: float) -> list[str]:
     """Per layer and stream whose calibration values reach past the format's range at the chosen scale: beyond
     ``divisor`` times it (fp8: 448; nvfp4's global scale: 6 x 448, where a block scale saturates)."""
     out = []
-    for layer, entry in sorted(observed.items(), key=lambda item: int(item[0])):
+    for layer, entry in _by_layer(observed):
         for role, name in (("k", "keys"), ("v", "values")):
-            chosen = layers[str(layer)][f"{role}_scale"]
+            chosen = layers[layer][f"{role}_scale"]
             chosen = chosen if isinstance(chosen, list) else [chosen] * len(entry[f"{role}_peak"])
             worst = max(p / s for p, s in zip(entry[f"{role}_peak"], chosen))
             if worst > divisor:
@@ -144,29 +152,166 @@ def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
                                f"calibration.windows to at most {len(windows):,} or use a longer text")
 
 
-def with_calibrated_scales(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
-    """``candidate`` with per-layer static scales observed on the calibration split (kept in the result store
-    like any measurement), and what the report shows of them."""
-    cfg = session.cfg
+def calibration_key(cfg: ExperimentConfig, candidate: Candidate, windows: list[list[int]], weights) -> dict:
+    """What a candidate's observation is kept under in the result store: the model and its weights, its
+    ``calibrate`` value, what else decides it (``averaging`` for scales, the quantizer's options for levels) and the
+    calibration windows (a digest)."""
+    return {"model": dataclasses.asdict(cfg.model), "weights": weights, "calibrate": candidate.calibrate,
+            **CALIBRATIONS[candidate.calibrate].decided_by(cfg, candidate),
+            "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
+
+
+def with_calibration(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
+    """``candidate`` with the per-layer options its ``calibrate`` observes on the calibration split (the
+    observation kept in the result store like any measurement), and what the report shows of them."""
+    cfg, calibration = session.cfg, CALIBRATIONS[candidate.calibrate]
     found = calibration_windows(cfg, session.tokenizer, session.maxlen, rows, cfg.calibration.windows,
                                 f"{candidate.label}: calibrate")
     windows = [w.ids for _, ws in found.values() for w in ws]
-    key = {"model": dataclasses.asdict(cfg.model), "weights": session.weights, "calibrate": candidate.calibrate,
-           "averaging": cfg.calibration.averaging,
-           "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
-    per_head, processes = candidate.calibrate == "head", session.processes
+    key, processes = calibration_key(cfg, candidate, windows, session.weights), session.processes
     observed = session.store.get_or_compute(candidate.label, "calibration", key, lambda: processes.broadcast(
-        observe(session.model, windows, per_head, cfg.calibration.averaging) if processes.main else None))
-    divisor = QUANTIZERS.get(candidate.quantizer).calibration_divisor
-    layers = scales(observed, divisor, per_head)
-    summary = {"granularity": candidate.calibrate, "windows": len(windows), "divisor": divisor,
-               "averaging": cfg.calibration.averaging, "layers": layers,
-               "saturating": saturating(observed, layers, divisor)}
-    return with_scales(candidate, layers), summary
+        calibration.observe(session.model, windows, cfg, candidate) if processes.main else None))
+    layers = calibration.layers(observed, candidate.quantizer)
+    summary = {"granularity": candidate.calibrate, "windows": len(windows), "tokens": sum(map(len, windows)),
+               **calibration.summary(observed, layers, candidate.quantizer, cfg), "layers": layers}
+    return with_layers(candidate, layers), summary
 
 
-def with_scales(candidate: Candidate, layers: dict) -> Candidate:
-    """``candidate`` measured with these per-layer scales, under its own label (an unnamed candidate's label is
-    derived from its options, which the scales would change)."""
+def with_layers(candidate: Candidate, layers: dict) -> Candidate:
+    """``candidate`` measured with these per-layer options (calibrated), under its own label (an unnamed
+    candidate's label is derived from its options, which these would change)."""
     return dataclasses.replace(candidate, name=candidate.label, options={**candidate.options, "layers": layers},
                                calibrate=None)
+
+
+@torch.inference_mode()
+def key_means(model, windows: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Per layer ``[kv_heads, head_dim]`` float64: the post-RoPE keys' mean per KV head and channel over every token
+    of ``windows`` (one forward each), summed in float64."""
+    sums: dict[int, torch.Tensor] = {}
+    counts: dict[int, int] = {}
+
+    def seen(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # keys [B, H, T, D]
+        sums[layer] = sums.get(layer, 0) + keys.double().sum((0, 2))
+        counts[layer] = counts.get(layer, 0) + keys.shape[0] * keys.shape[2]
+
+    device = model.get_input_embeddings().weight.device
+    for ids in windows:
+        model(torch.tensor([ids], device=device), cache=ObservingCache(model, seen), use_cache=True)
+    return {layer: (sums[layer] / counts[layer]).cpu() for layer in sorted(sums)}
+
+
+def _by_layer(observed: dict) -> list[tuple[str, dict | list]]:
+    """An observation's layers in order, named as ``layers`` names them (the store hands them back as strings)."""
+    return [(str(layer), entry) for layer, entry in sorted(observed.items(), key=lambda item: int(item[0]))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """One ``calibrate:`` value: ``options``, the quantizer options it sets per layer (a quantizer it applies to has
+    them all); ``what`` they are, for messages."""
+
+    options: tuple[str, ...]
+    what: str
+
+    def decided_by(self, cfg: ExperimentConfig, candidate: Candidate) -> dict:
+        """What, besides the model and the windows, decides the observation (a key of the stored one)."""
+        return {}
+
+    def observe(self, model, windows: list[list[int]], cfg: ExperimentConfig,
+                candidate: Candidate) -> dict:  # pragma: no cover - interface
+        """Per layer, what is observed over one forward per window (JSON: the result store keeps it)."""
+        raise NotImplementedError
+
+    def refusal(self, candidate: Candidate) -> str | None:
+        """Why ``candidate``'s other options rule this calibration out (preflight says it in one line), or None."""
+        return None
+
+    def layers(self, observed: dict, quantizer: str) -> dict[str, dict]:  # pragma: no cover - interface
+        """The ``layers`` option that sets :attr:`options` per layer from ``observed``."""
+        raise NotImplementedError
+
+    def summary(self, observed: dict, layers: dict, quantizer: str, cfg: ExperimentConfig) -> dict:
+        """What the report shows besides the layers and the window count."""
+        return {}
+
+    def placeholder(self, shape) -> dict:  # pragma: no cover - interface
+        """Options of the right shape for preflight to check the quantizer with before anything is observed."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticScales(Calibration):
+    """``tensor`` / ``head``: fp8 and nvfp4 scales, one per layer and tensor or per KV head (module docstring)."""
+
+    per_head: bool = False
+
+    def decided_by(self, cfg, candidate):
+        return {"averaging": cfg.calibration.averaging}
+
+    def observe(self, model, windows, cfg, candidate):
+        return observe(model, windows, self.per_head, cfg.calibration.averaging)
+
+    def layers(self, observed, quantizer):
+        return scales(observed, QUANTIZERS.get(quantizer).calibration_divisor, self.per_head)
+
+    def summary(self, observed, layers, quantizer, cfg):
+        divisor = QUANTIZERS.get(quantizer).calibration_divisor
+        return {"divisor": divisor, "averaging": cfg.calibration.averaging,
+                "saturating": saturating(observed, layers, divisor)}
+
+    def placeholder(self, shape):
+        one = [1.0] * shape.kv_heads if self.per_head else 1.0
+        return {"k_scale": one, "v_scale": one}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyOffsets(Calibration):
+    """``key_offset``: per layer ``[kv_heads, head_dim]``, the post-RoPE keys' mean over the calibration tokens."""
+
+    def observe(self, model, windows, cfg, candidate):
+        return {layer: mean.tolist() for layer, mean in key_means(model, windows).items()}
+
+    def layers(self, observed, quantizer):
+        return {layer: {"key_offset": mean} for layer, mean in _by_layer(observed)}
+
+    def placeholder(self, shape):
+        return {"key_offset": [[0.0] * shape.head_dim] * shape.kv_heads}
+
+
+@dataclasses.dataclass(frozen=True)
+class Levels(Calibration):
+    """``kmeans`` / ``fisher_kmeans``: per layer, a codebook's key and value levels fitted on the calibration states,
+    weighted by their Fisher information where ``fisher`` (:mod:`kvquant.scoring.level_fit`)."""
+
+    fisher: bool = False
+
+    def decided_by(self, cfg, candidate):
+        return {"quantizer": candidate.spec.quantizer.describe()}
+
+    def observe(self, model, windows, cfg, candidate):
+        return fitted_levels(model, windows, candidate.spec.quantizer, self.fisher)
+
+    def layers(self, observed, quantizer):
+        return {layer: {"key_levels": entry["key_levels"], "value_levels": entry["value_levels"]}
+                for layer, entry in _by_layer(observed)}
+
+    def placeholder(self, shape):
+        return {}  # the quantizer's own levels until fitted
+
+    def refusal(self, candidate):
+        given = [k for k in ("outliers", "key_offset") if candidate.spec.quantizer.describe().get(k)]
+        if not given:
+            return None
+        return (f"calibrate: {candidate.calibrate} fits levels to the states a codebook codes, and options.{given[0]} "
+                "changes them (not supported yet); drop it")
+
+
+#: Each ``calibrate:`` value (:data:`kvquant.experiment.config.CALIBRATE` names them for the config's check).
+CALIBRATIONS: dict[str, Calibration] = {
+    "tensor": StaticScales(("k_scale", "v_scale"), "static scales", per_head=False),
+    "head": StaticScales(("k_scale", "v_scale"), "static scales", per_head=True),
+    "key_offset": KeyOffsets(("key_offset",), "key offset"),
+    "kmeans": Levels(("key_levels", "value_levels"), "fitted levels", fisher=False),
+    "fisher_kmeans": Levels(("key_levels", "value_levels"), "fitted levels", fisher=True),
+}
