@@ -203,7 +203,7 @@ class Expected:
         tokenizer, rows = self._text
         found = calibration_windows(self.cfg, tokenizer, self.maxlen, rows, self.cfg.calibration.windows,
                                     f"{label}: calibrate")
-        return calibration_key(self.cfg, candidate, [w.ids for _, ws in found.values() for w in ws], ANY)
+        return calibration_key(self.cfg, candidate, [w for _, ws in found.values() for w in ws], ANY)
 
     def _serving(self, label: str) -> dict:
         """A staged run's serving measurement of a stage or the baseline (as the runner's ``serve_stages``)."""

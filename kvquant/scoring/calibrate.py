@@ -27,8 +27,6 @@ it sets per layer (through ``layers``) from that, what keys the stored observati
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 
 import torch
 
@@ -152,13 +150,13 @@ def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
                                f"calibration.windows to at most {len(windows):,} or use a longer text")
 
 
-def calibration_key(cfg: ExperimentConfig, candidate: Candidate, windows: list[list[int]], weights) -> dict:
+def calibration_key(cfg: ExperimentConfig, candidate: Candidate, windows: list[data.Window], weights) -> dict:
     """What a candidate's observation is kept under in the result store: the model and its weights, its
     ``calibrate`` value, what else decides it (``averaging`` for scales, the quantizer's options for levels) and the
     calibration windows (a digest)."""
     return {"model": dataclasses.asdict(cfg.model), "weights": weights, "calibrate": candidate.calibrate,
             **CALIBRATIONS[candidate.calibrate].decided_by(cfg, candidate),
-            "windows": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
+            "windows": data.windows_digest(windows, long=True)}
 
 
 def with_calibration(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
@@ -167,8 +165,9 @@ def with_calibration(session, candidate: Candidate, rows: dict) -> tuple[Candida
     cfg, calibration = session.cfg, CALIBRATIONS[candidate.calibrate]
     found = calibration_windows(cfg, session.tokenizer, session.maxlen, rows, cfg.calibration.windows,
                                 f"{candidate.label}: calibrate")
-    windows = [w.ids for _, ws in found.values() for w in ws]
-    key, processes = calibration_key(cfg, candidate, windows, session.weights), session.processes
+    found = [w for _, ws in found.values() for w in ws]
+    windows = [w.ids for w in found]
+    key, processes = calibration_key(cfg, candidate, found, session.weights), session.processes
     observed = session.store.get_or_compute(candidate.label, "calibration", key, lambda: processes.broadcast(
         calibration.observe(session.model, windows, cfg, candidate) if processes.main else None))
     layers = calibration.layers(observed, candidate.quantizer)

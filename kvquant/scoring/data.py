@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -183,3 +184,10 @@ def _some(out: list[Window], spec: PerplexitySet) -> list[Window]:
     if not out:
         raise KVQuantError(f"perplexity set {spec.name!r}: no text of two or more tokens to score")
     return out
+
+
+def windows_digest(windows: list[Window], long: bool = False) -> str:
+    """What a result over ``windows`` is keyed by: their tokens and where scoring starts (``long``: tokens only, as
+    the long documents' results are keyed)."""
+    kept = [w.ids for w in windows] if long else [[w.ids, w.score_from] for w in windows]
+    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()

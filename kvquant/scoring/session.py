@@ -22,6 +22,7 @@ import torch
 from kvquant.cache import make_cache, spec_memory
 from kvquant.compat.lm_eval import quiet_git
 from kvquant.scoring import data
+from kvquant.scoring.data import windows_digest
 
 from kvquant.scoring import parallel
 from kvquant.experiment.config import Candidate, ExperimentConfig
@@ -178,13 +179,6 @@ def weights_digest(model, tokenizer) -> str:
             x = p.detach().double()
             digest.update(f"{name}{tuple(p.shape)}{float(x.sum())!r}{float((x * x).sum())!r}".encode())
     return digest.hexdigest()[:16]
-
-
-def windows_digest(windows: list[data.Window], long: bool = False) -> str:
-    """What a result over ``windows`` is keyed by: their tokens and where scoring starts (``long``: tokens only, as
-    the long documents' results are keyed)."""
-    kept = [w.ids for w in windows] if long else [[w.ids, w.score_from] for w in windows]
-    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
