@@ -7,11 +7,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import kvquant
 from kvquant.experiment.config import PerplexitySet
 from kvquant.runner.store import ResultStore
-from kvquant.scoring import windowed
 from kvquant.scoring.data import windows
 from kvquant.scoring.divergence import divergences
 from kvquant.scoring.scorer import Scorer, perplexity_samples
@@ -19,8 +19,6 @@ from kvquant.scoring.session import Session
 from tiny_configs import TINY
 
 KEY = {"settings": "int4", "split": "evaluation"}
-G = 2  # the test scorers' batch_size: a group is one batch of rows (windowed.group_size)
-SIZES = [G, G, G, G, 1]  # the groups of the 9 windows
 
 
 class Stop(Exception):
@@ -31,8 +29,8 @@ class Stop(Exception):
 def ws(tokenizer, model):
     spec = PerplexitySet(name="tinystories", source="local:text/tinystories/validation-first1000.jsonl", limit=9)
     got = [dataclasses.replace(w, ids=w.ids[: 48 - 3 * (i % 4)]) for i, w in enumerate(windows(spec, tokenizer, 48))]
-    assert len(got) == 9 and len({len(w.ids) for w in got}) > 1  # the last group short; rows padded
-    assert windowed.group_size(scorer(model, "int4", []), got) == G
+    lengths = [len(w.ids) for w in got]
+    assert len(got) == 9 and lengths != sorted(lengths, reverse=True)  # batched longest first; rows padded
     return got
 
 
@@ -56,63 +54,108 @@ def kept(store, metric):
     return Session._keep_in_store(SimpleNamespace(store=store), "int4", metric, KEY)
 
 
-def reference(model, ws) -> dict:
-    """The pass by hand: each group of G consecutive windows scored by one call, per-window sums in float64."""
-    s = Scorer(model, kvquant.CacheSpec.of("int4"), "streaming", 16, batch_size=2)
-    nll, tokens = [], []
-    for start in range(0, len(ws), G):
-        for r in s.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws[start : start + G]]):
-            nll.append(float(-r.logprobs.double().sum()))
-            tokens.append(len(r.logprobs))
-    return {"nll": nll, "tokens": tokens, "reads": s.reads.to_dict(), "lengths": s.lengths}
+def reference(model, ws, name: str = "int4", mode: str = "streaming", batch_size: int = 2) -> dict:
+    """The pass by hand, as before passes were kept by group: all windows scored by one call, per-window sums in
+    float64."""
+    s = Scorer(model, kvquant.CacheSpec.of(name), mode, 16, batch_size=batch_size)
+    scored = s.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws])
+    return {"nll": [float(-r.logprobs.double().sum()) for r in scored], "tokens": [len(r.logprobs) for r in scored],
+            "reads": s.reads.to_dict(), "lengths": s.lengths}
 
 
 def test_interrupted_perplexity_resumes_identically(model, ws, tmp_path):
+    whole: list[int] = []
+    assert perplexity_samples(scorer(model, "int4", whole), ws, None) == reference(model, ws)  # nothing kept
+    assert sum(whole) == len(ws) and max(whole) <= 2 and len(whole) > 2  # a batch a group
     store = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
     first: list[int] = []
     with pytest.raises(Stop):
         perplexity_samples(scorer(model, "int4", first, stop_after=2), ws, None, kept(store, "ppl/t"))
-    assert first == [G, G]
+    assert first == whole[:2]
     names = sorted(p.name for p in (tmp_path / "windows" / "int4").iterdir())
-    assert names == [f"ppl__t@0-{G}.json", f"ppl__t@{G}-{2 * G}.json"]
+    assert names == [f"ppl__t@0-{first[0]}.json", f"ppl__t@{first[0]}-{sum(first)}.json"]
     again: list[int] = []
     resumed = perplexity_samples(scorer(model, "int4", again), ws, None, kept(store.__class__(
         tmp_path / "partial", {"code": "v1"}, []), "ppl/t"))
-    assert again == SIZES[2:]  # only the missing windows are scored
+    assert again == whole[2:]  # only the missing windows are scored
     assert resumed == reference(model, ws)
-    whole: list[int] = []
-    assert perplexity_samples(scorer(model, "int4", whole), ws, None) == resumed  # uninterrupted, nothing kept
-    assert whole == SIZES
+
+
+@pytest.mark.parametrize("mode", ["simulated", "streaming"])
+def test_a_pass_of_windows_of_differing_lengths_equals_one_call_of_all(model, tokenizer, mode):
+    """A documents-layout set (windows of differing lengths) scored through the windowed passes gives, bit for bit,
+    what one ``score_many`` of all its windows gives (the passes before they were kept by group): every window is
+    batched beside the same rows. Before, a group was a batch of consecutive windows, and 16 of 48 TinyStories
+    windows of the tiny sweep moved in their 8th digit."""
+    spec = PerplexitySet(name="tinystories", source="local:text/tinystories/validation-first1000.jsonl", limit=16,
+                         max_length=300)
+    got = windows(spec, tokenizer)
+    lengths = [len(w.ids) for w in got]
+    assert len(set(lengths)) > 8 and lengths != sorted(lengths, reverse=True)
+    one = {name: reference(model, got, name, mode, batch_size=4) for name in ("int4", "int2")}
+    assert perplexity_samples(Scorer(model, kvquant.CacheSpec.of("int4"), mode, 16, batch_size=4), got,
+                              None) == one["int4"]
+    base = Scorer(model, kvquant.CacheSpec.of("fp16"), mode, 16, batch_size=4)
+    compared = divergences(base, [Scorer(model, kvquant.CacheSpec.of(n), mode, 16, batch_size=4)
+                                  for n in ("int4", "int2")], got, None)
+    requests = [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in got]
+    scorers = [Scorer(model, kvquant.CacheSpec.of(n), mode, 16, batch_size=4) for n in ("fp16", "int4", "int2")]
+    for s in scorers:
+        s.distributions = True
+    fp16, *candidates = [s.score_many(requests) for s in scorers]
+    for result, name, scored in zip(compared, ("int4", "int2"), candidates):
+        assert result["nll"] == one[name]["nll"] and result["tokens"] == one[name]["tokens"]
+        for w, (ref, cand) in enumerate(zip(fp16, scored)):  # KL(p || q) per position, by hand in float64
+            p, q = ref.distribution.double().log_softmax(-1), cand.distribution.double().log_softmax(-1)
+            kl = torch.where(torch.isinf(p), 0.0, p.exp() * (p - q)).sum(-1).clamp(min=0).tolist()
+            assert result["kl"][w] == kl
+            assert result["top1"][w] == int((p.argmax(-1) == q.argmax(-1)).sum())
+
+
+def sizes(model, ws) -> list[int]:
+    """The windows of each group of an uninterrupted pass over ``ws``, in order (a call each)."""
+    calls: list[int] = []
+    perplexity_samples(scorer(model, "int4", calls), ws, None)
+    return calls
 
 
 def test_tampered_group_is_set_aside_and_measured_again(model, ws, tmp_path):
     warnings: list[str] = []
     store = ResultStore(tmp_path / "partial", {"code": "v1"}, warnings)
     perplexity_samples(scorer(model, "int4", []), ws, None, kept(store, "ppl/t"))
-    path = tmp_path / "windows" / "int4" / f"ppl__t@{G}-{2 * G}.json"
+    first, second = sizes(model, ws)[:2]
+    path = tmp_path / "windows" / "int4" / f"ppl__t@{first}-{first + second}.json"
     path.write_text(path.read_text().replace('"nll": [', '"nll": [1.5, ', 1))
     again: list[int] = []
     got = perplexity_samples(scorer(model, "int4", again), ws, None,
                              kept(ResultStore(tmp_path / "partial", {"code": "v1"}, warnings), "ppl/t"))
-    assert again == [G]
+    assert again == [second]
     assert got == reference(model, ws)
     assert any("signature does not verify" in w for w in warnings)
     assert (path.parent / (path.name + ".corrupt")).exists()
 
 
 def test_group_of_other_windows_is_not_reused(model, ws, tmp_path):
-    store = ResultStore(tmp_path / "partial", {"code": "v1"}, [])
-    perplexity_samples(scorer(model, "int4", []), ws[:G], None, kept(store, "ppl/t"))
+    def names(folder):
+        return {p.name for p in (folder / "windows" / "int4").iterdir()}
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    perplexity_samples(scorer(model, "int4", []), ws, None,
+                       kept(ResultStore(tmp_path / "a" / "partial", {"code": "v1"}, []), "ppl/t"))
     other = list(reversed(ws))  # another config's windows: the same group names, other tokens
+    perplexity_samples(scorer(model, "int4", []), other, None,
+                       kept(ResultStore(tmp_path / "b" / "partial", {"code": "v1"}, []), "ppl/t"))
+    assert names(tmp_path / "a") & names(tmp_path / "b")
     again: list[int] = []
     got = perplexity_samples(scorer(model, "int4", again), other, None,
-                             kept(ResultStore(tmp_path / "partial", {"code": "v1"}, []), "ppl/t"))
-    assert again == SIZES
+                             kept(ResultStore(tmp_path / "a" / "partial", {"code": "v1"}, []), "ppl/t"))
+    assert again == sizes(model, other)
     assert got == reference(model, other)
-    code = []
-    perplexity_samples(scorer(model, "int4", code), ws[:G], None,
-                       kept(ResultStore(tmp_path / "partial", {"code": "v2"}, []), "ppl/t"))
-    assert code == [G]  # other code: measured again
+    code: list[int] = []
+    perplexity_samples(scorer(model, "int4", code), ws, None,
+                       kept(ResultStore(tmp_path / "b" / "partial", {"code": "v2"}, []), "ppl/t"))
+    assert code == sizes(model, ws)  # other code: measured again
 
 
 def test_interrupted_divergence_resumes_identically(model, ws, tmp_path):
@@ -125,7 +168,7 @@ def test_interrupted_divergence_resumes_identically(model, ws, tmp_path):
     base, counts = [], [[], []]
     resumed = divergences(scorer(model, "fp16", base), [scorer(model, n, c) for n, c in zip(names, counts)], ws,
                           None, kept(ResultStore(tmp_path / "partial", {"code": "v1"}, []), "kl/t"))
-    assert base == counts[0] == counts[1] == SIZES[2:]
+    assert base == counts[0] == counts[1] == sizes(model, ws)[2:]
     whole = divergences(scorer(model, "fp16", []), [scorer(model, n, []) for n in names], ws, None)
     assert resumed == whole
     alone = reference(model, ws)  # int4's nll from the comparison is its own perplexity pass's

@@ -286,6 +286,29 @@ class Scorer:
             if not context or not continuation:
                 raise KVQuantError("every scored request needs at least one context and one continuation token")
         self.lengths += [len(context) + len(continuation) for context, continuation in requests]
+        starts, pools = self._schedule(requests, self.processes.share)
+        nodes = _Nodes(self, list(starts.values()))
+        before = self.reads.to_dict()
+        results: list[Scored | None] = [None] * len(requests)
+        mine = sum(len(members) for pool in pools for members in pool)
+        with tqdm(total=mine, desc=desc, leave=False, disable=desc is None or not self.processes.main) as bar:
+            for pool in pools:
+                for i, scored in self._score_pool(requests, pool, [starts[id(m)] for m in pool], nodes):
+                    results[i] = scored
+                bar.update(sum(map(len, pool)))
+        return self._gather(results, before, local)
+
+    def batches(self, requests: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+        """The requests (indices into ``requests``) of each batch of rows that :meth:`score_many` of ``requests``
+        runs in one process, in the order it runs them. Scored one call per batch, every request is batched beside
+        the same rows as in the one call (the same bits where no context is prefilled: simulated mode, or
+        one-token contexts)."""
+        _, pools = self._schedule(requests)
+        return [[i for i, _, _ in run] for pool in pools for run in self._batch_rows(requests, pool)]
+
+    def _schedule(self, requests, share_out=lambda order: order) -> tuple[dict[int, Start], list[list[list[int]]]]:
+        """How :meth:`score_many` takes ``requests``: where each group's prefill starts (by the id of its list of
+        request indices) and the pools of groups, in order; ``share_out``: this process's share of the groups."""
         share = self.share_prefix and self.mode == "streaming"
         groups: dict[tuple, list[int]] = {}
         for i, (context, _) in enumerate(requests):
@@ -294,12 +317,10 @@ class Scorer:
         order = sorted(groups.values(), key=lambda idx: -len(requests[idx[0]][0]) - len(requests[idx[0]][1]))
         if share and self.share_chunks:  # then the contexts sharing chunks together: their caches go soon
             order = [order[i] for i in nested_order(shared_starts([self._plan(*requests[m[0]])[0] for m in order]))]
-        order = self.processes.share(order)
+        order = share_out(order)
         prefixes = [self._plan(*requests[members[0]])[0] for members in order]
         fresh = map(functools.partial(Start, None), prefixes)
         starts = dict(zip(map(id, order), shared_starts(prefixes) if share and self.share_chunks else fresh))
-        nodes = _Nodes(self, list(starts.values()))
-        before = self.reads.to_dict()
         # A pool holds at most POOL_BATCHES batches of rows and batch_size chunks of context (what one batch of
         # contexts could hold), or a single group whose own context chunks (after what it shares) are more than one.
         pools, current, rows, tokens = [], [], 0, 0
@@ -317,14 +338,7 @@ class Scorer:
                 current, rows, tokens = [], 0, 0
         if current:
             pools.append(current)
-        results: list[Scored | None] = [None] * len(requests)
-        mine = sum(map(len, order))
-        with tqdm(total=mine, desc=desc, leave=False, disable=desc is None or not self.processes.main) as bar:
-            for pool in pools:
-                for i, scored in self._score_pool(requests, pool, [starts[id(m)] for m in pool], nodes):
-                    results[i] = scored
-                bar.update(sum(map(len, pool)))
-        return self._gather(results, before, local)
+        return starts, pools
 
     def _gather(self, results: list[Scored | None], before: dict[str, int], local: bool) -> list[Scored | None]:
         """Under several processes: ``reads`` summed over all of them, and (unless ``local``) every process's
@@ -379,21 +393,28 @@ class Scorer:
         """Score the requests of a pool of groups (requests sharing a context; ``starts``: where each group's
         prefill starts): (request index, result) pairs."""
         where = self._prefill(starts, nodes)
+        out = []
+        for run in self._batch_rows(requests, pool):
+            runner = _Batch(self.model, stack_rows([where[g] for _, _, g in run]), len(run), self.tally)
+            out += zip([i for i, _, _ in run], self._continue(runner, [row for _, row, _ in run]))
+        return out
+
+    def _batch_rows(self, requests, pool: list[list[int]]) -> list[list[tuple[int, _Row, int]]]:
+        """The batches of rows of a pool of groups, in the order they run: per row, its request's index, the row,
+        and its group's place in the pool; rows of similar lengths together."""
         rows = sorted(((i, self._plan(*requests[i])[1], g) for g, members in enumerate(pool) for i in members),
                       key=lambda item: -sum(map(len, item[1].chunks)))
-        out, start = [], 0
         lengths = [sum(map(len, row.chunks)) for _, row, _ in rows]
         most = self.rows_per_batch(max(len(row.targets) for _, row, _ in rows))
         # an evicting cache reads a row's kept tokens right-aligned before each chunk, which padding after a row's
         # tokens would break: its rows run in batches of one length
         sizes = [size for same in _runs(lengths) for size in _cut(same, most)] if self.evicts else \
             _cut(lengths, most)
+        runs, start = [], 0
         for size in sizes:
-            run = rows[start : start + size]
+            runs.append(rows[start : start + size])
             start += size
-            runner = _Batch(self.model, stack_rows([where[g] for _, _, g in run]), len(run), self.tally)
-            out += zip([i for i, _, _ in run], self._continue(runner, [row for _, row, _ in run]))
-        return out
+        return runs
 
     def _continue(self, runner: _Batch, rows: list[_Row]) -> list[Scored]:
         """Feed each row's chunks, step by step, and score its targets from the logits of its scored positions."""
@@ -432,16 +453,17 @@ class Scorer:
 def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None = "perplexity",
                        keep: windowed.Keep | None = None) -> dict:
     """Per-window summed negative log-likelihood and predicted-token count, what attention read and the lengths
-    scored: a batch of windows at a time (:func:`~kvquant.scoring.windowed.group_size`), each group through ``keep``
+    scored: a batch of windows at a time (:func:`~kvquant.scoring.windowed.batches`), each group through ``keep``
     (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not scored again)."""
     def group(ws: list[Window]) -> dict:
         since = windowed.tallies(scorer)
-        scored = scorer.score_many([(w.ids[: w.score_from], w.ids[w.score_from :]) for w in ws])
+        scored = scorer.score_many(windowed.requests(ws))
         return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
                 "tokens": [len(s.logprobs) for s in scored], **windowed.tallies_since(scorer, since)}
 
-    parts = windowed.in_groups(windows, windowed.group_size(scorer, windows), group, keep, desc, scorer.processes.main)
-    return windowed.join_groups(parts, ("nll", "tokens"))
+    groups = windowed.batches(scorer, windows)
+    parts = windowed.in_groups(windows, groups, group, keep, desc, scorer.processes.main)
+    return windowed.join_groups(parts, groups, ("nll", "tokens"))
 
 
 def vocabulary(model) -> int:
