@@ -40,7 +40,7 @@ from kvquant.errors import KVQuantError, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import output_dir, read_file, real_dir, set_aside, write_file, write_together
 from kvquant.experiment.config import load_config
-from kvquant.runner.counts import TOO_FEW, settle, too_few
+from kvquant.runner.counts import TOO_FEW, settled_verdict, too_few
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, longest_passing
 from kvquant.runner.positions import EDGES, bucket_means, buckets, trend, trend_verdict
 from kvquant.experiment.results import DIVERGENCE
@@ -139,9 +139,9 @@ def refit(out: Path, earlier: dict) -> dict:
 
 def bucket_verdict(k: dict, limit: float) -> tuple[str, int | None]:
     """A bucket's KL verdict at ``limit`` (the gate's rule on its 95% interval), or too few documents to decide it
-    (:func:`kvquant.runner.counts.settle`): ``(verdict, documents needed or None)``."""
+    (:func:`kvquant.runner.counts.settled_verdict`): ``(verdict, documents needed or None)``."""
     verdict = PASS if k["high"] <= limit else FAIL if k["low"] > limit else INCONCLUSIVE
-    return settle(DIVERGENCE, verdict, k["documents"])
+    return settled_verdict(DIVERGENCE, verdict, k["documents"])
 
 
 def length_verdicts(doc: dict, limit: float) -> dict[str, str]:

@@ -283,7 +283,7 @@ def _documents(limit) -> int | None:
     return int(float(limit)) if limit is not None and float(limit) >= 1 else None
 
 
-def check(argv: list[str]) -> Path | None:
+def check_arguments(argv: list[str]) -> Path | None:
     """Every flag lm-eval will read (:func:`check_flags`), the task names (unless a user include path adds
     tasks we cannot see) and their offline data, and the kvquant model's arguments. Returns the folder of task
     files to include (None where the user gave ``--include_path``): for ``passkey_<D>`` tasks, one holding
@@ -348,8 +348,8 @@ def _evaluate(argv: list[str]) -> int:
 
 def lm_eval_argv(argv: list[str], flags: dict, folder: Path | None) -> list[str]:
     """The command line lm-eval runs: ``argv`` with kvquant's folder of task files on the include path (where
-    :func:`check` gave one) and, for ``--model kvquant`` without ``--device``, ``--device auto`` (the GPU where
-    there is one, else the CPU, as ``kvquant.run`` does) instead of lm-eval's default cuda:0."""
+    :func:`check_arguments` gave one) and, for ``--model kvquant`` without ``--device``, ``--device auto`` (the GPU
+    where there is one, else the CPU, as ``kvquant.run`` does) instead of lm-eval's default cuda:0."""
     if folder is not None:
         argv = [*argv, "--include_path", str(folder)]
     if flags.get("model") == "kvquant" and not flags.get("device"):
@@ -359,7 +359,7 @@ def lm_eval_argv(argv: list[str], flags: dict, folder: Path | None) -> list[str]
 
 def _checked_evaluate(argv: list[str]) -> int:
     if not PASS_THROUGH & set(argv[:1]):
-        folder = check(argv)
+        folder = check_arguments(argv)
         flags = lm_eval_flags(argv)
         same_command(flags)
         argv = lm_eval_argv(argv, flags, folder)

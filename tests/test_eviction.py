@@ -252,8 +252,8 @@ def test_key_norm_frees_whole_units_and_its_bytes_do_not_depend_on_the_data(grou
             capacity = 2 + group + 2 + 2 * group
             assert out.shape[2] == min(layer.cumulative_length - n, capacity) + n
             for store in (layer.k, layer.v):
-                assert len(store.visible(0)) == min(layer.cumulative_length, capacity)
-                assert store.stored_tokens(0) - len(store.visible(0)) <= group - 1
+                assert len(store.read_ordinals(0)) == min(layer.cumulative_length, capacity)
+                assert store.stored_tokens(0) - len(store.read_ordinals(0)) <= group - 1
         assert layer.cumulative_length > 3 * capacity
     assert layers[0].memory() == layers[1].memory() == layers[2].memory()
 

@@ -62,9 +62,10 @@ def fits(x: torch.Tensor, max_abs: float) -> bool:
     return math.isfinite(amax) and amax <= max_abs
 
 
-def check_states(x: torch.Tensor, max_abs: float, name: str,
-                 held: str = "its scales and zero points can hold (scale_dtype='float32' holds more)") -> None:
-    """Refuse states ``x`` that hold NaN/Inf or reach beyond ``±max_abs`` (``held``: what sets that bound)."""
+def check_states(x: torch.Tensor, max_abs: float, name: str, max_abs_reason: str = (
+        "its scales and zero points can hold (scale_dtype='float32' holds more)")) -> None:
+    """Refuse states ``x`` that hold NaN/Inf or reach beyond ``±max_abs`` (``max_abs_reason``: what sets that
+    bound, as the refusal says it)."""
     if fits(x, max_abs):
         return
     amax = float(x.abs().amax())
@@ -73,4 +74,4 @@ def check_states(x: torch.Tensor, max_abs: float, name: str,
             f"{name} hold NaN or Inf; kvquant does not store non-finite states, since one of them would corrupt the "
             "scale of its whole group. Check the model's dtype (fp16 overflow) and inputs."
         )
-    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:.4g} {held}")
+    raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{max_abs:.4g} {max_abs_reason}")

@@ -205,7 +205,7 @@ class KVQuantLayer(CacheLayerMixin):
             new[0], raws[0] = (unrotated, new[0][1]), unrotated
         for (states, _), raw, store, name in zip(new, raws, (self.k, self.v), ("keys", "values")):
             if not fits(raw, store.codec.max_abs):  # one reduction; then only the real tokens (padding may hold any)
-                check_states(states, store.codec.max_abs, name, store.codec.held)
+                check_states(states, store.codec.max_abs, name, store.codec.max_abs_reason)
             store.codec.check(states, name)  # e.g. a rotation's overflow: refused before anything is stored
         self.cumulative_length += n
         keep = self.readable_tokens()  # per row, what the window still needs after this update
@@ -253,7 +253,7 @@ class KVQuantLayer(CacheLayerMixin):
         """Stop reading the tokens of row ``row`` the policy drops to keep ``keep`` (see
         :meth:`kvquant.cache.eviction.KeyNorm.choose`)."""
         k, v = self.k, self.v
-        visible = k.visible(row)
+        visible = k.read_ordinals(row)
         excess = len(visible) - keep
         if excess <= 0:
             return

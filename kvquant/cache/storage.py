@@ -398,7 +398,7 @@ class Store:
         self.evicted[row] += len(drop)
         self.reclaim()
 
-    def visible(self, row: int) -> list[int]:
+    def read_ordinals(self, row: int) -> list[int]:
         """Ordinals of the stored tokens of ``row`` still read, in order (importance eviction)."""
         return [o for o in self.ords[row] if o not in self.hidden[row]]
 

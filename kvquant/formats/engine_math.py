@@ -24,7 +24,8 @@ FP16_MAX = torch.finfo(torch.float16).max  # 65504
 #: The largest |state| of a format that computes in float32: a code rounded up (e4m3 by up to 1/16, an integer by
 #: half a step) must still dequantize to a finite float32.
 F32_HALF = F32_MAX / 2
-F32_HELD = "this format holds (it computes in float32, and a code rounded up must dequantize to a finite number)"
+F32_MAX_ABS_REASON = ("this format holds (it computes in float32, and a code rounded up must dequantize to a finite "
+                      "number)")
 #: e2m1 (fp4) magnitudes in code order: a code's low 3 bits index this table, bit 3 is the sign
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: where |x| rounds to the next e2m1 magnitude, and whether a tie there goes up (to the even mantissa)

@@ -179,7 +179,7 @@ QUANTIZE = {
 }
 
 
-def levels(kind: str, codes: torch.Tensor) -> torch.Tensor:
+def code_values(kind: str, codes: torch.Tensor) -> torch.Tensor:
     """A code's value in units of ``d`` (before ``+ m`` for q4_1/q5_1), float32 (``dequantize_row_*``)."""
     if kind == "iq4_nl":
         return torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
@@ -189,7 +189,7 @@ def levels(kind: str, codes: torch.Tensor) -> torch.Tensor:
 
 def dequantize(kind: str, d: torch.Tensor, m: torch.Tensor | None, codes: torch.Tensor) -> torch.Tensor:
     """``code * d`` (``+ m``), float32, blocks ``[..., nb, 32]``."""
-    values = levels(kind, codes) * d.float()
+    values = code_values(kind, codes) * d.float()
     return values + m.float() if m is not None else values
 
 
@@ -298,7 +298,7 @@ class GgmlCodec(Codec):
         return MAX_ABS[self.kind]
 
     @property
-    def held(self) -> str:
+    def max_abs_reason(self) -> str:
         if self.kind == "f32":
             return "llama.cpp's f32 cache, read by flash attention cast to f16, holds"
         return f"llama.cpp's {self.kind} {'holds' if self.kind in FLOAT_TYPES else 'fp16 block scales can hold'}"
@@ -362,7 +362,7 @@ class AttnRotCodec(WrappingCodec):
         reach = float(fwht(x, self.block).abs().amax())
         if not reach <= self.inner.max_abs:
             raise KVQuantError(f"{name} rotated as llama.cpp rotates them (blocks of {self.block}) reach |y| = "
-                               f"{reach:.4g}, beyond the ±{self.inner.max_abs:.4g} {self.held}")
+                               f"{reach:.4g}, beyond the ±{self.inner.max_abs:.4g} {self.max_abs_reason}")
 
     def encode(self, x):
         return self.inner.encode(fwht(x, self.block))

@@ -88,7 +88,7 @@ def check_inner(inner: Codec, x: torch.Tensor, name: str) -> None:
     if x.device.type != "meta" and x.numel():
         amax = float(x.abs().amax())
         if not amax <= inner.max_abs:
-            raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{inner.max_abs:.4g} {inner.held}")
+            raise KVQuantError(f"{name} reach |x| = {amax:.4g}, beyond the ±{inner.max_abs:.4g} {inner.max_abs_reason}")
     inner.check(x, name)
 
 
@@ -118,7 +118,7 @@ class CodebookCodec(Codec):
         return min(ops.scale_limits(self.scale_dtype)[1], F32_MAX / 4)
 
     @property
-    def held(self) -> str:
+    def max_abs_reason(self) -> str:
         return ("its float32 per-vector scales can hold" if self.scale_dtype == torch.float32 else
                 "its per-vector scales can hold (scale_dtype='float32' holds more)")
 

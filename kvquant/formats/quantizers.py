@@ -70,8 +70,8 @@ class Codec:
     tokens_per_unit: int = 1
     #: Largest |state| the stored form can hold; larger values raise instead of overflowing.
     max_abs: float = float("inf")
-    #: What sets ``max_abs``, as a refusal says it ("keys reach |x| = 1e+06, beyond the ±65504 <held>").
-    held: str = "its scales and zero points can hold (scale_dtype='float32' holds more)"
+    #: What sets ``max_abs``, as a refusal says it ("keys reach |x| = 1e+06, beyond the ±65504 <max_abs_reason>").
+    max_abs_reason: str = "its scales and zero points can hold (scale_dtype='float32' holds more)"
     #: head_dim must be a multiple of this, and why (codes packed several per byte, channels in blocks).
     channel_multiple: tuple[int, str] = (1, "")
     #: The storage role of every tensor :meth:`encode` may return (its key -> :class:`StorageRole`): which
@@ -118,14 +118,14 @@ def _inner_attribute(name: str) -> property:
 @dataclass(frozen=True, eq=False)
 class WrappingCodec(Codec):
     """A codec around another, ``inner``, that stores what ``inner`` stores: its units, storage roles, bound and what
-    sets it (``held``), and channel multiple are ``inner``'s unless a subclass says otherwise. ``eq=False``: equality
-    and hashing are each subclass's own dataclass choice (identity here)."""
+    sets it (``max_abs_reason``), and channel multiple are ``inner``'s unless a subclass says otherwise.
+    ``eq=False``: equality and hashing are each subclass's own dataclass choice (identity here)."""
 
     inner: Codec
     tokens_per_unit = _inner_attribute("tokens_per_unit")
     roles = _inner_attribute("roles")
     max_abs = _inner_attribute("max_abs")
-    held = _inner_attribute("held")
+    max_abs_reason = _inner_attribute("max_abs_reason")
     channel_multiple = _inner_attribute("channel_multiple")
 
 
@@ -142,13 +142,13 @@ class RotatedCodec(WrappingCodec):
     channel_multiple = Codec.channel_multiple
 
     @property
-    def held(self) -> str:
+    def max_abs_reason(self) -> str:
         """What sets :attr:`max_abs`, as a refusal says it: the inner codec's bound (in its own words: a codebook's
         per-vector scales, an integer codec's scales and zero points) times ``sqrt(block)``: a rotation spreads a
         value over at most ``block`` channels, so states beyond it cannot fit once rotated."""
         block = round(float(self.matrix.abs().max()) ** -2)
-        return (f"{self.inner.held.split(' (')[0].replace('its ', 'their ', 1)} times sqrt({block}) (a rotation "
-                f"spreads a value over at most {block} channels)")
+        inner = self.inner.max_abs_reason.split(" (")[0].replace("its ", "their ", 1)
+        return f"{inner} times sqrt({block}) (a rotation spreads a value over at most {block} channels)"
 
     @property
     def max_abs(self) -> float:
@@ -172,16 +172,16 @@ class RotatedCodec(WrappingCodec):
     def _limit(self, dtype: torch.dtype) -> tuple[float, str]:
         """The largest |y| rotated states may reach, and what sets it (as a refusal says it)."""
         back = F32_MAX * float(self.matrix.abs().max()) / 2  # |y @ R.T| <= sqrt(block) max|y|, with room to round up
-        return min((self.inner.max_abs, self.inner.held.replace("its ", "their ", 1)),
+        return min((self.inner.max_abs, self.inner.max_abs_reason.replace("its ", "their ", 1)),
                    (torch.finfo(dtype).max, f"of the states' dtype {dtype}"),
                    (back, "that rotate back within float32"), key=lambda pair: pair[0])
 
     def _check_rotated(self, y, name):
         if y.device.type == "meta" or not y.numel():
             return
-        amax, (limit, held) = float(y.abs().amax()), self._limit(y.dtype)
+        amax, (limit, reason) = float(y.abs().amax()), self._limit(y.dtype)
         if not amax <= limit:  # inf too: the rotation overflowed the states' dtype
-            raise KVQuantError(f"rotated {name} reach |y| = {amax:.4g}, beyond the ±{limit:.4g} {held}")
+            raise KVQuantError(f"rotated {name} reach |y| = {amax:.4g}, beyond the ±{limit:.4g} {reason}")
 
     def encode(self, x):
         y = ops.rotate(x, self.matrix)

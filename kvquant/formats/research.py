@@ -58,8 +58,8 @@ class IntCodec(Codec):
         return self.group if self.axis == "channel" else 1
 
     @property
-    def held(self) -> str:
-        return _held(self.scale_dtype)
+    def max_abs_reason(self) -> str:
+        return _max_abs_reason(self.scale_dtype)
 
     def encode(self, x):
         if self.axis == "token":
@@ -125,8 +125,8 @@ class Fp8Codec(Codec):
         return torch.finfo(self.dtype).max * ops.scale_limits(self.scale_dtype)[1]
 
     @property
-    def held(self) -> str:
-        return _held(self.scale_dtype)
+    def max_abs_reason(self) -> str:
+        return _max_abs_reason(self.scale_dtype)
 
     def encode(self, x):
         dims = (-1,) if self.granularity == "token" else (1, 2, 3)
@@ -139,9 +139,9 @@ class Fp8Codec(Codec):
         ops.fp8_dequantize_into(out, enc["payload"], enc["scale"])
 
 
-def _held(scale_dtype: torch.dtype) -> str:
+def _max_abs_reason(scale_dtype: torch.dtype) -> str:
     """What bounds the states of a codec with scales and zero points stored in ``scale_dtype``."""
-    return Codec.held if scale_dtype != torch.float32 else "its float32 scales and zero points can hold"
+    return Codec.max_abs_reason if scale_dtype != torch.float32 else "its float32 scales and zero points can hold"
 
 
 @register_quantizer("fp16")

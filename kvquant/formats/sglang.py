@@ -12,7 +12,7 @@ import torch
 
 from kvquant.formats import ops
 from kvquant.formats.roles import StorageRole
-from kvquant.formats.engine_math import E4M3_MAX, F32_HALF, F32_HELD, e4m3_saturated
+from kvquant.formats.engine_math import E4M3_MAX, F32_HALF, F32_MAX_ABS_REASON, e4m3_saturated
 from kvquant.formats.quantizers import Alike, Codec, Serving, register_quantizer
 
 
@@ -24,7 +24,7 @@ class Mxfp8Codec(Codec):
 
     channel_multiple = (32, "blocks of 32 channels")
     max_abs = F32_HALF
-    held = F32_HELD
+    max_abs_reason = F32_MAX_ABS_REASON
     roles = {"payload": StorageRole.PAYLOAD, "exponent": StorageRole.SCALE}  # one e8m0 shared exponent per 32 channels
 
     def encode(self, x):

@@ -22,7 +22,7 @@ import torch
 from kvquant.formats import ops
 from kvquant.formats.roles import StorageRole
 from kvquant.errors import KVQuantError
-from kvquant.formats.engine_math import (E4M3_MAX, F32_HALF, F32_HELD, FP16_MAX, e2m1_codes, e2m1_values,
+from kvquant.formats.engine_math import (E4M3_MAX, F32_HALF, F32_MAX_ABS_REASON, FP16_MAX, e2m1_codes, e2m1_values,
     e4m3_saturated, hadamard_transform, largest_power_of_two_divisor, lloyd_max_centroids, pack_nibbles, rht,
     round_half_away, unpack_nibbles)
 from kvquant.formats.quantizers import (F32_MAX, Alike, Codec, Quantizer, Serving, register_quantizer,
@@ -41,7 +41,7 @@ class StaticFp8Codec(Codec):
 
     scale: torch.Tensor
     max_abs = F32_HALF
-    held = F32_HELD
+    max_abs_reason = F32_MAX_ABS_REASON
     roles = {"payload": StorageRole.PAYLOAD}  # the static scale is the layer's, not stored per token
 
     def check_heads(self, heads: int, name: str = "states") -> None:
@@ -74,7 +74,7 @@ class PerTokenHeadCodec(Codec):
 
     fp8: bool
     max_abs = F32_HALF
-    held = F32_HELD
+    max_abs_reason = F32_MAX_ABS_REASON
     roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}
 
     def encode(self, x):
@@ -103,7 +103,7 @@ class Int4PerTokenHeadCodec(Codec):
 
     channel_multiple = (2, "two codes per byte")
     max_abs = F32_HALF
-    held = F32_HELD
+    max_abs_reason = F32_MAX_ABS_REASON
     roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}  # the zero point in the scale's low bits
 
     @staticmethod
@@ -125,12 +125,12 @@ class Int4PerTokenHeadCodec(Codec):
         if x.device.type == "meta" or not x.numel() or \
                 float(x.abs().amax()) <= self.checked_above(x.shape[-1], x.dtype):
             return
-        limit, held = self._rotated_limit(x.shape[-1], x.dtype)
+        limit, reason = self._rotated_limit(x.shape[-1], x.dtype)
         amax = float(rht(x.float()).to(x.dtype).abs().amax())
         if not amax <= limit:
             block = largest_power_of_two_divisor(x.shape[-1])
             raise KVQuantError(f"{name} reach |y| = {amax:.4g} once rotated by vLLM's Hadamard transform "
-                               f"(unnormalized, blocks of {block}), beyond the ±{limit:.4g} {held}")
+                               f"(unnormalized, blocks of {block}), beyond the ±{limit:.4g} {reason}")
 
     def encode(self, x):
         rotated = rht(x.float()).to(x.dtype).float()
@@ -157,7 +157,7 @@ class Nvfp4Codec(Codec):
 
     channel_multiple = (16, "blocks of 16 channels")
     max_abs = F32_HALF
-    held = F32_HELD
+    max_abs_reason = F32_MAX_ABS_REASON
     roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE}  # one e4m3 block scale per 16 channels
 
     global_scale: float
@@ -185,7 +185,7 @@ class MinMaxUint4Codec(Codec):
     channel_multiple = (2, "two value codes per byte")
     max_abs = FP16_MAX
     roles = {"payload": StorageRole.PAYLOAD, "scale": StorageRole.SCALE, "minimum": StorageRole.SCALE}
-    held = "TurboQuant's fp16 scale and minimum per token and head can hold"
+    max_abs_reason = "TurboQuant's fp16 scale and minimum per token and head can hold"
 
     def encode(self, x):
         x = x.float()
@@ -224,7 +224,7 @@ class LloydMaxCodec(Codec):
     centroids: torch.Tensor
     max_abs = FP16_MAX  # a norm is at least every |x| of its vector
     roles = {"payload": StorageRole.PAYLOAD, "norm": StorageRole.SCALE}
-    held = "TurboQuant's fp16 key norm can hold"
+    max_abs_reason = "TurboQuant's fp16 key norm can hold"
 
     def checked_above(self, head_dim, dtype):
         return FP16_MAX / math.sqrt(head_dim)  # ||k|| <= sqrt(D) max|k|
@@ -237,7 +237,7 @@ class LloydMaxCodec(Codec):
         norm = float(x.float().norm(dim=-1).amax())
         if not norm <= FP16_MAX:
             raise KVQuantError(f"{name} reach a norm of {norm:.4g} per token and head, beyond the ±{FP16_MAX:.0f} "
-                               f"{self.held}")
+                               f"{self.max_abs_reason}")
 
     def _rotation(self, d: int, device) -> torch.Tensor:
         return hadamard_transform(torch.eye(d)).to(device) / math.sqrt(d)

@@ -183,7 +183,7 @@ def _probe(quantizer: Quantizer, kv_heads: int, head_dim: int, dtype: torch.dtyp
     return streams
 
 
-def kind(layer: KVQuantLayer) -> tuple:
+def bytes_key(layer: KVQuantLayer) -> tuple:
     """What a layer's bytes depend on besides the model's shapes: its quantizer and options (but a rotation's seed,
     which picks its matrix's signs and never a byte), full-precision window, sinks, sliding window and eviction
     policy."""
@@ -219,11 +219,11 @@ def storing_layers(layout: list, settings: dict, head_dim: int) -> dict[int, KVQ
 def layer_costs(layout: list, settings: dict, kv_heads: int, head_dim: int, dtype: torch.dtype,
                 max_kinds: int | None = None) -> dict[int, LayerCost]:
     """Per layer that stores anything, its :class:`LayerCost` under ``settings`` (see :func:`storing_layers`); there
-    may be at most ``max_kinds`` kinds of layer (:func:`kind`). The streams' costs depend on the quantizer alone
+    may be at most ``max_kinds`` kinds of layer (:func:`bytes_key`). The streams' costs depend on the quantizer alone
     (every layer stores its units alike), so each quantizer is written once (:func:`_probe`), whatever the layers'
     windows, sinks, eviction and rotation seeds; the rest of a kind is its layer's own settings."""
     layers = storing_layers(layout, settings, head_dim)
-    kinds = {i: kind(layer) for i, layer in layers.items()}
+    kinds = {i: bytes_key(layer) for i, layer in layers.items()}
     if max_kinds is not None and len(set(kinds.values())) > max_kinds:
         raise KVQuantError(f"{len(set(kinds.values()))} kinds of layer (quantizer and options, window, sinks) in "
                            f"this setting, over the {max_kinds} left of the {MAX_LAYER_KINDS} one plan takes in all "
@@ -248,10 +248,10 @@ def layer_costs(layout: list, settings: dict, kv_heads: int, head_dim: int, dtyp
 def memory_after_write(layout: list, settings: dict, kv_heads: int, head_dim: int, dtype: torch.dtype,
                        tokens: int) -> dict[int, dict[str, int]]:
     """Per layer that stores anything, ``memory()`` after one write of ``tokens`` tokens to one row, by the cache
-    code in full (:func:`write`); layers of one :func:`kind` are written once."""
+    code in full (:func:`write`); layers of one :func:`bytes_key` are written once."""
     layers = storing_layers(layout, settings, head_dim)
     seen: dict[tuple, dict[str, int]] = {}
     for layer in layers.values():
-        if kind(layer) not in seen:
-            seen[kind(layer)] = layer_memory_after_write(layer, tokens, kv_heads, head_dim, dtype)
-    return {i: seen[kind(layer)] for i, layer in layers.items()}
+        if bytes_key(layer) not in seen:
+            seen[bytes_key(layer)] = layer_memory_after_write(layer, tokens, kv_heads, head_dim, dtype)
+    return {i: seen[bytes_key(layer)] for i, layer in layers.items()}

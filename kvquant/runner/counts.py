@@ -55,7 +55,7 @@ def fewest(kind: Metric | str) -> int | None:
     return None if fewest_documents(kind, "fail") is None else min(MIN_FAIL, MIN_PASS)
 
 
-def settle(kind: Metric | str, verdict: str, n: int) -> tuple[str, int | None]:
+def settled_verdict(kind: Metric | str, verdict: str, n: int) -> tuple[str, int | None]:
     """``verdict`` as ``n`` documents can decide it: ``(verdict, None)``, or ``(TOO_FEW, documents needed)`` where
     ``n`` is below the count of the end it reads (below the smaller count: whatever the verdict)."""
     small = fewest(kind)

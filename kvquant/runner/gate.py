@@ -39,7 +39,7 @@ from kvquant.experiment.metric import ACCURACY, LOG_RATIO, MEAN, METRICS, SCORE_
 from kvquant.experiment.results import (Decision, Measured, MetricId, MetricRow, Outcomes, Verdict, BUCKET,
     bucket_end, relative_score)
 from kvquant.runner.bootstrap import log_ratio_interval, mean_interval, share_interval
-from kvquant.runner.counts import TOO_FEW, settle, too_few
+from kvquant.runner.counts import TOO_FEW, settled_verdict, too_few
 from kvquant.runner.derived import DERIVE
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
 from kvquant.scoring.needles import needle_chance
@@ -228,7 +228,7 @@ def judge(row: MetricRow, policy: GateConfig, counted: bool = True) -> Verdict:
         verdict = Verdict(row, limit, row.statistic, INCONCLUSIVE, more=more_documents(row, limit))
     # over too few windows or documents for the end a verdict reads (fewer than the smallest count: for any
     # verdict): no decision
-    settled, need = settle(row.kind, verdict.verdict, row.n) if counted else (None, None)
+    settled, need = settled_verdict(row.kind, verdict.verdict, row.n) if counted else (None, None)
     if settled == TOO_FEW:
         verdict = Verdict(row, limit, row.statistic, TOO_FEW, point=point, more=need - row.n)
     # a loss shown through a mostly unquantized cache is still a loss; only a pass (or the hope of one) needs the

@@ -34,7 +34,7 @@ from kvquant.runner.store import ResultStore, RunLock, warn
 from kvquant.scoring import models, parallel
 from kvquant.scoring.calibrate import with_calibration
 from kvquant.scoring.models import load_model
-from kvquant.scoring.session import BASELINE, Session, measure
+from kvquant.scoring.session import BASELINE, Session, measure_all
 from kvquant.scoring.stages import serve
 from kvquant.scoring.task_setup import held_tasks
 from kvquant.scoring.tasks import scratch_tasks
@@ -145,7 +145,7 @@ def execute(cfg: ExperimentConfig, plan: RunPlan, out_dir: Path, command: str, r
     record.settle()  # the plan's own warnings are printed as they are found, once
     say(warnings[:found])
     seed_everything(cfg.eval.seed)
-    device = parallel.device()  # one GPU per process; the resume keys keep the config's own device
+    device = parallel.process_gpu()  # one GPU per process; the resume keys keep the config's own device
     model, tokenizer = load_model(dataclasses.replace(cfg.model, device=device) if device else cfg.model)
     session = Session(cfg, model, tokenizer, store, above.shape_of(model.config, cfg.model.path))
     try:
@@ -172,7 +172,7 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     if plan.staged:
         staged = serve_stages(session, rows, above.parse_bytes)
     candidates = [chosen[label] for label in plan.candidates]
-    results, sizes = measure(session, candidates, rows), {}
+    results, sizes = measure_all(session, candidates, rows), {}
     if plan.looks:
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
         results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks,

@@ -25,14 +25,14 @@ def divergence_samples(baseline: Scorer, candidate: Scorer, windows: list[Window
 def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window],
                 desc: str | None = None, keep: windowed.Keep | None = None) -> list[dict]:
     """:func:`divergence_samples` of every candidate scorer against one baseline pass: windows go through the
-    baseline a few at a time (a group: a batch of the baseline's, :func:`~kvquant.scoring.windowed.batches`, of
+    baseline a few at a time (a group: a batch of the baseline's, :func:`~kvquant.scoring.windowed.pass_groups`, of
     runs of as many consecutive windows as :data:`DISTRIBUTION_ELEMENTS` log-probabilities per scorer allow at once:
     two scorers' worth, never a run's logits), then through each candidate, and the baseline is scored once for all
     of them. Each group goes through ``keep`` (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an
     interrupted pass is not scored again). Under several processes each compares the windows it scored (the scorers
     share requests out alike) and each group's comparisons are gathered."""
     longest = max((len(w.ids) - w.score_from for w in windows), default=1)
-    groups = windowed.batches(baseline, windows, max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
+    groups = windowed.pass_groups(baseline, windows, max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
     parts = windowed.in_groups(windows, groups, lambda ws: _group(baseline, candidates, ws), keep, desc,
                                baseline.processes.main)
     return [windowed.join_groups([part[c] for part in parts], groups, ("kl", "top1", "tokens", "nll"))

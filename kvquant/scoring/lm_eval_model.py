@@ -136,7 +136,7 @@ class KVQuantLM(TemplateLM):
             if device_map:
                 raise KVQuantError("device_map shards one model over devices; it cannot be combined with several "
                                    "data-parallel processes (launch one process, or drop device_map)")
-            device = parallel.device() or device  # one GPU per process
+            device = parallel.process_gpu() or device  # one GPU per process
             if share_out == "documents":
                 set_rank(self, group.rank, group.world)
         if isinstance(pretrained, str):

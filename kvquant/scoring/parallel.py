@@ -218,7 +218,7 @@ def current() -> Processes:
     return start(cpu=False)
 
 
-def device() -> str | None:
+def process_gpu() -> str | None:
     """This process's GPU when the run's processes each drive one (``cuda:<local rank>``), else None."""
     if current().world == 1:
         return None

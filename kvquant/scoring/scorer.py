@@ -453,7 +453,7 @@ class Scorer:
 def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None = "perplexity",
                        keep: windowed.Keep | None = None) -> dict:
     """Per-window summed negative log-likelihood and predicted-token count, what attention read and the lengths
-    scored: a batch of windows at a time (:func:`~kvquant.scoring.windowed.batches`), each group through ``keep``
+    scored: a batch of windows at a time (:func:`~kvquant.scoring.windowed.pass_groups`), each group through ``keep``
     (:func:`~kvquant.scoring.windowed.in_groups`: a group kept from an interrupted pass is not scored again)."""
     def group(ws: list[Window]) -> dict:
         since = windowed.tallies(scorer)
@@ -461,7 +461,7 @@ def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None =
         return {"nll": [float(-s.logprobs.double().sum()) for s in scored],
                 "tokens": [len(s.logprobs) for s in scored], **windowed.tallies_since(scorer, since)}
 
-    groups = windowed.batches(scorer, windows)
+    groups = windowed.pass_groups(scorer, windows)
     parts = windowed.in_groups(windows, groups, group, keep, desc, scorer.processes.main)
     return windowed.join_groups(parts, groups, ("nll", "tokens"))
 

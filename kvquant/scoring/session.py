@@ -230,7 +230,7 @@ def evaluation_split(cfg: ExperimentConfig, tokenizer, maxlen: int, rows: dict[s
 
 @dataclass
 class SharedBaseline:
-    """The candidates one :func:`measure` call measures, in order: their divergences share the baseline's
+    """The candidates one :func:`measure_all` call measures, in order: their divergences share the baseline's
     scoring (one computed ahead of its candidate's turn is stored at once). Without one, every divergence scores
     the baseline for itself."""
 
@@ -414,7 +414,7 @@ def probe_tokens(cfg: ExperimentConfig, split: Split, tokenizer, maxlen: int) ->
     return (probe * -(-size // len(probe)))[:size]
 
 
-def measure(session: Session, candidates: list[Candidate], rows: dict[str, list[str]]) -> dict[str, Measured]:
+def measure_all(session: Session, candidates: list[Candidate], rows: dict[str, list[str]]) -> dict[str, Measured]:
     """The baseline and every candidate on the evaluation split, with memory: ``{label: Measured}``.
     ``rows``: the text of every perplexity set, read by preflight."""
     split = evaluation_split(session.cfg, session.tokenizer, session.maxlen, rows)

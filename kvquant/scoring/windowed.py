@@ -2,7 +2,7 @@
 after ``k`` groups resumes at group ``k`` and scores only the windows it had not finished.
 
 A group is one batch of rows of :meth:`~kvquant.scoring.scorer.Scorer.score_many` of all the windows
-(:func:`batches`: longest first, as that call sorts them), measured by one call of its own, in an uninterrupted pass
+(:func:`pass_groups`: longest first, as that call sorts them), measured by one call of its own, in an uninterrupted pass
 as in a resumed one; each window's values go back to its own place. So the rows batched together are the same
 either way, and the same as in one call of all the windows, and the assembled result is bit-identical to both (a
 window's values move by float rounding with the rows batched beside it: ``docs/parallel.md``), where the scorer
@@ -22,7 +22,7 @@ from kvquant.scoring.data import Window
 
 
 #: ``keep(start, stop, group, compute)``: the result of the group of windows ``group``, which holds the places
-#: ``start`` to ``stop`` of the pass's order (:func:`batches`, group after group), reused or ``compute()``
+#: ``start`` to ``stop`` of the pass's order (:func:`pass_groups`, group after group), reused or ``compute()``
 Keep = Callable[[int, int, list, Callable[[], object]], object]
 
 
@@ -31,7 +31,7 @@ def requests(windows: list[Window]) -> list[tuple[list[int], list[int]]]:
     return [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows]
 
 
-def batches(scorer, windows: list[Window], most: int | None = None) -> list[list[int]]:
+def pass_groups(scorer, windows: list[Window], most: int | None = None) -> list[list[int]]:
     """The groups of a pass of ``scorer`` over ``windows`` (indices into them), in order: the batches of rows that
     one :meth:`~kvquant.scoring.scorer.Scorer.score_many` of all of them runs
     (:meth:`~kvquant.scoring.scorer.Scorer.batches`); with ``most``, of each run of ``most`` consecutive windows
@@ -48,7 +48,7 @@ def keep_nothing(start: int, stop: int, windows: list, compute: Callable[[], obj
 
 def in_groups(windows: list[Window], groups: list[list[int]], compute: Callable[[list], object],
               keep: Keep | None = None, desc: str | None = None, shown: bool = True) -> list:
-    """``compute(group)`` of the windows of each of ``groups`` (indices into ``windows``: :func:`batches`), through
+    """``compute(group)`` of the windows of each of ``groups`` (indices into ``windows``: :func:`pass_groups`), through
     ``keep``, in order; one progress bar over the windows (``desc``; ``shown``: this process shows it), which counts
     a reused group's windows as done."""
     keep = keep or keep_nothing
