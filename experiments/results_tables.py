@@ -172,44 +172,51 @@ def gpu_check_block(rep: dict) -> str:
                      "allocated vs DynamicCache", "allocated / memory_report()"], rows, "lrrrrrr"))
 
 
-#: The side-by-side of the two real models: Gemma 3's report, and where each of its candidates (by name) was
-#: measured on SmolLM2, the first report holding that name.
-SIDE_BY_SIDE = ("gemma3-270m", ("smollm2-sweep", "smollm2-engines"))
+#: The three real models side by side: per family, the reports whose candidates it takes, the first report holding a
+#: name winning (Qwen2.5: the 96-window sweep before the 12-window screen).
+FAMILIES = (("SmolLM2", ("smollm2-sweep", "smollm2-engines")), ("Gemma 3", ("gemma3-270m",)),
+            ("Qwen2.5", ("qwen2.5-sweep", "qwen2.5-screen")))
 
 
 def kl_cell(metric: dict | None) -> str:
     if not metric:
         return "—"
-    return f"{metric['value']:.4f} [{metric['ci_low']:.4f}, {metric['ci_high']:.4f}]"
+    return f"{metric['value']:.4f} [{metric['ci_low']:.4f}, {metric['ci_high']:.4f}] (n {metric['n']})"
+
+
+def family_settings(runs: dict[str, dict], names: tuple[str, ...]) -> dict[str, tuple[str, dict]]:
+    """A family's candidates by name: (report, candidate), the first of ``names`` holding the name."""
+    found = {}
+    for name in names:
+        for cand in runs.get(name, {}).get("candidates", []):
+            found.setdefault(cand["name"], (name, cand))
+    return found
 
 
 def side_by_side_block(runs: dict[str, dict]) -> str:
-    """Per Gemma 3 candidate: bits/element, KL divergence from fp16 on WikiText-2 with its interval, the KL verdict
-    and the run's verdict, on SmolLM2 (where a SmolLM2 report measured a candidate of that name) and on Gemma 3."""
-    gemma_name, smol_names = SIDE_BY_SIDE
-    gemma = runs[gemma_name]
-    smol = {}
-    for name in smol_names:
-        for cand in runs.get(name, {}).get("candidates", []):
-            smol.setdefault(cand["name"], (name, cand))
+    """Per setting measured on at least two families under one name and one quantizer: bits/element and the KL
+    divergence from each model's own fp16 cache on WikiText-2, with its interval, windows and KL verdict."""
+    families = [(label, family_settings(runs, names)) for label, names in FAMILIES]
+    order = list(dict.fromkeys(n for _, found in families for n in found))
     rows = []
-    for cand in gemma["candidates"]:
-        where, other = smol.get(cand["name"], (None, None))
-        if other and other["settings"].get("quantizer") != cand["settings"].get("quantizer"):
-            where, other = None, None  # the same name for another format: not comparable
-        g_kl, s_kl = cand["metrics"].get("kl/wikitext2"), other and other["metrics"].get("kl/wikitext2")
-        ratio = f"{g_kl['value'] / s_kl['value']:.1f}x" if g_kl and s_kl and s_kl["value"] > 0 else "—"
-        rows.append([f"`{cand['name']}`", num(other["bits_per_element"], 2) if other else "—",
-                     num(cand["bits_per_element"], 2), kl_cell(s_kl), kl_cell(g_kl), ratio,
-                     s_kl["verdict"] if s_kl else "—", g_kl["verdict"] if g_kl else "—",
-                     other["verdict"] if other else "—", cand["verdict"],
-                     f"[`{where}`](../reports/{where}/report.md)" if where else "—"])
-    header = ["setting", "bits/element SmolLM2", "bits/element Gemma 3", "KL SmolLM2 [95%]", "KL Gemma 3 [95%]",
-              "Gemma 3 / SmolLM2", "KL verdict SmolLM2", "KL verdict Gemma 3", "verdict SmolLM2", "verdict Gemma 3",
-              "SmolLM2 report"]
+    for setting in order:
+        cells = [(label, found.get(setting)) for label, found in families]
+        quantizers = {c["settings"].get("quantizer") for _, hit in cells if hit for c in [hit[1]]}
+        measured = [hit for _, hit in cells if hit and hit[1]["metrics"].get("kl/wikitext2")]
+        if len(measured) < 2 or len(quantizers) != 1 or setting == "fp16":
+            continue  # one family only, or the same name for different formats: not comparable
+        kls = [hit[1]["metrics"].get("kl/wikitext2") if hit else None for _, hit in cells]
+        bits = " / ".join(num(hit[1]["bits_per_element"], 2) if hit else "—" for _, hit in cells)
+        links = ", ".join(f"[`{hit[0]}`](../reports/{hit[0]}/report.md)" for _, hit in cells if hit)
+        rows.append([f"`{setting}`", bits, *map(kl_cell, kls), *(k["verdict"] if k else "—" for k in kls), links])
+    labels = [label for label, _ in FAMILIES]
+    header = ["setting", "bits/element " + " / ".join(labels), *(f"KL {x} [95%]" for x in labels),
+              *(f"KL verdict {x}" for x in labels), "reports"]
+    gate = runs[FAMILIES[1][1][0]]["config"]
     return (f"KL divergence from each model's own fp16 cache, nats per position on WikiText-2 (512-token windows; "
-            f"gate {gemma['config']['gate']['max_kl_divergence']}); bits/element at "
-            f"{gemma['config']['eval']['memory_probe_tokens']} tokens.\n\n" + table(header, rows, "lrrllrlllll"))
+            f"gate {gate['gate']['max_kl_divergence']}; n: windows); bits/element at "
+            f"{gate['eval']['memory_probe_tokens']} tokens. A setting is listed where two families or more measured "
+            "it under one name and one format.\n\n" + table(header, rows, "lrllllll"))
 
 
 def blocks() -> dict[str, str]:
@@ -225,8 +232,8 @@ def blocks() -> dict[str, str]:
             out[name] = bench_scoring_block(rep)
         elif name == "gpu_check":
             out[name] = gpu_check_block(rep)
-    if SIDE_BY_SIDE[0] in runs:
-        out["smollm2-vs-gemma3"] = side_by_side_block(runs)
+    if FAMILIES[1][1][0] in runs:
+        out["three-families"] = side_by_side_block(runs)
     return {"index": index_block(runs), **out}
 
 

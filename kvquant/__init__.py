@@ -21,6 +21,7 @@ from kvquant.formats import sglang, vllm  # noqa: F401  (register the serving en
 from kvquant.formats import llamacpp  # noqa: F401  (registers llama.cpp's cache types)
 from kvquant.formats import lowbit  # noqa: F401  (registers the low-bit research formats)
 from kvquant.formats import fitted  # noqa: F401  (registers fitted_levels)
+from kvquant.formats import keys_values  # noqa: F401  (registers keys_values: keys and values by two quantizers)
 
 
 

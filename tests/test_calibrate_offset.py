@@ -135,6 +135,12 @@ def test_every_calibrate_value_has_its_calibration():
      "calibrate: 'vllm_fp8' has no key offset (key_offset) to calibrate"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: head}",
      "calibrate: 'lloyd_max' has no static scales (k_scale, v_scale) to calibrate; these have: vllm_fp8, vllm_nvfp4"),
+    # calibration observes post-RoPE keys: a pre-RoPE cache would quantize other keys than those it was fitted on
+    ("{quantizer: lloyd_max, name: calibrated, calibrate: key_offset, options: {pre_rope: true}}",
+     "candidates[0] (calibrated): calibrate: key_offset observes the keys after RoPE (as an engine's cache receives "
+     "them), and pre_rope stores them before it: what it would fit is not what the cache quantizes; drop one"),
+    ("{quantizer: fitted_levels, name: calibrated, calibrate: fisher_kmeans, options: {pre_rope: true}}",
+     "calibrate: fisher_kmeans observes the keys after RoPE"),
     # codebook levels (tests/test_fitted_levels.py)
     ("{quantizer: lloyd_max, name: calibrated, calibrate: fisher_kmeans}",
      "calibrate: 'lloyd_max' has no fitted levels (key_levels, value_levels) to calibrate; these have: "

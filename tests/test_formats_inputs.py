@@ -182,10 +182,17 @@ def head_dims_for(name: str, options: dict) -> list[int]:
     return found
 
 
+#: the options of a format that has required ones, plain and rotated (keys_values: a rotation is each inner one's)
+REQUIRED = {"keys_values": (
+    {"keys": {"quantizer": "vllm_turboquant_4bit_nc"}, "values": {"quantizer": "int4"}},
+    {"keys": {"quantizer": "int4", "rotation": "hadamard"}, "values": {"quantizer": "llamacpp_q4_0",
+                                                                      "rotation": "hadamard"}})}
+
+
 def variants() -> list:
     out = []
     for name in kvquant.available_quantizers():
-        out += [(name, {}), (name, {"rotation": "hadamard"})]
+        out += [(name, options) for options in REQUIRED.get(name, ({}, {"rotation": "hadamard"}))]
     return out + [("int4", {"scale_dtype": "float32"}), ("fp8_e4m3", {"scale_dtype": "float32"}),
                   ("vllm_fp8", {"k_scale": 1e36, "v_scale": 1e-30}),
                   ("vllm_nvfp4", {"k_scale": 1e36, "v_scale": 1e-30}),

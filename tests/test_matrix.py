@@ -52,6 +52,9 @@ SETTINGS = {
     "fitted_levels": ({"key_bits": 2, "value_bits": 3, "key_levels": KEY_LEVELS, "value_levels": VALUE_LEVELS},
                       Spec("fn", fn=lambda x: codebook_fake_quant(x, torch.tensor(KEY_LEVELS), "absmax")),
                       Spec("fn", fn=lambda x: codebook_fake_quant(x, torch.tensor(VALUE_LEVELS), "absmax"))),
+    # keys stored as int4 stores its keys, values as fp8_e5m2 stores its values (kvquant/formats/keys_values.py)
+    "keys_values": ({"keys": {"quantizer": "int4", "group_size": GROUP}, "values": {"quantizer": "fp8_e5m2"}},
+                    Spec("int", 4, "channel", GROUP), Spec("fp8", fp8=torch.float8_e5m2)),
 }
 
 

@@ -266,10 +266,14 @@ def kinds_map(entry, count: int = 23, base: str = "quantizer: int4") -> str:
     return "{%s, layers: {%s}}" % (base, ", ".join(f"{i}: {{{entry(i)}}}" for i in range(count)))
 
 
+#: the options a quantizer needs, beside its name in a layers entry
+REQUIRED = {"keys_values": ", keys: {quantizer: int8}, values: {quantizer: fp8_e4m3}"}
+
+
 def every_quantizer() -> str:
     """int4, and each other registered quantizer on one layer."""
     others = [name for name in available_quantizers() if name != "int4"]
-    return kinds_map(lambda i: f"quantizer: {others[i]}", count=len(others))
+    return kinds_map(lambda i: f"quantizer: {others[i]}{REQUIRED.get(others[i], '')}", count=len(others))
 
 
 # 24 kinds of layer: 23 full-precision windows besides the default, or 23 rotation seeds besides 0 (the same bytes);

@@ -73,6 +73,10 @@ LAYOUTS = {
     # and head
     "lloyd_max": per_token(4, 2), "normal_float": per_token(4, 2), "fitted_levels": per_token(4, 2),
 }
+#: formats of required options, with the options written here: keys_values stores its keys as int4 stores its keys
+#: and its values as vllm_nvfp4 stores its values, so each stream has its own format's layout
+OPTIONS = {"keys_values": {"keys": {"quantizer": "int4"}, "values": {"quantizer": "vllm_nvfp4"}}}
+LAYOUTS["keys_values"] = (LAYOUTS["int4"][0], LAYOUTS["vllm_nvfp4"][1])
 
 
 def expected(name: str, sinks: int = 0, residual: int = 0) -> dict[str, int]:
@@ -90,7 +94,8 @@ def expected(name: str, sinks: int = 0, residual: int = 0) -> dict[str, int]:
 
 
 def written_report(name: str, **settings) -> dict:
-    cache = build_cache([None] * LAYERS, name, head_dim=HEAD_DIM, **{"residual_length": 0, **settings})
+    cache = build_cache([None] * LAYERS, name, head_dim=HEAD_DIM,
+                        **{"residual_length": 0, **OPTIONS.get(name, {}), **settings})
     torch.manual_seed(0)
     for layer in cache.layers:
         keys, values = (torch.randn(1, HEADS, TOKENS, HEAD_DIM, dtype=torch.float16) for _ in range(2))
@@ -100,7 +105,8 @@ def written_report(name: str, **settings) -> dict:
 
 def planned(name: str, **settings) -> dict:
     shape = ModelShape("roles", [None] * LAYERS, HEADS, HEAD_DIM, 0.0)
-    return Planner(shape, {"quantizer": name, "residual_length": 0, **settings}, torch.float16).memory(1, TOKENS)
+    return Planner(shape, {"quantizer": name, "residual_length": 0, **OPTIONS.get(name, {}), **settings},
+                   torch.float16).memory(1, TOKENS)
 
 
 def test_every_format_has_a_published_layout_here():
@@ -173,7 +179,7 @@ def test_a_codec_declaring_no_roles_is_refused_too():
 
 def test_every_declared_role_is_a_storage_role():
     for name in kvquant.available_quantizers():
-        for codec in kvquant.get_quantizer(name).codecs(HEAD_DIM):
+        for codec in kvquant.get_quantizer(name, **OPTIONS.get(name, {})).codecs(HEAD_DIM):
             assert codec.roles and all(isinstance(role, StorageRole) for role in codec.roles.values()), name
 
 

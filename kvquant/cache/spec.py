@@ -20,15 +20,9 @@ from typing import Any
 
 from kvquant.cache.eviction import Eviction, get_eviction
 from kvquant.errors import KVQuantError
-from kvquant.formats.quantizers import (QUANTIZERS, Quantizer, available_quantizers, check_tokens, get_quantizer,
-    short_repr)
+from kvquant.formats.quantizers import (CACHE_OPTIONS, QUANTIZERS, Quantizer, available_quantizers, check_tokens,
+    get_quantizer, short_repr)
 
-#: make_cache's options of which tokens a cache keeps at full precision or drops: the residual window, the sinks and
-#: an eviction policy with its window and budget (kvquant's own: no serving engine has them)
-TOKEN_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction")
-#: make_cache's own options (the others are the quantizer's): the token options, per-layer overrides and pre-RoPE keys
-#: (:mod:`kvquant.cache.prerope`, for the whole cache), alphabetical
-CACHE_OPTIONS = tuple(sorted((*TOKEN_OPTIONS, "layers", "pre_rope")))
 
 
 @dataclass(frozen=True)

@@ -12,4 +12,5 @@
 - :mod:`.llamacpp` llama.cpp's cache types (q8_0, q4_0, ...), its rotation and its query arithmetic;
   :mod:`.llamacpp_gguf` and :mod:`.llamacpp_matmuls` what llama.cpp does with a GGUF model that transformers does
   not (K's channel order; the activations of the weights' matmuls)
+- :mod:`.keys_values` ``keys_values``: the keys stored by one registered quantizer, the values by another
 """

@@ -71,7 +71,8 @@ def rope_layout_of(model_or_config) -> str:
 
 
 def check_rope_layout(model_config, quantizer, options: dict, where: str) -> None:
-    """A run's llama.cpp setting (``quantizer`` with ``options``, and those its ``layers`` map names) states no
+    """A run's llama.cpp setting (``quantizer`` with ``options``, those its ``layers`` map names, and the inner
+    ``keys``/``values`` of a ``keys_values`` among them) states no
     ``rope_layout`` other than the model's (:func:`rope_layout_of`): K stored in an order llama.cpp does not use for
     this model would be measured, and the report and DEPLOY.md would stand for llama.cpp's cache all the same (one
     line naming ``where``). The cache-only emulation of :mod:`kvquant.integrations.llamacpp_compare` states it
@@ -81,6 +82,8 @@ def check_rope_layout(model_config, quantizer, options: dict, where: str) -> Non
     named = [(where, quantizer, options)] + [
         (f"{where}: layers[{key!r}]", value.get("quantizer"), value)
         for key, value in (layers.items() if isinstance(layers, dict) else ()) if isinstance(value, dict)]
+    named += [(f"{at}: {stream}", inner.get("quantizer"), inner) for at, _, given in list(named)
+              for stream in ("keys", "values") if isinstance(inner := given.get(stream), dict)]  # keys_values' own
     for at, name, given in named:
         stated = given.get("rope_layout")
         if isinstance(name, str) and name.startswith("llamacpp_") and stated is not None and stated != layout:

@@ -37,6 +37,13 @@ MAX_ROTATION_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes (an expe
 MAX_TOKENS = 1 << 24
 #: Largest finite float32: engine formats and rotations compute in float32 at least.
 F32_MAX = torch.finfo(torch.float32).max
+#: make_cache's options of which tokens a cache keeps at full precision or drops: the residual window, the sinks and
+#: an eviction policy with its window and budget (kvquant's own: no serving engine has them)
+TOKEN_OPTIONS = ("residual_length", "sink_tokens", "window", "budget", "eviction")
+#: make_cache's own options (the others are the quantizer's; :class:`kvquant.cache.CacheSpec` sorts them out): the
+#: token options, per-layer overrides and pre-RoPE keys (:mod:`kvquant.cache.prerope`, for the whole cache),
+#: alphabetical. Here, below the cache, so a quantizer that holds other quantizers can refuse them inside.
+CACHE_OPTIONS = tuple(sorted((*TOKEN_OPTIONS, "layers", "pre_rope")))
 
 
 def check_tokens(name: str, value, minimum: int = 0) -> int:

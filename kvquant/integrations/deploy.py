@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 
-from kvquant.cache.spec import TOKEN_OPTIONS
 from kvquant.integrations import deploy_llamacpp
 from kvquant.integrations.deploy_llamacpp import CacheTypes
 from kvquant.integrations.deploy_read import Report, CandidateRecord, checked_report, load_report, open_results
 from kvquant.errors import KVQuantError, one_line, visible
 from kvquant.fs import write_together
-from kvquant.formats.quantizers import QUANTIZERS, Serving
+from kvquant.formats.quantizers import QUANTIZERS, TOKEN_OPTIONS, Serving
 
 #: the files an export writes together, DEPLOY.md (which names the others) last
 DEPLOY_FILES = ("kv_scales.safetensors", "kv_cache_scheme.json", "DEPLOY.md")

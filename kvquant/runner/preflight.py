@@ -202,6 +202,10 @@ def placeholder_calibration(candidate: Candidate, shape, where: str) -> Candidat
     if clash:
         raise KVQuantError(f"{where}: calibrate sets {' and '.join(calibration.options)} per layer; remove "
                            f"options.{clash[0]}")
+    if candidate.options.get("pre_rope") is True:
+        raise KVQuantError(f"{where}: calibrate: {candidate.calibrate} observes the keys after RoPE (as an engine's "
+                           "cache receives them), and pre_rope stores them before it: what it would fit is not what "
+                           "the cache quantizes; drop one")
     refusal = calibration.refusal(candidate)
     if refusal:
         raise KVQuantError(f"{where}: {refusal}")
