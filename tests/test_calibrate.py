@@ -137,8 +137,8 @@ def test_the_runner_measures_with_scales_calibrated_on_the_held_out_windows(tmp_
      "calibrate; these have: vllm_fp8, vllm_nvfp4"),
     ("quantizer: vllm_fp8, name: fp8-head, calibrate: head", "k_scale is one global scale per layer, not a list"),
     ("name: fp8-tensor, calibrate: tensor}", "calibrate sets k_scale and v_scale per layer; remove options.k_scale"),
-    ("calibrate: tensor}", "calibrate must be one of ['tensor', 'head', 'key_offset', 'kmeans', 'fisher_kmeans'] or "
-     "null"),
+    ("calibrate: tensor}", "calibrate must be one of ['tensor', 'head', 'key_offset', 'kmeans', 'fisher_kmeans', "
+     "'key_bias'] or null"),
 ])
 def test_bad_calibration_settings_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, change, message):
     replacement = {

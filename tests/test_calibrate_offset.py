@@ -130,7 +130,8 @@ def test_every_calibrate_value_has_its_calibration():
     ("{quantizer: lloyd_max, name: calibrated, calibrate: key_offset, options: {layers: {0: {key_bits: 3}}}}",
      "candidates[0] (calibrated): calibrate sets key_offset per layer; remove options.layers"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: keys}",
-     "calibrate must be one of ['tensor', 'head', 'key_offset', 'kmeans', 'fisher_kmeans'] or null, got 'keys'"),
+     "calibrate must be one of ['tensor', 'head', 'key_offset', 'kmeans', 'fisher_kmeans', 'key_bias'] or null, got "
+     "'keys'"),
     ("{quantizer: vllm_fp8, name: calibrated, calibrate: key_offset}",
      "calibrate: 'vllm_fp8' has no key offset (key_offset) to calibrate"),
     ("{quantizer: lloyd_max, name: calibrated, calibrate: head}",

@@ -42,10 +42,13 @@ MAX_FEWSHOT = 100
 MAX_CALIBRATION = 100_000
 #: Result labels the search uses for its own measurements.
 SEARCH_PREFIX = "search-"
-#: What a candidate calibrates (``kvquant.scoring.calibrate.CALIBRATIONS``): static scales, one per layer and tensor
-#: or per layer and KV head; a key offset per layer and KV head; codebook levels per layer, fitted by a k-means
-#: unweighted or weighted by the states' Fisher information.
-CALIBRATE = ("tensor", "head", "key_offset", "kmeans", "fisher_kmeans")
+#: What a candidate calibrates (``kvquant.scoring.calibrate.CALIBRATIONS``), each with what it reads: static scales,
+#: one per layer and tensor or per layer and KV head; a key offset per layer and KV head (the keys' mean); codebook
+#: levels per layer, fitted by a k-means unweighted or weighted by the states' Fisher information: these read the
+#: calibration split's ``windows``; a key offset per layer from the model's ``weights`` alone (``key_bias``: each
+#: layer's k_proj bias, no forward).
+CALIBRATE = {"tensor": "windows", "head": "windows", "key_offset": "windows", "kmeans": "windows",
+             "fisher_kmeans": "windows", "key_bias": "weights"}
 
 
 def check_plain_name(key: str, value: str) -> None:
@@ -74,8 +77,9 @@ class Candidate:
     name: str | None = None
     #: Per-layer options observed on the calibration split (``calibration:``): static scales (a quantizer's
     #: ``k_scale``/``v_scale``), one per tensor (``tensor``) or per KV head (``head``), as llm-compressor observes
-    #: them; a quantizer's ``key_offset`` (``key_offset``: the keys' mean per KV head and channel); or its
-    #: ``key_levels``/``value_levels`` (``kmeans``, ``fisher_kmeans``: per layer, a k-means of the normalized states).
+    #: them; a quantizer's ``key_offset`` (``key_offset``: the keys' mean per KV head and channel; ``key_bias``: each
+    #: layer's k_proj bias, read from the weights, for keys before RoPE); or its ``key_levels``/``value_levels``
+    #: (``kmeans``, ``fisher_kmeans``: per layer, a k-means of the normalized states).
     calibrate: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
@@ -83,6 +87,11 @@ class Candidate:
         check_plain_name("name" if self.name else "label (derived from quantizer and options; set name)", self.label)
         require(self.calibrate in (None, *CALIBRATE), f"calibrate must be one of {list(CALIBRATE)} or null, got "
                 f"{self.calibrate!r}")
+
+    @property
+    def reads_calibration(self) -> bool:
+        """It calibrates on the calibration split's windows (a ``calibrate`` that reads the weights alone does not)."""
+        return CALIBRATE.get(self.calibrate) == "windows"
 
     @property
     def label(self) -> str:
@@ -364,10 +373,11 @@ class ExperimentConfig:
         self._check_calibration()
 
     def _check_calibration(self) -> None:
-        """Candidates that calibrate have a calibration split: windows after each gated perplexity set's limit."""
+        """Candidates that calibrate on windows have a calibration split: windows after each gated perplexity set's
+        limit (one whose ``calibrate`` reads the weights alone needs none)."""
         calibrating = [f"{where}[{i}] ({c.label})" for where, listed in (("candidates", self.candidates),
                                                                           ("stages", self.stages))
-                       for i, c in enumerate(listed) if c.calibrate]
+                       for i, c in enumerate(listed) if c.reads_calibration]
         if not calibrating:
             return
         require(self.calibration is not None, f"{calibrating[0]}: calibrate needs a calibration split held apart "

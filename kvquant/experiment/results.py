@@ -345,8 +345,8 @@ class RunPlan:
     def steps(self) -> list[str]:
         """The steps in the order the runner takes them, as the report lists them."""
         looks = ", ".join(f"{task}: {n} looks" for task, n in self.looks.items())
-        return [*([f"calibrate per-layer options on the calibration split: {', '.join(self.calibrate)}"]
-                  if self.calibrate else []),
+        return [*(["calibrate per-layer options on the calibration split (or from the weights): " +
+                   ", ".join(self.calibrate)] if self.calibrate else []),
                 *([f"search a per-layer map on the calibration split ({self.search})"] if self.search else []),
                 *(["measure each stage's serving memory"] if self.staged else []),
                 f"measure the baseline and {', '.join(self.candidates)} on the evaluation split",

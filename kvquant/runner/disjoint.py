@@ -152,7 +152,7 @@ def calibration_reads(cfg, tokenizer, maxlen: int, rows: dict) -> list[Read]:
     from kvquant.scoring.calibrate import calibration_documents, calibration_windows
 
     asked = []
-    if cfg.calibration is not None and any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
+    if cfg.calibration is not None and any(c.reads_calibration for c in [*cfg.candidates, *cfg.stages]):
         asked.append(("calibration.windows", cfg.calibration.windows))
     if cfg.search is not None:
         asked.append(("search.windows", cfg.search.windows))

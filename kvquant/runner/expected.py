@@ -21,7 +21,7 @@ from kvquant.cache import make_cache
 from kvquant.experiment.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
 from kvquant.runner.plausible import Shape
 from kvquant.runner.search import CALIBRATION_BASELINE
-from kvquant.scoring.calibrate import calibration_documents, calibration_key, calibration_windows
+from kvquant.scoring.calibrate import calibration_documents, calibration_key, calibration_split, calibration_windows
 from kvquant.scoring import data
 from kvquant.scoring.models import load_tokenizer, quiet_transformers
 from kvquant.scoring.session import (BASELINE, cache_settings, evaluation_split, probe_tokens, sampler_key,
@@ -201,9 +201,8 @@ class Expected:
         if candidate is None or not candidate.calibrate:
             raise NotThisRun(f"this config's run calibrates no {label!r}")
         tokenizer, rows = self._text
-        found = calibration_windows(self.cfg, tokenizer, self.maxlen, rows, self.cfg.calibration.windows,
-                                    f"{label}: calibrate")
-        return calibration_key(self.cfg, candidate, [w for _, ws in found.values() for w in ws], ANY)
+        windows = calibration_split(self.cfg, candidate, tokenizer, self.maxlen, rows)
+        return calibration_key(self.cfg, candidate, windows, ANY)
 
     def _serving(self, label: str) -> dict:
         """A staged run's serving measurement of a stage or the baseline (as the runner's ``serve_stages``)."""

@@ -127,6 +127,8 @@ def preflight(cfg: ExperimentConfig, above: AboveRunner,
     for setting in [*cfg.candidates, *cfg.stages, *(cfg.search.ladder if cfg.search else [])]:
         check_rope_layout(model_config, setting.quantizer, setting.options, f"{setting.label}: options")
     evicting = check_settings(cfg, shape, above.check_candidate)
+    for setting in (s for s in [*cfg.candidates, *cfg.stages] if s.calibrate):  # the model's own layers
+        CALIBRATIONS[setting.calibrate].check_model(model_config, f"{setting.label}: calibrate")
     context = context_length(cfg, model_config)
     if cfg.serving:
         above.parse_bytes(cfg.serving.memory_budget, "serving.memory_budget")
@@ -152,7 +154,7 @@ def preflight(cfg: ExperimentConfig, above: AboveRunner,
         folder = prepare_probe_tasks(tokenizer, probes, context, "eval.tasks.names")
     check_fewshot(cfg, folder)
     check_runner_fewshot(cfg, lambda: tokenizer or load_tokenizer(cfg.model), context, folder or task_dir(), priced)
-    if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
+    if any(c.reads_calibration for c in [*cfg.candidates, *cfg.stages]):
         check_calibration(cfg, tokenizer, context, rows)
     if cfg.search:
         for i, rung in enumerate(cfg.search.ladder):
@@ -190,7 +192,8 @@ def check_settings(cfg: ExperimentConfig, shape, check_candidate: Callable) -> l
 def placeholder_calibration(candidate: Candidate, shape, where: str) -> Candidate:
     """A candidate that calibrates, with placeholders of the right shape in place of the options calibration will
     find (scales of 1.0, one per KV head for ``head``; a zero key offset; levels: the quantizer's own), so preflight
-    checks its quantizer's options; any other candidate as it is."""
+    checks its quantizer's options; any other candidate as it is. A calibration of the keys after RoPE
+    (:attr:`kvquant.scoring.calibrate.Calibration.before_rope` false) is refused beside ``pre_rope``."""
     if not candidate.calibrate:
         return candidate
     calibration = CALIBRATIONS[candidate.calibrate]
@@ -202,7 +205,7 @@ def placeholder_calibration(candidate: Candidate, shape, where: str) -> Candidat
     if clash:
         raise KVQuantError(f"{where}: calibrate sets {' and '.join(calibration.options)} per layer; remove "
                            f"options.{clash[0]}")
-    if candidate.options.get("pre_rope") is True:
+    if candidate.options.get("pre_rope") is True and not calibration.before_rope:
         raise KVQuantError(f"{where}: calibrate: {candidate.calibrate} observes the keys after RoPE (as an engine's "
                            "cache receives them), and pre_rope stores them before it: what it would fit is not what "
                            "the cache quantizes; drop one")

@@ -304,11 +304,15 @@ def _levels_section(calibration: dict) -> list[str]:
                   "(docs/quantizers.md); every layer's are in results.json (`calibration`).", calibration)
 
 
-def _offsets_row(label: str, entry: dict) -> list[str]:
+def _largest_offsets(entry: dict) -> list[str]:
+    """The range over layers of a layer's largest |key offset|, and the layer of the largest."""
     largest = {layer: max(abs(v) for row in own["key_offset"] for v in row) for layer, own in entry["layers"].items()}
     top = max(largest, key=largest.get)
-    return [label, str(entry["windows"]), f"{entry['tokens']:,}",
-            f"{min(largest.values()):.4g}..{largest[top]:.4g}", top]
+    return [f"{min(largest.values()):.4g}..{largest[top]:.4g}", top]
+
+
+def _offsets_row(label: str, entry: dict) -> list[str]:
+    return [label, str(entry["windows"]), f"{entry['tokens']:,}", *_largest_offsets(entry)]
 
 
 def _offsets_section(calibration: dict) -> list[str]:
@@ -320,6 +324,17 @@ def _offsets_section(calibration: dict) -> list[str]:
                   "calibration split (windows after each gated perplexity set's evaluation windows), subtracted from "
                   "every key before it is quantized and added back on read; every layer's is in results.json "
                   "(`calibration`).", calibration)
+
+
+def _bias_section(calibration: dict) -> list[str]:
+    """Each ``key_bias`` candidate's key offsets (read from the weights: no windows), as :func:`_offsets_section`."""
+    return _table("Key offsets from the k_proj bias", ["candidate", "largest absolute offset per layer, min..max",
+                                                       "largest in layer"],
+                  lambda label, entry: [label, *_largest_offsets(entry)],
+                  "A layer's key offset is its k_proj bias per KV head and channel, read from the weights (no "
+                  "calibration windows): before RoPE every key is W x + b, so a pre-RoPE cache subtracts b from "
+                  "every key before it is quantized and adds it back before RoPE is put back on; every layer's is in "
+                  "results.json (`calibration`).", calibration)
 
 
 def _scales_section(calibration: dict) -> list[str]:
@@ -342,7 +357,8 @@ def _scales_section(calibration: dict) -> list[str]:
 
 
 #: The report section of each kind of calibration (``granularity``); static scales where not named.
-SECTIONS = {"key_offset": _offsets_section, "kmeans": _levels_section, "fisher_kmeans": _levels_section}
+SECTIONS = {"key_offset": _offsets_section, "key_bias": _bias_section, "kmeans": _levels_section,
+            "fisher_kmeans": _levels_section}
 
 
 def _search_outcome(search: SearchSummary) -> str:

@@ -18,7 +18,11 @@ the scale chosen: each layer's largest ``|x| / scale`` is kept and the runner wa
 
 A key offset (``calibrate: key_offset``, a quantizer with the ``key_offset`` option) is, per layer, KV head and
 channel, the mean of the post-RoPE keys over every calibration token, summed in float64 (:func:`key_means`): what
-:class:`kvquant.formats.lowbit.OffsetCodec` subtracts before quantizing and adds back on read.
+:class:`kvquant.formats.lowbit.OffsetCodec` subtracts before quantizing and adds back on read. ``calibrate: key_bias``
+sets the same option from the weights alone (:func:`key_biases`: each layer's ``k_proj`` bias, no windows, no
+forward), for a ``pre_rope`` cache only: before RoPE every key is ``W x + b``, so ``b`` is the constant removed exactly;
+a model without the bias is refused before it loads (:meth:`Calibration.check_model`, on its layers built on the meta
+device).
 
 Each ``calibrate:`` value is a :class:`Calibration` of :data:`CALIBRATIONS`: what it observes, the quantizer options
 it sets per layer (through ``layers``) from that, what keys the stored observation and what the report shows.
@@ -31,11 +35,13 @@ import dataclasses
 import torch
 
 from kvquant.cache import ObservingCache
+from kvquant.cache.build import written_shapes
 from kvquant.experiment.config import Candidate, ExperimentConfig
 from kvquant.errors import KVQuantError
 from kvquant.formats.quantizers import QUANTIZERS
 from kvquant.scoring import data
 from kvquant.scoring.level_fit import fitted_levels
+from kvquant.scoring.models import skeleton
 
 
 def calibration_documents(cfg: ExperimentConfig) -> dict[str, range]:
@@ -150,22 +156,31 @@ def check_calibration(cfg, tokenizer, maxlen: int, rows: dict) -> None:
                                f"calibration.windows to at most {len(windows):,} or use a longer text")
 
 
+def calibration_split(cfg: ExperimentConfig, candidate: Candidate, tokenizer, maxlen: int,
+                      rows: dict) -> list[data.Window]:
+    """The calibration windows ``candidate`` calibrates on, every gated perplexity set's in turn; none for a
+    ``calibrate`` that reads the weights alone (:attr:`kvquant.experiment.config.Candidate.reads_calibration`)."""
+    if not candidate.reads_calibration:
+        return []
+    found = calibration_windows(cfg, tokenizer, maxlen, rows, cfg.calibration.windows, f"{candidate.label}: calibrate")
+    return [w for _, ws in found.values() for w in ws]
+
+
 def calibration_key(cfg: ExperimentConfig, candidate: Candidate, windows: list[data.Window], weights) -> dict:
     """What a candidate's observation is kept under in the result store: the model and its weights, its
     ``calibrate`` value, what else decides it (``averaging`` for scales, the quantizer's options for levels) and the
-    calibration windows (a digest)."""
+    calibration windows (a digest; none for a ``calibrate`` that reads the weights alone)."""
     return {"model": dataclasses.asdict(cfg.model), "weights": weights, "calibrate": candidate.calibrate,
             **CALIBRATIONS[candidate.calibrate].decided_by(cfg, candidate),
-            "windows": data.windows_digest(windows, long=True)}
+            **({"windows": data.windows_digest(windows, long=True)} if candidate.reads_calibration else {})}
 
 
 def with_calibration(session, candidate: Candidate, rows: dict) -> tuple[Candidate, dict]:
-    """``candidate`` with the per-layer options its ``calibrate`` observes on the calibration split (the
-    observation kept in the result store like any measurement), and what the report shows of them."""
+    """``candidate`` with the per-layer options its ``calibrate`` observes on the calibration split (or reads from
+    the weights; the observation kept in the result store like any measurement), and what the report shows of
+    them."""
     cfg, calibration = session.cfg, CALIBRATIONS[candidate.calibrate]
-    found = calibration_windows(cfg, session.tokenizer, session.maxlen, rows, cfg.calibration.windows,
-                                f"{candidate.label}: calibrate")
-    found = [w for _, ws in found.values() for w in ws]
+    found = calibration_split(cfg, candidate, session.tokenizer, session.maxlen, rows)
     windows = [w.ids for w in found]
     key, processes = calibration_key(cfg, candidate, found, session.weights), session.processes
     observed = session.store.get_or_compute(candidate.label, "calibration", key, lambda: processes.broadcast(
@@ -200,6 +215,27 @@ def key_means(model, windows: list[list[int]]) -> dict[int, torch.Tensor]:
     return {layer: (sums[layer] / counts[layer]).cpu() for layer in sorted(sums)}
 
 
+def key_biases(model, where: str) -> dict[int, torch.Tensor]:
+    """Per decoder layer ``[kv_heads, head_dim]`` float32: its ``k_proj`` bias (``[kv_heads * head_dim]`` in the
+    module), read from ``model``'s modules, a loaded model's or a skeleton's on the meta device
+    (:func:`kvquant.scoring.models.skeleton`: checked, nothing read). A layer without one, or whose keys' shape is
+    not known (:func:`kvquant.cache.build.written_shapes`: a fused projection), is refused in one line naming
+    ``where`` and the model type."""
+    shapes = written_shapes(model)
+    found = {}
+    for module in model.modules():
+        layer, bias = getattr(module, "layer_idx", None), getattr(getattr(module, "k_proj", None), "bias", None)
+        if layer in shapes and shapes[layer][0] and isinstance(bias, torch.Tensor):
+            found[layer] = bias.detach().float().reshape(shapes[layer][0])
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    missing = [layer for layer in range(layers) if layer not in found]
+    if missing:
+        raise KVQuantError(f"{where}: key_bias reads each layer's k_proj bias, and this {model.config.model_type!r} "
+                           f"model has none in layer {missing[0]} ({len(missing)} of {layers} layers without one); "
+                           "use calibrate: key_offset (the keys' mean after RoPE) instead")
+    return dict(sorted(found.items()))
+
+
 def _by_layer(observed: dict) -> list[tuple[str, dict | list]]:
     """An observation's layers in order, named as ``layers`` names them (the store hands them back as strings)."""
     return [(str(layer), entry) for layer, entry in sorted(observed.items(), key=lambda item: int(item[0]))]
@@ -208,10 +244,12 @@ def _by_layer(observed: dict) -> list[tuple[str, dict | list]]:
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """One ``calibrate:`` value: ``options``, the quantizer options it sets per layer (a quantizer it applies to has
-    them all); ``what`` they are, for messages."""
+    them all); ``what`` they are, for messages; ``before_rope``: the keys it describes are those before RoPE (what a
+    ``pre_rope`` cache quantizes), else those after it (as an engine's cache receives them)."""
 
     options: tuple[str, ...]
     what: str
+    before_rope: bool = False
 
     def decided_by(self, cfg: ExperimentConfig, candidate: Candidate) -> dict:
         """What, besides the model and the windows, decides the observation (a key of the stored one)."""
@@ -225,6 +263,10 @@ class Calibration:
     def refusal(self, candidate: Candidate) -> str | None:
         """Why ``candidate``'s other options rule this calibration out (preflight says it in one line), or None."""
         return None
+
+    def check_model(self, model_config, where: str) -> None:
+        """Refuse, before the model loads (``model_config``: its transformers config), a model this calibration
+        cannot read (one line naming ``where``)."""
 
     def layers(self, observed: dict, quantizer: str) -> dict[str, dict]:  # pragma: no cover - interface
         """The ``layers`` option that sets :attr:`options` per layer from ``observed``."""
@@ -279,6 +321,26 @@ class KeyOffsets(Calibration):
 
 
 @dataclasses.dataclass(frozen=True)
+class KeyBias(KeyOffsets):
+    """``key_bias``: per layer ``[kv_heads, head_dim]``, the layer's k_proj bias, read from the weights (no windows, no
+    forward). Before RoPE every key is ``W x + b``: ``b`` is a constant there, which a ``pre_rope`` cache removes
+    exactly (after RoPE it is ``R_p b``, a different vector at each position)."""
+
+    def check_model(self, model_config, where):
+        key_biases(skeleton(model_config, where), where)
+
+    def observe(self, model, windows, cfg, candidate):
+        biases = key_biases(model, f"{candidate.label}: calibrate")
+        return {layer: bias.cpu().tolist() for layer, bias in biases.items()}
+
+    def refusal(self, candidate):
+        if candidate.options.get("pre_rope") is True:
+            return None
+        return ("calibrate: key_bias removes each layer's k_proj bias, a constant on the keys only before RoPE (after "
+                "it, RoPE turns the bias by each token's position); set options.pre_rope: true")
+
+
+@dataclasses.dataclass(frozen=True)
 class Levels(Calibration):
     """``kmeans`` / ``fisher_kmeans``: per layer, a codebook's key and value levels fitted on the calibration states,
     weighted by their Fisher information where ``fisher`` (:mod:`kvquant.scoring.level_fit`)."""
@@ -311,6 +373,7 @@ CALIBRATIONS: dict[str, Calibration] = {
     "tensor": StaticScales(("k_scale", "v_scale"), "static scales", per_head=False),
     "head": StaticScales(("k_scale", "v_scale"), "static scales", per_head=True),
     "key_offset": KeyOffsets(("key_offset",), "key offset"),
+    "key_bias": KeyBias(("key_offset",), "key offset", before_rope=True),
     "kmeans": Levels(("key_levels", "value_levels"), "fitted levels", fisher=False),
     "fisher_kmeans": Levels(("key_levels", "value_levels"), "fitted levels", fisher=True),
 }

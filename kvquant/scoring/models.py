@@ -250,6 +250,20 @@ def load_model(spec: ModelConfig):
     return model, tokenizer
 
 
+def skeleton(config, where: str):
+    """The modules :func:`load_model` would build from transformers ``config``, on the meta device (no weights read,
+    nothing allocated): what can be seen of a model's layers before it loads (a config transformers cannot build a
+    model from is one :class:`KVQuantError` naming ``where``)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"), quiet_transformers():
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except Exception as err:  # transformers raises many types for a config it cannot build
+        raise KVQuantError(f"{where}: cannot build the model's layers from its config "
+                           f"({getattr(config, 'model_type', None)!r}): {one_line(err)[:300]}") from None
+
+
 def model_dtype(spec: ModelConfig) -> torch.dtype:
     """The dtype :func:`load_model` loads ``spec`` in (``auto``: bfloat16 on a GPU, float32 on the CPU); preflight
     computes with the same one."""
