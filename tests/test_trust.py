@@ -378,7 +378,7 @@ def test_code_execution_a_task_file_named_on_the_lm_eval_command_line_from_a_sha
     argv = ["--model", "kvquant", "--model_args", f"pretrained={model}", "--tasks", str(shared / "evil.yaml"),
             "--limit", "1"]
     with pytest.raises(KVQuantError, match=r"--tasks: refusing .*evil.yaml: .*shared is writable by other users"):
-        lm_eval_cli.check(argv)
+        lm_eval_cli.check_arguments(argv)
     assert lm_eval_cli.main(argv) == 2 and not marker.exists()
     own = tmp_path / "own"
     own.mkdir(mode=0o700)
@@ -387,7 +387,7 @@ def test_code_execution_a_task_file_named_on_the_lm_eval_command_line_from_a_sha
     from kvquant.fs import check_trusted
     assert check_trusted(own / "task.yaml", "--tasks") == (own / "task.yaml").resolve()  # a file of one's own
     with pytest.raises(KVQuantError, match="--include_path: refusing"):
-        lm_eval_cli.check([*argv[:5], "tinystories_lastword", "--include_path", str(shared)])
+        lm_eval_cli.check_arguments([*argv[:5], "tinystories_lastword", "--include_path", str(shared)])
 
 
 def test_a_group_writable_ancestor_of_another_group_is_refused(tmp_path):
@@ -497,7 +497,7 @@ def test_code_execution_every_way_a_task_file_reaches_lm_eval_is_checked(tmp_pat
         (own / "t.yaml").write_bytes(text[how].encode("utf-16" if how == "utf16-include" else "utf-8"))
         argv = [*base, "--tasks", str(own / "t.yaml")]
     with pytest.raises(KVQuantError, match="--include_path must be one folder" if "list" in how else "refusing"):
-        lm_eval_cli.check(argv)
+        lm_eval_cli.check_arguments(argv)
     assert lm_eval_cli.main(argv) == 2 and not marker.exists()
 
 

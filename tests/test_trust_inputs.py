@@ -182,14 +182,14 @@ def test_a_function_whose_module_is_not_beside_its_task_file_is_refused(tmp_path
         task = task.parent.parent / "top.yaml"
     argv = ["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}", "--tasks", str(task), "--limit", "1"]
     with pytest.raises(KVQuantError, match=re.escape(f"`!function {function}` names no module file beside it")):
-        lm_eval_cli.check(argv)
+        lm_eval_cli.check_arguments(argv)
 
 
 def test_a_function_module_beside_its_task_file_is_accepted(tmp_path):
     task = own_task(tmp_path, "mod.process_docs")
     (task.parent / "mod.py").write_text("def process_docs(ds):\n    return ds\n")
     argv = ["--model", "kvquant", "--model_args", f"pretrained={resolve(MODEL)}", "--tasks", str(task), "--limit", "1"]
-    lm_eval_cli.check(argv)
+    lm_eval_cli.check_arguments(argv)
 
 
 @pytest.mark.slow
