@@ -63,6 +63,33 @@ def test_a_map_reaches_the_layers_it_names():
     assert all(layer.residual_length == 0 for layer in cache.layers)
 
 
+LOWBIT = [Candidate("lloyd_max", {"key_bits": 3, "value_bits": 3, "residual_length": 0, "pre_rope": True}, "lm3"),
+          Candidate("keys_values", {"keys": {"quantizer": "lloyd_max", "key_bits": 4},
+                                    "values": {"quantizer": "lloyd_max", "value_bits": 3},
+                                    "residual_length": 0, "pre_rope": True}, "k-lm4-v-lm3"),
+          Candidate("int4", {"group_size": 32, "residual_length": 0, "pre_rope": True}, "int4-g32")]
+
+
+def test_a_map_of_low_bit_rungs_stores_each_layer_as_its_rung_alone(model, real_kv):
+    """Issue 56's per-layer K/V search over the new methods: a map over Lloyd-Max, a keys/values mix and int4, all
+    before RoPE, returns at every layer exactly the keys and values the uniform cache of that layer's rung returns,
+    and its stored bytes are the rungs' bytes layer by layer (no state shared between layers of different rungs)."""
+    rungs = {0: 2, 1: 0, 2: 1, 3: 0, 4: 2}
+    candidate = map_candidate(LOWBIT, rungs, "m")
+    mixed = kvquant.make_cache(model, candidate.quantizer, **candidate.options)
+    alone = [kvquant.make_cache(model, rung.quantizer, **rung.options) for rung in LOWBIT]
+    positions = torch.arange(real_kv[0][0].shape[2])[None]
+    for layer, (keys, values) in enumerate(real_kv):
+        got = mixed.update(keys, values, layer, kwargs={"position_ids": positions})
+        want = [cache.update(keys, values, layer, kwargs={"position_ids": positions}) for cache in alone]
+        assert torch.equal(got[0], want[rungs[layer]][0]) and torch.equal(got[1], want[rungs[layer]][1]), layer
+        assert not any(torch.equal(got[0], other[0]) for r, other in enumerate(want) if r != rungs[layer])
+    stored = [cache.memory_report()["stored_bytes"] for cache in alone]
+    by_layer = [{part["layer"]: part["total_bytes"] for part in cache.memory_report()["per_layer"]} for cache in alone]
+    assert mixed.memory_report()["stored_bytes"] == sum(by_layer[r][layer] for layer, r in rungs.items())
+    assert stored[0] < stored[1] < stored[2]  # the ladder grows in bytes as in bits
+
+
 CONFIG = """
 name: searched-tiny
 output_dir: {out}
