@@ -405,3 +405,28 @@ def test_context_from_a_huge_results_json_is_refused_within_the_planners_time(tm
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "more than the 16,777,216 the planner reads" in lines[0], lines
     assert took < 2, took
+
+
+def test_context_from_a_llamacpp_report_plans_the_setting_it_measured(tmp_path, monkeypatch, capsys):
+    """Before: refused, because the report's settings hold what llama.cpp's quantizer derives from the head size
+    (``key_rotation_block``, ``value_rotation_block``), which a hand list of derived names did not know. The
+    settings are reports/qwen2.5-sweep's llamacpp-q8_0 row, as its results.json records them."""
+    from kvquant.plan import main
+    from kvquant.signing import signed_json
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    settings = {"quantizer": "llamacpp_q8_0", "rotation": None, "rotation_seed": 0, "key_type": "q8_0",
+                "value_type": "q8_0", "attn_rot": None, "cpu": "x86", "rope_layout": "neox", "residual_length": 0,
+                "sink_tokens": 0, "key_rotation_block": 64, "value_rotation_block": 64}
+    folder = tmp_path / "rep"
+    folder.mkdir()
+    doc = {"decision": "pass", "long_context": {**LENGTHS, "candidates": {"q8": LENGTHS["candidates"]["int4"]}},
+           "config": {"model": {"path": "llama-3.1-8b"}},
+           "candidates": [{"name": "q8", "settings": settings, "verdict": "pass"}]}
+    (folder / "results.json").write_text(signed_json(doc))
+    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:q8", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert main(["--model", "llama-3.1-8b", "--context", "2048", "--cache", "llamacpp_q8_0:residual_length=0",
+                 "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert fitted["context"] == 2048 and fitted["kv_bytes"] == plain["kv_bytes"]

@@ -9,11 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvquant.errors import KVQuantError, visible
+from kvquant.formats.quantizers import CACHE_OPTIONS, QUANTIZERS
 from kvquant.planner.shapes import MAX_CONTEXT
-
-#: what a report's settings hold beside the cache's options: what the quantizer derived from the model's head_dim
-#: (:meth:`kvquant.cache.KVQuantCache.derived_settings`), not options a cache is made with
-DERIVED = ("key_group", "value_group", "rotation_block")
 
 
 @dataclass(frozen=True)
@@ -30,9 +27,11 @@ class FittedContext:
 
 
 def candidate_setting(doc: dict, label: str, folder) -> str:
-    """The cache options ``label`` was measured with in the report ``doc`` (its settings less :data:`DERIVED`), as
-    the planner's ``--cache`` mapping text; one line where the candidate failed the report's gate (its length
-    verdict is no safe context then) or the report does not record its settings."""
+    """The cache options ``label`` was measured with in the report ``doc``, as the planner's ``--cache`` mapping
+    text: its settings less what the quantizer derived from the model's head_dim beside them (``key_group``,
+    llama.cpp's ``key_rotation_block``, ...: :meth:`kvquant.cache.KVQuantCache.derived_settings`), which are the
+    settings that are neither the quantizer's options nor the cache's. One line where the candidate failed the
+    report's gate (its length verdict is no safe context then) or the report does not record its settings."""
     found = [c for c in doc.get("candidates", []) if isinstance(c, dict) and c.get("name") == label]
     if len(found) != 1 or not isinstance(found[0].get("settings"), dict):
         raise KVQuantError(f"--context-from: {folder} records no cache settings for {visible(label, 80)}, so the "
@@ -40,7 +39,9 @@ def candidate_setting(doc: dict, label: str, folder) -> str:
     if found[0].get("verdict") == "fail":
         raise KVQuantError(f"--context-from: {visible(label, 80)} FAILED the gate in {folder}; a setting the report "
                            "rejected has no safe context to plan for")
-    return json.dumps({k: v for k, v in found[0]["settings"].items() if k not in DERIVED}, sort_keys=True)
+    settings = found[0]["settings"]
+    options = {*QUANTIZERS.options(settings.get("quantizer")), *CACHE_OPTIONS, "quantizer"}
+    return json.dumps({k: v for k, v in settings.items() if k in options}, sort_keys=True)
 
 
 #: The largest results.json ``--context-from`` reads: verifying one is a parse and a canonical dump of the whole
