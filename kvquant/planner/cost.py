@@ -38,7 +38,7 @@ from kvquant.cache.layer import block_tokens
 from kvquant.cache.memory import STORED_KEYS
 from kvquant.formats.roles import by_category
 from kvquant.errors import InternalError, KVQuantError
-from kvquant.formats.quantizers import Quantizer
+from kvquant.formats.quantizers import Quantizer, available_quantizers, quantizer_options
 
 #: The keys of ``KVQuantLayer.memory()`` (and of ``memory_report()``'s totals), in its order.
 MEMORY_KEYS = STORED_KEYS
@@ -193,13 +193,24 @@ def bytes_key(layer: KVQuantLayer) -> tuple:
     return quantizer, layer.residual_length, layer.sink_tokens, layer.sliding_window, layer.eviction
 
 
+def _rotates(spec: dict, quantizer) -> bool:
+    """Whether a quantizer spec (``quantizer`` named there, else the one given) rotates: its ``rotation`` or the
+    quantizer's default one (Lloyd-Max and normal-float rotate unless told not to), or one of a ``keys_values``
+    mix's inner quantizers does."""
+    name = spec.get("quantizer", quantizer)
+    default = quantizer_options(name).get("rotation") if name in available_quantizers() else None
+    return spec.get("rotation", default) is not None or any(
+        isinstance(spec.get(stream), dict) and _rotates(spec[stream], None) for stream in ("keys", "values"))
+
+
 def _check_rotation(settings: dict, head_dim: int) -> None:
-    """Settings with a rotation (for the whole cache or in a ``layers`` entry) only up to
-    :data:`MAX_ROTATED_HEAD_DIM`, before any matrix is built."""
+    """Settings with a rotation (for the whole cache, in a ``layers`` entry, by a quantizer's default or inside a
+    keys/values mix) only up to :data:`MAX_ROTATED_HEAD_DIM`, before any matrix is built."""
     entries = settings.get("layers")
     entries = [options for options in entries.values() if isinstance(options, dict)] if isinstance(entries, dict) \
         else []
-    if head_dim > MAX_ROTATED_HEAD_DIM and any(options.get("rotation") is not None for options in [settings, *entries]):
+    if head_dim > MAX_ROTATED_HEAD_DIM and any(_rotates(options, settings.get("quantizer"))
+                                               for options in [settings, *entries]):
         raise KVQuantError(f"rotation: the planner takes a Hadamard rotation up to head_dim {MAX_ROTATED_HEAD_DIM}, "
                            f"this model's is {head_dim:,} (the cache code builds a head_dim x head_dim matrix for "
                            "each layers entry and each layer; real models use at most 256)")
