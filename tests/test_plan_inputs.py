@@ -353,7 +353,8 @@ def test_a_rotation_at_a_large_head_dim_is_refused_before_any_matrix_is_built(tm
         for setting in ("int4:rotation=hadamard", "{quantizer: int4, layers: {1: {rotation: hadamard}}}",
                         # rotated by the quantizer's default, or inside a keys/values mix (before: built, not refused)
                         "lloyd_max", "{quantizer: int4, layers: {1: {quantizer: normal_float}}}",
-                        "{quantizer: keys_values, keys: {quantizer: int4, rotation: hadamard}, values: {quantizer: int4}}",
+                        "{quantizer: keys_values, keys: {quantizer: int4, rotation: hadamard}, "
+                        "values: {quantizer: int4}}",
                         "{quantizer: int4, layers: {0: {quantizer: keys_values, keys: {quantizer: int4}, "
                         "values: {quantizer: lloyd_max}}}}"):
             assert_refused(capsys, ["--model", str(config), "--context", "100", "--cache", setting],
