@@ -50,7 +50,7 @@ def scorer(model, name, scored: list, stop_after: int | None = None) -> Scorer:
 
 
 def kept(store, metric):
-    """The session's own keep (its groups in ``store.windows()``)."""
+    """The session's own keep (its groups in ``store.window_groups()``)."""
     return Session._keep_in_store(SimpleNamespace(store=store), "int4", metric, KEY)
 
 

@@ -61,7 +61,7 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         if not grown:  # a generated task can always have more: no size to run out of
             return results, {task: size for task, size in sizes.items() if probe_length(task) is None}
         for task, (docs, labels) in grown.items():
-            if session.processes.main:
+            if session.processes.is_main_process:
                 print(f"kvquant: sequential look: {task} documents {docs.start}-{docs.stop - 1} for "
                       f"{', '.join(sorted(labels))} (inconclusive at {docs.start}) and the baseline")
             for label in [BASELINE.label, *labels]:

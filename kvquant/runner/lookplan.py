@@ -273,7 +273,7 @@ class PlanRecord:
         a changed plan without ``replan`` raises :class:`KVQuantError` with nothing written or moved. Process 0
         alone reads and writes; every process of several stops with its line."""
         refused = None
-        if self.store.processes.main:
+        if self.store.processes.is_main_process:
             try:
                 self._settle()
             except KVQuantError as err:
@@ -412,7 +412,7 @@ class PlanRecord:
                 self.write()
 
     def write(self) -> None:
-        if not self.store.processes.main:
+        if not self.store.processes.is_main_process:
             return
         self.store.check_sources()
         real_dir(self.store.directory, "partial results")

@@ -94,7 +94,7 @@ def hold_lock(out_dir: Path, held: list[Path]):
     processes = parallel.current()
     with contextlib.ExitStack() as stack:
         refused = None
-        if processes.main:
+        if processes.is_main_process:
             try:
                 stack.enter_context(RunLock(out_dir))
                 held.append(out_dir)
@@ -189,7 +189,7 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
     # decision and results.json holds it
     code = {PASS: EXIT_PASS, FAIL: EXIT_FAIL, INCONCLUSIVE: EXIT_INCONCLUSIVE}[decision.decision]
     code = code if processes.world == 1 else EXIT_PASS
-    if not processes.main:
+    if not processes.is_main_process:
         return code
     store.note_retired()  # before the report, which keeps the warnings
     provenance = Provenance(store.computed, store.reused, tuple(store.set_aside), tuple(warnings), processes.world,

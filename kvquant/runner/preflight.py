@@ -87,7 +87,7 @@ def preflight_warnings(cfg: ExperimentConfig, model_config, evicting: list[Candi
 
 def say(warnings: list[str]) -> None:
     """Print preflight's warnings (process 0 of several)."""
-    if parallel.current().main:
+    if parallel.current().is_main_process:
         for message in warnings:
             print(f"kvquant: warning: {message}", file=sys.stderr)
 

@@ -205,7 +205,7 @@ class Reuse:
         return self.store is not None and not self.settings[label].calibrate and \
             self.store.reusable(label, metric, key)
 
-    def windows(self, labels: list[str], metric: str, digest: str) -> dict[str, bool]:
+    def reused_on_windows(self, labels: list[str], metric: str, digest: str) -> dict[str, bool]:
         return {label: self(label, metric, {**self.key(label), "windows": digest}) for label in labels}
 
 
@@ -220,14 +220,14 @@ def costs(session: Session, rows: dict, store=None) -> tuple[list[Cost], dict[st
         samples.setdefault(f"ppl/{name}", [(w.ids[: w.score_from], w.ids[w.score_from :]) for w in windows])
         digest = windows_digest(windows)
         out += window_costs(session, f"ppl/{name}", windows, [BASELINE.label],
-                            reuse.windows([BASELINE.label], f"ppl/{name}", digest))
+                            reuse.reused_on_windows([BASELINE.label], f"ppl/{name}", digest))
         # a candidate's perplexity comes with its KL divergence, from the same pass: reused with the divergence
-        divergent = reuse.windows(labels, f"kl/{name}", digest)
+        divergent = reuse.reused_on_windows(labels, f"kl/{name}", digest)
         out += window_costs(session, f"ppl/{name}", windows, labels, divergent)
         out += baseline_passes(session, f"kl/{name}", windows, labels, divergent)
     if split.long:
         what = f"long/{cfg.eval.long_context.text}"
-        kept = reuse.windows(labels, what, windows_digest(list(split.long), long=True))
+        kept = reuse.reused_on_windows(labels, what, windows_digest(list(split.long), long=True))
         out += window_costs(session, what, split.long, labels, kept)
         out += baseline_passes(session, what, split.long, labels, kept)
     for task in cfg.eval.tasks.names:

@@ -210,7 +210,7 @@ class _Search:
         passed = decide(table, {label: self.map_bits(m)}, self.gate, counted=False).passed[label]
         self.checked[m] = {"step": m, "bits_per_element": self.map_bits(m), "passed": passed,
                            "metrics": {row.metric.name: row.statistic for row in table if row.gated}}
-        if self.session.processes.main:
+        if self.session.processes.is_main_process:
             print(f"kvquant: search: step {m}/{len(self.maps) - 1} ({self.map_bits(m):.3f} bits/element): "
                   f"{'passes' if passed else 'fails'} on the calibration split")
         return passed

@@ -25,7 +25,7 @@ LOCK = ".lock"
 
 def warn(warnings: list[str], message: str) -> None:
     """Print a warning now (process 0 of several) and keep it for the report."""
-    if parallel.current().main:
+    if parallel.current().is_main_process:
         print(f"kvquant: warning: {message}", file=sys.stderr)
     warnings.append(message)
 
@@ -57,26 +57,26 @@ class ResultStore:
         self.ahead: set[Path] = set()  # results :meth:`store_ahead` stored that their turn has not read yet
         self.retired, self.retired_dir, self.written, self.noted = 0, None, set(), False
         #: ``secret``: the key to verify with (a reader that must not make one: :func:`result_key`'s, existing)
-        self.secret = secret if secret is not None else result_key() if processes.main else b""
+        self.secret = secret if secret is not None else result_key() if processes.is_main_process else b""
         #: the report folder's id (its plan's, :mod:`kvquant.runner.lookplan`), signed into every result: a result
         #: signed for another folder is never reused here; "" (none) for a folder older than these ids
         self.report = ""
         #: how long each (candidate, metric) took to measure, where known: this run's own, or what the run that
         #: measured a reused result noted (informational, outside the signature: it only prices more documents)
         self.seconds: dict[tuple[str, str], float] = {}
-        self._windows: ResultStore | None = None
+        self._window_groups: ResultStore | None = None
 
-    def windows(self) -> ResultStore:
+    def window_groups(self) -> ResultStore:
         """The store of the finished groups of windows of this store's perplexity and divergence passes
         (:mod:`kvquant.scoring.windowed`): ``<directory>/../windows/<candidate>/<metric>@<first>-<stop>.json``, kept,
         signed, set aside and retired as this store's results are, for this store's report folder; a pass
         interrupted between groups resumes from them. Its first signed write is this store's (the plan first)."""
-        if self._windows is None:
-            self._windows = ResultStore(self.directory.parent / "windows", self.code, self.warnings, self.processes,
-                                        secret=self.secret)
-            self._windows.check_sources = self.check_sources
-        self._windows.report = self.report
-        return self._windows
+        if self._window_groups is None:
+            self._window_groups = ResultStore(self.directory.parent / "windows", self.code, self.warnings,
+                                              self.processes, secret=self.secret)
+            self._window_groups.check_sources = self.check_sources
+        self._window_groups.report = self.report
+        return self._window_groups
 
     def check_sources(self) -> None:
         """Before a signed write: the measuring sources are still the ones the run started with (else one line)."""
@@ -123,7 +123,7 @@ class ResultStore:
     def get_or_compute(self, candidate: str, metric: str, key: dict, compute):
         path = self._path(candidate, metric)
         inputs, digest = self._inputs(candidate, metric, key)
-        saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.main
+        saved = self.processes.broadcast(self._read(path, digest, inputs["result_of"]) if self.processes.is_main_process
                                          else None)
         if saved is not None:
             if path in self.ahead:  # stored by this run ahead of its turn (:meth:`store_ahead`): not reused
@@ -137,7 +137,7 @@ class ResultStore:
         result = compute()
         self.seconds[candidate, metric] = round(time.monotonic() - start, 3)  # as it is written, and read back
         self.computed += 1
-        if not self.processes.main:
+        if not self.processes.is_main_process:
             return result
         self.check_sources()
         real_dir(self.directory, "partial results")

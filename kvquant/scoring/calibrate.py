@@ -184,7 +184,7 @@ def with_calibration(session, candidate: Candidate, rows: dict) -> tuple[Candida
     windows = [w.ids for w in found]
     key, processes = calibration_key(cfg, candidate, found, session.weights), session.processes
     observed = session.store.get_or_compute(candidate.label, "calibration", key, lambda: processes.broadcast(
-        calibration.observe(session.model, windows, cfg, candidate) if processes.main else None))
+        calibration.observe(session.model, windows, cfg, candidate) if processes.is_main_process else None))
     layers = calibration.layers(observed, candidate.quantizer)
     summary = {"granularity": candidate.calibrate, "windows": len(windows), "tokens": sum(map(len, windows)),
                **calibration.summary(observed, layers, candidate.quantizer, cfg), "layers": layers}

@@ -34,7 +34,7 @@ def divergences(baseline: Scorer, candidates: list[Scorer], windows: list[Window
     longest = max((len(w.ids) - w.score_from for w in windows), default=1)
     groups = windowed.pass_groups(baseline, windows, max(1, DISTRIBUTION_ELEMENTS // (longest * baseline.vocab)))
     parts = windowed.in_groups(windows, groups, lambda ws: _group(baseline, candidates, ws), keep, desc,
-                               baseline.processes.main)
+                               baseline.processes.is_main_process)
     return [windowed.join_groups([part[c] for part in parts], groups, ("kl", "top1", "tokens", "nll"))
             for c in range(len(candidates))]
 

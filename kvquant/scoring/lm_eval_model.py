@@ -219,7 +219,7 @@ class KVQuantLM(TemplateLM):
         fewshot.check_requests(requests, fewshot.counter(self.tokenizer), self.shots, self.max_length)
         args = [r.args for r in requests]
         mine = self.processes.share(list(range(len(args))))
-        texts = self._generate([args[i] for i in mine], disable_tqdm or not self.processes.main)
+        texts = self._generate([args[i] for i in mine], disable_tqdm or not self.processes.is_main_process)
         out: list[str | None] = [None] * len(args)
         for part in self.processes.gather(list(zip(mine, texts))):
             for i, text in part:

@@ -42,7 +42,8 @@ def position_divergences(baseline: Scorer, candidates: list[Scorer], documents: 
     found: list[dict[int, tuple[list[float], list[int]]]] = [{} for _ in candidates]
     chunks: list[dict[int, Reads]] = [{} for _ in candidates]  # per candidate: chunk start -> what it read there
     with torch.inference_mode():
-        for batch in tqdm(batches, desc=desc, leave=False, disable=desc is None or not baseline.processes.main):
+        quiet = desc is None or not baseline.processes.is_main_process
+        for batch in tqdm(batches, desc=desc, leave=False, disable=quiet):
             for own, terms in zip(found, _lockstep(scorers, [documents[i] for i in batch], chunks)):
                 own.update(zip(batch, terms))
     out = []

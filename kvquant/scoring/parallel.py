@@ -40,7 +40,7 @@ class Processes:
     world: int = 1
 
     @property
-    def main(self) -> bool:
+    def is_main_process(self) -> bool:
         """Whether this is rank 0: the process that writes results, locks and reports."""
         return self.rank == 0
 

@@ -291,7 +291,8 @@ class Scorer:
         before = self.reads.to_dict()
         results: list[Scored | None] = [None] * len(requests)
         mine = sum(len(members) for pool in pools for members in pool)
-        with tqdm(total=mine, desc=desc, leave=False, disable=desc is None or not self.processes.main) as bar:
+        quiet = desc is None or not self.processes.is_main_process
+        with tqdm(total=mine, desc=desc, leave=False, disable=quiet) as bar:
             for pool in pools:
                 for i, scored in self._score_pool(requests, pool, [starts[id(m)] for m in pool], nodes):
                     results[i] = scored
@@ -462,7 +463,7 @@ def perplexity_samples(scorer: Scorer, windows: list[Window], desc: str | None =
                 "tokens": [len(s.logprobs) for s in scored], **windowed.tallies_since(scorer, since)}
 
     groups = windowed.pass_groups(scorer, windows)
-    parts = windowed.in_groups(windows, groups, group, keep, desc, scorer.processes.main)
+    parts = windowed.in_groups(windows, groups, group, keep, desc, scorer.processes.is_main_process)
     return windowed.join_groups(parts, groups, ("nll", "tokens"))
 
 

@@ -348,7 +348,7 @@ class Session:
         """The :data:`~kvquant.scoring.windowed.Keep` of ``label``'s ``metric`` pass: each finished group of its
         windows a result of the store's :meth:`~kvquant.runner.store.ResultStore.windows`, keyed by ``key`` and
         the group's own windows."""
-        groups = self.store.windows()
+        groups = self.store.window_groups()
         return lambda start, stop, ws, compute: groups.get_or_compute(
             label, f"{metric}@{start}-{stop}", {**key, "windows": windows_digest(ws)}, compute)
 
@@ -365,7 +365,7 @@ class Session:
             else {}
         # decided by the main process (it reads the store) so every process scores the same group
         stored = self.processes.broadcast({name for name, k in keys.items() if self.store.reusable(name, metric, k)}
-                                          if self.processes.main else None)
+                                          if self.processes.is_main_process else None)
         later = [c for c in ahead if c.label in keys and c.label not in stored]
         group = [candidate, *later[: SHARED_BASELINE - 1]]
         scorers = [self._scorer(c) for c in group]
