@@ -16,6 +16,10 @@ A candidate with ``pre_rope: true`` gets its cache from a one-layer model of the
 what counts), so RoPE is taken off each chunk's keys and put back on every read; every update carries its tokens'
 positions, as transformers' attention passes them.
 
+A calibrated candidate (``calibrate:``) is timed with stand-ins of what calibration gives it, since the cost is its
+codec's, not the fit's (the fit runs once, offline): ``key_offset`` a fixed per-channel offset (Gaussian, seed 0),
+``fisher_kmeans`` evenly spaced levels in [-1, 1] per stream.
+
 Times are CPU seconds of this process (``time.process_time``: the load of a shared machine slows the wall clock far
 more than it changes the CPU time) and wall seconds, each the best of ``--repeats``, the candidates taken in turn
 within each repeat so that load falls on all alike; ``x int4`` is the ratio to the int4 g32 candidate's CPU time
@@ -52,6 +56,22 @@ def timed(fn) -> tuple[float, float]:
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
+def calibrated_stand_in(candidate: dict, head_dim: int) -> dict:
+    """``candidate`` with what its ``calibrate:`` would give it replaced by fixed values of the same shape (module
+    docstring); a candidate without ``calibrate`` as it is."""
+    kind, options = candidate.get("calibrate"), dict(candidate.get("options") or {})
+    if kind == "key_offset":
+        options["key_offset"] = torch.randn(head_dim, generator=torch.Generator().manual_seed(0)).tolist()
+    elif kind == "fisher_kmeans":
+        for stream in ("key", "value"):
+            bits = options.get(f"{stream}_bits", 4)
+            options[f"{stream}_levels"] = torch.linspace(-1, 1, 2**bits).tolist()
+    elif kind is not None:
+        raise KVQuantError(f"{candidate.get('name')}: no stand-in for calibrate: {kind} (bench_lowbit times "
+                           "key_offset and fisher_kmeans)")
+    return {**candidate, "options": options}
+
+
 def parts(model, candidate: dict, states: torch.Tensor, chunk: int) -> dict[str, tuple[float, float]]:
     """The four timings of one candidate (module docstring) on ``states`` ``[2, B, H, T, D]`` (keys, values), its
     cache made for ``model`` (one layer of the shape) where it stores keys before RoPE, else for its config."""
@@ -80,7 +100,7 @@ def parts(model, candidate: dict, states: torch.Tensor, chunk: int) -> dict[str,
 @torch.inference_mode()
 def measure(args) -> pd.DataFrame:
     spec = yaml.safe_load(args.config.read_text())
-    candidates = {c.get("name", c["quantizer"]): c for c in spec["candidates"]}
+    candidates = {c.get("name", c["quantizer"]): calibrated_stand_in(c, SHAPE["head_dim"]) for c in spec["candidates"]}
     if args.anchor not in candidates:
         raise KVQuantError(f"--anchor {args.anchor!r} is not a candidate of {args.config}: {', '.join(candidates)}")
     config = LlamaConfig(**SHAPE, max_position_embeddings=args.tokens + 16)
@@ -121,7 +141,8 @@ def render(df: pd.DataFrame, args, load: tuple[float, float]) -> str:
         f"- shape: one layer, {args.batch} rows x {SHAPE['num_key_value_heads']} KV heads x {args.tokens} tokens x "
         f"head_dim {SHAPE['head_dim']}, float32; prefill in chunks of {args.chunk}; candidates of {args.config}",
         f"- timing: CPU milliseconds of the process, best of {args.repeats} after a warm-up, candidates in turn; "
-        f"in brackets the ratio to {args.anchor}'s in this run",
+        f"in brackets the ratio to {args.anchor}'s in this run; calibrated candidates with stand-ins of their "
+        "calibration (a fixed key offset, evenly spaced levels: the codec's cost, not the fit's)",
         "",
         *lines,
         "",
