@@ -170,7 +170,7 @@ def test_the_observation_is_keyed_by_the_model_and_its_weights_as_adopt_rebuilds
             return compute()
 
     session = SimpleNamespace(cfg=cfg, model=tiny, tokenizer=None, maxlen=64, weights="digest", store=Store(),
-                              processes=SimpleNamespace(main=True, broadcast=lambda x: x))
+                              processes=SimpleNamespace(is_main_process=True, broadcast=lambda x: x))
     measured, summary = with_calibration(session, cfg.candidates[0], rows={})
     assert [(label, metric) for label, metric, _ in asked] == [("bias", "calibration")]
     key = asked[0][2]

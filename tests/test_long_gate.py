@@ -430,3 +430,25 @@ def test_context_from_a_llamacpp_report_plans_the_setting_it_measured(tmp_path, 
                  "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert fitted["context"] == 2048 and fitted["kv_bytes"] == plain["kv_bytes"]
+
+
+@pytest.mark.parametrize("settings, needle", [
+    ({**INT4, "bogus_option": 7}, "int4 was measured with bogus_option, no option of int4 here"),
+    ({**INT4, "quantizer": 5}, "int4's settings: unknown quantizer 5"),
+    ({**INT4, "group_size": "x"}, "int4's settings: int4"),
+])
+def test_context_from_refuses_settings_it_cannot_plan_as_measured(tmp_path, monkeypatch, capsys, settings, needle):
+    """A setting with an option this kvquant does not have (a report of another version) was planned without it,
+    exit 0: a plan for a setting other than the one measured. Refused in one line, and bad values too."""
+    from kvquant.plan import main
+    from kvquant.signing import signed_json
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "rep"
+    folder.mkdir()
+    doc = {"decision": "pass", "long_context": LENGTHS, "config": {"model": {"path": "llama-3.1-8b"}},
+           "candidates": [{"name": "int4", "settings": settings, "verdict": "pass"}]}
+    (folder / "results.json").write_text(signed_json(doc))
+    assert main(["--model", "llama-3.1-8b", "--context-from", f"{folder}:int4"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err

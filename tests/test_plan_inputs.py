@@ -361,6 +361,12 @@ def test_a_rotation_at_a_large_head_dim_is_refused_before_any_matrix_is_built(tm
                            f"rotation: the planner takes a Hadamard rotation up to head_dim 512, this model's is "
                            f"{head_dim:,}")
     assert not built
+    for setting in ("{quantizer: lloyd_max, rotation: null}",  # no rotation: planned, nothing built
+                    "{quantizer: lloyd_max, rotation: null, layers: {0: {key_bits: 3}}}",
+                    "{quantizer: normal_float, rotation: null, layers: {1: {residual_length: 0}}}"):
+        assert plan.main(["--model", str(config), "--context", "100", "--cache", setting, "--json"]) == 0, setting
+    capsys.readouterr()
+    assert not built
     ops._hadamard_block.cache_clear()
     config.write_text(json.dumps({**LLAMA, "num_hidden_layers": 64, "head_dim": 512}))
     seeds = kinds_map(lambda i: f"rotation_seed: {i + 1}", count=64, base="quantizer: int4, rotation: hadamard")

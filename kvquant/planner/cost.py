@@ -209,8 +209,11 @@ def _check_rotation(settings: dict, head_dim: int) -> None:
     entries = settings.get("layers")
     entries = [options for options in entries.values() if isinstance(options, dict)] if isinstance(entries, dict) \
         else []
+    cache = {k: v for k, v in settings.items() if k != "layers"}
+    # an entry that names no quantizer changes the cache's own options for its layers
+    entries = [entry if "quantizer" in entry else {**cache, **entry} for entry in entries]
     if head_dim > MAX_ROTATED_HEAD_DIM and any(_rotates(options, settings.get("quantizer"))
-                                               for options in [settings, *entries]):
+                                               for options in [cache, *entries]):
         raise KVQuantError(f"rotation: the planner takes a Hadamard rotation up to head_dim {MAX_ROTATED_HEAD_DIM}, "
                            f"this model's is {head_dim:,} (the cache code builds a head_dim x head_dim matrix for "
                            "each layers entry and each layer; real models use at most 256)")

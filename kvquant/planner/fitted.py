@@ -26,6 +26,18 @@ class FittedContext:
     setting: str
 
 
+def derived_names(quantizer) -> set[str]:
+    """The names of what ``quantizer`` derives from a head size beside its options: the same names at every head
+    size it takes, read at the first of 64, 128, 256, then every multiple of 8 up to 512, that it takes (none of
+    them: an empty set)."""
+    for head_dim in sorted(range(8, 513, 8), key=lambda d: (d not in (64, 128, 256), d)):
+        try:
+            return set(quantizer.derived_settings(head_dim))
+        except KVQuantError:
+            continue
+    return set()
+
+
 def candidate_setting(doc: dict, label: str, folder) -> str:
     """The cache options ``label`` was measured with in the report ``doc``, as the planner's ``--cache`` mapping
     text: its settings less what the quantizer derived from the model's head_dim beside them (``key_group``,
@@ -40,7 +52,16 @@ def candidate_setting(doc: dict, label: str, folder) -> str:
         raise KVQuantError(f"--context-from: {visible(label, 80)} FAILED the gate in {folder}; a setting the report "
                            "rejected has no safe context to plan for")
     settings = found[0]["settings"]
-    options = {*QUANTIZERS.options(settings.get("quantizer")), *CACHE_OPTIONS, "quantizer"}
+    try:
+        options = {*QUANTIZERS.options(settings.get("quantizer")), *CACHE_OPTIONS, "quantizer"}
+        own = {k: v for k, v in settings.items() if k in options and k not in (*CACHE_OPTIONS, "quantizer")}
+        unknown = sorted(set(settings) - options - derived_names(QUANTIZERS.build(settings["quantizer"], **own)))
+    except KVQuantError as e:
+        raise KVQuantError(f"--context-from: {folder}: {visible(label, 80)}'s settings: {e}") from None
+    if unknown:
+        raise KVQuantError(f"--context-from: {folder}: {visible(label, 80)} was measured with "
+                           f"{', '.join(visible(k, 40) for k in unknown)}, no option of {settings['quantizer']} here "
+                           "(a report of another kvquant version?); the planner plans only the setting measured")
     return json.dumps({k: v for k, v in settings.items() if k in options}, sort_keys=True)
 
 

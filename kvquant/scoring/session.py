@@ -346,7 +346,7 @@ class Session:
 
     def _keep_in_store(self, label: str, metric: str, key: dict):
         """The :data:`~kvquant.scoring.windowed.Keep` of ``label``'s ``metric`` pass: each finished group of its
-        windows a result of the store's :meth:`~kvquant.runner.store.ResultStore.windows`, keyed by ``key`` and
+        windows a result of the store's :meth:`~kvquant.runner.store.ResultStore.window_groups`, keyed by ``key`` and
         the group's own windows."""
         groups = self.store.window_groups()
         return lambda start, stop, ws, compute: groups.get_or_compute(

@@ -8,7 +8,7 @@ either way, and the same as in one call of all the windows, and the assembled re
 window's values move by float rounding with the rows batched beside it: ``docs/parallel.md``), where the scorer
 prefills no context apart from its rows (simulated mode, or one-token contexts as the ``documents`` layout's).
 What a pass keeps of a group is its ``keep`` callback's business (:meth:`kvquant.scoring.session.Session`'s: a
-signed file per group, :meth:`kvquant.runner.store.ResultStore.windows`).
+signed file per group, :meth:`kvquant.runner.store.ResultStore.window_groups`).
 """
 
 from __future__ import annotations
