@@ -72,6 +72,11 @@ def calibrated_stand_in(candidate: dict, head_dim: int) -> dict:
     return {**candidate, "options": options}
 
 
+def timed_candidates(spec: dict) -> dict[str, dict]:
+    """The candidates of a config ``spec`` by name, as timed: calibrated ones with their stand-ins."""
+    return {c.get("name", c["quantizer"]): calibrated_stand_in(c, SHAPE["head_dim"]) for c in spec["candidates"]}
+
+
 def parts(model, candidate: dict, states: torch.Tensor, chunk: int) -> dict[str, tuple[float, float]]:
     """The four timings of one candidate (module docstring) on ``states`` ``[2, B, H, T, D]`` (keys, values), its
     cache made for ``model`` (one layer of the shape) where it stores keys before RoPE, else for its config."""
@@ -100,7 +105,7 @@ def parts(model, candidate: dict, states: torch.Tensor, chunk: int) -> dict[str,
 @torch.inference_mode()
 def measure(args) -> pd.DataFrame:
     spec = yaml.safe_load(args.config.read_text())
-    candidates = {c.get("name", c["quantizer"]): calibrated_stand_in(c, SHAPE["head_dim"]) for c in spec["candidates"]}
+    candidates = timed_candidates(spec)
     if args.anchor not in candidates:
         raise KVQuantError(f"--anchor {args.anchor!r} is not a candidate of {args.config}: {', '.join(candidates)}")
     config = LlamaConfig(**SHAPE, max_position_embeddings=args.tokens + 16)
