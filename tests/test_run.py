@@ -120,7 +120,9 @@ def read_report(out_dir):
 def provenance(doc: dict) -> dict:
     """What results.json says of where its results came from, less the run's process count and seconds."""
     results = dict(doc["results"])
-    assert results.pop("processes") == 1 and results.pop("seconds") > 0
+    seconds = results.pop("seconds")
+    # wall-clock seconds to 0.1 s: a rerun that reuses almost everything can take under 0.05 s (0.0 once, in CI)
+    assert results.pop("processes") == 1 and isinstance(seconds, float) and seconds >= 0
     return results
 
 
