@@ -14,8 +14,9 @@ digest of its inputs (edited) or whose path is not the candidate and metric it i
 one measured by other code (kvquant's measuring source, torch, transformers or lm-eval); one whose inputs are not
 those this config's run would key it with (a candidate or metric the run does not measure, the model, mode,
 batch, seed, cache settings, the token windows read, the task's documents, shots and data file); results of
-different model weights, or of weights other than this machine's own results name; two files of one candidate and
-metric of other inputs, or of the same inputs with different results; a plan here that is unknown (its file does not
+different model weights, or of weights other than this machine's own results name; task results without the
+``plan.json`` they were judged under (their looks travel in it alone); two files of one candidate and metric of other
+inputs, or of the same inputs with different results; a plan here that is unknown (its file does not
 verify, is another report folder's, or is missing beside results measured under one). Identical copies are one. A
 result already here that verifies for the same inputs is kept; one of other inputs is moved to
 ``partial.old-<time>/``.
@@ -44,8 +45,8 @@ from kvquant.experiment.binding import add_set_option
 from kvquant.runner.expected import Expected
 from kvquant.runner.store import ResultStore, RunLock, check_partial
 from kvquant.runner.lookplan import LookPlan, PlanRecord
-from kvquant.runner.travel import (check_documents, check_found, check_weights, local_weights, merge, place,
-    read_folder, read_plan, refuse)
+from kvquant.runner.travel import (check_documents, check_found, check_looks_carried, check_weights, local_weights,
+    merge, place, read_folder, read_plan, refuse)
 from kvquant.scoring.models import check_model
 
 
@@ -62,8 +63,11 @@ def adopt(config: str, overrides: list[str], folders: list[Path], dry_run: bool)
             refuse(f"{folder} is this run's own partial folder")
     code, model_config = provenance.code_version(), check_model(cfg.model)
     expected = Expected(cfg, model_config, context_length(cfg, model_config))
-    read = [f for folder in folders for f in read_folder(folder)]
-    plans = [found for folder in folders for found in read_plan(folder)]
+    read, plans = [], []
+    for folder in folders:
+        found, plan = read_folder(folder), read_plan(folder)
+        check_looks_carried(folder, found, plan)
+        read, plans = read + found, plans + plan
     for found in read:
         check_found(found, code, expected)
     merged = merge(read)

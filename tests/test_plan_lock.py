@@ -245,6 +245,35 @@ def test_adopt_carries_the_plan_and_refuses_a_conflicting_one(tmp_path, capsys, 
     assert snapshot(tmp_path / "reports" / "elsewhere") == before
 
 
+def test_adopt_refuses_task_results_without_the_plan_they_were_judged_under(tmp_path, capsys, monkeypatch):
+    """Task results are judged in looks, and a folder's looks travel in its plan.json alone: a copy holding task
+    results with its plan.json removed was adopted, the run then recording its own plan as the first (closing note of
+    2026-12-07: a look planned after the data would pass as planned). Refused with one line naming the folder,
+    nothing written; the same folder with its plan is adopted, and perplexity results alone travel without a plan."""
+    import shutil
+
+    from kvquant.adopt import main as adopt
+    from tiny_configs import set_args, write_run
+
+    monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_run(tmp_path)
+    main([str(path)])
+    there = tmp_path / "reports" / "small" / "partial"
+    assert sorted(p.name for p in there.glob("*/task__*.json")) == ["task__tinystories_lastword.json"] * 2
+    bare = tmp_path / "copied"
+    shutil.copytree(there, bare)
+    os.unlink(bare / "plan.json")
+    capsys.readouterr()
+    assert adopt([str(path), str(bare), *set_args("name=elsewhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "holds task results" in err and "no plan.json" in err, err
+    assert not (tmp_path / "reports" / "elsewhere").exists()  # nothing written, not even a lock
+    assert adopt([str(path), str(there), *set_args("name=elsewhere")]) == 0  # whole, with its plan
+    for task in bare.glob("*/task__*.json"):
+        os.unlink(task)
+    assert adopt([str(path), str(bare), *set_args("name=perplexity-only")]) == 0, capsys.readouterr().err
+
+
 def test_a_plan_copied_from_another_report_folder_is_refused_a_whole_folder_copied_is_not(tmp_path, capsys,
                                                                                           monkeypatch):
     """A signed plan.json copied from another report folder of the same config verified (issue 58): its signature

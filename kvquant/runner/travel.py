@@ -99,6 +99,18 @@ def read_plan(folder: Path) -> list[tuple[Path, list[dict]]]:
     return [] if found is None else [(path, found[0])]
 
 
+def check_looks_carried(folder: Path, found: list[Found], plans: list) -> None:
+    """Task results are judged in looks (documents added while a verdict is open), and the looks a folder's results
+    were judged at are in its ``plan.json`` alone: a folder (``found`` read from it, ``plans`` its plan) holding a
+    task result but no plan is refused, since the error over its earlier looks could not be stated (adopted without
+    it, a look planned after the data would pass as planned). Perplexity and divergence results are one look each,
+    of the windows their key names, and travel without a plan (results from before plans were recorded)."""
+    task = next((f for f in found if f.metric.startswith("task/")), None)
+    if task is not None and not plans:
+        refuse(f"{folder} holds task results ({task.path}) but no {PLAN}: the looks they were judged at travel in it "
+               "alone; copy the folder whole, its plan.json with it")
+
+
 def read_result(path: Path, candidate: str) -> Found:
     """The result at ``path`` in ``candidate``'s folder: a JSON object of ``key``, ``inputs`` and ``result`` whose
     key is the digest of its inputs (not edited since it was written) and whose inputs name it the result of this
