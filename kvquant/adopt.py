@@ -14,8 +14,9 @@ digest of its inputs (edited) or whose path is not the candidate and metric it i
 one measured by other code (kvquant's measuring source, torch, transformers or lm-eval); one whose inputs are not
 those this config's run would key it with (a candidate or metric the run does not measure, the model, mode,
 batch, seed, cache settings, the token windows read, the task's documents, shots and data file); results of
-different model weights, or of weights other than this machine's own results name; task results without the
-``plan.json`` they were judged under (their looks travel in it alone); two files of one candidate and metric of other
+different model weights, or of weights other than this machine's own results name; results without the
+``plan.json`` they were judged under (their looks travel in it alone: results of a folder with ids need their own
+folder's plan, task results from before ids a plan); two files of one candidate and metric of other
 inputs, or of the same inputs with different results; a plan here that is unknown (its file does not
 verify, is another report folder's, or is missing beside results measured under one). Identical copies are one. A
 result already here that verifies for the same inputs is kept; one of other inputs is moved to
@@ -66,7 +67,7 @@ def adopt(config: str, overrides: list[str], folders: list[Path], dry_run: bool)
     read, plans = [], []
     for folder in folders:
         found, plan = read_folder(folder), read_plan(folder)
-        check_looks_carried(folder, found, plan)
+        check_looks_carried(folder, found)
         read, plans = read + found, plans + plan
     for found in read:
         check_found(found, code, expected)

@@ -21,6 +21,7 @@ from kvquant.runner.preflight import context_length
 from kvquant.experiment import provenance
 from kvquant.experiment.config import load_config
 from kvquant.runner.expected import ANY, Expected
+from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.store import ResultStore, RunLock, inputs_digest
 from kvquant.scoring.models import check_model
 
@@ -65,9 +66,11 @@ def run_key(config: Path, label: str, metric: str, weights: str = WEIGHTS) -> di
 def measured(monkeypatch, tmp_path: Path, machine: str, config: Path, results: dict, code: dict | None = None,
              weights: str = WEIGHTS) -> Path:
     """``<tmp>/<machine>/partial``: what ``config``'s run on another machine (its own key) leaves, ``results``:
-    ``{(candidate, metric): result}``, measured by ``code`` (default: this checkout's) on ``weights``."""
+    ``{(candidate, metric): result}``, measured by ``code`` (default: this checkout's) on ``weights``, with the plan
+    they were measured under (``plan.json``, written with the first result, as a run writes it)."""
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / machine / "cache"))
     store = ResultStore(tmp_path / machine / "partial", code or provenance.code_version(), [])
+    PlanRecord(store, LookPlan.of(load_config(str(config), []))).settle()
     for (label, metric), result in results.items():
         store.get_or_compute(label, metric, run_key(config, label, metric, weights), lambda r=result: r)
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "here"))
@@ -91,6 +94,7 @@ def reused(partial: Path, config: Path, wanted: dict) -> None:
     """A store of this machine's key reuses every ``(candidate, metric)`` of ``wanted`` at its value, computing
     nothing."""
     store = ResultStore(partial, provenance.code_version(), [])
+    PlanRecord(store, LookPlan.of(load_config(str(config), []))).identify()  # the folder's id, as a run reads it
     for (label, metric), result in wanted.items():
         assert store.get_or_compute(label, metric, run_key(config, label, metric), pytest.fail) == result
     assert (store.reused, store.computed, store.set_aside) == (len(wanted), 0, [])

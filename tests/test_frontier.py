@@ -39,3 +39,15 @@ def test_writes_the_table_and_plot_and_refuses_no_reports(tmp_path):
     assert (tmp_path / "out" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(KVQuantError, match="no report with kl/wikitext2"):
         frontier.main(["--family", f"F={tmp_path / 'nothing'}", "--out", str(tmp_path / "out2")])
+
+
+def test_a_verdict_with_a_caveat_is_never_quoted_without_it(tmp_path):
+    """smollm2-mixed-6bit's PASS is its search's second map on the same windows (5%, not 2.5%): the frontier marks
+    its verdict and writes the caveat under the table; other rows get no mark, a table without the report no note."""
+    plain = report(tmp_path / "plain", {"a": (3.0, 0.05, 12, "fail")})
+    marked = report(tmp_path / "smollm2-mixed-6bit", {"m": (6.0, 0.0096, 96, "pass")})
+    text = "\n".join(frontier.table("x", frontier.on_frontier(frontier.settings([plain, marked]))))
+    assert "| 96 | pass (*) | yes | `smollm2-mixed-6bit` |" in text and "| 12 | fail | yes | `plain` |" in text
+    assert text.count("(*)") == 2 and "the chance that either passed falsely is 5%" in text
+    alone = "\n".join(frontier.table("x", frontier.on_frontier(frontier.settings([plain]))))
+    assert "(*)" not in alone

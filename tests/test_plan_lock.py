@@ -245,11 +245,13 @@ def test_adopt_carries_the_plan_and_refuses_a_conflicting_one(tmp_path, capsys, 
     assert snapshot(tmp_path / "reports" / "elsewhere") == before
 
 
-def test_adopt_refuses_task_results_without_the_plan_they_were_judged_under(tmp_path, capsys, monkeypatch):
-    """Task results are judged in looks, and a folder's looks travel in its plan.json alone: a copy holding task
-    results with its plan.json removed was adopted, the run then recording its own plan as the first (closing note of
-    2026-12-07: a look planned after the data would pass as planned). Refused with one line naming the folder,
-    nothing written; the same folder with its plan is adopted, and perplexity results alone travel without a plan."""
+def test_results_travel_only_with_the_plan_they_were_judged_under(tmp_path, capsys, monkeypatch):
+    """A result's looks are recorded in its folder's plan.json alone. A copy with its plan.json removed was adopted
+    (the run then recorded its own plan as the first: a look planned after the data passed as planned), and so was
+    one beside another report folder's plan.json of the same config (closing note and review of 2026-12-07). Each is
+    refused with one line naming the folder, nothing written, by kvquant.adopt and by --render-only --partial, and
+    so is a good folder named with a bad one; the folder whole is adopted. Results from before folder ids: task
+    results need a plan, perplexity results alone travel without one."""
     import shutil
 
     from kvquant.adopt import main as adopt
@@ -257,21 +259,37 @@ def test_adopt_refuses_task_results_without_the_plan_they_were_judged_under(tmp_
 
     monkeypatch.setenv("KVQUANT_CACHE_DIR", str(tmp_path / "cache"))
     path = write_run(tmp_path)
-    main([str(path)])
+    first = main([str(path)])
+    assert main([str(path), *set_args("name=other")]) == first
     there = tmp_path / "reports" / "small" / "partial"
     assert sorted(p.name for p in there.glob("*/task__*.json")) == ["task__tinystories_lastword.json"] * 2
-    bare = tmp_path / "copied"
+    bare, swapped = tmp_path / "bare", tmp_path / "swapped"
     shutil.copytree(there, bare)
     os.unlink(bare / "plan.json")
+    shutil.copytree(there, swapped)
+    shutil.copy(tmp_path / "reports" / "other" / "partial" / "plan.json", swapped / "plan.json")  # same config
     capsys.readouterr()
-    assert adopt([str(path), str(bare), *set_args("name=elsewhere")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [err] and "holds task results" in err and "no plan.json" in err, err
-    assert not (tmp_path / "reports" / "elsewhere").exists()  # nothing written, not even a lock
-    assert adopt([str(path), str(there), *set_args("name=elsewhere")]) == 0  # whole, with its plan
+
+    def refused(args, *words, command=adopt):
+        assert command([*args, *set_args("name=elsewhere")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and all(w in err for w in words), err
+        assert not (tmp_path / "reports" / "elsewhere").exists()  # nothing written, not even a lock
+
+    refused([str(path), str(bare)], str(bare), "no plan.json")
+    refused([str(path), str(swapped)], "not the plan its results were measured under")
+    refused([str(path), str(there), str(bare)], str(bare), "no plan.json")
+    refused([str(path), "--render-only", "--partial", str(bare)], "no plan.json", command=main)
+
+    for result in bare.glob("*/*.json"):  # results from before folder ids
+        saved = json.loads(result.read_text())
+        del saved["report"]
+        result.write_text(json.dumps(saved))
+    refused([str(path), str(bare)], "holds task results", "no plan.json")
     for task in bare.glob("*/task__*.json"):
         os.unlink(task)
     assert adopt([str(path), str(bare), *set_args("name=perplexity-only")]) == 0, capsys.readouterr().err
+    assert adopt([str(path), str(there), *set_args("name=elsewhere")]) == 0  # whole, with its plan
 
 
 def test_a_plan_copied_from_another_report_folder_is_refused_a_whole_folder_copied_is_not(tmp_path, capsys,

@@ -34,7 +34,7 @@ from kvquant.runner.preflight import check_report_dir, context_length, preflight
 from kvquant.experiment.provenance import commit_provenance
 from kvquant.runner.store import ResultStore
 from kvquant.signing import result_key
-from kvquant.runner.travel import ACTION, check_found, check_weights, read_folder
+from kvquant.runner.travel import ACTION, check_found, check_looks_carried, check_weights, read_folder
 from kvquant.scoring import data, parallel
 from kvquant.scoring.models import check_model, load_tokenizer, model_dtype
 from kvquant.scoring.session import BASELINE, Session, probe_counts
@@ -70,6 +70,8 @@ class StoredResults(ResultStore):
             for f in found:  # before anything is printed or written: of this config's inputs, by that one code
                 check_found(f, found[0].saved["inputs"]["code"], expected)
             check_weights(found, set(), folder)
+            if vouched:  # travelled: its looks must travel with it, as kvquant.adopt requires
+                check_looks_carried(folder, found)
         finally:
             ACTION.reset(token)
         secret = result_key(make=False) or b""

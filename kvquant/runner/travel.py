@@ -30,6 +30,8 @@ class Found:
     candidate: str
     metric: str
     saved: dict
+    #: the id of the report folder it was measured in ("": a result from before ids), which its plan carries too
+    report: str = ""
 
 
 #: the command reading the folders and what it does with them, as a refusal names them: ``python -m kvquant.adopt``
@@ -66,7 +68,7 @@ def read_folder(folder: Path) -> list[Found]:
     result. A folder named on the command line is followed where it is a symlink; nothing inside it is."""
     if not folder.is_dir():
         refuse(f"{folder} is not a folder" if folder.exists() else f"{folder} does not exist")
-    if (folder / "partial").is_dir() and not any((folder / "partial").glob("*.json")):  # not a candidate's
+    if (folder / "partial").is_dir() and all(p.name == PLAN for p in (folder / "partial").glob("*.json")):  # a run's
         refuse(f"{folder} is a report folder; name its partial results instead: {folder / 'partial'}")
     found = []
     for entry in _entries(str(folder)):
@@ -99,14 +101,24 @@ def read_plan(folder: Path) -> list[tuple[Path, list[dict]]]:
     return [] if found is None else [(path, found[0])]
 
 
-def check_looks_carried(folder: Path, found: list[Found], plans: list) -> None:
-    """Task results are judged in looks (documents added while a verdict is open), and the looks a folder's results
-    were judged at are in its ``plan.json`` alone: a folder (``found`` read from it, ``plans`` its plan) holding a
-    task result but no plan is refused, since the error over its earlier looks could not be stated (adopted without
-    it, a look planned after the data would pass as planned). Perplexity and divergence results are one look each,
-    of the windows their key names, and travel without a plan (results from before plans were recorded)."""
+def check_looks_carried(folder: Path, found: list[Found]) -> None:
+    """A result's looks (the judgements it entered, and their errors) are recorded in its folder's ``plan.json``
+    alone, so the plan must travel with the results ``found`` in ``folder``: results that carry a report folder's id
+    (measured under a recorded plan) are refused without a plan of the same id beside them (none, or another
+    folder's, even of the same config); results from before ids are refused without a plan where any is a task
+    result (judged in looks as documents are added), and perplexity and divergence results of that age, one look
+    each of the windows their key names, travel without one. Refused with one line naming the folder."""
+    ids = {f.report for f in found} - {""}
+    plan = read_plan_file(folder / PLAN)  # read_plan refused it already where it is not a plan file
+    carried = "" if plan is None else plan[2]
+    if ids and plan is None:
+        refuse(f"{folder} holds results measured under a recorded plan but no {PLAN}: the looks they were judged at "
+               "travel in it alone; copy the folder whole, its plan.json with it")
+    if ids and ids != {carried}:
+        refuse(f"{folder / PLAN} is not the plan its results were measured under (another report folder's); copy the "
+               "folder whole, its own plan.json with it")
     task = next((f for f in found if f.metric.startswith("task/")), None)
-    if task is not None and not plans:
+    if task is not None and plan is None:
         refuse(f"{folder} holds task results ({task.path}) but no {PLAN}: the looks they were judged at travel in it "
                "alone; copy the folder whole, its plan.json with it")
 
@@ -130,7 +142,9 @@ def read_result(path: Path, candidate: str) -> Found:
             and owner[0] == candidate and result_name(owner[1]) == path.name):
         refuse(f"{path} is the result of {json.dumps(owner, default=str)[:80]}, not of the candidate and metric its "
                "path names: copied or renamed")
-    return Found(path, candidate, owner[1], {k: saved[k] for k in ("key", "inputs", "result", "seconds") if k in saved})
+    report = saved.get("report", "")
+    return Found(path, candidate, owner[1], {k: saved[k] for k in ("key", "inputs", "result", "seconds") if k in saved},
+                 report if isinstance(report, str) else "")
 
 
 def check_found(found: Found, code: dict, expected: Expected) -> None:
