@@ -23,6 +23,7 @@ from kvquant.experiment import provenance
 from kvquant.experiment.config import load_config
 from kvquant.runner.expected import Expected
 from kvquant.runner.preflight import context_length
+from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.store import ResultStore
 from kvquant.scoring.models import check_model
 
@@ -66,8 +67,9 @@ def stored(rng) -> dict:
 
 
 def setup(tmp_path: Path, results: dict, code: dict | None = None, folder: Path | None = None) -> tuple[Path, Path]:
-    """The tiny config with sequential looks, and its ``partial/`` (or ``folder``) holding ``results`` signed under
-    this user's key, keyed as the run keys them (measured by ``code``, default this checkout's)."""
+    """The tiny config with sequential looks, and its ``partial/`` (or ``folder``, with the plan a run records beside
+    its results: results travel with their plan) holding ``results`` signed under this user's key, keyed as the run
+    keys them (measured by ``code``, default this checkout's)."""
     config = tmp_path / "tiny.yaml"
     if not config.exists():
         doc = {**tiny_run("tiny", "int4", 5, max_documents=40), "output_dir": str(tmp_path / "reports")}
@@ -78,6 +80,8 @@ def setup(tmp_path: Path, results: dict, code: dict | None = None, folder: Path 
     partial = folder or tmp_path / "reports" / "tiny" / "partial"
     partial.parent.mkdir(parents=True, exist_ok=True)
     store = ResultStore(partial, code or provenance.code_version(), [])
+    if folder is not None:
+        PlanRecord(store, LookPlan.of(cfg)).settle()
     for (label, metric), result in results.items():
         key = {**expected.inputs(label, metric), "weights": WEIGHTS}
         store.get_or_compute(label, metric, key, lambda r=result: r)
