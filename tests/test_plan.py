@@ -74,10 +74,13 @@ def real_caches():
 
 
 @pytest.mark.parametrize("setting", slow_where(["fp32", "fp8_e4m3", "int8:group_size=32", "int4",
-                                                 "int4:residual_length=16,sink_tokens=4", "int2:group_size=8"],
+                                                 "int4:residual_length=16,sink_tokens=4", "int2:group_size=8",
+                                                 "int4:group_size=32,pre_rope=true"],
                                                 lambda setting: setting in ("fp32", "fp8_e4m3", "int8:group_size=32")))
 def test_plan_equals_memory_report_of_a_filled_cache(setting):
     for name, model in real_caches():
+        if "pre_rope" in setting and name == "GPTNeoXConfig":  # partial rotary: refused by make_cache
+            continue
         shape = shape_from_config(model.config, name)
         settings = parse_setting(setting)
         planner = Planner(shape, settings, torch.float32)

@@ -225,6 +225,9 @@ def storing_layers(layout: list, settings: dict, head_dim: int) -> dict[int, KVQ
     written. Bad settings raise :class:`KVQuantError` here, as make_cache would."""
     _check_rotation(settings, head_dim)
     settings = dict(settings)
+    # keys stored before RoPE take the bytes they take after it (their positions are host bookkeeping), and
+    # rotating them needs a loaded model's rotary embedding, which a plan has not: count them as stored after
+    settings.pop("pre_rope", None)
     cache = build_cache(layout, settings.pop("quantizer"), head_dim=head_dim, **settings)
     return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, KVQuantLayer)}
 
