@@ -46,6 +46,9 @@ PLAN_CASES = [
     ("cache-option-no-value", [*LLAMA_ARGS, "--cache", "int4:group_size"], "options are key=value"),
     ("cache-fp16-options", [*LLAMA_ARGS, "--cache", "fp16:group_size=32"], "fp16 takes no options"),
     ("cache-residual-negative", [*LLAMA_ARGS, "--cache", "int4:residual_length=-1"], "residual_length"),
+    ("cache-pre-rope-number", [*LLAMA_ARGS, "--cache", "int4:pre_rope=5"], "pre_rope must be true or false"),
+    ("cache-pre-rope-eviction", [*LLAMA_ARGS, "--cache", "int4:pre_rope=true,eviction=sink_window,window=64,"
+                                 "sink_tokens=4,residual_length=0"], "pre_rope is not supported with an eviction"),
     ("dtype-choice", [*LLAMA_ARGS, "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     ("model-unknown", ["--model", "no-such-model", "--context", "10"], "unknown model 'no-such-model'"),
     ("model-json-list", ["--model", "{files}/list_config.json", "--context", "10"], "list_config.json"),

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvquant.formats import kernels
-from kvquant.cache import FP16_BYTES, KVQuantLayer, build_cache, check_importance
+from kvquant.cache import FP16_BYTES, CacheSpec, KVQuantLayer, build_cache, check_importance
 from kvquant.cache.layer import block_tokens
 from kvquant.cache.memory import STORED_KEYS
 from kvquant.formats.roles import by_category
@@ -225,10 +225,10 @@ def storing_layers(layout: list, settings: dict, head_dim: int) -> dict[int, KVQ
     written. Bad settings raise :class:`KVQuantError` here, as make_cache would."""
     _check_rotation(settings, head_dim)
     settings = dict(settings)
+    spec = CacheSpec.of(settings.pop("quantizer"), settings)  # refused as make_cache refuses, pre_rope's value too
     # keys stored before RoPE take the bytes they take after it (their positions are host bookkeeping), and
     # rotating them needs a loaded model's rotary embedding, which a plan has not: count them as stored after
-    settings.pop("pre_rope", None)
-    cache = build_cache(layout, settings.pop("quantizer"), head_dim=head_dim, **settings)
+    cache = build_cache(layout, spec.replace(pre_rope=None) if spec.pre_rope else spec, head_dim=head_dim)
     return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, KVQuantLayer)}
 
 
