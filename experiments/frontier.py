@@ -25,12 +25,12 @@ from kvquant.exits import run_script
 from kvquant.fs import output_dir, write_together
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The low-bit reports of each family (issue 56's stage 2 first, then its screen; then per-layer searches' maps,
-#: measured on the screen's windows or on 96, of which the screen's 12 are the first).
+#: The low-bit reports of each family (issue 56's stage 2 first, then its screen; then per-layer searches' maps and
+#: 8-bit settings decided, measured on the screen's windows or on 96, of which the screen's 12 are the first).
 FAMILIES = {"SmolLM2-135M": ("reports/smollm2-lowbit", "reports/smollm2-lowbit-screen",
                              "reports/smollm2-lowbit-search", "reports/smollm2-mixed-prerope",
                              "reports/smollm2-mixed-6bit"),
-            "Gemma 3 270M": ("reports/gemma3-lowbit", "reports/gemma3-lowbit-screen"),
+            "Gemma 3 270M": ("reports/gemma3-lowbit", "reports/gemma3-lowbit-screen", "reports/gemma3-decide"),
             "Qwen2.5-0.5B": ("reports/qwen2.5-lowbit", "reports/qwen2.5-lowbit-screen", "reports/qwen2.5-mixed")}
 METRIC = "kl/wikitext2"
 #: What a report's verdict needs said beside it, wherever the frontier quotes it
