@@ -125,6 +125,11 @@ def build_plan(args) -> dict:
             "reserved_tokens_max": Store.CHUNK_TOKENS}
 
 
+#: A ``--cache`` text longer than this (a per-layer mapping, a searched map) is numbered in the table and spelled out
+#: under it
+LONG_CACHE_TEXT = 48
+
+
 def render_plan(plan: dict) -> str:
     lines = [f"model {plan['model']}: {plan['layers']} layers ({plan['sliding_layers']} sliding-window), "
              f"{plan['kv_heads']} KV heads, head_dim {plan['head_dim']}",
@@ -152,9 +157,13 @@ def render_plan(plan: dict) -> str:
         header += ["max batch @context", "max context @batch"]
     if "shared_prefix_saving_bytes" in plan["settings"][0]:
         header += ["prefix shared saves (GiB)"]
-    table = [header]
+    table, spelled = [header], []
     for r in plan["settings"]:
-        row = [r["cache"], f"{r['kv_bytes']:,}", f"{r['kv_bytes'] / 2**30:,.2f}", f"{r['bits_per_element']:.2f}",
+        name = r["cache"]
+        if len(name) > LONG_CACHE_TEXT:  # a per-layer mapping: spelled out under the table, not across it
+            spelled.append(f"[{len(spelled) + 1}] {name}")
+            name = f"[{len(spelled)}]"
+        row = [name, f"{r['kv_bytes']:,}", f"{r['kv_bytes'] / 2**30:,.2f}", f"{r['bits_per_element']:.2f}",
                f"{r['gain_over_fp16']:.2f}x"]
         if plan["available_for_kv_bytes"] is not None:
             row += [f"{r['max_batch_at_context']:,}", f"{r['max_context_at_batch']:,}"]
@@ -163,6 +172,7 @@ def render_plan(plan: dict) -> str:
         table.append(row)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in table]
+    lines += spelled
     lines.append(f"KV bytes are stored bytes (memory_report()'s stored_bytes); a running cache also holds capacity for "
                  f"growth (reserved_bytes): at most {Store.CHUNK_TOKENS} tokens' worth per sequence and "
                  "layer once its pools are large, a quarter of what it stores while they are small")

@@ -137,6 +137,15 @@ def test_human_output(capsys):
     assert "GiB = 2^30 B, GB = 10^9 B" in out and "max batch @context" in out and "int4" in out
 
 
+def test_a_long_cache_mapping_is_numbered_and_spelled_under_the_table(capsys):
+    mapping = "{quantizer: int4, group_size: 32, residual_length: 0, layers: {0-3: {quantizer: int8}}}"
+    assert main(["--model", "llama-3.1-8b", "--context", "1024", "--cache", mapping, "--cache", "int4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith(("[1]  ", "int4  "))]
+    assert len(rows) == 2 and all(len(line) < 100 for line in rows)
+    assert f"[1] {mapping}" in lines
+
+
 @pytest.mark.parametrize("ranks, heads_per_gpu", [(2, 4), (8, 1), (16, 1)])
 def test_tensor_parallel_answers_per_gpu(capsys, ranks, heads_per_gpu):
     """Llama-3.1-8B (8 KV heads, 128 KiB per token in fp16) over N GPUs as vLLM splits it: 8/N heads per GPU, or one
