@@ -353,8 +353,7 @@ def simulate_memory(
         quantizer = settings.pop("quantizer")
         check_not_options("settings", settings)
         settings = CacheSpec.of(quantizer, settings)
-    if settings.pre_rope:  # the same stored bytes as without (positions are host bookkeeping), and no model here
-        settings = settings.replace(pre_rope=None)
+    settings = settings.stored_bytes_spec()
     states = torch.empty(1, kv_heads, tokens, head_dim, dtype=dtype, device="meta")
     cache = build_cache(layout, settings, head_dim=head_dim, context=context)
     parts, seen = {}, {}

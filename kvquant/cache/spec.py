@@ -83,6 +83,11 @@ class CacheSpec:
         return cls(built, residual, sinks, policy, copy.deepcopy(own.get("layers")), {**options, **own}, name,
                    pre_rope)
 
+    def stored_bytes_spec(self) -> CacheSpec:
+        """This setting as a count of stored bytes sees it: keys stored before RoPE take the bytes they take after it
+        (their positions are host bookkeeping), and rotating them needs a loaded model, which a count has not."""
+        return self.replace(pre_rope=None) if self.pre_rope else self
+
     def replace(self, **changes) -> CacheSpec:
         """This setting with some options changed (``None`` removes one), validated as a new one."""
         options = {**self.options, **changes}

@@ -226,9 +226,7 @@ def storing_layers(layout: list, settings: dict, head_dim: int) -> dict[int, KVQ
     _check_rotation(settings, head_dim)
     settings = dict(settings)
     spec = CacheSpec.of(settings.pop("quantizer"), settings)  # refused as make_cache refuses, pre_rope's value too
-    # keys stored before RoPE take the bytes they take after it (their positions are host bookkeeping), and
-    # rotating them needs a loaded model's rotary embedding, which a plan has not: count them as stored after
-    cache = build_cache(layout, spec.replace(pre_rope=None) if spec.pre_rope else spec, head_dim=head_dim)
+    cache = build_cache(layout, spec.stored_bytes_spec(), head_dim=head_dim)
     return {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, KVQuantLayer)}
 
 
