@@ -268,8 +268,10 @@ def test_make_cache_rejects_what_is_no_model_or_config_instance(model, kind):
         kvquant.make_cache(target, "int4")
 
 
-def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, capsys):
+def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, capsys, tmp_path, monkeypatch):
     """Was: ``KVQuantError("internal error ...")``, which the commands report as bad input (exit 2)."""
+    import tempfile
+
     from kvquant.errors import EXIT_INTERNAL, InternalError
     from kvquant.exits import run_guarded
 
@@ -278,8 +280,11 @@ def test_a_broken_invariant_is_an_internal_error_exit_3_not_bad_input(model, cap
     with pytest.raises(InternalError, match=r"row 1 stores .* tokens") as info:
         cache.layers[0]._check()
     assert not isinstance(info.value, KVQuantError)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the traceback goes (was left in /tmp each run)
     assert run_guarded("kvquant", lambda: cache.layers[0]._check()) == EXIT_INTERNAL
     assert "internal error (InternalError: row 1" in capsys.readouterr().err
+    [log] = tmp_path.glob("kvquant-error-*.log")
+    assert "InternalError: row 1 stores" in log.read_text()
 
 
 @pytest.fixture(scope="module")

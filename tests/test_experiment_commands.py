@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,7 @@ def test_bad_arguments_are_refused_at_once_with_one_line(script, args, capsys):
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"{script}: error:")
 
 
-def test_a_script_exits_as_the_package_commands_do(capsys):
+def test_a_script_exits_as_the_package_commands_do(capsys, tmp_path, monkeypatch):
     def bad():
         raise KVQuantError("bad input\n\x1b[2Jforged line")
 
@@ -144,7 +145,10 @@ def test_a_script_exits_as_the_package_commands_do(capsys):
     assert run_script("bench_x", bad) == 2
     err = capsys.readouterr().err
     assert err == "bench_x: error: bad input \\u001b[2Jforged line\n"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the traceback goes (was left in /tmp each run)
     assert run_script("bench_x", broken) == 3 and "internal error" in capsys.readouterr().err
+    [log] = tmp_path.glob("kvquant-error-*.log")
+    assert log.read_text().rstrip().endswith("RuntimeError: a bug")
     assert run_script("bench_x", lambda: {"a": 1}) == 0 and run_script("bench_x", lambda: 1) == 1
 
 
