@@ -95,3 +95,10 @@ def test_uncommitted_measuring_changes_are_named(tmp_path):
     (package / "scoring" / "score.py").write_text("x = 2\n")
     assert commit_provenance(digest_of(source_files(package)), package) == \
         f"{commit} (with uncommitted changes: kvquant/scoring/score.py)"
+
+
+def test_the_environment_records_the_installed_tokenizers_and_gguf():
+    from importlib import metadata
+
+    env = report.environment()
+    assert env["tokenizers"] == metadata.version("tokenizers") and env["gguf"] == metadata.version("gguf")

@@ -176,3 +176,16 @@ def test_flips_table_counts_the_answers_changed_each_way(config):
            "2 (40.0% [5.3%, 85.3%]) |" in text
     assert "| int8 | acc/tinystories_lastword | 5 | 0 (0.0% [0.0%, 52.2%]) | 0 (0.0% [0.0%, 52.2%]) | " \
            "0 (0.0% [0.0%, 52.2%]) |" in text
+
+
+def test_the_environment_line_names_the_tokenizer_and_gguf_versions_where_recorded(config):
+    """tokenizers and gguf decide the model a GGUF converts to (its weights digest keys results): a report names
+    the versions it ran with; results.json files written before they were recorded still render."""
+    run = hand_built_run(config)
+    line = lambda env: next(x for x in markdown(run, candidate_reports(run), "run-1", env).splitlines()  # noqa: E731
+                            if x.startswith("- environment: "))
+    assert line({**ENV, "tokenizers": "0.99.1", "gguf": "0.98.2"}) == (
+        "- environment: test machine; python 3.x, torch t, transformers tf, lm_eval le, tokenizers 0.99.1, "
+        "gguf 0.98.2, kvquant k (measuring sources sha); git abc; 2000-01-01T00:00:00")
+    assert line(ENV) == ("- environment: test machine; python 3.x, torch t, transformers tf, lm_eval le, kvquant k "
+                         "(measuring sources sha); git abc; 2000-01-01T00:00:00")

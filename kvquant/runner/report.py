@@ -107,8 +107,14 @@ def write_benchmark(out: Path, doc: dict, render) -> None:
     print(text)
 
 
+#: The packages whose versions a report names: those that measure, and those that read the data and turn a GGUF into
+#: the model measured (a new tokenizers or gguf can change the converted model, which the weights digest then keys
+#: apart: results measured before it are measured again)
+REPORTED_PACKAGES = ("kvquant", "torch", "transformers", "lm_eval", "datasets", "tokenizers", "gguf")
+
+
 def environment() -> dict[str, str]:
-    versions = {pkg: version_of(pkg) for pkg in ("kvquant", "torch", "transformers", "lm_eval", "datasets")}
+    versions = {pkg: version_of(pkg) for pkg in REPORTED_PACKAGES}
     versions["kvquant_source_sha256"] = provenance.code_version()["kvquant_source_sha256"]
     commit = commit_provenance(versions["kvquant_source_sha256"])  # the commit only where it holds those sources
     import torch

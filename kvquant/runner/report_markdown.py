@@ -101,8 +101,10 @@ def _header(run: RunResult, run_id: str, env: dict[str, str]) -> list[str]:
         f"- every number below was measured with attention reading the quantized K/V ({mode} mode); the baseline "
         "is the fp16 identity quantizer through the same cache code",
         f"- environment: {env['machine']}; python {env['python']}, torch {env['torch']}, transformers "
-        f"{env['transformers']}, lm_eval {env['lm_eval']}, kvquant {env['kvquant']} (measuring "
-        f"sources {env['kvquant_source_sha256']}); git {env['git_commit']}; {env['date']}",
+        f"{env['transformers']}, lm_eval {env['lm_eval']}, "
+        + "".join(f"{pkg} {env[pkg]}, " for pkg in ("tokenizers", "gguf") if pkg in env)  # (older results lack them)
+        + f"kvquant {env['kvquant']} (measuring sources {env['kvquant_source_sha256']}); git {env['git_commit']}; "
+        f"{env['date']}",
         _rendered_line(provenance.rendered, run.command, env) if provenance.rendered else
         f"- run {run_id} (also in results.json and config.resolved.yaml); results: "
         f"{provenance.computed} measured in this run, {provenance.reused} reused from "
