@@ -354,6 +354,37 @@ def test_the_model_digest_is_the_same_for_the_same_model_in_another_folder(model
     assert weights_digest(there, AutoTokenizer.from_pretrained(moved)) == weights_digest(model, tokenizer)
 
 
+def test_the_model_digest_does_not_follow_the_thread_count(tokenizer):
+    """Qwen2.5's results were keyed as another model's under OMP_NUM_THREADS=1 (a dry run's "0 of 21 reused"): the
+    digest held each tensor's sum, whose rounding follows how many threads add it up (three digests at 1, 2 and 4
+    threads); results measured on a machine of other cores never travelled. A model with tensors large enough for
+    torch to split their sums; a change of one bit in one weight still changes it."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvquant.scoring.session import weights_digest
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    threads = torch.get_num_threads()
+    try:
+        digests = set()
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            digests.add(weights_digest(model, tokenizer))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(digests) == 1
+    flipped = copy.deepcopy(model)
+    with torch.no_grad():
+        weight = flipped.model.embed_tokens.weight
+        weight.view(-1).view(torch.int32)[12345] ^= 1  # the last bit of one of 2 million floats
+    assert weights_digest(flipped, tokenizer) != digests.pop()
+
+
 @pytest.mark.parametrize("path, want", [
     ("configs/int4.yaml", {"candidates": ("int4-g32",), "calibrate": (), "search": None,
                            "staged": False, "looks": {}}),

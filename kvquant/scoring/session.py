@@ -166,18 +166,20 @@ def probe_counts(cfg: ExperimentConfig, first_look: bool = False) -> dict[str, i
 @torch.no_grad()
 def weights_digest(model, tokenizer) -> str:
     """A digest of what the model computes with: its config, its tokenizer (vocabulary, merges, special tokens)
-    and its weights (per tensor: name, shape, sum and sum of squares), so a result is never reused for another
-    model behind the same path; one pass over the weights, far cheaper than any evaluation. Where the model was
-    read from is no part of it (the config's ``_name_or_path``): the same model in another folder or on another
-    machine digests the same."""
+    and its weights (per tensor: name, dtype, shape and bytes), so a result is never reused for another model
+    behind the same path; one pass over the weights, far cheaper than any evaluation. Where the model was read from
+    is no part of it (the config's ``_name_or_path``), nor how many threads read it: the same model in another
+    folder or on another machine digests the same. (Was: each tensor's sum and sum of squares, whose rounding
+    follows torch's thread count: Qwen2.5 digested three ways at 1, 2 and 4 threads, so a result measured on a
+    machine of other cores, or under another ``OMP_NUM_THREADS``, was keyed as another model's.)"""
     config = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update((backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))).encode())
     for name, p in model.named_parameters():
         if p.device.type != "meta":
-            x = p.detach().double()
-            digest.update(f"{name}{tuple(p.shape)}{float(x.sum())!r}{float((x * x).sum())!r}".encode())
+            digest.update(f"{name}{p.dtype}{tuple(p.shape)}".encode())
+            digest.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
     return digest.hexdigest()[:16]
 
 
