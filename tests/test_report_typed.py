@@ -179,8 +179,8 @@ def test_flips_table_counts_the_answers_changed_each_way(config):
 
 
 def test_the_environment_line_names_the_tokenizer_and_gguf_versions_where_recorded(config):
-    """tokenizers and gguf decide the model a GGUF converts to (its weights digest keys results): a report names
-    the versions it ran with; results.json files written before they were recorded still render."""
+    """tokenizers and gguf (not pinned) read the data and turn a GGUF into the model measured: a report names the
+    versions it ran with; results.json files written before they were recorded still render."""
     run = hand_built_run(config)
     line = lambda env: next(x for x in markdown(run, candidate_reports(run), "run-1", env).splitlines()  # noqa: E731
                             if x.startswith("- environment: "))

@@ -108,8 +108,7 @@ def write_benchmark(out: Path, doc: dict, render) -> None:
 
 
 #: The packages whose versions a report names: those that measure, and those that read the data and turn a GGUF into
-#: the model measured (a new tokenizers or gguf can change the converted model, which the weights digest then keys
-#: apart: results measured before it are measured again)
+#: the model measured (tokenizers and gguf are not pinned; a report says which ran)
 REPORTED_PACKAGES = ("kvquant", "torch", "transformers", "lm_eval", "datasets", "tokenizers", "gguf")
 
 
