@@ -179,7 +179,7 @@ def weights_digest(model, tokenizer) -> str:
     for name, p in model.named_parameters():
         if p.device.type != "meta":
             digest.update(f"{name}{p.dtype}{tuple(p.shape)}".encode())
-            digest.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy())
+            digest.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy())  # reshape: contiguous
     return digest.hexdigest()[:16]
 
 
