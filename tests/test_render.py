@@ -13,6 +13,7 @@ import pytest
 import transformers
 import yaml
 
+import kvquant.adopt
 import kvquant.run
 import kvquant.runner.pipeline
 import kvquant.scoring.models
@@ -222,3 +223,76 @@ def test_partial_without_render_only_is_refused(tmp_path, capsys):
     assert main([str(config), "--partial", str(tmp_path)]) == 2
     assert "--partial names the stored results --render-only reads" in capsys.readouterr().err
 
+
+
+def test_a_cache_that_stores_keys_before_rope_is_rendered_and_adopted(tmp_path, monkeypatch):
+    """A pre-RoPE cache takes RoPE from the model's modules: adopting or rendering its stored results keyed it on
+    the model's config and refused ('pre_rope needs the loaded model'); now on the model built without its weights,
+    with exactly the keys the run gives them (it measures nothing) and the run's verdicts."""
+    config = tmp_path / "tiny.yaml"
+    doc = {**tiny_run("tiny", "int4", 5, max_documents=40), "output_dir": str(tmp_path / "reports")}
+    doc["candidates"][0]["options"]["pre_rope"] = True
+    config.write_text(yaml.safe_dump(doc))
+    results = stored(np.random.default_rng(20261207))
+    _, partial = setup(tmp_path, results)  # keyed by kvquant.runner.expected, as adopt and the render check them
+    code = main([str(config)])
+    measured = json.loads((partial.parent / "results.json").read_text())
+    assert measured["results"]["computed"] == 0  # the run, on the loaded model, keys every result the same
+    assert measured["candidates"][0]["settings"]["pre_rope"] is True
+    carried = tmp_path / "carried"
+    shutil.move(partial, carried)
+    assert kvquant.adopt.main([str(config), str(carried)]) == 0
+    no_model(monkeypatch)
+    assert main([str(config), "--render-only"]) == code
+    again = json.loads((partial.parent / "results.json").read_text())
+    assert verdicts(again) == verdicts(measured) and again["rendered"]["results"] == len(results)
+
+
+def test_a_run_that_calibrates_is_refused_in_one_line(tmp_path, capsys):
+    """Calibration fits on the model between measurements: refused, nothing written (a search no longer is)."""
+    config = tmp_path / "tiny.yaml"
+    doc = {**tiny_run("tiny", "fp8", 5), "output_dir": str(tmp_path / "reports")}
+    doc["candidates"] = [{"quantizer": "vllm_fp8", "name": "fp8", "calibrate": "tensor"}]
+    doc["calibration"] = {"windows": 2}
+    config.write_text(yaml.safe_dump(doc))
+    refused(capsys, [config, "--render-only"], "calibration runs on the model between measurements")
+    assert not (tmp_path / "reports" / "tiny").exists()
+
+
+SEARCHED = """
+name: searched-tiny
+output_dir: {out}
+eval:
+  batch_size: 8
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
+  tasks: {{names: [tinystories_lastword], limit: 20}}
+gate: {{max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
+search:
+  name: mixed
+  windows: 4
+  documents: 16
+  ladder:
+    - {{quantizer: int2, name: int2, options: {{residual_length: 0, pre_rope: true}}}}
+    - {{quantizer: int8, name: int8, options: {{residual_length: 0, pre_rope: true}}}}
+"""
+
+
+@pytest.mark.slow
+def test_a_run_with_a_search_of_keys_before_rope_renders_its_own_verdicts(tmp_path, monkeypatch):
+    """A search replays from the stored results its run measured (each map it checked on the calibration split is
+    one), and a cache that stores keys before RoPE is keyed on the model's modules without its weights: before,
+    the render refused every search, and every pre-RoPE candidate with 'pre_rope needs the loaded model'."""
+    config = tmp_path / "searched.yaml"
+    config.write_text(SEARCHED.format(out=tmp_path / "reports"))
+    code = main([str(config)])
+    out_dir = tmp_path / "reports" / "searched-tiny"
+    doc = json.loads((out_dir / "results.json").read_text())
+    assert doc["candidates"][0]["settings"]["pre_rope"] is True and doc["search"]["checked"]
+    no_model(monkeypatch)
+    assert main([str(config), "--render-only"]) == code
+    again = json.loads((out_dir / "results.json").read_text())
+    assert verdicts(again) == verdicts(doc)
+    assert again["search"] == doc["search"]  # the same sensitivities, maps checked and map
+    assert again["candidates"][0]["settings"] == doc["candidates"][0]["settings"]
+    assert again["results"]["computed"] == 0 and again["rendered"]["results"] == doc["results"]["computed"]

@@ -7,7 +7,9 @@ The run builds these keys in :meth:`kvquant.scoring.session.Session.measure` (wi
 the runner's ``serve_stages``. They are rebuilt here rather than shared, because any edit under ``kvquant/scoring/``
 changes every result's code version; ``tests/test_adopt.py`` holds the two equal on a real run. Not known without the
 model, so :data:`ANY` here: the weights' digest (``weights``), the settings of the maps a search measures and of the
-map it chooses, the per-layer scales calibration finds (``settings.layers``).
+map it chooses, the per-layer scales calibration finds (``settings.layers``). A cache that stores keys before RoPE
+takes RoPE from the model's modules, so its settings are read from the model built without its weights
+(:func:`model_without_weights`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import functools
 import json
 import re
 from dataclasses import asdict
+
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM
 
 from kvquant.cache import make_cache
 from kvquant.experiment.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
@@ -40,6 +45,19 @@ ANY = _Any()
 HINTS = {"windows": "other text, tokenizer or window settings", "probe": "other text or tokenizer",
          "data": "another copy of the task's documents", "max_length": "another model config or model.max_length",
          "settings": "another cache setting, or a model of other shapes"}
+
+
+def model_without_weights(model_config):
+    """The model of ``model_config`` without its weights: its parameters on the meta device, its buffers computed
+    (the rotary embedding's frequencies, which a cache that stores keys before RoPE is built on)."""
+    with init_empty_weights(include_buffers=False), quiet_transformers():
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def settings_on(model_config, spec) -> dict:
+    """:func:`~kvquant.scoring.session.cache_settings` of ``spec``'s cache on the model of ``model_config``, as the
+    run builds it on the loaded model (a pre-RoPE cache on :func:`model_without_weights`)."""
+    return cache_settings(make_cache(model_without_weights(model_config) if spec.pre_rope else model_config, spec))
 
 
 class NotThisRun(Exception):
@@ -164,7 +182,7 @@ class Expected:
     def _settings(self, label: str):
         """A given setting's cache settings on this model; a calibrating one's per-layer scales are :data:`ANY`."""
         candidate = self.given.get(label, BASELINE)
-        settings = cache_settings(make_cache(self.model_config, candidate.spec))
+        settings = settings_on(self.model_config, candidate.spec)
         return {**settings, "layers": ANY} if candidate.calibrate else settings
 
     def _windows(self, split: str, name: str, label: str, metric: str) -> str:

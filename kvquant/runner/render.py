@@ -27,7 +27,7 @@ from pathlib import Path
 from kvquant.errors import KVQuantError, one_line
 from kvquant.fs import check_env_dirs, read_json
 from kvquant.experiment import provenance
-from kvquant.runner.expected import Expected, difference, plain
+from kvquant.runner.expected import Expected, difference, model_without_weights, plain
 from kvquant.runner.gate import FAIL, INCONCLUSIVE
 from kvquant.runner.lookplan import PLAN, LookPlan, PlanRecord, _signature, new_plan_entry, read_plan_file
 from kvquant.runner.preflight import check_report_dir, context_length, preflight_warnings, say
@@ -126,6 +126,21 @@ class Replay(Session):
         #: (label, task) -> the first look's documents the folder does not hold
         self.not_stored: dict[tuple[str, str], range] = {}
 
+    def key(self, candidate, split):
+        """:meth:`Session.key`; a cache that stores keys before RoPE is built on the model without its weights
+        (:func:`~kvquant.runner.expected.model_without_weights`): make_cache takes RoPE from the model's modules."""
+        if not candidate.spec.pre_rope:
+            return super().key(candidate, split)
+        config, self.model = self.model, self._without_weights()
+        try:
+            return super().key(candidate, split)
+        finally:
+            self.model = config
+
+    @functools.cache  # noqa: B019  (one replay per render)
+    def _without_weights(self):
+        return model_without_weights(self.model)
+
     def measure(self, candidate, split, label=None, tasks=True, probe=None, divergence=None, shared=None):
         """:meth:`Session.measure` from the stored results, ``split``'s looks cut at the first one not stored."""
         while True:
@@ -215,9 +230,9 @@ def render_only(cfg, plan, out_dir: Path, command: str, folder: Path | None, rep
     verify under this user's key; a folder named is vouched for), written through ``steps`` (the runner's
     ``take_steps``, with the session standing in for the model; ``shape_of``: the planner's ``shape_from_config``,
     which the session's bits per element are computed on). Returns the gate's exit code."""
-    if cfg.search or any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
-        refuse_render("a search or calibration runs on the model between measurements; only runs without them are "
-                      "rendered from stored results")
+    if any(c.calibrate for c in [*cfg.candidates, *cfg.stages]):
+        refuse_render("calibration runs on the model between measurements; only runs without it are rendered from "
+                      "stored results")
     check_env_dirs()
     check_report_dir(out_dir)
     model_config = check_model(cfg.model)
