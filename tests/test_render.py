@@ -4,12 +4,14 @@ own verdicts; a stored result of other inputs, or one whose signature does not v
 nothing written; a look the folder lacks is named on its row; the header names the code that measured the results
 and the code that judged them."""
 
+import copy
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import transformers
 import yaml
 
@@ -22,7 +24,7 @@ from tiny_configs import tiny_run, tiny_weights
 from kvquant.run import main
 from kvquant.experiment import provenance
 from kvquant.experiment.config import load_config
-from kvquant.runner.expected import Expected
+from kvquant.runner.expected import Expected, model_without_weights
 from kvquant.runner.preflight import context_length
 from kvquant.runner.lookplan import LookPlan, PlanRecord
 from kvquant.runner.store import ResultStore
@@ -267,11 +269,12 @@ eval:
   perplexity:
     - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
   tasks: {{names: [tinystories_lastword], limit: 20}}
-gate: {{max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
+gate: {{max_perplexity_ratio: 1.02, decide_on: point, tasks: [tinystories_lastword]}}
 search:
   name: mixed
   windows: 4
-  documents: 16
+  documents: 0
+  max_perplexity_ratio: 1.05
   ladder:
     - {{quantizer: int2, name: int2, options: {{residual_length: 0, pre_rope: true}}}}
     - {{quantizer: int8, name: int8, options: {{residual_length: 0, pre_rope: true}}}}
@@ -288,7 +291,8 @@ def test_a_run_with_a_search_of_keys_before_rope_renders_its_own_verdicts(tmp_pa
     code = main([str(config)])
     out_dir = tmp_path / "reports" / "searched-tiny"
     doc = json.loads((out_dir / "results.json").read_text())
-    assert doc["candidates"][0]["settings"]["pre_rope"] is True and doc["search"]["checked"]
+    assert doc["candidates"][0]["settings"]["pre_rope"] is True
+    assert doc["search"]["found"] and len(doc["search"]["checked"]) > 2  # a bisection over the maps, which it replays
     no_model(monkeypatch)
     assert main([str(config), "--render-only"]) == code
     again = json.loads((out_dir / "results.json").read_text())
@@ -296,3 +300,30 @@ def test_a_run_with_a_search_of_keys_before_rope_renders_its_own_verdicts(tmp_pa
     assert again["search"] == doc["search"]  # the same sensitivities, maps checked and map
     assert again["candidates"][0]["settings"] == doc["candidates"][0]["settings"]
     assert again["results"]["computed"] == 0 and again["rendered"]["results"] == doc["results"]["computed"]
+
+
+def test_a_search_is_replayed_not_refused(tmp_path, capsys):
+    """Before, a config with a search was refused outright; now its stored results are read, so a folder without
+    them refuses naming the first result the search needs."""
+    config = tmp_path / "searched.yaml"
+    config.write_text(SEARCHED.format(out=tmp_path / "reports"))
+    cfg = load_config(config)
+    model_config = check_model(cfg.model)
+    expected = Expected(cfg, model_config, context_length(cfg, model_config))
+    (tmp_path / "reports" / "searched-tiny").mkdir(parents=True)
+    store = ResultStore(tmp_path / "reports" / "searched-tiny" / "partial", provenance.code_version(), [])
+    store.get_or_compute("baseline", "memory", {**expected.inputs("baseline", "memory"), "weights": WEIGHTS},
+                         lambda: memory(32.0))
+    refused(capsys, [config, "--render-only"], "holds no ppl/tinystories of search-baseline")
+
+
+def test_the_model_without_weights_leaves_its_config_alone_and_computes_rope():
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=64)
+    before = copy.deepcopy(config.__dict__)
+    model = model_without_weights(config)
+    assert config.__dict__ == before  # building a model writes to the config it is given: a copy here
+    assert all(p.device.type == "meta" for p in model.parameters())
+    torch.manual_seed(0)
+    built = transformers.LlamaForCausalLM(config)
+    assert torch.equal(model.model.rotary_emb.inv_freq, built.model.rotary_emb.inv_freq)

@@ -14,6 +14,7 @@ takes RoPE from the model's modules, so its settings are read from the model bui
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -23,6 +24,7 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
 from kvquant.cache import make_cache
+from kvquant.errors import KVQuantError, one_line
 from kvquant.experiment.config import SEARCH_PREFIX, Candidate, ExperimentConfig, Stage
 from kvquant.runner.plausible import Shape
 from kvquant.runner.search import CALIBRATION_BASELINE
@@ -48,10 +50,16 @@ HINTS = {"windows": "other text, tokenizer or window settings", "probe": "other 
 
 
 def model_without_weights(model_config):
-    """The model of ``model_config`` without its weights: its parameters on the meta device, its buffers computed
-    (the rotary embedding's frequencies, which a cache that stores keys before RoPE is built on)."""
-    with init_empty_weights(include_buffers=False), quiet_transformers():
-        return AutoModelForCausalLM.from_config(model_config)
+    """The model of ``model_config`` (a copy: building a model writes to its config) without its weights: its
+    parameters on the meta device, its buffers computed (the rotary embedding's frequencies, which a cache that
+    stores keys before RoPE is built on). A config transformers cannot build a model from is one
+    :class:`KVQuantError`."""
+    try:
+        with init_empty_weights(include_buffers=False), quiet_transformers():
+            return AutoModelForCausalLM.from_config(copy.deepcopy(model_config), trust_remote_code=False)
+    except Exception as err:  # transformers raises many types for a config it cannot build
+        raise KVQuantError(f"cannot build the model's modules from its config "
+                           f"({getattr(model_config, 'model_type', None)!r}): {one_line(err)[:300]}") from None
 
 
 def settings_on(model_config, spec) -> dict:
