@@ -20,7 +20,7 @@ import kvquant.run
 import kvquant.runner.pipeline
 import kvquant.scoring.models
 from refusals import error_line
-from tiny_configs import tiny_run, tiny_weights
+from tiny_configs import SEARCHED_RUN, tiny_run, tiny_weights
 from kvquant.run import main
 from kvquant.experiment import provenance
 from kvquant.experiment.config import load_config
@@ -261,24 +261,15 @@ def test_a_run_that_calibrates_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "reports" / "tiny").exists()
 
 
-SEARCHED = """
-name: searched-tiny
-output_dir: {out}
-eval:
-  batch_size: 8
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
-  tasks: {{names: [tinystories_lastword], limit: 20}}
-gate: {{max_perplexity_ratio: 1.02, decide_on: point, tasks: [tinystories_lastword]}}
-search:
-  name: mixed
-  windows: 4
-  documents: 0
-  max_perplexity_ratio: 1.05
-  ladder:
-    - {{quantizer: int2, name: int2, options: {{residual_length: 0, pre_rope: true}}}}
-    - {{quantizer: int8, name: int8, options: {{residual_length: 0, pre_rope: true}}}}
-"""
+def searched(out: Path) -> str:
+    """tiny_configs.SEARCHED_RUN with keys stored before RoPE in both rungs, the search gated on perplexity alone at
+    a ratio some maps pass (so it bisects) and the gate on point estimates."""
+    doc = yaml.safe_load(SEARCHED_RUN.format(out=out))
+    doc["gate"]["decide_on"] = "point"
+    doc["search"].update(documents=0, max_perplexity_ratio=1.05)
+    for rung in doc["search"]["ladder"]:
+        rung["options"]["pre_rope"] = True
+    return yaml.safe_dump(doc)
 
 
 @pytest.mark.slow
@@ -287,7 +278,7 @@ def test_a_run_with_a_search_of_keys_before_rope_renders_its_own_verdicts(tmp_pa
     one), and a cache that stores keys before RoPE is keyed on the model's modules without its weights: before,
     the render refused every search, and every pre-RoPE candidate with 'pre_rope needs the loaded model'."""
     config = tmp_path / "searched.yaml"
-    config.write_text(SEARCHED.format(out=tmp_path / "reports"))
+    config.write_text(searched(tmp_path / "reports"))
     code = main([str(config)])
     out_dir = tmp_path / "reports" / "searched-tiny"
     doc = json.loads((out_dir / "results.json").read_text())
@@ -306,7 +297,7 @@ def test_a_search_is_replayed_not_refused(tmp_path, capsys):
     """Before, a config with a search was refused outright; now its stored results are read, so a folder without
     them refuses naming the first result the search needs."""
     config = tmp_path / "searched.yaml"
-    config.write_text(SEARCHED.format(out=tmp_path / "reports"))
+    config.write_text(searched(tmp_path / "reports"))
     cfg = load_config(config)
     model_config = check_model(cfg.model)
     expected = Expected(cfg, model_config, context_length(cfg, model_config))

@@ -13,6 +13,7 @@ from kvquant.errors import ConfigError
 from kvquant.experiment.config import Candidate, load_config
 from kvquant.run import main
 from kvquant.runner.search import first_passing, greedy_order, last_within, map_candidate
+from tiny_configs import SEARCHED_RUN as CONFIG
 
 LADDER = [Candidate("int2", {"residual_length": 0}, "int2"), Candidate("int4", {"group_size": 8, "residual_length": 0},
                                                                           "int4"),
@@ -90,23 +91,7 @@ def test_a_map_of_low_bit_rungs_stores_each_layer_as_its_rung_alone(model, real_
     assert stored[0] < stored[1] < stored[2]  # the ladder grows in bytes as in bits
 
 
-CONFIG = """
-name: searched-tiny
-output_dir: {out}
-eval:
-  batch_size: 8
-  perplexity:
-    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
-  tasks: {{names: [tinystories_lastword], limit: 20}}
-gate: {{bootstrap: 1000, max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
-search:
-  name: mixed
-  windows: 4
-  documents: 16
-  ladder:
-    - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
-    - {{quantizer: int8, name: int8, options: {{residual_length: 0}}}}
-"""
+
 
 
 @pytest.mark.slow

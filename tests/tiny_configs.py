@@ -36,6 +36,25 @@ def tiny_run(name: str, candidate: str, tasks_limit: int, **gate) -> dict:
     }
 
 
+#: a run on stories260K whose candidate a per-layer search over int2 and int8 finds (YAML; ``out``: its output_dir)
+SEARCHED_RUN = """
+name: searched-tiny
+output_dir: {out}
+eval:
+  batch_size: 8
+  perplexity:
+    - {{name: tinystories, source: local:text/tinystories/validation-first1000.jsonl, limit: 6, max_length: 128}}
+  tasks: {{names: [tinystories_lastword], limit: 20}}
+gate: {{bootstrap: 1000, max_perplexity_ratio: 1.02, tasks: [tinystories_lastword]}}
+search:
+  name: mixed
+  windows: 4
+  documents: 16
+  ladder:
+    - {{quantizer: int2, name: int2, options: {{residual_length: 0}}}}
+    - {{quantizer: int8, name: int8, options: {{residual_length: 0}}}}
+"""
+
 #: one int4 candidate ``q`` on 4 tinystories documents and 4 of tinystories_lastword, both gated
 SMALL_GATED = tiny_run("small", "q", tasks_limit=4)
 
