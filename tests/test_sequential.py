@@ -217,3 +217,67 @@ def test_a_sequential_gate_writes_a_probe_tasks_documents_to_its_last_look(tiny_
 
     session = SimpleNamespace(cfg=cfg, folder=no_folder)
     assert (task_size(session, "passkey_256"), task_size(session, "needle_single_256")) == (100, 20)
+
+
+class TwoTaskSession(FakeSession):
+    """:class:`FakeSession` over every task of the config: ``outcomes[label][task]``; records (label, task, a, b)."""
+
+    def measure(self, candidate, split, label=None, tasks=True, probe=None):
+        from kvquant.experiment.results import Measured, Memory, Outcomes
+
+        label, found = label or candidate.label, []
+        for task in self.cfg.eval.tasks.names:
+            parts = [range(self.cfg.eval.tasks.limit), *split.more.get(task, ())]
+            self.scored += [(label, task, p.start, p.stop) for p in parts
+                            if (label, task, p.start, p.stop) not in self.scored]
+            scores = np.concatenate([self.outcomes[label][task][p.start : p.stop] for p in parts])
+            found.append(Outcomes(MetricId("acc", task), tuple(scores)))
+        return Measured(label, tuple(found), Memory({}, {"bits_per_element": 4.0}))
+
+
+def answers(size: int, right: int, lost: list[int], gained: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A baseline right on its first ``right`` of ``size`` documents, and a candidate that loses ``lost`` and gains
+    ``gained`` (document numbers) from it."""
+    base = (np.arange(size) < right).astype(float)
+    other = base.copy()
+    other[lost], other[gained] = 0.0, 1.0
+    return base, other
+
+
+def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_elsewhere(monkeypatch, tmp_path):
+    """Task 'short' has 200 documents, 'long' 800; looks at 100, 200, 400, 800. 'stuck' is open on 'short' when
+    its documents run out, so it can never pass: no more documents on 'long' for it (they could only make it fail).
+    Before, it was scored on 'long' past 200. 'open', which passes 'short', goes on (and the baseline with
+    it). The looks planned, and so every interval's width, do not change."""
+    import yaml
+
+    from kvquant.runner import judging
+    from kvquant.experiment.config import load_config
+    from kvquant.runner.gate import decide, metric_rows
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
+    base_long, stuck_long = answers(800, 480, [20, 300], [130, 600])
+    _, open_long = answers(800, 480, [30, 90, 250, 410, 700], [140])
+    _, open_short = answers(200, 120, [], list(range(120, 135)))  # 15 gained: passes 'short'
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}, {"quantizer": "int8", "name": "open"}],
+        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
+        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
+    cfg = load_config(path)
+    session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
+                                   "stuck": {"short": stuck_short, "long": stuck_long},
+                                   "open": {"short": open_short, "long": open_long}})
+    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
+    first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE, *cfg.candidates]}
+    bits = {"stuck": 5.0, "open": 8.0}
+    results, _ = judging.add_documents(session, list(cfg.candidates), {}, first, bits, judging.planned_looks(cfg))
+    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
+              for label in ("baseline", "stuck", "open") for task in ("short", "long")}
+    assert scored[("stuck", "short")] == 200 and scored[("stuck", "long")] == 200  # not 800
+    assert scored[("open", "long")] > 200 and scored[("baseline", "long")] == scored[("open", "long")]
+    table = metric_rows(cfg, results, ["stuck", "open"], planned_looks=judging.planned_looks(cfg))
+    verdicts = {(v.row.candidate, v.row.metric.source): v.verdict for v in decide(table, bits, cfg.gate).verdicts}
+    assert verdicts[("stuck", "short")] == verdicts[("stuck", "long")] == INCONCLUSIVE  # the premise: both open
+    assert judging.planned_looks(cfg) == {"short": 4, "long": 4}
