@@ -27,10 +27,9 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
                   planned: dict[str, int], record=None) -> tuple[dict, dict[str, int]]:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
-    has a metric that is not exercised, nor a gated task still inconclusive with no look left: more documents
-    cannot make either pass, only another task fail), score the next look's documents (doubling, up to
-    ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document already scored; then
-    judge again. ``planned``: per gated task, the looks planned; ``record``: given each
+    has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
+    (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
+    already scored; then judge again. ``planned``: per gated task, the looks planned; ``record``: given each
     judgement's rows (:meth:`PlanRecord.record`). Returns the results with every look, and the size (documents) of
     each task it looked to extend, but for generated (probe) tasks."""
     cfg, sizes = session.cfg, {}
@@ -43,26 +42,22 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         if record is not None:
             record(table)
         decision = decide(table, bits, cfg.gate, at_chance=needles_at_chance(results[BASELINE.label], cfg.gate))
-        open_tasks: dict[str, set[str]] = {}
+        wanted: dict[str, set[str]] = {}
+        hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
         for v in decision.verdicts:
             if v.verdict == INCONCLUSIVE and v.row.kind.on_tasks and v.row.metric.source in planned and \
-                    decision.statuses[v.row.candidate] != FAIL:
-                open_tasks.setdefault(v.row.metric.source, set()).add(v.row.candidate)
-        nexts, gated, exhausted = {}, {}, set()
-        for task in open_tasks:
+                    decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
+                wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
+        grown, gated = {}, {}
+        for task, labels in wanted.items():
             gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind is ACCURACY)
             scored = results[BASELINE.label][gated[task]].n
             if task not in sizes:
                 sizes[task] = task_size(session, task)
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
             nxt = min(nxt, sizes[task]) if nxt is not None else None
-            if nxt is None or nxt <= scored:
-                exhausted.add(task)  # every planned look taken, or every document the task has
-            elif task not in stuck:
-                nexts[task] = range(scored, nxt)
-        hopeless = {v.row.candidate for v in decision.verdicts if v.verdict == NOT_EXERCISED}  # can never pass
-        hopeless |= {label for task in exhausted for label in open_tasks[task]}  # nor can an open task with no look
-        grown = {task: (docs, labels) for task, docs in nexts.items() if (labels := open_tasks[task] - hopeless)}
+            if nxt is not None and nxt > scored and task not in stuck:
+                grown[task] = (range(scored, nxt), labels)
         if not grown:  # a generated task can always have more: no size to run out of
             return results, {task: size for task, size in sizes.items() if probe_length(task) is None}
         for task, (docs, labels) in grown.items():
