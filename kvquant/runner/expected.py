@@ -62,12 +62,6 @@ def model_without_weights(model_config):
                            f"({getattr(model_config, 'model_type', None)!r}): {one_line(err)[:300]}") from None
 
 
-def settings_on(model_config, spec) -> dict:
-    """:func:`~kvquant.scoring.session.cache_settings` of ``spec``'s cache on the model of ``model_config``, as the
-    run builds it on the loaded model (a pre-RoPE cache on :func:`model_without_weights`)."""
-    return cache_settings(make_cache(model_without_weights(model_config) if spec.pre_rope else model_config, spec))
-
-
 class NotThisRun(Exception):
     """A (candidate, metric) this config's run does not measure."""
 
@@ -186,11 +180,17 @@ class Expected:
         measured = [BASELINE.label, *self.given, *([search.name, SEARCH_PREFIX + "..."] if search else [])]
         raise NotThisRun(f"this config's run measures no candidate {label!r} (it measures {', '.join(measured)})")
 
+    @functools.cached_property
+    def _without_weights(self):
+        """:func:`model_without_weights` of this model, built once for every pre-RoPE setting."""
+        return model_without_weights(self.model_config)
+
     @functools.cache  # noqa: B019  (one object per command)
     def _settings(self, label: str):
         """A given setting's cache settings on this model; a calibrating one's per-layer scales are :data:`ANY`."""
         candidate = self.given.get(label, BASELINE)
-        settings = settings_on(self.model_config, candidate.spec)
+        model = self._without_weights if candidate.spec.pre_rope else self.model_config  # make_cache takes RoPE there
+        settings = cache_settings(make_cache(model, candidate.spec))
         return {**settings, "layers": ANY} if candidate.calibrate else settings
 
     def _windows(self, split: str, name: str, label: str, metric: str) -> str:
