@@ -7,6 +7,8 @@ set its true accuracy ratio. Each repetition runs the gate's own procedure: judg
 then after every look of :func:`kvquant.experiment.gate_config.looks` while the verdict is inconclusive.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from scipy.stats import binom
@@ -14,7 +16,7 @@ from scipy.stats import binom
 from kvquant.experiment.gate_config import GateConfig
 from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, paired_interval, judge
 from kvquant.experiment.gate_config import look_confidence, looks
-from kvquant.experiment.results import MetricId, MetricRow
+from kvquant.experiment.results import MetricId, MetricRow, RunPlan
 
 SEED = 20261202
 BASE_RIGHT = 0.5
@@ -217,3 +219,100 @@ def test_a_sequential_gate_writes_a_probe_tasks_documents_to_its_last_look(tiny_
 
     session = SimpleNamespace(cfg=cfg, folder=no_folder)
     assert (task_size(session, "passkey_256"), task_size(session, "needle_single_256")) == (100, 20)
+
+
+class TwoTaskSession(FakeSession):
+    """:class:`FakeSession` over every task of the config: ``outcomes[label][task]``; records (label, task, a, b)."""
+
+    def measure(self, candidate, split, label=None, tasks=True, probe=None):
+        from kvquant.experiment.results import Measured, Memory, Outcomes
+
+        label, found = label or candidate.label, []
+        for task in self.cfg.eval.tasks.names:
+            parts = [range(self.cfg.eval.tasks.limit), *split.more.get(task, ())]
+            self.scored += [(label, task, p.start, p.stop) for p in parts
+                            if (label, task, p.start, p.stop) not in self.scored]
+            scores = np.concatenate([self.outcomes[label][task][p.start : p.stop] for p in parts])
+            found.append(Outcomes(MetricId("acc", task), tuple(scores)))
+        bits = 16.0 if label == "baseline" else 4.0
+        return Measured(label, tuple(found), Memory({}, {"bits_per_element": bits, "tokens": 64}))
+
+
+def answers(size: int, right: int, lost: list[int], gained: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A baseline right on its first ``right`` of ``size`` documents, and a candidate that loses ``lost`` and gains
+    ``gained`` (document numbers) from it."""
+    base = (np.arange(size) < right).astype(float)
+    other = base.copy()
+    other[lost], other[gained] = 0.0, 1.0
+    return base, other
+
+
+def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_elsewhere(monkeypatch, tmp_path):
+    """Task 'short' has 200 documents, 'long' 800; looks at 100, 200, 400, 800. 'stuck' is open on 'short' when
+    its documents run out, so it can never pass: no more documents on 'long' for it (they could only make it fail).
+    Before, it was scored on 'long' to 800. 'open', which passes 'short', goes on (and the baseline with it). The
+    report's row says why: 'long' not looked at further for 'stuck'."""
+    import yaml
+
+    from kvquant.experiment.config import load_config
+    from kvquant.runner import judging
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
+    base_long, stuck_long = answers(800, 480, [20, 300], [130, 600])
+    _, open_long = answers(800, 480, [30, 90, 250, 410, 700], [140])
+    _, open_short = answers(200, 120, [], list(range(120, 135)))  # 15 gained: passes 'short'
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}, {"quantizer": "int8", "name": "open"}],
+        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
+        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
+    cfg = load_config(path)
+    session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
+                                   "stuck": {"short": stuck_short, "long": stuck_long},
+                                   "open": {"short": open_short, "long": open_long}})
+    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
+    first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE, *cfg.candidates]}
+    bits = {"stuck": 5.0, "open": 8.0}
+    results, sizes = judging.add_documents(session, list(cfg.candidates), {}, first, bits, judging.planned_looks(cfg))
+    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
+              for label in ("baseline", "stuck", "open") for task in ("short", "long")}
+    assert scored[("stuck", "short")] == 200 and scored[("stuck", "long")] == 200  # not 800
+    assert scored[("open", "long")] > 200 and scored[("baseline", "long")] == scored[("open", "long")]
+    plan = RunPlan(candidates=("stuck", "open"), looks=judging.planned_looks(cfg))
+    table, decision, _ = judging.judge_run(cfg, plan, list(cfg.candidates), results, [], {}, sizes)
+    verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
+    assert verdicts[("stuck", "short")].verdict == verdicts[("stuck", "long")].verdict == INCONCLUSIVE  # premise
+    assert verdicts[("stuck", "short")].beyond_task and verdicts[("stuck", "short")].note is None  # says it itself
+    note = "not looked at further: short is open with every document it can have (200), so none can make this pass"
+    assert verdicts[("stuck", "long")].note == note and decision.chosen == "open"
+    assert all(v.note is None for v in decision.verdicts if v.row.candidate == "open")
+    assert judging.planned_looks(cfg) == {"short": 4, "long": 4}  # the widening still counts every look planned
+
+
+def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_baselines():
+    """Found in review of the first version, which judged a task's end by the baseline's documents: another
+    candidate's looks (or a render whose candidate's last look is not stored) leave a candidate's paired row
+    shorter than the baseline, and that candidate still has looks to take. At the plan's last look, the row
+    itself says so."""
+    from kvquant.runner.gate import GateConfig, decide, open_at_last_look
+
+    def row(candidate, task, n, low=0.95, high=1.02):
+        return MetricRow(candidate, MetricId("acc", task), 0.5, 0.5, n, True, low, high)
+
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600)
+    rows = [row("behind", "short", 100), row("behind", "long", 100), row("done", "short", 200),
+            row("done", "long", 400), row("capped", "long", 1600), row("capped", "short", 100)]
+    decision = decide(rows, {"behind": 4.0, "done": 5.0, "capped": 6.0}, policy, sizes={"short": 200},
+                      ends={"short": 200, "long": 1600})
+    assert set(open_at_last_look(decision.verdicts, {"short": 200, "long": 1600})) == {"done", "capped"}
+    notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
+    assert notes[("behind", "short")] is None and notes[("behind", "long")] is None
+    assert notes[("done", "long")].startswith("not looked at further: short is open")
+    assert notes[("done", "short")] is None
+    assert decision.decision == INCONCLUSIVE and notes[("done", "long")] in decision.reason  # the verdict line too
+    assert notes[("capped", "long")] == "the plan's last look (gate.max_documents)"
+    assert notes[("capped", "short")].startswith("not looked at further: long is open with every document it can "
+                                                 "have (1,600)")
+    assert decide(rows, {"behind": 4.0, "done": 5.0, "capped": 6.0}, policy).verdicts == \
+        [dataclasses.replace(v, note=None, left=None) for v in decision.verdicts]  # no ends: no notes

@@ -256,6 +256,39 @@ def with_documents_left(v: Verdict, sizes: dict[str, int]) -> Verdict:
     return dataclasses.replace(v, left=max(size - v.row.n, 0))
 
 
+def at_last_look(v: Verdict, ends: dict[str, int]) -> bool:
+    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: documents
+    at each task's last look, :func:`kvquant.runner.judging.last_looks`), by the candidate's own paired count, not
+    the baseline's, which other candidates' looks may have taken further."""
+    end = ends.get(v.row.metric.source)
+    return v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks and end is not None and v.row.n >= end
+
+
+def open_at_last_look(verdicts: list[Verdict], ends: dict[str, int]) -> dict[str, Verdict]:
+    """Per candidate, its first row :func:`at_last_look`: such a candidate cannot pass on this data."""
+    found: dict[str, Verdict] = {}
+    for v in verdicts:
+        if at_last_look(v, ends):
+            found.setdefault(v.row.candidate, v)
+    return found
+
+
+def with_halt_notes(verdicts: list[Verdict], ends: dict[str, int]) -> list[Verdict]:
+    """``verdicts`` with each row :func:`at_last_look` that its task's end does not explain saying it is the
+    plan's last, and each other inconclusive task row of the same candidate saying why it was not looked at
+    further."""
+    halted, out = open_at_last_look(verdicts, ends), []
+    for v in verdicts:
+        stop = halted.get(v.row.candidate)
+        if at_last_look(v, ends):
+            v = v if v.beyond_task else dataclasses.replace(v, note="the plan's last look (gate.max_documents)")
+        elif stop is not None and v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks:
+            v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open with every "
+                                            f"document it can have ({stop.row.n:,}), so none can make this pass")
+        out.append(v)
+    return out
+
+
 def status(verdicts: list[Verdict]) -> str:
     """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is inconclusive or has too
     few documents (a row that cannot be decided is as open as one that straddles), else not exercised if any is,
@@ -288,6 +321,7 @@ def _open(v: Verdict) -> str:
     if v.verdict == TOO_FEW:
         return (f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} vs {v.threshold:.4f}: "
                 f"{verdict_text(v)}, counted as inconclusive")
+    more += f" ({v.note})" if v.note else ""
     return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{more}"
 
 
@@ -312,16 +346,19 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
 
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
            pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
-           at_chance: frozenset[str] = frozenset(), counted: bool = True) -> Decision:
+           at_chance: frozenset[str] = frozenset(), counted: bool = True,
+           ends: dict[str, int] | None = None) -> Decision:
     """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
     (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
     passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
     decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
-    windows, which picks a map and decides nothing)."""
+    windows, which picks a map and decides nothing); ``ends``: documents at each task's last look, to say which
+    open rows were not looked at further (:func:`with_halt_notes`)."""
     verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
                 for r in rows]
+    verdicts = with_halt_notes(verdicts, ends or {})
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing

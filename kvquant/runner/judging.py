@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 from kvquant.experiment.config import ExperimentConfig
-from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, metric_rows, needles_at_chance
+from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, metric_rows, needles_at_chance,
+                                 open_at_last_look)
 from kvquant.experiment.gate_config import looks
 from kvquant.experiment.results import Decision, RunPlan
 from kvquant.runner.store import warn
-from kvquant.scoring.session import BASELINE, Session, evaluation_split, probe_tokens, task_size
+from kvquant.scoring.session import BASELINE, Session, evaluation_split, probe_counts, probe_tokens, task_size
 from kvquant.scoring.stages import staged_decision
 from kvquant.scoring.tasks import probe_length
 
@@ -24,12 +25,24 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
     return {task: len(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)) for task in cfg.gated_tasks()}
 
 
+def last_looks(cfg: ExperimentConfig, sizes: dict[str, int]) -> dict[str, int]:
+    """Per gated task, the documents its last look has: the plan's last (``gate.max_documents``) or, where
+    ``sizes`` knows it (a probe task: those the config writes), the task's end if that comes first; none without
+    sequential looks."""
+    if cfg.gate.max_documents is None:
+        return {}
+    known = {**probe_counts(cfg), **sizes}
+    return {task: min(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1],
+                      known.get(task, cfg.gate.max_documents)) for task in cfg.gated_tasks()}
+
+
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
                   planned: dict[str, int], record=None) -> tuple[dict, dict[str, int]]:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
-    has a metric that is not exercised, which more documents cannot make pass), score the next look's documents
-    (doubling, up to ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document
-    already scored; then judge again. ``planned``: per gated task, the looks planned; ``record``: given each
+    has a metric that is not exercised, nor a gated task still open at its own last look: more documents cannot
+    make either pass, only another task fail), score the next look's documents (doubling, up to
+    ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document already scored; then
+    judge again. ``planned``: per gated task, the looks planned; ``record``: given each
     judgement's rows (:meth:`PlanRecord.record`). Returns the results with every look, and the size (documents) of
     each task it looked to extend, but for generated (probe) tasks."""
     cfg, sizes = session.cfg, {}
@@ -48,12 +61,16 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
             if v.verdict == INCONCLUSIVE and v.row.kind.on_tasks and v.row.metric.source in planned and \
                     decision.statuses[v.row.candidate] != FAIL and v.row.candidate not in hopeless:
                 wanted.setdefault(v.row.metric.source, set()).add(v.row.candidate)
-        grown, gated = {}, {}
-        for task, labels in wanted.items():
-            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind is ACCURACY)
-            scored = results[BASELINE.label][gated[task]].n
+        for task in wanted:
             if task not in sizes:
                 sizes[task] = task_size(session, task)
+        hopeless |= set(open_at_last_look(decision.verdicts, last_looks(cfg, sizes)))  # nor can these
+        grown, gated = {}, {}
+        for task, labels in ((t, labels - hopeless) for t, labels in wanted.items()):
+            if not labels:
+                continue
+            gated[task] = next(r.metric for r in table if r.metric.source == task and r.gated and r.kind is ACCURACY)
+            scored = results[BASELINE.label][gated[task]].n
             nxt = next((n for n in looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents) if n > scored), None)
             nxt = min(nxt, sizes[task]) if nxt is not None else None
             if nxt is not None and nxt > scored and task not in stuck:
@@ -112,7 +129,8 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
     at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
-    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance), None
+    decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance,
+                             ends=last_looks(cfg, sizes or {})), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet

@@ -162,8 +162,8 @@ class Replay(Session):
         for v in decision.verdicts:
             task = v.row.metric.source
             missing = self.not_stored.get((v.row.candidate, task)) or self.not_stored.get((BASELINE.label, task))
-            if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and \
-                    decision.statuses[v.row.candidate] != FAIL:
+            if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and v.note is None and \
+                    decision.statuses[v.row.candidate] != FAIL:  # a note: the run takes no more looks for it
                 v = dataclasses.replace(v, note=f"documents {missing.start}-{missing.stop - 1} not stored; "
                                                 "re-measure")
             verdicts.append(v)
