@@ -167,6 +167,19 @@ def test_a_look_not_stored_is_named_on_its_row_and_not_measured(measured, monkey
     assert "documents 20-39 not stored; re-measure" in (partial.parent / "report.md").read_text()
 
 
+def test_a_baselines_look_not_stored_leaves_the_candidate_open_not_at_its_last_look(measured, monkeypatch):
+    """Review: the candidate's 40 documents are stored, the baseline's last look is not, so the row has no paired
+    interval; it is not at its last look (which would stop its looks and hide what is missing): it names the look."""
+    config, partial, *_ = measured
+    no_model(monkeypatch)
+    (partial / "baseline" / "task__tinystories_lastword@20-40.json").unlink()
+    main([str(config), "--render-only"])
+    again = json.loads((partial.parent / "results.json").read_text())
+    row = again["candidates"][0]["metrics"]["acc/tinystories_lastword"]
+    assert (row["verdict"], row["note"]) == ("inconclusive", "documents 20-39 not stored; re-measure")
+    assert again["rendered"]["not_stored"] == ["baseline tinystories_lastword documents 20-39"]
+
+
 def snapshot(folder: Path) -> dict:
     return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

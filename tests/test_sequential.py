@@ -283,8 +283,8 @@ def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_els
     table, decision, _ = judging.judge_run(cfg, plan, list(cfg.candidates), results, [], {}, sizes)
     verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
     assert verdicts[("stuck", "short")].verdict == verdicts[("stuck", "long")].verdict == INCONCLUSIVE  # premise
-    assert verdicts[("stuck", "short")].beyond_task and verdicts[("stuck", "short")].note is None  # says it itself
-    note = "not looked at further: short is open with every document it can have (200), so none can make this pass"
+    assert verdicts[("stuck", "short")].note == "its last look: every document the task has (200)"
+    note = "not looked at further: short is open at its last look (200 documents), so none can make this pass"
     assert verdicts[("stuck", "long")].note == note and decision.chosen == "open"
     assert all(v.note is None for v in decision.verdicts if v.row.candidate == "open")
     assert judging.planned_looks(cfg) == {"short": 4, "long": 4}  # the widening still counts every look planned
@@ -293,26 +293,110 @@ def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_els
 def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_baselines():
     """Found in review of the first version, which judged a task's end by the baseline's documents: another
     candidate's looks (or a render whose candidate's last look is not stored) leave a candidate's paired row
-    shorter than the baseline, and that candidate still has looks to take. At the plan's last look, the row
-    itself says so."""
+    shorter than the baseline, and that candidate still has looks to take; a row whose baseline has fewer documents
+    (a render whose baseline's look is not stored) has no interval, and is not at its end either. A row at its
+    last look says what ends it: the plan or the task (review: the first version guessed from the row's estimate)."""
     from kvquant.runner.gate import GateConfig, decide, open_at_last_look
 
     def row(candidate, task, n, low=0.95, high=1.02):
         return MetricRow(candidate, MetricId("acc", task), 0.5, 0.5, n, True, low, high)
 
     policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600)
+    ends = {"short": (200, "every document the task has (200)"),
+            "long": (1600, "the plan's last (gate.max_documents = 1,600)")}
     rows = [row("behind", "short", 100), row("behind", "long", 100), row("done", "short", 200),
-            row("done", "long", 400), row("capped", "long", 1600), row("capped", "short", 100)]
-    decision = decide(rows, {"behind": 4.0, "done": 5.0, "capped": 6.0}, policy, sizes={"short": 200},
-                      ends={"short": 200, "long": 1600})
-    assert set(open_at_last_look(decision.verdicts, {"short": 200, "long": 1600})) == {"done", "capped"}
+            row("done", "long", 400), row("capped", "long", 1600), row("capped", "short", 100),
+            row("unpaired", "short", 200, np.nan, np.nan), row("unpaired", "long", 800),
+            row("level", "short", 200, 0.94, 1.0)]  # its estimate, 0.97, sits on the threshold: no "more"
+    bits = {"behind": 4.0, "done": 5.0, "capped": 6.0, "unpaired": 7.0, "level": 7.5}
+    decision = decide(rows, bits, policy, sizes={"short": 200}, ends=ends)
+    assert set(open_at_last_look(decision.verdicts, ends)) == {"done", "capped", "level"}
     notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
     assert notes[("behind", "short")] is None and notes[("behind", "long")] is None
-    assert notes[("done", "long")].startswith("not looked at further: short is open")
-    assert notes[("done", "short")] is None
+    assert notes[("unpaired", "short")] is None and notes[("unpaired", "long")] is None
+    assert notes[("done", "short")] == notes[("level", "short")] == "its last look: every document the task has (200)"
+    assert notes[("done", "long")] == ("not looked at further: short is open at its last look (200 documents), so "
+                                       "none can make this pass")
     assert decision.decision == INCONCLUSIVE and notes[("done", "long")] in decision.reason  # the verdict line too
-    assert notes[("capped", "long")] == "the plan's last look (gate.max_documents)"
-    assert notes[("capped", "short")].startswith("not looked at further: long is open with every document it can "
-                                                 "have (1,600)")
-    assert decide(rows, {"behind": 4.0, "done": 5.0, "capped": 6.0}, policy).verdicts == \
+    assert notes[("capped", "long")] == "its last look: the plan's last (gate.max_documents = 1,600)"
+    assert notes[("capped", "short")].startswith("not looked at further: long is open at its last look (1,600")
+    assert decide(rows, bits, policy).verdicts == \
         [dataclasses.replace(v, note=None, left=None) for v in decision.verdicts]  # no ends: no notes
+
+
+def test_last_looks_name_the_plan_or_the_tasks_end_whichever_comes_first(tiny_config):
+    """Review: a task of 300 documents with looks to 200 ends at the plan's last look, not the task's end; a probe
+    task ends where the config stops writing documents, whatever judge_run's sizes leave out."""
+    from kvquant.runner.judging import last_looks
+
+    cfg = tiny_config("ends", candidates=[{"quantizer": "int8"}],
+                      eval={"tasks": {"names": ["tinystories_lastword", "passkey_256"], "limit": 20}},
+                      gate={"tasks": ["tinystories_lastword", "passkey_256"], "max_documents": 200})
+    assert last_looks(cfg, {"tinystories_lastword": 300}) == {
+        "tinystories_lastword": (200, "the plan's last (gate.max_documents = 200)"),
+        "passkey_256": (200, "every document the task has (200)")}
+    assert last_looks(cfg, {"tinystories_lastword": 150})["tinystories_lastword"] == \
+        (150, "every document the task has (150)")
+
+
+class RenderedSession(TwoTaskSession):
+    """A render's session (:class:`kvquant.runner.render.Replay`): ``missing`` (label, task) looks from document
+    ``start`` on are not stored, so that candidate's row stops short of the baseline's."""
+
+    def __init__(self, cfg, outcomes, missing: dict[tuple[str, str], int]):
+        super().__init__(cfg, outcomes)
+        self.missing = missing
+
+    def measure(self, candidate, split, label=None, tasks=True, probe=None):
+        label = label or candidate.label
+        more = {t: tuple(r for r in parts if r.start < self.missing.get((label, t), 10**9))
+                for t, parts in split.more.items()}
+        return super().measure(candidate, dataclasses.replace(split, more=more), label, tasks, probe)
+
+
+def test_a_candidate_whose_last_look_is_not_stored_is_not_halted_by_the_baselines(monkeypatch, tmp_path):
+    """Review (a mutant that judged a task's end by the baseline's documents passed the tests above): 'stuck''s
+    look 100-199 on 'short' is not stored, the baseline's is, so its 'short' row stops at 100 with looks still to
+    take; it is not halted, and its 'long' looks go on (the run would still seek its 'short' look)."""
+    import yaml
+
+    from kvquant.experiment.config import load_config
+    from kvquant.runner import judging
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
+    base_long, stuck_long = answers(800, 480, [20, 300], [130, 600])
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}],
+        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
+        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
+    cfg = load_config(path)
+    session = RenderedSession(cfg, {"baseline": {"short": base_short, "long": base_long},
+                                    "stuck": {"short": stuck_short, "long": stuck_long}}, {("stuck", "short"): 100})
+    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
+    first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE, *cfg.candidates]}
+    results, _ = judging.add_documents(session, list(cfg.candidates), {}, first, {"stuck": 5.0},
+                                       judging.planned_looks(cfg))
+    short = MetricId("acc", "short")
+    assert results["stuck"][short].n == 100 and results["baseline"][short].n == 200
+    assert results["stuck"][MetricId("acc", "long")].n > 200  # judged by the baseline's documents: halted at 200
+
+
+def test_a_render_keeps_the_note_of_a_row_that_takes_no_more_looks():
+    """A row that takes no more looks keeps its note in a render even where the baseline's next look of its task
+    (another candidate's) is not stored: the run would not seek it for this candidate."""
+    from types import SimpleNamespace
+
+    from kvquant.experiment.results import Decision, Verdict
+    from kvquant.runner.render import Replay
+
+    def verdict(candidate, note=None):
+        row = MetricRow(candidate, MetricId("acc", "long"), 0.5, 0.5, 200, True, 0.95, 1.02)
+        return Verdict(row, 0.97, 0.99, INCONCLUSIVE, note=note)
+
+    decision = Decision(INCONCLUSIVE, None, {}, [verdict("halted", "not looked at further: ..."), verdict("open")],
+                        "", {"halted": INCONCLUSIVE, "open": INCONCLUSIVE})
+    replay = SimpleNamespace(not_stored={("baseline", "long"): range(200, 400)})
+    notes = [v.note for v in Replay.with_unstored_looks(replay, decision).verdicts]
+    assert notes == ["not looked at further: ...", "documents 200-399 not stored; re-measure"]

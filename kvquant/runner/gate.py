@@ -256,15 +256,17 @@ def with_documents_left(v: Verdict, sizes: dict[str, int]) -> Verdict:
     return dataclasses.replace(v, left=max(size - v.row.n, 0))
 
 
-def at_last_look(v: Verdict, ends: dict[str, int]) -> bool:
-    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: documents
-    at each task's last look, :func:`kvquant.runner.judging.last_looks`), by the candidate's own paired count, not
-    the baseline's, which other candidates' looks may have taken further."""
+def at_last_look(v: Verdict, ends: dict[str, tuple[int, str]]) -> bool:
+    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: per task,
+    the documents at its last look and what sets them, :func:`kvquant.runner.judging.last_looks`), counted by the
+    candidate's own paired documents, not the baseline's, which other candidates' looks may have taken further (a
+    row whose baseline has fewer documents, a render's look not stored, has no interval and is not at its end)."""
     end = ends.get(v.row.metric.source)
-    return v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks and end is not None and v.row.n >= end
+    return v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks and end is not None and \
+        v.row.n >= end[0] and math.isfinite(v.row.ci_low) and math.isfinite(v.row.ci_high)
 
 
-def open_at_last_look(verdicts: list[Verdict], ends: dict[str, int]) -> dict[str, Verdict]:
+def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]]) -> dict[str, Verdict]:
     """Per candidate, its first row :func:`at_last_look`: such a candidate cannot pass on this data."""
     found: dict[str, Verdict] = {}
     for v in verdicts:
@@ -273,18 +275,17 @@ def open_at_last_look(verdicts: list[Verdict], ends: dict[str, int]) -> dict[str
     return found
 
 
-def with_halt_notes(verdicts: list[Verdict], ends: dict[str, int]) -> list[Verdict]:
-    """``verdicts`` with each row :func:`at_last_look` that its task's end does not explain saying it is the
-    plan's last, and each other inconclusive task row of the same candidate saying why it was not looked at
-    further."""
+def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]]) -> list[Verdict]:
+    """``verdicts`` with each row :func:`at_last_look` saying what ends its looks, and each other inconclusive
+    task row of the same candidate saying why it was not looked at further."""
     halted, out = open_at_last_look(verdicts, ends), []
     for v in verdicts:
         stop = halted.get(v.row.candidate)
         if at_last_look(v, ends):
-            v = v if v.beyond_task else dataclasses.replace(v, note="the plan's last look (gate.max_documents)")
+            v = dataclasses.replace(v, note=f"its last look: {ends[v.row.metric.source][1]}")
         elif stop is not None and v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks:
-            v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open with every "
-                                            f"document it can have ({stop.row.n:,}), so none can make this pass")
+            v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open at its last "
+                                            f"look ({stop.row.n:,} documents), so none can make this pass")
         out.append(v)
     return out
 
@@ -347,15 +348,15 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
            pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
            at_chance: frozenset[str] = frozenset(), counted: bool = True,
-           ends: dict[str, int] | None = None) -> Decision:
+           ends: dict[str, tuple[int, str]] | None = None) -> Decision:
     """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
     (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
     passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
     decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
-    windows, which picks a map and decides nothing); ``ends``: documents at each task's last look, to say which
-    open rows were not looked at further (:func:`with_halt_notes`)."""
+    windows, which picks a map and decides nothing); ``ends``: per task, the documents at its last look and what
+    sets them, to say which open rows take no more looks (:func:`with_halt_notes`)."""
     verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
                 for r in rows]
     verdicts = with_halt_notes(verdicts, ends or {})

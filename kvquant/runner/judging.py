@@ -25,15 +25,19 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
     return {task: len(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)) for task in cfg.gated_tasks()}
 
 
-def last_looks(cfg: ExperimentConfig, sizes: dict[str, int]) -> dict[str, int]:
-    """Per gated task, the documents its last look has: the plan's last (``gate.max_documents``) or, where
-    ``sizes`` knows it (a probe task: those the config writes), the task's end if that comes first; none without
-    sequential looks."""
+def last_looks(cfg: ExperimentConfig, sizes: dict[str, int]) -> dict[str, tuple[int, str]]:
+    """Per gated task, the documents its last look has and what sets them: the plan's last look
+    (``gate.max_documents``) or, where ``sizes`` knows it (a probe task: those the config writes), the task's end if
+    that comes first; none without sequential looks."""
     if cfg.gate.max_documents is None:
         return {}
-    known = {**probe_counts(cfg), **sizes}
-    return {task: min(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1],
-                      known.get(task, cfg.gate.max_documents)) for task in cfg.gated_tasks()}
+    known, out = {**probe_counts(cfg), **sizes}, {}
+    for task in cfg.gated_tasks():
+        planned = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1]
+        size = known.get(task)
+        out[task] = (size, f"every document the task has ({size:,})") if size is not None and size <= planned \
+            else (planned, f"the plan's last (gate.max_documents = {cfg.gate.max_documents:,})")
+    return out
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
