@@ -293,9 +293,9 @@ def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_els
 def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_baselines():
     """Found in review of the first version, which judged a task's end by the baseline's documents: another
     candidate's looks (or a render whose candidate's last look is not stored) leave a candidate's paired row
-    shorter than the baseline, and that candidate still has looks to take; a row whose baseline has fewer documents
-    (a render whose baseline's look is not stored) has no interval, and is not at its end either. A row at its
-    last look says what ends it: the plan or the task (review: the first version guessed from the row's estimate)."""
+    shorter than the baseline, and that candidate still has looks to take. A row at its last look says what ends
+    it: the plan or the task (review: the first version guessed from the row's estimate). A candidate shown to fail
+    gets no such note (it is not looked at further for that)."""
     from kvquant.runner.gate import GateConfig, decide, open_at_last_look
 
     def row(candidate, task, n, low=0.95, high=1.02):
@@ -306,37 +306,51 @@ def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_base
             "long": (1600, "the plan's last (gate.max_documents = 1,600)")}
     rows = [row("behind", "short", 100), row("behind", "long", 100), row("done", "short", 200),
             row("done", "long", 400), row("capped", "long", 1600), row("capped", "short", 100),
-            row("unpaired", "short", 200, np.nan, np.nan), row("unpaired", "long", 800),
-            row("level", "short", 200, 0.94, 1.0)]  # its estimate, 0.97, sits on the threshold: no "more"
-    bits = {"behind": 4.0, "done": 5.0, "capped": 6.0, "unpaired": 7.0, "level": 7.5}
+            row("level", "short", 200, 0.94, 1.0),  # its estimate, 0.97, sits on the threshold: no "more"
+            row("failing", "short", 200), row("failing", "long", 400, 0.80, 0.90)]
+    bits = {"behind": 4.0, "done": 5.0, "capped": 6.0, "level": 7.5, "failing": 3.0}
     decision = decide(rows, bits, policy, sizes={"short": 200}, ends=ends)
-    assert set(open_at_last_look(decision.verdicts, ends)) == {"done", "capped", "level"}
+    assert set(open_at_last_look(decision.verdicts, ends)) == {"done", "capped", "level", "failing"}
     notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
     assert notes[("behind", "short")] is None and notes[("behind", "long")] is None
-    assert notes[("unpaired", "short")] is None and notes[("unpaired", "long")] is None
     assert notes[("done", "short")] == notes[("level", "short")] == "its last look: every document the task has (200)"
     assert notes[("done", "long")] == ("not looked at further: short is open at its last look (200 documents), so "
                                        "none can make this pass")
     assert decision.decision == INCONCLUSIVE and notes[("done", "long")] in decision.reason  # the verdict line too
     assert notes[("capped", "long")] == "its last look: the plan's last (gate.max_documents = 1,600)"
     assert notes[("capped", "short")].startswith("not looked at further: long is open at its last look (1,600")
+    assert notes[("failing", "short")] is None and decision.statuses["failing"] == FAIL
     assert decide(rows, bits, policy).verdicts == \
         [dataclasses.replace(v, note=None, left=None) for v in decision.verdicts]  # no ends: no notes
 
 
-def test_last_looks_name_the_plan_or_the_tasks_end_whichever_comes_first(tiny_config):
-    """Review: a task of 300 documents with looks to 200 ends at the plan's last look, not the task's end; a probe
-    task ends where the config stops writing documents, whatever judge_run's sizes leave out."""
+def test_last_looks_name_the_plan_or_the_tasks_end_and_wait_for_the_baseline(tiny_config):
+    """Review: a task of 300 documents with looks to 200 ends at the plan's last look, not the task's end; a
+    generated task too (a larger gate.max_documents writes more), unless the config's cap on what it writes comes
+    first; a task whose baseline stops short of its last look (a render's look not stored) has no end yet, even
+    where its interval would be (the baseline scoring nothing right gives none at any look)."""
+    from kvquant.experiment.results import Measured, Outcomes
     from kvquant.runner.judging import last_looks
+    from kvquant.scoring.tasks import MAX_PROBE_DOCUMENTS
+
+    def baseline(short: int, passkey: int) -> Measured:
+        return Measured("baseline", (Outcomes(MetricId("acc", "tinystories_lastword"), (0.0,) * short),
+                                     Outcomes(MetricId("acc", "passkey_256"), (1.0,) * passkey)))
 
     cfg = tiny_config("ends", candidates=[{"quantizer": "int8"}],
                       eval={"tasks": {"names": ["tinystories_lastword", "passkey_256"], "limit": 20}},
                       gate={"tasks": ["tinystories_lastword", "passkey_256"], "max_documents": 200})
-    assert last_looks(cfg, {"tinystories_lastword": 300}) == {
-        "tinystories_lastword": (200, "the plan's last (gate.max_documents = 200)"),
-        "passkey_256": (200, "every document the task has (200)")}
-    assert last_looks(cfg, {"tinystories_lastword": 150})["tinystories_lastword"] == \
+    plan = (200, "the plan's last (gate.max_documents = 200)")
+    assert last_looks(cfg, {"tinystories_lastword": 300}, baseline(200, 200)) == \
+        {"tinystories_lastword": plan, "passkey_256": plan}
+    assert last_looks(cfg, {"tinystories_lastword": 150}, baseline(150, 200))["tinystories_lastword"] == \
         (150, "every document the task has (150)")
+    assert last_looks(cfg, {"tinystories_lastword": 300}, baseline(100, 160)) == {}
+    big = tiny_config("ends-big", candidates=[{"quantizer": "int8"}],
+                      eval={"tasks": {"names": ["passkey_256"], "limit": 20}},
+                      gate={"tasks": ["passkey_256"], "max_documents": 2 * MAX_PROBE_DOCUMENTS})
+    assert last_looks(big, {}, baseline(0, MAX_PROBE_DOCUMENTS)) == \
+        {"passkey_256": (MAX_PROBE_DOCUMENTS, f"every document the config writes ({MAX_PROBE_DOCUMENTS:,})")}
 
 
 class RenderedSession(TwoTaskSession):
@@ -345,10 +359,14 @@ class RenderedSession(TwoTaskSession):
 
     def __init__(self, cfg, outcomes, missing: dict[tuple[str, str], int]):
         super().__init__(cfg, outcomes)
-        self.missing = missing
+        self.missing, self.not_stored = missing, {}
 
     def measure(self, candidate, split, label=None, tasks=True, probe=None):
         label = label or candidate.label
+        for task, parts in split.more.items():
+            cut = [r for r in parts if r.start >= self.missing.get((label, task), 10**9)]
+            if cut:
+                self.not_stored[label, task] = cut[0]
         more = {t: tuple(r for r in parts if r.start < self.missing.get((label, t), 10**9))
                 for t, parts in split.more.items()}
         return super().measure(candidate, dataclasses.replace(split, more=more), label, tasks, probe)
@@ -400,3 +418,44 @@ def test_a_render_keeps_the_note_of_a_row_that_takes_no_more_looks():
     replay = SimpleNamespace(not_stored={("baseline", "long"): range(200, 400)})
     notes = [v.note for v in Replay.with_unstored_looks(replay, decision).verdicts]
     assert notes == ["not looked at further: ...", "documents 200-399 not stored; re-measure"]
+
+
+def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(monkeypatch, tmp_path):
+    """Review: 'stuck' reaches the end of 'short' (open) in the same look as 'long' 100-199, which is not stored
+    for it: the run took that look (it then fails 'long'), so the render names it on the row instead of saying it
+    was not looked at further; with 'long''s look stored, the row is judged at 200."""
+    import yaml
+
+    from kvquant.experiment.config import load_config
+    from kvquant.runner import judging
+    from kvquant.runner.render import Replay
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
+    base_long, stuck_long = answers(800, 480, [20, 60, 300], [])
+    stuck_long[100:200] = 0.0  # loses all of 100-199 that the baseline has right
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}],
+        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
+        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
+    cfg = load_config(path)
+    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
+    outcomes = {"baseline": {"short": base_short, "long": base_long}, "stuck": {"short": stuck_short,
+                                                                                "long": stuck_long}}
+
+    def judged(missing):
+        session = RenderedSession(cfg, outcomes, missing)
+        first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE,
+                                                                                           *cfg.candidates]}
+        results, sizes = judging.add_documents(session, list(cfg.candidates), {}, first, {"stuck": 5.0},
+                                               judging.planned_looks(cfg))
+        plan = RunPlan(candidates=("stuck",), looks=judging.planned_looks(cfg))
+        _, decision, _ = judging.judge_run(cfg, plan, list(cfg.candidates), results, [], {}, sizes)
+        decision = Replay.with_unstored_looks(session, decision)
+        return {v.row.metric.source: (v.row.n, v.verdict, v.note) for v in decision.verdicts}
+
+    assert judged({})["long"][:2] == (200, FAIL)  # the run's own verdict
+    rendered = judged({("stuck", "long"): 100})
+    assert rendered["short"] == (200, INCONCLUSIVE, "its last look: every document the task has (200)")
+    assert rendered["long"] == (100, INCONCLUSIVE, "documents 100-199 not stored; re-measure")

@@ -257,13 +257,13 @@ def with_documents_left(v: Verdict, sizes: dict[str, int]) -> Verdict:
 
 
 def at_last_look(v: Verdict, ends: dict[str, tuple[int, str]]) -> bool:
-    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: per task,
-    the documents at its last look and what sets them, :func:`kvquant.runner.judging.last_looks`), counted by the
-    candidate's own paired documents, not the baseline's, which other candidates' looks may have taken further (a
-    row whose baseline has fewer documents, a render's look not stored, has no interval and is not at its end)."""
+    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: per task
+    whose baseline has scored to its last look, those documents and what sets them,
+    :func:`kvquant.runner.judging.last_looks`), counted by the candidate's own documents, not the baseline's, which
+    other candidates' looks may have taken further."""
     end = ends.get(v.row.metric.source)
     return v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks and end is not None and \
-        v.row.n >= end[0] and math.isfinite(v.row.ci_low) and math.isfinite(v.row.ci_high)
+        v.row.n >= end[0]
 
 
 def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]]) -> dict[str, Verdict]:
@@ -275,13 +275,15 @@ def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]])
     return found
 
 
-def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]]) -> list[Verdict]:
+def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]],
+                    failed: frozenset[str] = frozenset()) -> list[Verdict]:
     """``verdicts`` with each row :func:`at_last_look` saying what ends its looks, and each other inconclusive
-    task row of the same candidate saying why it was not looked at further."""
+    task row of the same candidate saying why it was not looked at further; ``failed``: candidates shown to fail,
+    which are not looked at further for that."""
     halted, out = open_at_last_look(verdicts, ends), []
     for v in verdicts:
-        stop = halted.get(v.row.candidate)
-        if at_last_look(v, ends):
+        stop = None if v.row.candidate in failed else halted.get(v.row.candidate)
+        if stop is not None and at_last_look(v, ends):
             v = dataclasses.replace(v, note=f"its last look: {ends[v.row.metric.source][1]}")
         elif stop is not None and v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks:
             v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open at its last "
@@ -355,16 +357,16 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
-    windows, which picks a map and decides nothing); ``ends``: per task, the documents at its last look and what
-    sets them, to say which open rows take no more looks (:func:`with_halt_notes`)."""
+    windows, which picks a map and decides nothing); ``ends``: per task whose baseline has its last look, the
+    documents there and what sets them, to say which open rows take no more looks (:func:`with_halt_notes`)."""
     verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
                 for r in rows]
-    verdicts = with_halt_notes(verdicts, ends or {})
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
     too_long = length_failures(rows, policy, at_chance)
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
     statuses = {name: FAIL if name in too_long else status([v for v in verdicts if v.row.candidate == name])
                 if name in gated else INCONCLUSIVE for name in bits_per_element}
+    verdicts = with_halt_notes(verdicts, ends or {}, frozenset(n for n, s in statuses.items() if s == FAIL))
     passed = {name: s == PASS for name, s in statuses.items()}
     winners = sorted((bits_per_element[n], n) for n, ok in passed.items() if ok)
     basis = "point estimate, not a test" if policy.decide_on == "point" else \

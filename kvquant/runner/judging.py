@@ -11,7 +11,7 @@ from kvquant.experiment.config import ExperimentConfig
 from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, metric_rows, needles_at_chance,
                                  open_at_last_look)
 from kvquant.experiment.gate_config import looks
-from kvquant.experiment.results import Decision, RunPlan
+from kvquant.experiment.results import Decision, Measured, RunPlan
 from kvquant.runner.store import warn
 from kvquant.scoring.session import BASELINE, Session, evaluation_split, probe_counts, probe_tokens, task_size
 from kvquant.scoring.stages import staged_decision
@@ -25,18 +25,29 @@ def planned_looks(cfg: ExperimentConfig) -> dict[str, int]:
     return {task: len(looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)) for task in cfg.gated_tasks()}
 
 
-def last_looks(cfg: ExperimentConfig, sizes: dict[str, int]) -> dict[str, tuple[int, str]]:
-    """Per gated task, the documents its last look has and what sets them: the plan's last look
-    (``gate.max_documents``) or, where ``sizes`` knows it (a probe task: those the config writes), the task's end if
-    that comes first; none without sequential looks."""
+def last_looks(cfg: ExperimentConfig, sizes: dict[str, int], baseline: Measured) -> dict[str, tuple[int, str]]:
+    """Per gated task whose ``baseline`` has scored to its last look, the documents there and what sets them: the
+    plan's last look (``gate.max_documents``) or, where ``sizes`` knows it, the task's end if that comes first (a
+    generated task's: the most documents the config writes, where that is fewer); none without sequential looks.
+    A task whose baseline stops short (a render's look not stored) has no end yet."""
     if cfg.gate.max_documents is None:
         return {}
-    known, out = {**probe_counts(cfg), **sizes}, {}
+    scored: dict[str, int] = {}
+    for o in baseline.outcomes:
+        if o.metric.kind.on_tasks:
+            scored[o.metric.source] = min(o.n, scored.get(o.metric.source, o.n))
+    written, out = probe_counts(cfg), {}
     for task in cfg.gated_tasks():
         planned = looks(cfg.eval.tasks.limit_for(task), cfg.gate.max_documents)[-1]
-        size = known.get(task)
-        out[task] = (size, f"every document the task has ({size:,})") if size is not None and size <= planned \
-            else (planned, f"the plan's last (gate.max_documents = {cfg.gate.max_documents:,})")
+        if task in written:  # generated: a larger gate.max_documents writes more, up to a cap
+            end = (written[task], f"every document the config writes ({written[task]:,})") \
+                if written[task] < planned else None
+        else:
+            end = (sizes[task], f"every document the task has ({sizes[task]:,})") \
+                if task in sizes and sizes[task] <= planned else None
+        end = end or (planned, f"the plan's last (gate.max_documents = {cfg.gate.max_documents:,})")
+        if scored.get(task, 0) >= end[0]:
+            out[task] = end
     return out
 
 
@@ -68,7 +79,8 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
         for task in wanted:
             if task not in sizes:
                 sizes[task] = task_size(session, task)
-        hopeless |= set(open_at_last_look(decision.verdicts, last_looks(cfg, sizes)))  # nor can these
+        ends = last_looks(cfg, sizes, results[BASELINE.label])
+        hopeless |= set(open_at_last_look(decision.verdicts, ends))  # nor can these
         grown, gated = {}, {}
         for task, labels in ((t, labels - hopeless) for t, labels in wanted.items()):
             if not labels:
@@ -134,7 +146,7 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
     at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
     decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance,
-                             ends=last_looks(cfg, sizes or {})), None
+                             ends=last_looks(cfg, sizes or {}, results[BASELINE.label])), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet

@@ -161,9 +161,13 @@ class Replay(Session):
         verdicts = []
         for v in decision.verdicts:
             task = v.row.metric.source
-            missing = self.not_stored.get((v.row.candidate, task)) or self.not_stored.get((BASELINE.label, task))
-            if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and v.note is None and \
-                    decision.statuses[v.row.candidate] != FAIL:  # a note: the run takes no more looks for it
+            own, base = self.not_stored.get((v.row.candidate, task)), self.not_stored.get((BASELINE.label, task))
+            missing = own or base
+            # a row that takes no more looks (its note says why) keeps its note unless the look is its own, or
+            # the baseline's within its documents: a look the run would have taken
+            wanted = v.note is None or own is not None or (base is not None and base.start < v.row.n)
+            if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and wanted and \
+                    decision.statuses[v.row.candidate] != FAIL:
                 v = dataclasses.replace(v, note=f"documents {missing.start}-{missing.stop - 1} not stored; "
                                                 "re-measure")
             verdicts.append(v)
