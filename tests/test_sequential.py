@@ -247,14 +247,29 @@ def answers(size: int, right: int, lost: list[int], gained: list[int]) -> tuple[
     return base, other
 
 
+def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str]):
+    """A config of two gated tasks, 'short' (200 documents) and 'long' (800), looks at 100, 200, 400 and 800
+    documents, and ``candidates`` (name: quantizer)."""
+    import yaml
+
+    from kvquant.experiment.config import load_config
+    from kvquant.runner import judging
+
+    path = tmp_path / "seq.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "seq", "candidates": [{"quantizer": q, "name": name} for name, q in candidates.items()],
+        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
+        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
+    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
+    return load_config(path)
+
+
 def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_elsewhere(monkeypatch, tmp_path):
     """Task 'short' has 200 documents, 'long' 800; looks at 100, 200, 400, 800. 'stuck' is open on 'short' when
     its documents run out, so it can never pass: no more documents on 'long' for it (they could only make it fail).
     Before, it was scored on 'long' to 800. 'open', which passes 'short', goes on (and the baseline with it). The
     report's row says why: 'long' not looked at further for 'stuck'."""
-    import yaml
 
-    from kvquant.experiment.config import load_config
     from kvquant.runner import judging
     from kvquant.scoring.session import BASELINE, evaluation_split
 
@@ -262,16 +277,10 @@ def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_els
     base_long, stuck_long = answers(800, 480, [20, 300], [130, 600])
     _, open_long = answers(800, 480, [30, 90, 250, 410, 700], [140])
     _, open_short = answers(200, 120, [], list(range(120, 135)))  # 15 gained: passes 'short'
-    path = tmp_path / "seq.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}, {"quantizer": "int8", "name": "open"}],
-        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
-        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
-    cfg = load_config(path)
+    cfg = two_tasks(tmp_path, monkeypatch, {"stuck": "int4", "open": "int8"})
     session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
                                    "stuck": {"short": stuck_short, "long": stuck_long},
                                    "open": {"short": open_short, "long": open_long}})
-    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
     first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE, *cfg.candidates]}
     bits = {"stuck": 5.0, "open": 8.0}
     results, sizes = judging.add_documents(session, list(cfg.candidates), {}, first, bits, judging.planned_looks(cfg))
@@ -376,23 +385,15 @@ def test_a_candidate_whose_last_look_is_not_stored_is_not_halted_by_the_baseline
     """Review (a mutant that judged a task's end by the baseline's documents passed the tests above): 'stuck''s
     look 100-199 on 'short' is not stored, the baseline's is, so its 'short' row stops at 100 with looks still to
     take; it is not halted, and its 'long' looks go on (the run would still seek its 'short' look)."""
-    import yaml
 
-    from kvquant.experiment.config import load_config
     from kvquant.runner import judging
     from kvquant.scoring.session import BASELINE, evaluation_split
 
     base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
     base_long, stuck_long = answers(800, 480, [20, 300], [130, 600])
-    path = tmp_path / "seq.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}],
-        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
-        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
-    cfg = load_config(path)
+    cfg = two_tasks(tmp_path, monkeypatch, {"stuck": "int4"})
     session = RenderedSession(cfg, {"baseline": {"short": base_short, "long": base_long},
                                     "stuck": {"short": stuck_short, "long": stuck_long}}, {("stuck", "short"): 100})
-    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
     first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE, *cfg.candidates]}
     results, _ = judging.add_documents(session, list(cfg.candidates), {}, first, {"stuck": 5.0},
                                        judging.planned_looks(cfg))
@@ -424,9 +425,7 @@ def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(
     """Review: 'stuck' reaches the end of 'short' (open) in the same look as 'long' 100-199, which is not stored
     for it: the run took that look (it then fails 'long'), so the render names it on the row instead of saying it
     was not looked at further; with 'long''s look stored, the row is judged at 200."""
-    import yaml
 
-    from kvquant.experiment.config import load_config
     from kvquant.runner import judging
     from kvquant.runner.render import Replay
     from kvquant.scoring.session import BASELINE, evaluation_split
@@ -434,13 +433,7 @@ def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(
     base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
     base_long, stuck_long = answers(800, 480, [20, 60, 300], [])
     stuck_long[100:200] = 0.0  # loses all of 100-199 that the baseline has right
-    path = tmp_path / "seq.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "seq", "candidates": [{"quantizer": "int4", "name": "stuck"}],
-        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
-        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
-    cfg = load_config(path)
-    monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
+    cfg = two_tasks(tmp_path, monkeypatch, {"stuck": "int4"})
     outcomes = {"baseline": {"short": base_short, "long": base_long}, "stuck": {"short": stuck_short,
                                                                                 "long": stuck_long}}
 
