@@ -247,9 +247,9 @@ def answers(size: int, right: int, lost: list[int], gained: list[int]) -> tuple[
     return base, other
 
 
-def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str]):
+def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str], **gate):
     """A config of two gated tasks, 'short' (200 documents) and 'long' (800), looks at 100, 200, 400 and 800
-    documents, and ``candidates`` (name: quantizer)."""
+    documents, ``candidates`` (name: quantizer) and more ``gate`` settings."""
     import yaml
 
     from kvquant.experiment.config import load_config
@@ -259,7 +259,7 @@ def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str]):
     path.write_text(yaml.safe_dump({
         "name": "seq", "candidates": [{"quantizer": q, "name": name} for name, q in candidates.items()],
         "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
-        "gate": {"tasks": ["short", "long"], "max_documents": 800}}))
+        "gate": {"tasks": ["short", "long"], "max_documents": 800, **gate}}))
     monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
     return load_config(path)
 
@@ -407,24 +407,27 @@ def test_a_render_keeps_the_note_of_a_row_that_takes_no_more_looks():
     (another candidate's) is not stored: the run would not seek it for this candidate."""
     from types import SimpleNamespace
 
-    from kvquant.experiment.results import Decision, Verdict
+    from kvquant.experiment.results import Verdict
     from kvquant.runner.render import Replay
 
     def verdict(candidate, note=None):
         row = MetricRow(candidate, MetricId("acc", "long"), 0.5, 0.5, 200, True, 0.95, 1.02)
         return Verdict(row, 0.97, 0.99, INCONCLUSIVE, note=note)
 
-    decision = Decision(INCONCLUSIVE, None, {}, [verdict("halted", "not looked at further: ..."), verdict("open")],
-                        "", {"halted": INCONCLUSIVE, "open": INCONCLUSIVE})
+    verdicts = [verdict("halted", "not looked at further: ..."), verdict("open")]
     replay = SimpleNamespace(not_stored={("baseline", "long"): range(200, 400)})
-    notes = [v.note for v in Replay.with_unstored_looks(replay, decision).verdicts]
+    notes = [v.note for v in Replay.with_unstored_looks(replay, verdicts, {"halted": INCONCLUSIVE,
+                                                                           "open": INCONCLUSIVE})]
     assert notes == ["not looked at further: ...", "documents 200-399 not stored; re-measure"]
 
 
-def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(monkeypatch, tmp_path):
+@pytest.mark.parametrize("missing", [("stuck", "long"), ("baseline", "long")])
+def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(monkeypatch, tmp_path, missing):
     """Review: 'stuck' reaches the end of 'short' (open) in the same look as 'long' 100-199, which is not stored
-    for it: the run took that look (it then fails 'long'), so the render names it on the row instead of saying it
+    for it (or for the baseline): the run took that look (it then fails 'long'), so the render names it, on the
+    row, on its flip-rate row (which counts the documents both have) and in the verdict line, instead of saying it
     was not looked at further; with 'long''s look stored, the row is judged at 200."""
+    import functools
 
     from kvquant.runner import judging
     from kvquant.runner.render import Replay
@@ -433,22 +436,24 @@ def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(
     base_short, stuck_short = answers(200, 120, [10, 50, 110], [150])
     base_long, stuck_long = answers(800, 480, [20, 60, 300], [])
     stuck_long[100:200] = 0.0  # loses all of 100-199 that the baseline has right
-    cfg = two_tasks(tmp_path, monkeypatch, {"stuck": "int4"})
+    cfg = two_tasks(tmp_path, monkeypatch, {"stuck": "int4"}, max_flip_rate=0.05)
     outcomes = {"baseline": {"short": base_short, "long": base_long}, "stuck": {"short": stuck_short,
                                                                                 "long": stuck_long}}
 
-    def judged(missing):
-        session = RenderedSession(cfg, outcomes, missing)
+    def judged(lacking):
+        session = RenderedSession(cfg, outcomes, lacking)
         first = {c.label: session.measure(c, evaluation_split(cfg, None, 64, {})) for c in [BASELINE,
                                                                                            *cfg.candidates]}
         results, sizes = judging.add_documents(session, list(cfg.candidates), {}, first, {"stuck": 5.0},
                                                judging.planned_looks(cfg))
         plan = RunPlan(candidates=("stuck",), looks=judging.planned_looks(cfg))
-        _, decision, _ = judging.judge_run(cfg, plan, list(cfg.candidates), results, [], {}, sizes)
-        decision = Replay.with_unstored_looks(session, decision)
-        return {v.row.metric.source: (v.row.n, v.verdict, v.note) for v in decision.verdicts}
+        _, decision, _ = judging.judge_run(cfg, plan, list(cfg.candidates), results, [], {}, sizes,
+                                           functools.partial(Replay.with_unstored_looks, session))
+        return {v.row.metric.name: (v.verdict, v.note) for v in decision.verdicts}, decision.reason
 
-    assert judged({})["long"][:2] == (200, FAIL)  # the run's own verdict
-    rendered = judged({("stuck", "long"): 100})
-    assert rendered["short"] == (200, INCONCLUSIVE, "its last look: every document the task has (200)")
-    assert rendered["long"] == (100, INCONCLUSIVE, "documents 100-199 not stored; re-measure")
+    assert judged({})[0]["acc/long"][0] == FAIL  # the run's own verdict
+    rows, reason = judged({missing: 100})
+    assert rows["acc/short"] == (INCONCLUSIVE, "its last look: every document the task has (200)")
+    lacking = "documents 100-199 not stored; re-measure"
+    assert rows["acc/long"] == rows["flips/long"] == (INCONCLUSIVE, lacking)
+    assert lacking in reason and "not looked at further" not in reason

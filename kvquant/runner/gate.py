@@ -350,7 +350,7 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
            pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
            at_chance: frozenset[str] = frozenset(), counted: bool = True,
-           ends: dict[str, tuple[int, str]] | None = None) -> Decision:
+           ends: dict[str, tuple[int, str]] | None = None, annotate=None) -> Decision:
     """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
     (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
     passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
@@ -358,7 +358,9 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
     windows, which picks a map and decides nothing); ``ends``: per task whose baseline has its last look, the
-    documents there and what sets them, to say which open rows take no more looks (:func:`with_halt_notes`)."""
+    documents there and what sets them, to say which open rows take no more looks (:func:`with_halt_notes`);
+    ``annotate(verdicts, statuses)``: the verdicts with what the caller adds to their notes, before the reason
+    quotes them (a render's looks not stored, :meth:`kvquant.runner.render.Replay.with_unstored_looks`)."""
     verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
                 for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
@@ -367,6 +369,7 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     statuses = {name: FAIL if name in too_long else status([v for v in verdicts if v.row.candidate == name])
                 if name in gated else INCONCLUSIVE for name in bits_per_element}
     verdicts = with_halt_notes(verdicts, ends or {}, frozenset(n for n, s in statuses.items() if s == FAIL))
+    verdicts = annotate(verdicts, statuses) if annotate else verdicts
     passed = {name: s == PASS for name, s in statuses.items()}
     winners = sorted((bits_per_element[n], n) for n, ok in passed.items() if ok)
     basis = "point estimate, not a test" if policy.decide_on == "point" else \

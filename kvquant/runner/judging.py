@@ -127,17 +127,18 @@ def task_pace(seconds: dict[tuple[str, str], float], table: list) -> dict[tuple[
 
 def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: dict,
               warnings: list[str], store_seconds: dict | None = None,
-              sizes: dict[str, int] | None = None) -> tuple[list, Decision, str | None]:
+              sizes: dict[str, int] | None = None, annotate=None) -> tuple[list, Decision, str | None]:
     """The gate's rows and decision over the measured ``results`` (a staged run: the last stage before the first
     that does not pass, which is returned too; None: every stage passes, or no stages); ``store_seconds``: how long
     each result took (:attr:`ResultStore.seconds`), to state how long more documents would take; ``sizes``:
-    documents per task where known, to state where more would be needed than a task holds."""
+    documents per task where known, to state where more would be needed than a task holds; ``annotate``: what the
+    caller adds to the verdicts' notes (:func:`~kvquant.runner.gate.decide`)."""
     store_seconds = store_seconds or {}
     table = metric_rows(cfg, results, [c.label for c in candidates], planned_looks=plan.looks)
     for row in table:
         if row.gated and row.kind is ACCURACY and row.baseline == 0 and row.candidate == candidates[0].label:
-            warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so every candidate keeps it "
-                 "(relative 1.0) and the gate says nothing about it")
+            warn(warnings, f"gated metric {row.metric.name}: the baseline scores 0, so a ratio to it has no "
+                 "interval: every candidate stays inconclusive on it (none can pass), and it says nothing of a cache")
     bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
     for label, b in bits.items():
         if b >= results[BASELINE.label].memory.bits_per_element:
@@ -146,7 +147,7 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
     at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
     decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance,
-                             ends=last_looks(cfg, sizes or {}, results[BASELINE.label])), None
+                             ends=last_looks(cfg, sizes or {}, results[BASELINE.label]), annotate=annotate), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet

@@ -177,9 +177,9 @@ def take_steps(session: Session, plan: RunPlan, out_dir: Path, command: str, row
         bits = {c.label: results[c.label].memory.bits_per_element for c in candidates}
         results, sizes = add_documents(session, candidates, rows, results, bits, plan.looks,
                                        record and record.record)
-    table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes)
     replayed = isinstance(session, render.Replay)  # a report rendered from stored results (--render-only)
-    decision = session.with_unstored_looks(decision) if replayed else decision  # the looks it lacks, named
+    table, decision, first = judge_run(cfg, plan, candidates, results, warnings, store.seconds, sizes,
+                                       session.with_unstored_looks if replayed else None)  # the looks it lacks
     replanned = record and record.record(table)
     if replanned:  # the verdict line, report.md's header and results.json say the plan changed after the data
         decision = dataclasses.replace(decision, reason=f"{decision.reason} ({replanned_note(replanned)})")

@@ -155,23 +155,27 @@ class Replay(Session):
                 kept = tuple(r for r in split.more[task] if r.start < looked[0].start)
                 split = dataclasses.replace(split, more={**split.more, task: kept})
 
-    def with_unstored_looks(self, decision):
-        """``decision`` with each inconclusive gated verdict whose next look, which the run would take (its
-        candidate has not failed), is not stored saying so."""
-        verdicts = []
-        for v in decision.verdicts:
-            task = v.row.metric.source
-            own, base = self.not_stored.get((v.row.candidate, task)), self.not_stored.get((BASELINE.label, task))
+    def with_unstored_looks(self, verdicts: list, statuses: dict[str, str]) -> list:
+        """``verdicts`` with each inconclusive gated verdict whose next look, which the run would take (its
+        candidate has not failed), is not stored saying so; a row that takes no more looks (its note says why)
+        keeps its note unless the look is the candidate's own, or the baseline's within the candidate's documents
+        of the task (a flips row counts fewer): a look the run took."""
+        own_n: dict[tuple[str, str], int] = {}
+        for v in verdicts:
+            key = (v.row.candidate, v.row.metric.source)
+            own_n[key] = max(v.row.n, own_n.get(key, 0))
+        out = []
+        for v in verdicts:
+            key = (v.row.candidate, v.row.metric.source)
+            own, base = self.not_stored.get(key), self.not_stored.get((BASELINE.label, key[1]))
             missing = own or base
-            # a row that takes no more looks (its note says why) keeps its note unless the look is its own, or
-            # the baseline's within its documents: a look the run would have taken
-            wanted = v.note is None or own is not None or (base is not None and base.start < v.row.n)
-            if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and wanted and \
-                    decision.statuses[v.row.candidate] != FAIL:
+            taken = v.note is None or own is not None or (base is not None and base.start < own_n[key])
+            if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and taken and \
+                    statuses[v.row.candidate] != FAIL:
                 v = dataclasses.replace(v, note=f"documents {missing.start}-{missing.stop - 1} not stored; "
                                                 "re-measure")
-            verdicts.append(v)
-        return dataclasses.replace(decision, verdicts=verdicts)
+            out.append(v)
+        return out
 
     def render_provenance(self, out_dir: Path) -> dict:
         """What the report's header and results.json say of this render (:attr:`Provenance.rendered`)."""
