@@ -305,7 +305,8 @@ def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_base
     shorter than the baseline, and that candidate still has looks to take. A row at its last look says what ends
     it: the plan or the task (review: the first version guessed from the row's estimate). A candidate shown to fail
     gets no such note (it is not looked at further for that)."""
-    from kvquant.runner.gate import GateConfig, decide, open_at_last_look
+    from kvquant.runner.gate import GateConfig, decide
+    from kvquant.runner.judging import halt_notes, open_at_last_look
 
     def row(candidate, task, n, low=0.95, high=1.02):
         return MetricRow(candidate, MetricId("acc", task), 0.5, 0.5, n, True, low, high)
@@ -318,7 +319,7 @@ def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_base
             row("level", "short", 200, 0.94, 1.0),  # its estimate, 0.97, sits on the threshold: no "more"
             row("failing", "short", 200), row("failing", "long", 400, 0.80, 0.90)]
     bits = {"behind": 4.0, "done": 5.0, "capped": 6.0, "level": 7.5, "failing": 3.0}
-    decision = decide(rows, bits, policy, sizes={"short": 200}, ends=ends)
+    decision = decide(rows, bits, policy, sizes={"short": 200}, annotate=halt_notes(ends))
     assert set(open_at_last_look(decision.verdicts, ends)) == {"done", "capped", "level", "failing"}
     notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
     assert notes[("behind", "short")] is None and notes[("behind", "long")] is None

@@ -256,42 +256,6 @@ def with_documents_left(v: Verdict, sizes: dict[str, int]) -> Verdict:
     return dataclasses.replace(v, left=max(size - v.row.n, 0))
 
 
-def at_last_look(v: Verdict, ends: dict[str, tuple[int, str]]) -> bool:
-    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: per task
-    whose baseline has scored to its last look, those documents and what sets them,
-    :func:`kvquant.runner.judging.last_looks`), counted by the candidate's own documents, not the baseline's, which
-    other candidates' looks may have taken further."""
-    end = ends.get(v.row.metric.source)
-    return v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks and end is not None and \
-        v.row.n >= end[0]
-
-
-def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]]) -> dict[str, Verdict]:
-    """Per candidate, its first row :func:`at_last_look`: such a candidate cannot pass on this data."""
-    found: dict[str, Verdict] = {}
-    for v in verdicts:
-        if at_last_look(v, ends):
-            found.setdefault(v.row.candidate, v)
-    return found
-
-
-def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]],
-                    failed: frozenset[str] = frozenset()) -> list[Verdict]:
-    """``verdicts`` with each row :func:`at_last_look` saying what ends its looks, and each other inconclusive
-    task row of the same candidate saying why it was not looked at further; ``failed``: candidates shown to fail,
-    which are not looked at further for that."""
-    halted, out = open_at_last_look(verdicts, ends), []
-    for v in verdicts:
-        stop = None if v.row.candidate in failed else halted.get(v.row.candidate)
-        if stop is not None and at_last_look(v, ends):
-            v = dataclasses.replace(v, note=f"its last look: {ends[v.row.metric.source][1]}")
-        elif stop is not None and v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks:
-            v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open at its last "
-                                            f"look ({stop.row.n:,} documents), so none can make this pass")
-        out.append(v)
-    return out
-
-
 def status(verdicts: list[Verdict]) -> str:
     """A candidate's verdict from its rows': fail if any fails, else inconclusive if any is inconclusive or has too
     few documents (a row that cannot be decided is as open as one that straddles), else not exercised if any is,
@@ -349,18 +313,16 @@ def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
 
 def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: GateConfig,
            pace: dict[tuple[str, str], float] | None = None, sizes: dict[str, int] | None = None,
-           at_chance: frozenset[str] = frozenset(), counted: bool = True,
-           ends: dict[str, tuple[int, str]] | None = None, annotate=None) -> Decision:
+           at_chance: frozenset[str] = frozenset(), counted: bool = True, annotate=None) -> Decision:
     """Judge every row; per candidate a status (:func:`status`), a fail also where a long context is shown to fail
     (:func:`length_failures`; ``at_chance``: the needle tasks :func:`needles_at_chance` leaves out); the cheapest
     passing candidate is the answer, else "fail" when every candidate fails, else "inconclusive", naming what would
     decide it. ``pace``: seconds per document of a (candidate, task) as this run scored them, baseline included, to
     state the time more documents would take; ``sizes``: documents per task, to state where more would be needed
     than it holds; ``counted=False``: rows not held to the counts (a search's check of a map on its calibration
-    windows, which picks a map and decides nothing); ``ends``: per task whose baseline has its last look, the
-    documents there and what sets them, to say which open rows take no more looks (:func:`with_halt_notes`);
-    ``annotate(verdicts, statuses)``: the verdicts with what the caller adds to their notes, before the reason
-    quotes them (a render's looks not stored, :meth:`kvquant.runner.render.Replay.with_unstored_looks`)."""
+    windows, which picks a map and decides nothing); ``annotate(verdicts, statuses)``: the verdicts with what the
+    caller adds to their notes, before the reason quotes them (the rows that take no more looks,
+    :func:`kvquant.runner.judging.halt_notes`; a render's looks not stored)."""
     verdicts = [with_documents_left(with_more_seconds(judge(r, policy, counted), pace or {}), sizes or {})
                 for r in rows]
     gated = {v.row.candidate for v in verdicts if v.verdict != NOT_GATED}
@@ -368,7 +330,6 @@ def decide(rows: list[MetricRow], bits_per_element: dict[str, float], policy: Ga
     # a candidate with no gated row left (a needle the baseline cannot do is left out) is shown nothing
     statuses = {name: FAIL if name in too_long else status([v for v in verdicts if v.row.candidate == name])
                 if name in gated else INCONCLUSIVE for name in bits_per_element}
-    verdicts = with_halt_notes(verdicts, ends or {}, frozenset(n for n, s in statuses.items() if s == FAIL))
     verdicts = annotate(verdicts, statuses) if annotate else verdicts
     passed = {name: s == PASS for name, s in statuses.items()}
     winners = sorted((bits_per_element[n], n) for n, ok in passed.items() if ok)

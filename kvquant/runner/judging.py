@@ -8,10 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from kvquant.experiment.config import ExperimentConfig
-from kvquant.runner.gate import (ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, metric_rows, needles_at_chance,
-                                 open_at_last_look)
+from kvquant.runner.gate import ACCURACY, FAIL, INCONCLUSIVE, NOT_EXERCISED, decide, metric_rows, needles_at_chance
 from kvquant.experiment.gate_config import looks
-from kvquant.experiment.results import Decision, Measured, RunPlan
+from kvquant.experiment.results import Decision, Measured, RunPlan, Verdict
 from kvquant.runner.store import warn
 from kvquant.scoring.session import BASELINE, Session, evaluation_split, probe_counts, probe_tokens, task_size
 from kvquant.scoring.stages import staged_decision
@@ -49,6 +48,52 @@ def last_looks(cfg: ExperimentConfig, sizes: dict[str, int], baseline: Measured)
         if scored.get(task, 0) >= end[0]:
             out[task] = end
     return out
+
+
+def at_last_look(v: Verdict, ends: dict[str, tuple[int, str]]) -> bool:
+    """Whether ``v`` is a gated task row still inconclusive with every document it can have (``ends``: per task
+    whose baseline has scored to its last look, those documents and what sets them,
+    :func:`last_looks`), counted by the candidate's own documents, not the baseline's, which
+    other candidates' looks may have taken further."""
+    end = ends.get(v.row.metric.source)
+    return v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks and end is not None and \
+        v.row.n >= end[0]
+
+
+def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]]) -> dict[str, Verdict]:
+    """Per candidate, its first row :func:`at_last_look`: such a candidate cannot pass on this data."""
+    found: dict[str, Verdict] = {}
+    for v in verdicts:
+        if at_last_look(v, ends):
+            found.setdefault(v.row.candidate, v)
+    return found
+
+
+def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]],
+                    failed: frozenset[str] = frozenset()) -> list[Verdict]:
+    """``verdicts`` with each row :func:`at_last_look` saying what ends its looks, and each other inconclusive
+    task row of the same candidate saying why it was not looked at further; ``failed``: candidates shown to fail,
+    which are not looked at further for that."""
+    halted, out = open_at_last_look(verdicts, ends), []
+    for v in verdicts:
+        stop = None if v.row.candidate in failed else halted.get(v.row.candidate)
+        if stop is not None and at_last_look(v, ends):
+            v = dataclasses.replace(v, note=f"its last look: {ends[v.row.metric.source][1]}")
+        elif stop is not None and v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks:
+            v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open at its last "
+                                            f"look ({stop.row.n:,} documents), so none can make this pass")
+        out.append(v)
+    return out
+
+
+def halt_notes(ends: dict[str, tuple[int, str]], then=None):
+    """What :func:`~kvquant.runner.gate.decide` adds to the verdicts' notes (its ``annotate``): the rows that take no
+    more looks (:func:`with_halt_notes`; a candidate shown to fail is not looked at further for that), then
+    ``then``'s (a render's looks not stored)."""
+    def annotate(verdicts: list[Verdict], statuses: dict[str, str]) -> list[Verdict]:
+        verdicts = with_halt_notes(verdicts, ends, frozenset(name for name, s in statuses.items() if s == FAIL))
+        return then(verdicts, statuses) if then else verdicts
+    return annotate
 
 
 def add_documents(session: Session, candidates: list, rows: dict, results: dict, bits: dict,
@@ -146,8 +191,9 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
     at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
+    notes = halt_notes(last_looks(cfg, sizes or {}, results[BASELINE.label]), annotate)
     decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance,
-                             ends=last_looks(cfg, sizes or {}, results[BASELINE.label]), annotate=annotate), None
+                             annotate=notes), None
     if plan.staged:
         verdict, chosen, first, reason = staged_decision(candidates, decision.passed)
         if first is not None and decision.statuses[first] != FAIL:  # not shown to fail: shown nothing yet
