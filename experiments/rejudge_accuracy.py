@@ -19,7 +19,7 @@ from pathlib import Path
 from kvquant.errors import KVQuantError, is_python_int, script_parser, visible
 from kvquant.exits import run_script
 from kvquant.fs import read_json
-from kvquant.runner.gate import paired_ratio_bounds
+from kvquant.runner.paired import paired_ratio_bounds
 
 
 def answers(partial: Path, label: str, task: str, measure: str) -> list[float] | None:

@@ -13,7 +13,7 @@ documents are also gained (and as many more lost). A PASS is a lower end at or a
 - power: the fewest documents (of 50, 100, 200, ...) at which a lossless candidate (ratio 1) passes one 95% look
   in at least 80% of draws.
 
-``new`` is :func:`kvquant.runner.gate.paired_ratio_bounds`; ``old`` is :func:`old_dirichlet_interval`, the interval
+``new`` is :func:`kvquant.runner.paired.paired_ratio_bounds`; ``old`` is :func:`old_dirichlet_interval`, the interval
 the gate used before (kept here only to compare). Results go to a JSON file (``--json``), one section per call
 (each well under 10 minutes on one core), and ``--write-docs`` puts the table into ``docs/gate.md``::
 
@@ -35,7 +35,7 @@ from kvquant.errors import KVQuantError, at_least, script_parser
 from kvquant.exits import run_script
 from kvquant.fs import marked_section, read_json, writable_target, write_file
 from kvquant.experiment.gate_config import look_confidence, looks
-from kvquant.runner.gate import paired_ratio_bounds
+from kvquant.runner.paired import paired_ratio_bounds
 from kvquant.experiment.gate_config import GateConfig
 
 MARGIN = 0.97

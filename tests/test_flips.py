@@ -68,6 +68,15 @@ def gated_rows(tiny_config, max_flip_rate, baseline, candidate):
     return rows, [judge(r, cfg.gate) for r in rows]
 
 
+def test_an_accuracy_row_carries_its_paired_counts(tiny_config):
+    """The accuracy row counts both right, only the baseline, only the candidate and neither from the answers
+    (what its estimate of the documents still needed projects); the flip-rate row derived from it has none."""
+    baseline = [1] * 50 + [0] * 50
+    candidate = [0] * 3 + [1] * 47 + [1] * 5 + [0] * 45
+    rows, _ = gated_rows(tiny_config, 0.1, baseline, candidate)
+    assert [(r.metric.measure, r.paired) for r in rows] == [("acc", (47, 3, 5, 45)), ("flips", None)]
+
+
 @pytest.mark.parametrize("flipped, verdict", [(1, "pass"), (10, "inconclusive"), (30, "fail")])
 def test_the_flip_rate_is_gated_beside_the_accuracy(tiny_config, flipped, verdict):
     """100 documents, half right; the candidate flips ``flipped`` of them, half each way (accuracy unchanged when

@@ -118,6 +118,40 @@ def test_more_documents_estimate():
     assert v.verdict == INCONCLUSIVE and v.more == 200 * 9 - 200
 
 
+@pytest.mark.parametrize("table", [(76, 0, 0, 124), (91, 0, 1, 108), (60, 2, 2, 136), (40, 4, 0, 156)])
+def test_more_documents_for_paired_answers_project_their_counts(table):
+    """A row of 0/1 answers with its paired counts: the estimate is the first total, counts scaled in proportion,
+    whose score interval decides (found here by stepping one document at a time); the 1 / sqrt(n) rule overstated
+    it (HellaSwag at 0.38 with no flip: ~1,829 more where about 480 decide it)."""
+    from kvquant.runner.paired import paired_ratio_bounds
+
+    n, confidence = sum(table), 1 - 0.05 / 6
+    low, high = (float(x) for x in paired_ratio_bounds(*table, confidence))
+    b, c = table[0] + table[1], table[0] + table[2]
+    row = MetricRow("a", MetricId("acc", "task"), c / n, b / n, n, True, low, high, confidence=confidence,
+                    paired=table)
+    v = judge(row, TEST)
+    assert v.verdict == INCONCLUSIVE and v.more is not None
+    totals = np.arange(n, 60 * n)
+    scaled = np.round(np.asarray(table, dtype=float)[:, None] * totals / n)
+    lo, hi = paired_ratio_bounds(*scaled, confidence)
+    first = int(scaled[:, np.flatnonzero((lo >= 0.97) | (hi < 0.97))[0]].sum())
+    assert abs(n + v.more - first) <= 0.005 * first
+    unpaired = judge(dataclasses.replace(row, paired=None), TEST)  # the 1 / sqrt(n) rule
+    assert v.more < unpaired.more
+
+
+def test_more_documents_for_paired_answers_on_the_threshold_are_unknown():
+    """Candidate / baseline exactly 0.97 stays on the threshold however many documents: no estimate."""
+    from kvquant.runner.paired import paired_ratio_bounds
+
+    table = (97, 3, 0, 100)
+    low, high = (float(x) for x in paired_ratio_bounds(*table, 0.95))
+    row = MetricRow("a", MetricId("acc", "task"), 0.485, 0.5, 200, True, low, high, confidence=0.95, paired=table)
+    v = judge(row, TEST)
+    assert v.verdict == INCONCLUSIVE and v.more is None
+
+
 def test_the_time_more_documents_would_take_is_stated_at_the_runs_pace():
     """1,600 more documents at 0.3 s each (baseline and candidate) are 8 minutes; a task whose pace is unknown
     keeps its count alone."""

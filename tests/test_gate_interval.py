@@ -12,7 +12,8 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import norm
 
-from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, judge, paired_interval, paired_ratio_bounds
+from kvquant.runner.gate import FAIL, INCONCLUSIVE, PASS, judge, paired_interval
+from kvquant.runner.paired import paired_ratio_bounds
 from kvquant.experiment.gate_config import look_confidence, looks
 from kvquant.experiment.gate_config import GateConfig
 from kvquant.experiment.results import ACCURACY, MetricId, MetricRow

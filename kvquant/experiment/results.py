@@ -232,7 +232,8 @@ class Measured:
 class MetricRow:
     """One candidate x metric against the baseline; ``ci_low``/``ci_high``: the paired interval of its
     :attr:`statistic` at ``confidence``; ``quantized_share``: of what attention read, the share stored quantized
-    (keys or values, the smaller; nan where not counted)."""
+    (keys or values, the smaller; nan where not counted); ``paired``: for a ratio of 0/1 scores, the documents both
+    answered right, only the baseline, only the candidate and neither (None otherwise)."""
 
     candidate: str
     metric: MetricId
@@ -244,6 +245,7 @@ class MetricRow:
     ci_high: float = math.nan
     quantized_share: float = math.nan
     confidence: float = math.nan
+    paired: tuple[int, int, int, int] | None = None
 
     @property
     def kind(self) -> Metric:

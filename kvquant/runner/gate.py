@@ -4,9 +4,9 @@ Each gated metric gets one of three verdicts from a paired test of non-inferiori
 score (candidate / baseline accuracy, baseline / candidate perplexity: higher is better, 1.0 is no loss), or the
 value itself for the divergence metrics (mean KL divergence from the baseline, lower is better; top-1 agreement,
 higher is better). The paired interval of the statistic (for 0/1 accuracies a score interval of the ratio of paired
-proportions, :func:`paired_ratio_bounds`; otherwise a paired studentized bootstrap, :mod:`kvquant.runner.bootstrap`,
-documents or windows resampled with the baseline's and the candidate's outcome of each kept together) is compared
-with the threshold:
+proportions, :func:`kvquant.runner.paired.paired_ratio_bounds`; otherwise a paired studentized bootstrap,
+:mod:`kvquant.runner.bootstrap`, documents or windows resampled with the baseline's and the candidate's outcome of
+each kept together) is compared with the threshold:
 
 - **pass**: the whole interval is on the good side (the candidate is shown to lose no more than the margin);
 - **fail**: the whole interval is on the bad side (shown to lose more);
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from statistics import NormalDist
 
 import numpy as np
 
@@ -42,92 +41,17 @@ from kvquant.runner.bootstrap import log_ratio_interval, mean_interval, share_in
 from kvquant.runner.counts import TOO_FEW, settled_verdict, too_few
 from kvquant.runner.derived import DERIVE
 from kvquant.runner.lengths import LengthVerdict, _length, longest_passing
+from kvquant.runner.paired import paired_ratio_bounds, paired_table, projected_documents
 from kvquant.scoring.needles import needle_chance
 
 __all__ = ["ACCURACY", "FAIL", "INCONCLUSIVE", "NOT_EXERCISED", "NOT_GATED", "PASS", "PERPLEXITY", "TOO_FEW",
            "Decision", "LengthVerdict", "MetricRow", "Verdict", "paired_interval", "decide", "is_gated", "judge",
-           "longest_passing", "metric_rows", "paired_ratio_bounds", "quantile_interval", "relative_score"]
+           "longest_passing", "metric_rows", "quantile_interval", "relative_score"]
 
 PASS, FAIL, INCONCLUSIVE, NOT_EXERCISED, NOT_GATED = "pass", "fail", "inconclusive", "not exercised", "not gated"
 
 #: Paired-bootstrap resamples behind the interval of a ratio of scores that are not 0/1.
 RATIO_RESAMPLES = 2_000
-#: Continuity correction of :func:`paired_ratio_bounds`, in documents: the score statistic's numerator is moved
-#: this far toward the null (without it the score test errs up to 2.7% instead of 2.5% at 50 documents).
-CONTINUITY = 0.5
-
-
-def paired_ratio_bounds(both, lost, gained, neither, confidence: float) -> tuple[np.ndarray, np.ndarray]:
-    """Score interval of the ratio of paired accuracies (candidate / baseline) from the four paired counts.
-
-    ``both``: documents both answered right; ``lost``: only the baseline; ``gained``: only the candidate;
-    ``neither``. Counts (numbers or arrays of one shape, each a table of its own); two-sided ``confidence``.
-    Returns ``(low, high)`` arrays (NaN where the baseline answered nothing right: no ratio).
-
-    The test of ``H0: ratio = theta`` is the score test of Nam and Blackwelder (2002) and Tang, Tang and Chan
-    (2003) for a ratio of paired proportions: the statistic ``both + gained - theta (both + lost)`` (each
-    document adds ``1 - theta``, ``-theta``, ``1`` or 0) over its standard deviation under the maximum-likelihood
-    fit of the four cells that has the ratio ``theta`` (closed form: a quadratic). Its numerator is moved
-    :data:`CONTINUITY` documents toward the null, and the interval holds every ``theta`` not rejected at
-    ``(1 - confidence) / 2`` on either side. Unlike an interval from the observed flips alone it is wide where
-    none flipped (the fitted cells have flips whenever ``theta`` is not 1), and the exact error of its pass
-    (``low >= theta``) at a true ratio ``theta``, summed over every outcome, stayed at or below
-    ``(1 - confidence) / 2`` from 50 to 5,000 documents, accuracies 0.2-0.9 and flips one way or both
-    (``experiments/simulate_gate.py``, ``docs/gate.md``)."""
-    a, b, c, d = _paired_counts(both, lost, gained, neither, confidence)
-    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
-    hat = np.divide(a + c, a + b, out=np.full(a.shape, np.nan), where=a + b > 0)
-    low = _score_root(a, b, c, d, z, np.zeros(a.shape), np.nan_to_num(hat), lower=True)
-    high = np.exp(_score_root(a, b, c, d, -z, np.log(np.maximum(np.nan_to_num(hat), 1e-9)),
-                              np.full(a.shape, math.log(1e9)), lower=False))
-    none = a + b == 0
-    return np.where(none, np.nan, low), np.where(none, np.nan, high)
-
-
-def _paired_counts(both, lost, gained, neither, confidence) -> list[np.ndarray]:
-    """The four counts of :func:`paired_ratio_bounds` as float arrays of one shape, checked: whole numbers, none
-    negative (so neither flip count exceeds the documents), every table of at least one document, and a confidence
-    in (0, 1); else a ValueError naming what is wrong."""
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float, np.floating)) or \
-            not 0 < confidence < 1:
-        raise ValueError(f"paired_ratio_bounds: confidence must be a number in (0, 1), got {confidence!r}")
-    try:
-        counts = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (both, lost, gained, neither)))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"paired_ratio_bounds: counts must be numbers or arrays of one shape ({err})") from None
-    for name, x in zip(("both", "lost", "gained", "neither"), counts):
-        if not np.all(np.isfinite(x) & (x >= 0) & (x == np.floor(x))):
-            bad = x[~(np.isfinite(x) & (x >= 0) & (x == np.floor(x)))].flat[0]
-            raise ValueError(f"paired_ratio_bounds: {name} must count documents (a whole number, not negative), "
-                             f"got {float(bad):g}")
-    if np.any(sum(counts) == 0):
-        raise ValueError("paired_ratio_bounds: a table of 0 documents has no interval")
-    return counts
-
-
-def _score(a, b, c, d, theta, toward):
-    """The continuity-corrected score statistic at ratio ``theta`` (``toward``: +1 for the lower end, -1 for the
-    upper); -inf/+inf where the fitted variance vanishes (no flips at ratio 1)."""
-    n = a + b + c + d
-    qa, qb = n * (1 + theta), (a + b) * theta ** 2 - (a + c + 2 * b)  # the fitted share of lost documents
-    qc = b * (1 - theta) * (a + b + c) / n
-    lost = (-qb + np.sqrt(np.maximum(qb * qb - 4 * qa * qc, 0))) / (2 * qa)
-    variance = n * (1 + theta) * lost + (a + b + c) * (theta - 1)
-    numerator = a + c - theta * (a + b) - toward * CONTINUITY
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(variance > 0, numerator / np.sqrt(np.maximum(variance, 0)), -toward * np.inf)
-
-
-def _score_root(a, b, c, d, z, lo, hi, lower: bool, steps: int = 64):
-    """Bisection for the ratio where the score statistic crosses ``z`` (it falls as the ratio grows): in
-    ``[lo, hi]`` on the ratio for the lower end, on its logarithm for the upper."""
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        above = _score(a, b, c, d, mid if lower else np.exp(mid), 1 if lower else -1) >= z
-        lo, hi = np.where(above, mid, lo), np.where(above, hi, mid)
-    return lo if lower else hi
-
-
 def ratio_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: float,
                    seed: int = 0) -> tuple[float, float]:
     """Interval of the ratio of paired accuracies ``mean(candidate) / mean(baseline)`` over per-document scores
@@ -137,9 +61,9 @@ def ratio_interval(baseline: np.ndarray, candidate: np.ndarray, confidence: floa
     n = len(b)
     if n < 2 or len(c) != n:
         return math.nan, math.nan
-    if np.all((b == 0) | (b == 1)) and np.all((c == 0) | (c == 1)):
-        low, high = paired_ratio_bounds(np.sum((b == 1) & (c == 1)), np.sum((b == 1) & (c == 0)),
-                                        np.sum((b == 0) & (c == 1)), np.sum((b == 0) & (c == 0)), confidence)
+    table = paired_table(b, c)
+    if table is not None:
+        low, high = paired_ratio_bounds(*table, confidence)
         return float(low), float(high)
     idx = np.random.default_rng(seed).integers(0, n, size=(RATIO_RESAMPLES, n))
     sb, sc = b[idx].sum(1), c[idx].sum(1)
@@ -197,9 +121,14 @@ QUANTILE_RESAMPLES = 200
 
 
 def more_documents(row: MetricRow, limit: float) -> int | None:
-    """About how many more documents (windows) would decide an inconclusive row, were the estimate to stay: an
-    interval narrows as ``1 / sqrt(n)``, so it clears ``limit`` once its reach toward the limit is below the
-    distance of the estimate from it (None when the estimate sits on the threshold)."""
+    """About how many more documents (windows) would decide an inconclusive row, were the estimate to stay (None
+    when it sits on the threshold). A ratio of 0/1 scores with its paired counts (:attr:`MetricRow.paired`): by
+    :func:`projected_documents`. Otherwise an interval narrows as ``1 / sqrt(n)``, so it clears ``limit`` once its
+    reach toward the limit is below the distance of the estimate from it (for paired 0/1 scores that rule
+    overstates: where few documents flip the score interval narrows faster than ``1 / sqrt(n)``)."""
+    if row.paired is not None and 0 < row.confidence < 1:
+        total = projected_documents(row.paired, row.confidence, limit)
+        return None if total is None else max(total - row.n, 1)
     distance = abs(row.statistic - limit)
     half = row.ci_high - row.statistic if row.statistic < limit else row.statistic - row.ci_low  # toward the limit
     if not (distance > 0 and math.isfinite(half)):
@@ -445,7 +374,10 @@ def metric_rows(cfg: ExperimentConfig, results: dict[str, Measured], labels: lis
             reference = kind.reference if ref is None else ref.value
             share = outcomes.exercise.quantized_share if outcomes.exercise else math.nan
             gated = is_gated(metric, gate)
-            row = MetricRow(label, metric, outcomes.value, reference, outcomes.n, gated, low, high, share, confidence)
+            table = paired_table(ref.samples(), outcomes.samples()) \
+                if ref is not None and kind.interval == SCORE_RATIO else None
+            row = MetricRow(label, metric, outcomes.value, reference, outcomes.n, gated, low, high, share, confidence,
+                            table)
             if gated and metric.source in at_chance:
                 row = dataclasses.replace(row, gated=False)  # the baseline cannot do it here: says nothing of a cache
             rows += [row, *derived_rows(row, ref, outcomes, cfg, at_chance)]
