@@ -319,7 +319,7 @@ def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_base
             row("level", "short", 200, 0.94, 1.0),  # its estimate, 0.97, sits on the threshold: no "more"
             row("failing", "short", 200), row("failing", "long", 400, 0.80, 0.90)]
     bits = {"behind": 4.0, "done": 5.0, "capped": 6.0, "level": 7.5, "failing": 3.0}
-    decision = decide(rows, bits, policy, sizes={"short": 200}, annotate=halt_notes(ends))
+    decision = decide(rows, bits, policy, sizes={"short": 200}, annotate=halt_notes(ends, True))
     assert set(open_at_last_look(decision.verdicts, ends)) == {"done", "capped", "level", "failing"}
     notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
     assert notes[("behind", "short")] is None and notes[("behind", "long")] is None
@@ -332,6 +332,31 @@ def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_base
     assert notes[("failing", "short")] is None and decision.statuses["failing"] == FAIL
     assert decide(rows, bits, policy).verdicts == \
         [dataclasses.replace(v, note=None, left=None) for v in decision.verdicts]  # no ends: no notes
+
+
+def test_a_candidate_with_a_metric_not_exercised_says_why_its_open_tasks_were_not_looked_at_further():
+    """A sequential run gives no more documents to a candidate with a metric not exercised (more cannot make it
+    pass): its open task rows say so (before, they only read "~N more would decide it", as if the run could have
+    taken them); a run without looks, and a candidate shown to fail, get no such note."""
+    from kvquant.runner.gate import NOT_EXERCISED, GateConfig, decide
+    from kvquant.runner.judging import halt_notes
+
+    def row(candidate, task, low=0.95, high=1.02, share=1.0):
+        return MetricRow(candidate, MetricId("acc", task), 0.5, 0.5, 200, True, low, high, share)
+
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600)
+    rows = [row("idle", "short", share=0.5), row("idle", "long"), row("open", "short"), row("open", "long"),
+            row("failing", "short", share=0.5), row("failing", "long", 0.80, 0.90)]
+    bits = {"idle": 4.0, "open": 5.0, "failing": 3.0}
+    decision = decide(rows, bits, policy, annotate=halt_notes({}, True))
+    verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
+    assert verdicts[("idle", "short")].verdict == NOT_EXERCISED and verdicts[("idle", "short")].note is None
+    note = "not looked at further: acc/short is not exercised, so none can make this pass"
+    assert verdicts[("idle", "long")].verdict == INCONCLUSIVE and verdicts[("idle", "long")].note == note
+    assert all(verdicts[("open", t)].note is None for t in ("short", "long"))
+    assert decision.statuses["failing"] == FAIL and verdicts[("failing", "short")].note is None
+    once = decide(rows, bits, GateConfig(min_relative_accuracy=0.97), annotate=halt_notes({}, False))
+    assert all(v.note is None for v in once.verdicts)
 
 
 def test_last_looks_name_the_plan_or_the_tasks_end_and_wait_for_the_baseline(tiny_config):

@@ -69,29 +69,40 @@ def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]])
     return found
 
 
-def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]],
-                    failed: frozenset[str] = frozenset()) -> list[Verdict]:
+def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]], failed: frozenset[str],
+                    sequential: bool) -> list[Verdict]:
     """``verdicts`` with each row :func:`at_last_look` saying what ends its looks, and each other inconclusive
-    task row of the same candidate saying why it was not looked at further; ``failed``: candidates shown to fail,
-    which are not looked at further for that."""
+    task row of the same candidate, or of a candidate with a metric not exercised, saying why it was not looked at
+    further (``sequential``: whether the run takes looks at all); ``failed``: candidates shown to fail, which are
+    not looked at further for that."""
     halted, out = open_at_last_look(verdicts, ends), []
+    unexercised: dict[str, Verdict] = {}
+    for v in verdicts:
+        if v.verdict == NOT_EXERCISED:
+            unexercised.setdefault(v.row.candidate, v)
     for v in verdicts:
         stop = None if v.row.candidate in failed else halted.get(v.row.candidate)
+        idle = None if v.row.candidate in failed or not sequential else unexercised.get(v.row.candidate)
+        open_task = v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks
         if stop is not None and at_last_look(v, ends):
             v = dataclasses.replace(v, note=f"its last look: {ends[v.row.metric.source][1]}")
-        elif stop is not None and v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks:
+        elif idle is not None and open_task:
+            v = dataclasses.replace(v, note=f"not looked at further: {idle.row.metric.name} is not exercised, so "
+                                            "none can make this pass")
+        elif stop is not None and open_task:
             v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open at its last "
                                             f"look ({stop.row.n:,} documents), so none can make this pass")
         out.append(v)
     return out
 
 
-def halt_notes(ends: dict[str, tuple[int, str]], then=None):
+def halt_notes(ends: dict[str, tuple[int, str]], sequential: bool, then=None):
     """What :func:`~kvquant.runner.gate.decide` adds to the verdicts' notes (its ``annotate``): the rows that take no
-    more looks (:func:`with_halt_notes`; a candidate shown to fail is not looked at further for that), then
-    ``then``'s (a render's looks not stored)."""
+    more looks (:func:`with_halt_notes`, ``sequential``: whether the run takes looks; a candidate shown to fail is
+    not looked at further for that), then ``then``'s (a render's looks not stored)."""
     def annotate(verdicts: list[Verdict], statuses: dict[str, str]) -> list[Verdict]:
-        verdicts = with_halt_notes(verdicts, ends, frozenset(name for name, s in statuses.items() if s == FAIL))
+        failed = frozenset(name for name, s in statuses.items() if s == FAIL)
+        verdicts = with_halt_notes(verdicts, ends, failed, sequential)
         return then(verdicts, statuses) if then else verdicts
     return annotate
 
@@ -191,7 +202,8 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
                  f"{results[label].memory.measured['tokens']} tokens: it stores them at full precision (a residual "
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
     at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
-    notes = halt_notes(last_looks(cfg, sizes or {}, results[BASELINE.label]), annotate)
+    notes = halt_notes(last_looks(cfg, sizes or {}, results[BASELINE.label]), cfg.gate.max_documents is not None,
+                       annotate)
     decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance,
                              annotate=notes), None
     if plan.staged:
