@@ -247,18 +247,23 @@ def answers(size: int, right: int, lost: list[int], gained: list[int]) -> tuple[
     return base, other
 
 
-def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str], **gate):
+def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str], staged: bool = False, **gate):
     """A config of two gated tasks, 'short' (200 documents) and 'long' (800), looks at 100, 200, 400 and 800
-    documents, ``candidates`` (name: quantizer) and more ``gate`` settings."""
+    documents, ``candidates`` (name: quantizer; ``staged``: as a staged run's stages, in order) and more ``gate``
+    settings."""
     import yaml
 
     from kvquant.experiment.config import load_config
     from kvquant.runner import judging
 
     path = tmp_path / "seq.yaml"
+    settings = [{"quantizer": q, "name": name} for name, q in candidates.items()]
+    tasks = {"tasks": {"names": ["short", "long"], "limit": 100}}
+    text = {"mode": "streaming", "perplexity": [  # a staged run's serving shape cuts its requests from a text
+        {"name": "text", "source": "local:text/tinystories/validation-first1000.jsonl", "limit": 2}]}
     path.write_text(yaml.safe_dump({
-        "name": "seq", "candidates": [{"quantizer": q, "name": name} for name, q in candidates.items()],
-        "eval": {"tasks": {"names": ["short", "long"], "limit": 100}},
+        "name": "seq", **({"stages": settings} if staged else {"candidates": settings}),
+        "eval": {**tasks, **(text if staged else {})},
         "gate": {"tasks": ["short", "long"], "max_documents": 800, **gate}}))
     monkeypatch.setattr(judging, "task_size", lambda s, task: {"short": 200, "long": 800}[task])
     return load_config(path)
@@ -299,6 +304,48 @@ def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_els
     assert judging.planned_looks(cfg) == {"short": 4, "long": 4}  # the widening still counts every look planned
 
 
+def test_a_staged_run_takes_no_looks_for_stages_after_one_that_cannot_pass(monkeypatch, tmp_path):
+    """Stages a, b, c in order; b fails at the first look, so the answer is a stage before it whatever c scores:
+    c, open on both tasks, gets no more documents (before, it was scored to 200 on both, until 'short' ran out), and
+    its rows say why; a, before b, still gets its looks."""
+    from kvquant.runner import judging
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    base_short, a_short = answers(200, 120, [], list(range(120, 135)))  # 15 gained: a passes 'short'
+    base_long, a_long = answers(800, 480, [30, 90, 250, 410, 700], [140])  # open on 'long'
+    _, b_short = answers(200, 120, list(range(0, 60, 2)), [])  # 30 of the first 100 lost: fails at once
+    _, c_short = answers(200, 120, [10, 50], [150])
+    _, c_long = answers(800, 480, [20, 300], [130, 600])
+    plain = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int2", "c": "int4"})
+    split = evaluation_split(plain, None, 64, {})  # the staged config's text is never read here
+    monkeypatch.setattr(judging, "evaluation_split", lambda *args: split)
+    cfg = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int2", "c": "int4"}, staged=True)
+    session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
+                                   "a": {"short": a_short, "long": a_long}, "b": {"short": b_short, "long": base_long},
+                                   "c": {"short": c_short, "long": c_long}})
+    stages = list(cfg.stages)
+    first = {c.label: session.measure(c, split) for c in [BASELINE, *stages]}
+    bits = {"a": 8.0, "b": 2.0, "c": 4.0}
+    results, sizes = judging.add_documents(session, stages, {}, first, bits, judging.planned_looks(cfg))
+    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
+              for label in ("a", "b", "c") for task in ("short", "long")}
+    assert scored[("c", "short")] == scored[("c", "long")] == scored[("b", "long")] == 100
+    assert scored[("a", "long")] == 800
+    plan = RunPlan(candidates=("a", "b", "c"), looks=judging.planned_looks(cfg), staged=True)
+    _, decision, _ = judging.judge_run(cfg, plan, stages, results, [], {}, sizes)
+    verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
+    assert decision.statuses["b"] == FAIL and verdicts[("c", "long")].verdict == INCONCLUSIVE  # premise
+    note = "not looked at further: an earlier stage, b, cannot pass, so this stage cannot be the answer"
+    assert [v.note for v in decision.verdicts if v.row.candidate == "c" and v.verdict == INCONCLUSIVE] == \
+        [note] * sum(v.verdict == INCONCLUSIVE for v in decision.verdicts if v.row.candidate == "c") != []
+    assert all(v.note is None for v in decision.verdicts if v.row.candidate in ("a", "b"))
+    # candidates, not stages: the same answers keep c's looks (no order makes b's failure decide anything)
+    session.cfg, session.scored = plain, []
+    first = {c.label: session.measure(c, split) for c in [BASELINE, *plain.candidates]}
+    judging.add_documents(session, list(plain.candidates), {}, first, bits, judging.planned_looks(plain))
+    assert max(b for who, t, _, b in session.scored if (who, t) == ("c", "long")) > 100
+
+
 def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_baselines():
     """Found in review of the first version, which judged a task's end by the baseline's documents: another
     candidate's looks (or a render whose candidate's last look is not stored) leave a candidate's paired row
@@ -319,7 +366,7 @@ def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_base
             row("level", "short", 200, 0.94, 1.0),  # its estimate, 0.97, sits on the threshold: no "more"
             row("failing", "short", 200), row("failing", "long", 400, 0.80, 0.90)]
     bits = {"behind": 4.0, "done": 5.0, "capped": 6.0, "level": 7.5, "failing": 3.0}
-    decision = decide(rows, bits, policy, sizes={"short": 200}, annotate=halt_notes(ends, True))
+    decision = decide(rows, bits, policy, sizes={"short": 200}, annotate=halt_notes(ends, True, ()))
     assert set(open_at_last_look(decision.verdicts, ends)) == {"done", "capped", "level", "failing"}
     notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
     assert notes[("behind", "short")] is None and notes[("behind", "long")] is None
@@ -348,14 +395,14 @@ def test_a_candidate_with_a_metric_not_exercised_says_why_its_open_tasks_were_no
     rows = [row("idle", "short", share=0.5), row("idle", "long"), row("open", "short"), row("open", "long"),
             row("failing", "short", share=0.5), row("failing", "long", 0.80, 0.90)]
     bits = {"idle": 4.0, "open": 5.0, "failing": 3.0}
-    decision = decide(rows, bits, policy, annotate=halt_notes({}, True))
+    decision = decide(rows, bits, policy, annotate=halt_notes({}, True, ()))
     verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
     assert verdicts[("idle", "short")].verdict == NOT_EXERCISED and verdicts[("idle", "short")].note is None
     note = "not looked at further: acc/short is not exercised, so none can make this pass"
     assert verdicts[("idle", "long")].verdict == INCONCLUSIVE and verdicts[("idle", "long")].note == note
     assert all(verdicts[("open", t)].note is None for t in ("short", "long"))
     assert decision.statuses["failing"] == FAIL and verdicts[("failing", "short")].note is None
-    once = decide(rows, bits, GateConfig(min_relative_accuracy=0.97), annotate=halt_notes({}, False))
+    once = decide(rows, bits, GateConfig(min_relative_accuracy=0.97), annotate=halt_notes({}, False, ()))
     assert all(v.note is None for v in once.verdicts)
 
 

@@ -69,20 +69,31 @@ def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]])
     return found
 
 
+def stages_beyond(stages: tuple[str, ...], out_of_reach: set[str] | frozenset[str]) -> dict[str, str]:
+    """Per stage of a staged run (``stages``: their labels in order; empty for candidates) after the first that
+    cannot pass (in ``out_of_reach``: shown to fail, a metric not exercised, a task open at its last look), that
+    first stage: the answer is a stage before it, so more documents for these change nothing."""
+    first = next((s for s in stages if s in out_of_reach), None)
+    return {} if first is None else {s: first for s in stages[stages.index(first) + 1:]}
+
+
 def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]], failed: frozenset[str],
-                    sequential: bool) -> list[Verdict]:
+                    sequential: bool, stages: tuple[str, ...]) -> list[Verdict]:
     """``verdicts`` with each row :func:`at_last_look` saying what ends its looks, and each other inconclusive
-    task row of the same candidate, or of a candidate with a metric not exercised, saying why it was not looked at
-    further (``sequential``: whether the run takes looks at all); ``failed``: candidates shown to fail, which are
-    not looked at further for that."""
+    task row of the same candidate, of a candidate with a metric not exercised, or of a stage after one that cannot
+    pass (:func:`stages_beyond`; ``stages``: a staged run's in order) saying why it was not looked at further
+    (``sequential``: whether the run takes looks at all); ``failed``: candidates shown to fail, which are not looked
+    at further for that."""
     halted, out = open_at_last_look(verdicts, ends), []
     unexercised: dict[str, Verdict] = {}
     for v in verdicts:
         if v.verdict == NOT_EXERCISED:
             unexercised.setdefault(v.row.candidate, v)
+    beyond = stages_beyond(stages, failed | set(unexercised) | set(halted)) if sequential else {}
     for v in verdicts:
         stop = None if v.row.candidate in failed else halted.get(v.row.candidate)
         idle = None if v.row.candidate in failed or not sequential else unexercised.get(v.row.candidate)
+        after = None if v.row.candidate in failed else beyond.get(v.row.candidate)
         open_task = v.verdict == INCONCLUSIVE and v.row.gated and v.row.kind.on_tasks
         if stop is not None and at_last_look(v, ends):
             v = dataclasses.replace(v, note=f"its last look: {ends[v.row.metric.source][1]}")
@@ -92,17 +103,21 @@ def with_halt_notes(verdicts: list[Verdict], ends: dict[str, tuple[int, str]], f
         elif stop is not None and open_task:
             v = dataclasses.replace(v, note=f"not looked at further: {stop.row.metric.source} is open at its last "
                                             f"look ({stop.row.n:,} documents), so none can make this pass")
+        elif after is not None and open_task:
+            v = dataclasses.replace(v, note=f"not looked at further: an earlier stage, {after}, cannot pass, so "
+                                            "this stage cannot be the answer")
         out.append(v)
     return out
 
 
-def halt_notes(ends: dict[str, tuple[int, str]], sequential: bool, then=None):
+def halt_notes(ends: dict[str, tuple[int, str]], sequential: bool, stages: tuple[str, ...], then=None):
     """What :func:`~kvquant.runner.gate.decide` adds to the verdicts' notes (its ``annotate``): the rows that take no
-    more looks (:func:`with_halt_notes`, ``sequential``: whether the run takes looks; a candidate shown to fail is
-    not looked at further for that), then ``then``'s (a render's looks not stored)."""
+    more looks (:func:`with_halt_notes`, ``sequential``: whether the run takes looks; ``stages``: a staged run's in
+    order; a candidate shown to fail is not looked at further for that), then ``then``'s (a render's looks not
+    stored)."""
     def annotate(verdicts: list[Verdict], statuses: dict[str, str]) -> list[Verdict]:
         failed = frozenset(name for name, s in statuses.items() if s == FAIL)
-        verdicts = with_halt_notes(verdicts, ends, failed, sequential)
+        verdicts = with_halt_notes(verdicts, ends, failed, sequential, stages)
         return then(verdicts, statuses) if then else verdicts
     return annotate
 
@@ -111,12 +126,14 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
                   planned: dict[str, int], record=None) -> tuple[dict, dict[str, int]]:
     """Sequential documents: while a gated task's verdict is inconclusive for a candidate that has not failed (nor
     has a metric that is not exercised, nor a gated task still open at its own last look: more documents cannot
-    make either pass, only another task fail), score the next look's documents (doubling, up to
+    make either pass, only another task fail; nor, in a staged run, comes after a stage that cannot pass: the
+    answer is before it), score the next look's documents (doubling, up to
     ``gate.max_documents`` or the task's end) for it and the baseline, reusing every document already scored; then
     judge again. ``planned``: per gated task, the looks planned; ``record``: given each
     judgement's rows (:meth:`PlanRecord.record`). Returns the results with every look, and the size (documents) of
     each task it looked to extend, but for generated (probe) tasks."""
     cfg, sizes = session.cfg, {}
+    stages = tuple(c.label for c in candidates) if cfg.stages else ()
     split = evaluation_split(cfg, session.tokenizer, session.maxlen, rows)
     probe = probe_tokens(cfg, split, session.tokenizer, session.maxlen)
     more: dict[str, dict[str, list[range]]] = {c.label: {} for c in [BASELINE, *candidates]}
@@ -137,6 +154,8 @@ def add_documents(session: Session, candidates: list, rows: dict, results: dict,
                 sizes[task] = task_size(session, task)
         ends = last_looks(cfg, sizes, results[BASELINE.label])
         hopeless |= set(open_at_last_look(decision.verdicts, ends))  # nor can these
+        failed = {label for label, s in decision.statuses.items() if s == FAIL}
+        hopeless |= set(stages_beyond(stages, hopeless | failed))  # nor can these be a staged run's answer
         grown, gated = {}, {}
         for task, labels in ((t, labels - hopeless) for t, labels in wanted.items()):
             if not labels:
@@ -203,7 +222,7 @@ def judge_run(cfg: ExperimentConfig, plan: RunPlan, candidates: list, results: d
                  "window or key group longer than the sequence), so its scores say nothing about quantization")
     at_chance = needles_at_chance(results[BASELINE.label], cfg.gate)
     notes = halt_notes(last_looks(cfg, sizes or {}, results[BASELINE.label]), cfg.gate.max_documents is not None,
-                       annotate)
+                       tuple(c.label for c in candidates) if plan.staged else (), annotate)
     decision, first = decide(table, bits, cfg.gate, task_pace(store_seconds, table), sizes, at_chance,
                              annotate=notes), None
     if plan.staged:
