@@ -339,6 +339,10 @@ def test_a_staged_run_takes_no_looks_for_stages_after_one_that_cannot_pass(monke
     assert [v.note for v in decision.verdicts if v.row.candidate == "c" and v.verdict == INCONCLUSIVE] == \
         [note] * sum(v.verdict == INCONCLUSIVE for v in decision.verdicts if v.row.candidate == "c") != []
     assert all(v.note is None for v in decision.verdicts if v.row.candidate in ("a", "b"))
+    once = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int2", "c": "int4"}, staged=True, max_documents=None)
+    _, decision, _ = judging.judge_run(once, RunPlan(candidates=("a", "b", "c"), staged=True), list(once.stages),
+                                       results, [], {}, sizes)
+    assert all(v.note is None for v in decision.verdicts)  # a run without looks: none were left out
     # candidates, not stages: the same answers keep c's looks (no order makes b's failure decide anything)
     session.cfg, session.scored = plain, []
     first = {c.label: session.measure(c, split) for c in [BASELINE, *plain.candidates]}
@@ -393,7 +397,7 @@ def test_a_candidate_with_a_metric_not_exercised_says_why_its_open_tasks_were_no
 
     policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600)
     rows = [row("idle", "short", share=0.5), row("idle", "long"), row("open", "short"), row("open", "long"),
-            row("failing", "short", share=0.5), row("failing", "long", 0.80, 0.90)]
+            row("failing", "short", share=0.5), row("failing", "long", 0.80, 0.90), row("failing", "mid")]
     bits = {"idle": 4.0, "open": 5.0, "failing": 3.0}
     decision = decide(rows, bits, policy, annotate=halt_notes({}, True, ()))
     verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
@@ -402,6 +406,7 @@ def test_a_candidate_with_a_metric_not_exercised_says_why_its_open_tasks_were_no
     assert verdicts[("idle", "long")].verdict == INCONCLUSIVE and verdicts[("idle", "long")].note == note
     assert all(verdicts[("open", t)].note is None for t in ("short", "long"))
     assert decision.statuses["failing"] == FAIL and verdicts[("failing", "short")].note is None
+    assert verdicts[("failing", "mid")].verdict == INCONCLUSIVE and verdicts[("failing", "mid")].note is None
     once = decide(rows, bits, GateConfig(min_relative_accuracy=0.97), annotate=halt_notes({}, False, ()))
     assert all(v.note is None for v in once.verdicts)
 

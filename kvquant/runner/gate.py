@@ -125,7 +125,7 @@ def more_documents(row: MetricRow, limit: float) -> int | None:
     when it sits on the threshold). A ratio of 0/1 scores with its paired counts (:attr:`MetricRow.paired`): by
     :func:`projected_documents`. Otherwise an interval narrows as ``1 / sqrt(n)``, so it clears ``limit`` once its
     reach toward the limit is below the distance of the estimate from it (for paired 0/1 scores that rule
-    overstates: where few documents flip the score interval narrows faster than ``1 / sqrt(n)``)."""
+    is off: where few documents flip the score interval narrows faster than ``1 / sqrt(n)``, so it overstates)."""
     if row.paired is not None and 0 < row.confidence < 1:
         total = projected_documents(row.paired, row.confidence, limit)
         return None if total is None else max(total - row.n, 1)

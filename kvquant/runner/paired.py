@@ -31,7 +31,12 @@ def paired_ratio_bounds(both, lost, gained, neither, confidence: float) -> tuple
     (``low >= theta``) at a true ratio ``theta``, summed over every outcome, stayed at or below
     ``(1 - confidence) / 2`` from 50 to 5,000 documents, accuracies 0.2-0.9 and flips one way or both
     (``experiments/simulate_gate.py``, ``docs/gate.md``)."""
-    a, b, c, d = _paired_counts(both, lost, gained, neither, confidence)
+    return _bounds(*_paired_counts(both, lost, gained, neither, confidence), confidence)
+
+
+def _bounds(a, b, c, d, confidence: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`paired_ratio_bounds` on counts already checked, float arrays of one shape (scaled counts need not be
+    whole: the statistic is continuous in them)."""
     z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
     hat = np.divide(a + c, a + b, out=np.full(a.shape, np.nan), where=a + b > 0)
     low = _score_root(a, b, c, d, z, np.zeros(a.shape), np.nan_to_num(hat), lower=True)
@@ -100,17 +105,30 @@ PROJECTION_REACH = 100_000
 
 
 def projected_documents(table: tuple[int, int, int, int], confidence: float, limit: float) -> int | None:
-    """The fewest documents at which a paired table ``(both, lost, gained, neither)`` kept in its proportions (each
-    count scaled and rounded) gives a :func:`paired_ratio_bounds` interval at ``confidence`` wholly on one side of
-    ``limit`` (its lower end at or above it, or its upper end below it, as :func:`judge` reads them), searched on a
-    grid 0.3% apart up to :data:`PROJECTION_REACH` times the documents; None if none there does (a ratio on the
-    limit, or no document the baseline answered right)."""
+    """The fewest documents (a whole number, at least the table's) at which a paired table ``(both, lost, gained,
+    neither)`` kept in its proportions gives a :func:`paired_ratio_bounds` interval at ``confidence`` wholly on one
+    side of ``limit`` (its lower end at or above it, or its upper end below it, as
+    :func:`kvquant.runner.gate.judge` reads them); None if none up to :data:`PROJECTION_REACH` times the documents
+    does (a ratio on the limit, or no document the baseline answered right). The counts are scaled, not rounded:
+    rounded, a small flip count's rounding would make the interval open and close again as the total grows, and the
+    answer jump with it. Found by doubling the total, then bisecting between the last open and the first decided."""
     counts = np.asarray(table, dtype=float)
     n = counts.sum()
     if n == 0 or counts[0] + counts[1] == 0:
         return None
-    totals = np.unique(np.round(n * np.geomspace(1, PROJECTION_REACH, 4_000)))
-    scaled = np.round(counts[:, None] * totals / n)
-    low, high = paired_ratio_bounds(*scaled, confidence)
-    clear = np.flatnonzero((low >= limit) | (high < limit))
-    return int(scaled[:, clear[0]].sum()) if clear.size else None
+
+    def decided(totals: np.ndarray) -> np.ndarray:
+        low, high = _bounds(*(counts[:, None] * totals / n), confidence)
+        return (low >= limit) | (high < limit)
+
+    doublings = n * 2.0 ** np.arange(math.ceil(math.log2(PROJECTION_REACH)) + 1)
+    found = np.flatnonzero(decided(doublings))
+    if not found.size:
+        return None
+    if found[0] == 0:
+        return int(n)
+    lo, hi = int(doublings[found[0] - 1]), int(doublings[found[0]])  # open at lo, decided at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if decided(np.array([float(mid)]))[0] else (mid, hi)
+    return hi
