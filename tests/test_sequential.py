@@ -350,6 +350,34 @@ def test_a_staged_run_takes_no_looks_for_stages_after_one_that_cannot_pass(monke
     assert max(b for who, t, _, b in session.scored if (who, t) == ("c", "long")) > 100
 
 
+def test_stages_after_the_first_that_cannot_pass_say_so_whatever_stops_it():
+    """Review: stages a, b, c, d, e; b is open at its last look (not failed), d fails. c, d and e come after b, the
+    first that cannot pass: the open rows of c and e name b (not d, the last); d, shown to fail, gets no note; a,
+    before b, none. Only failures counted, c would have no note."""
+    from kvquant.runner.gate import GateConfig, decide
+    from kvquant.runner.judging import halt_notes, stages_beyond
+
+    assert stages_beyond(("a", "b", "c", "d", "e"), {"b", "d"}) == {"c": "b", "d": "b", "e": "b"}
+    assert stages_beyond(("a", "b"), set()) == {} and stages_beyond((), {"a"}) == {}
+
+    def row(candidate, task, n, low=0.95, high=1.02):
+        return MetricRow(candidate, MetricId("acc", task), 0.5, 0.5, n, True, low, high)
+
+    policy = GateConfig(min_relative_accuracy=0.97, max_documents=1600)
+    ends = {"short": (200, "every document the task has (200)")}
+    rows = [row("a", "short", 100), row("a", "long", 100), row("b", "short", 200), row("b", "long", 200),
+            row("c", "short", 100), row("c", "long", 100), row("d", "short", 100, 0.80, 0.90),
+            row("d", "long", 100), row("e", "long", 100)]
+    bits = dict.fromkeys("abcde", 4.0)
+    decision = decide(rows, bits, policy, annotate=halt_notes(ends, True, ("a", "b", "c", "d", "e")))
+    notes = {(v.row.candidate, v.row.metric.source): v.note for v in decision.verdicts}
+    after = "not looked at further: an earlier stage, b, cannot pass, so this stage cannot be the answer"
+    assert notes[("c", "short")] == notes[("c", "long")] == notes[("e", "long")] == after
+    assert notes[("b", "short")] == "its last look: every document the task has (200)"
+    assert notes[("d", "long")] is None and decision.statuses["d"] == FAIL
+    assert notes[("a", "short")] is None and notes[("a", "long")] is None
+
+
 def test_a_task_is_at_its_last_look_by_the_candidates_own_documents_not_the_baselines():
     """Found in review of the first version, which judged a task's end by the baseline's documents: another
     candidate's looks (or a render whose candidate's last look is not stored) leave a candidate's paired row

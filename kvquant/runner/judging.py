@@ -72,7 +72,7 @@ def open_at_last_look(verdicts: list[Verdict], ends: dict[str, tuple[int, str]])
 def stages_beyond(stages: tuple[str, ...], out_of_reach: set[str] | frozenset[str]) -> dict[str, str]:
     """Per stage of a staged run (``stages``: their labels in order; empty for candidates) after the first that
     cannot pass (in ``out_of_reach``: shown to fail, a metric not exercised, a task open at its last look), that
-    first stage: the answer is a stage before it, so more documents for these change nothing."""
+    first stage: the answer is a stage before it, or none, so more documents for these change nothing."""
     first = next((s for s in stages if s in out_of_reach), None)
     return {} if first is None else {s: first for s in stages[stages.index(first) + 1:]}
 
