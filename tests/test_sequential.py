@@ -524,7 +524,8 @@ def test_a_render_keeps_the_note_of_a_row_that_takes_no_more_looks():
     replay = SimpleNamespace(not_stored={("baseline", "long"): range(200, 400)})
     notes = [v.note for v in Replay.with_unstored_looks(replay, verdicts, {"halted": INCONCLUSIVE,
                                                                            "open": INCONCLUSIVE})]
-    assert notes == ["not looked at further: ...", "documents 200-399 not stored; re-measure"]
+    assert notes == ["not looked at further: ...",
+                     "documents 200-399 not stored yet; the run without --render-only takes them"]
 
 
 @pytest.mark.parametrize("missing", [("stuck", "long"), ("baseline", "long")])
@@ -560,6 +561,6 @@ def test_a_render_names_a_look_it_lacks_though_the_candidate_stops_in_that_look(
     assert judged({})[0]["acc/long"][0] == FAIL  # the run's own verdict
     rows, reason = judged({missing: 100})
     assert rows["acc/short"] == (INCONCLUSIVE, "its last look: every document the task has (200)")
-    lacking = "documents 100-199 not stored; re-measure"
+    lacking = "documents 100-199 not stored yet; the run without --render-only takes them"
     assert rows["acc/long"] == rows["flips/long"] == (INCONCLUSIVE, lacking)
     assert lacking in reason and "not looked at further" not in reason

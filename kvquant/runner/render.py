@@ -172,8 +172,8 @@ class Replay(Session):
             taken = v.note is None or own is not None or (base is not None and base.start < own_n[key])
             if missing is not None and v.row.gated and v.verdict == INCONCLUSIVE and taken and \
                     statuses[v.row.candidate] != FAIL:
-                v = dataclasses.replace(v, note=f"documents {missing.start}-{missing.stop - 1} not stored; "
-                                                "re-measure")
+                v = dataclasses.replace(v, note=f"documents {missing.start}-{missing.stop - 1} not stored yet; "
+                                                "the run without --render-only takes them")
             out.append(v)
         return out
 

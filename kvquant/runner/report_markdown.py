@@ -75,7 +75,8 @@ def _rendered_line(rendered: dict, command: str, env: dict[str, str]) -> str:
     commit = f"; the report it replaced names git {code['git_commit']}" if code.get("git_commit") else ""
     vouched = (f", {rendered['vouched']} of them signed elsewhere and vouched for by naming the folder"
                if rendered["vouched"] else "")
-    missing = (f"; not stored, so judged at the look before (re-measure to decide): {', '.join(rendered['not_stored'])}"
+    missing = (f"; not stored yet, so judged at the look before (the run without --render-only takes them): "
+               f"{', '.join(rendered['not_stored'])}"
                if rendered["not_stored"] else "")
     return (f"- **rendered from stored results, no model loaded**: measured by code with measuring sources "
             f"{code['kvquant_source_sha256']} (kvquant {code['kvquant']}, torch {code['torch']}, transformers "
