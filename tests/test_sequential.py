@@ -350,6 +350,40 @@ def test_a_staged_run_takes_no_looks_for_stages_after_one_that_cannot_pass(monke
     assert max(b for who, t, _, b in session.scored if (who, t) == ("c", "long")) > 100
 
 
+def test_a_stage_open_at_its_last_look_stops_the_looks_of_the_stages_after_it(monkeypatch, tmp_path):
+    """Stages a, b, c; b has not failed but is open on 'short' when its 200 documents run out (its last look), so
+    it cannot pass and the answer is a stage before it: c, open on 'long', is scored to 200 there (the look that
+    ran 'short' out), not on to 800; a, before b, still gets its looks. Review: stopping only after a stage that
+    fails left this case untested."""
+    from kvquant.runner import judging
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    base_short, a_short = answers(200, 120, [], list(range(120, 135)))  # a and c pass 'short'
+    base_long, a_long = answers(800, 480, [30, 90, 250, 410, 700], [140])  # a open on 'long'
+    _, b_short = answers(200, 120, [10, 50, 110], [150])  # open on 'short' at its last look
+    _, c_long = answers(800, 480, [20, 300], [130, 600])  # open on 'long'
+    plain = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int4", "c": "int2"})
+    split = evaluation_split(plain, None, 64, {})
+    monkeypatch.setattr(judging, "evaluation_split", lambda *args: split)
+    cfg = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int4", "c": "int2"}, staged=True)
+    session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
+                                   "a": {"short": a_short, "long": a_long}, "b": {"short": b_short, "long": base_long},
+                                   "c": {"short": a_short, "long": c_long}})
+    stages = list(cfg.stages)
+    first = {c.label: session.measure(c, split) for c in [BASELINE, *stages]}
+    bits = {"a": 8.0, "b": 4.0, "c": 2.0}
+    results, sizes = judging.add_documents(session, stages, {}, first, bits, judging.planned_looks(cfg))
+    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
+              for label in ("a", "b", "c") for task in ("short", "long")}
+    assert scored[("b", "short")] == scored[("c", "long")] == 200 and scored[("a", "long")] == 800
+    plan = RunPlan(candidates=("a", "b", "c"), looks=judging.planned_looks(cfg), staged=True)
+    _, decision, _ = judging.judge_run(cfg, plan, stages, results, [], {}, sizes)
+    verdicts = {(v.row.candidate, v.row.metric.source): v for v in decision.verdicts}
+    assert decision.statuses["b"] != FAIL and verdicts[("b", "short")].verdict == INCONCLUSIVE  # premise
+    assert verdicts[("c", "long")].verdict == INCONCLUSIVE and verdicts[("c", "long")].note == \
+        "not looked at further: an earlier stage, b, cannot pass, so this stage cannot be the answer"
+
+
 def test_stages_after_the_first_that_cannot_pass_say_so_whatever_stops_it():
     """Review: stages a, b, c, d, e; b is open at its last look (not failed), d fails. c, d and e come after b, the
     first that cannot pass: the open rows of c and e name b (not d, the last); d, shown to fail, gets no note; a,
