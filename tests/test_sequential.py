@@ -269,6 +269,25 @@ def two_tasks(tmp_path, monkeypatch, candidates: dict[str, str], staged: bool = 
     return load_config(path)
 
 
+def staged_looks(tmp_path, monkeypatch, quantizers: dict[str, str], scores: dict, bits: dict[str, float]):
+    """Stages ``quantizers`` (name: quantizer, in order) over :func:`two_tasks` answering ``scores`` (label: task:
+    answers), their looks taken by ``add_documents``. Returns the candidates' config (same split), the staged
+    config, the session, the results, task sizes and the most documents each (label, task) was scored on."""
+    from kvquant.runner import judging
+    from kvquant.scoring.session import BASELINE, evaluation_split
+
+    plain = two_tasks(tmp_path, monkeypatch, quantizers)
+    split = evaluation_split(plain, None, 64, {})  # the staged config's text is never read here
+    monkeypatch.setattr(judging, "evaluation_split", lambda *args: split)
+    cfg = two_tasks(tmp_path, monkeypatch, quantizers, staged=True)
+    session = TwoTaskSession(cfg, scores)
+    first = {c.label: session.measure(c, split) for c in [BASELINE, *cfg.stages]}
+    results, sizes = judging.add_documents(session, list(cfg.stages), {}, first, bits, judging.planned_looks(cfg))
+    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
+              for label in quantizers for task in ("short", "long")}
+    return plain, cfg, session, results, sizes, scored
+
+
 def test_a_candidate_open_on_a_task_with_no_look_left_gets_no_more_documents_elsewhere(monkeypatch, tmp_path):
     """Task 'short' has 200 documents, 'long' 800; looks at 100, 200, 400, 800. 'stuck' is open on 'short' when
     its documents run out, so it can never pass: no more documents on 'long' for it (they could only make it fail).
@@ -316,19 +335,12 @@ def test_a_staged_run_takes_no_looks_for_stages_after_one_that_cannot_pass(monke
     _, b_short = answers(200, 120, list(range(0, 60, 2)), [])  # 30 of the first 100 lost: fails at once
     _, c_short = answers(200, 120, [10, 50], [150])
     _, c_long = answers(800, 480, [20, 300], [130, 600])
-    plain = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int2", "c": "int4"})
-    split = evaluation_split(plain, None, 64, {})  # the staged config's text is never read here
-    monkeypatch.setattr(judging, "evaluation_split", lambda *args: split)
-    cfg = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int2", "c": "int4"}, staged=True)
-    session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
-                                   "a": {"short": a_short, "long": a_long}, "b": {"short": b_short, "long": base_long},
-                                   "c": {"short": c_short, "long": c_long}})
-    stages = list(cfg.stages)
-    first = {c.label: session.measure(c, split) for c in [BASELINE, *stages]}
     bits = {"a": 8.0, "b": 2.0, "c": 4.0}
-    results, sizes = judging.add_documents(session, stages, {}, first, bits, judging.planned_looks(cfg))
-    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
-              for label in ("a", "b", "c") for task in ("short", "long")}
+    plain, cfg, session, results, sizes, scored = staged_looks(
+        tmp_path, monkeypatch, {"a": "int8", "b": "int2", "c": "int4"},
+        {"baseline": {"short": base_short, "long": base_long}, "a": {"short": a_short, "long": a_long},
+         "b": {"short": b_short, "long": base_long}, "c": {"short": c_short, "long": c_long}}, bits)
+    stages = list(cfg.stages)
     assert scored[("c", "short")] == scored[("c", "long")] == scored[("b", "long")] == 100
     assert scored[("a", "long")] == 800
     plan = RunPlan(candidates=("a", "b", "c"), looks=judging.planned_looks(cfg), staged=True)
@@ -345,6 +357,7 @@ def test_a_staged_run_takes_no_looks_for_stages_after_one_that_cannot_pass(monke
     assert all(v.note is None for v in decision.verdicts)  # a run without looks: none were left out
     # candidates, not stages: the same answers keep c's looks (no order makes b's failure decide anything)
     session.cfg, session.scored = plain, []
+    split = evaluation_split(plain, None, 64, {})
     first = {c.label: session.measure(c, split) for c in [BASELINE, *plain.candidates]}
     judging.add_documents(session, list(plain.candidates), {}, first, bits, judging.planned_looks(plain))
     assert max(b for who, t, _, b in session.scored if (who, t) == ("c", "long")) > 100
@@ -356,25 +369,17 @@ def test_a_stage_open_at_its_last_look_stops_the_looks_of_the_stages_after_it(mo
     ran 'short' out), not on to 800; a, before b, still gets its looks. Review: stopping only after a stage that
     fails left this case untested."""
     from kvquant.runner import judging
-    from kvquant.scoring.session import BASELINE, evaluation_split
 
     base_short, a_short = answers(200, 120, [], list(range(120, 135)))  # a and c pass 'short'
     base_long, a_long = answers(800, 480, [30, 90, 250, 410, 700], [140])  # a open on 'long'
     _, b_short = answers(200, 120, [10, 50, 110], [150])  # open on 'short' at its last look
     _, c_long = answers(800, 480, [20, 300], [130, 600])  # open on 'long'
-    plain = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int4", "c": "int2"})
-    split = evaluation_split(plain, None, 64, {})
-    monkeypatch.setattr(judging, "evaluation_split", lambda *args: split)
-    cfg = two_tasks(tmp_path, monkeypatch, {"a": "int8", "b": "int4", "c": "int2"}, staged=True)
-    session = TwoTaskSession(cfg, {"baseline": {"short": base_short, "long": base_long},
-                                   "a": {"short": a_short, "long": a_long}, "b": {"short": b_short, "long": base_long},
-                                   "c": {"short": a_short, "long": c_long}})
+    _, cfg, _, results, sizes, scored = staged_looks(
+        tmp_path, monkeypatch, {"a": "int8", "b": "int4", "c": "int2"},
+        {"baseline": {"short": base_short, "long": base_long}, "a": {"short": a_short, "long": a_long},
+         "b": {"short": b_short, "long": base_long}, "c": {"short": a_short, "long": c_long}},
+        {"a": 8.0, "b": 4.0, "c": 2.0})
     stages = list(cfg.stages)
-    first = {c.label: session.measure(c, split) for c in [BASELINE, *stages]}
-    bits = {"a": 8.0, "b": 4.0, "c": 2.0}
-    results, sizes = judging.add_documents(session, stages, {}, first, bits, judging.planned_looks(cfg))
-    scored = {(label, task): max(b for who, t, _, b in session.scored if (who, t) == (label, task))
-              for label in ("a", "b", "c") for task in ("short", "long")}
     assert scored[("b", "short")] == scored[("c", "long")] == 200 and scored[("a", "long")] == 800
     plan = RunPlan(candidates=("a", "b", "c"), looks=judging.planned_looks(cfg), staged=True)
     _, decision, _ = judging.judge_run(cfg, plan, stages, results, [], {}, sizes)
