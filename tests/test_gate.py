@@ -186,6 +186,16 @@ def test_the_time_more_documents_would_take_is_stated_at_the_runs_pace():
         assert d.verdicts[0].more_seconds is None and d.reason.endswith("~1600 more documents would decide it")
 
 
+def test_a_note_on_an_open_row_comes_before_the_documents_that_would_decide_it():
+    """A row that takes no more looks says so before "~N more documents would decide it" (before, the note came
+    after, and the line read as if the run could take them)."""
+    row = acc("a", 0.49, ci=(0.95, 1.01))
+    note = "not looked at further: an earlier stage, b, cannot pass, so this stage cannot be the answer"
+    d = decide([row], {"a": 4.5}, TEST, annotate=lambda vs, _: [dataclasses.replace(v, note=note) for v in vs])
+    assert d.verdicts[0].more == 1600
+    assert d.reason.endswith(f"straddles 0.9700 ({note}), ~1600 more documents would decide it")
+
+
 def test_more_documents_than_the_task_has_left_are_said_to_be_beyond_it():
     """1,600 more documents at n = 200: a task of 1,000 has 800 left, so the verdict says this task cannot supply
     them (before, the report named 1,600 more as if the task held them); a task of 5,000 or of unknown size says

@@ -217,8 +217,9 @@ def _open(v: Verdict) -> str:
     if v.verdict == TOO_FEW:
         return (f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} vs {v.threshold:.4f}: "
                 f"{verdict_text(v)}, counted as inconclusive")
-    more += f" ({v.note})" if v.note else ""
-    return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{more}"
+    # the note first: a row that takes no more looks says so before what more documents would do
+    note = f" ({v.note})" if v.note else ""
+    return f"{v.row.metric.name} {v.row.ci_low:.4f}..{v.row.ci_high:.4f} straddles {v.threshold:.4f}{note}{more}"
 
 
 def length_failures(rows: Sequence[MetricRow], policy: GateConfig,
