@@ -74,6 +74,65 @@ def test_what_cannot_be_deployed_is_one_line_and_exit_2(tmp_path, capsys, change
     assert not (tmp_path / "DEPLOY.md").exists()
 
 
+INT8_AT_64 = ("keys as 8-bit codes per channel in groups of 128 tokens (the newest up to 127 in the model's dtype "
+              "until their group fills), values as 8-bit codes per token in groups of 64 channels; a float16 scale "
+              "and zero point per group (asymmetric min-max)")
+
+
+def recorded_int(name: str, head_dim: int, **options) -> dict:
+    """A KIVI-style setting as the runner records it: the quantizer's options and what it derived at head_dim."""
+    from kvquant.formats.quantizers import get_quantizer
+
+    quantizer = get_quantizer(name, **options)
+    return {**quantizer.describe(), **quantizer.derived_settings(head_dim)}
+
+
+def test_a_research_setting_says_what_a_kernel_would_store(tmp_path, capsys):
+    """Issue 56: where no engine runs the decision, say what a kernel would need. int8 as Qwen2.5's report recorded
+    it (head_dim 64): its keys' and values' codes, groups, scales and zero points, the window kept in the model's
+    dtype, and the bits; before, the refusal named only the nearest engine format."""
+    doc = copy.deepcopy(DOC)
+    settings = {k: v for k, v in recorded_int("int8", 64).items() if k != "quantizer"}
+    doc["candidates"].append(candidate("int8", "int8", "pass", 8.375, **{**settings, "residual_length": 128}))
+    doc["chosen"] = "int8"
+    assert main([str(write(tmp_path, doc))]) == 2
+    err = capsys.readouterr().err
+    assert (f"research setting: no serving engine runs int8 (int8); a kernel would store {INT8_AT_64}; the newest "
+            "128 tokens in the model's dtype; 8.38 bits/element all-in; the nearest engine format measured here is "
+            "vllm_int8_per_token_head (int8-pth, 8.50 bits/element): PASS") in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "DEPLOY.md").exists()
+
+
+def test_the_kernel_layout_is_the_codecs_the_cache_builds():
+    """The words name the groups and bits the codecs store (K8V4 g32 at head_dim 64, int8 at 80, where values take
+    the largest divisor of 80 not above 128, per-token keys), and their bits per element with an fp16 scale and zero
+    point per group are the table's in docs/quantizers.md; a setting without the groups a report records, a
+    keys_values mix or a codebook format says nothing."""
+    from kvquant.formats.quantizers import QUANTIZERS, get_quantizer
+
+    int4 = QUANTIZERS.classes["int4"]
+    assert int4.kernel_layout(recorded_int("int4", 64, key_bits=8, group_size=32)) == (
+        "keys as 8-bit codes per channel in groups of 32 tokens (the newest up to 31 in the model's dtype until their "
+        "group fills), values as 4-bit codes per token in groups of 32 channels; a float16 scale and zero point per "
+        "group (asymmetric min-max)")
+    assert QUANTIZERS.classes["int8"].kernel_layout(recorded_int("int8", 64)) == INT8_AT_64
+    assert QUANTIZERS.classes["int8"].kernel_layout(recorded_int("int8", 80, key_axis="token")) == (
+        "keys as 8-bit codes per token in groups of 80 channels, values as 8-bit codes per token in groups of 80 "
+        "channels; a float16 scale and zero point per group (asymmetric min-max)")
+    for name, head_dim, options in (("int8", 64, {}), ("int4", 64, {"key_bits": 8, "group_size": 32}),
+                                    ("int8", 80, {"key_axis": "token"})):
+        key, value = get_quantizer(name, **options).codecs(head_dim)
+        words = QUANTIZERS.classes[name].kernel_layout(recorded_int(name, head_dim, **options))
+        for stream, codec in (("keys", key), ("values", value)):
+            unit = "tokens" if codec.axis == "channel" else "channels"
+            assert f"{stream} as {codec.bits}-bit codes per {codec.axis} in groups of {codec.group} {unit}" in words
+    bits = [(8 + 32 / 128 + 8 + 32 / 64) / 2, (8 + 32 / 32 + 4 + 32 / 32) / 2]
+    assert bits == [8.375, 7.0]  # int8 and K8V4 g32 at head_dim 64: the reports' 8.38 and 7.00
+    assert int4.kernel_layout({"quantizer": "int4", "group_size": 32}) is None
+    for name in ("lloyd_max", "keys_values", "vllm_int8_per_token_head"):
+        assert QUANTIZERS.classes[name].kernel_layout({"key_bits": 4, "key_group": 32}) is None
+
+
 def test_a_directory_that_is_not_a_report_is_refused(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "is not a kvquant report directory" in capsys.readouterr().err

@@ -311,6 +311,13 @@ class Quantizer:
         """Settings this quantizer derives for a head dimension (e.g. the groups actually used)."""
         return {"rotation_block": head_dim & -head_dim} if self.rotation else {}
 
+    @classmethod
+    def kernel_layout(cls, settings: Mapping[str, object]) -> str | None:
+        """What a kernel would store to run this format as a report measured it, in words, from the report's
+        recorded ``settings`` (options and :meth:`derived_settings`): said where no engine runs it
+        (:mod:`kvquant.integrations.deploy`). None where the class does not say it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Alike(Quantizer):

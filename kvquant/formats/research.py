@@ -12,7 +12,7 @@ import torch
 
 from kvquant.formats import kernels, ops
 from kvquant.formats.roles import StorageRole
-from kvquant.errors import KVQuantError
+from kvquant.errors import KVQuantError, is_python_int
 from kvquant.formats.quantizers import (Codec, Quantizer, check_choice, check_int_option, check_tokens,
     register_quantizer)
 
@@ -229,6 +229,26 @@ class IntQuantizer(Quantizer):
     def derived_settings(self, head_dim: int) -> dict[str, object]:
         return {"key_group": self.group_for("key", head_dim),
                 "value_group": self.group_for("value", head_dim), **super().derived_settings(head_dim)}
+
+    @classmethod
+    def kernel_layout(cls, settings):
+        """Each stream's codes, axis and group with its scale and zero point, e.g. "keys as 8-bit codes per channel in
+        groups of 128 tokens (the newest up to 127 in the model's dtype until their group fills), values as ...";
+        None where the settings lack the groups a report records."""
+        scale, streams = settings.get("scale_dtype"), []
+        for stream in ("key", "value"):
+            bits, axis, group = (settings.get(f"{stream}_{k}") for k in ("bits", "axis", "group"))
+            if not (is_python_int(bits) and is_python_int(group) and axis in ("channel", "token")
+                    and isinstance(scale, str)):
+                return None
+            if axis == "channel":
+                along = (f"per channel in groups of {group} tokens"
+                         + (f" (the newest up to {group - 1} in the model's dtype until their group fills)"
+                            if group > 1 else ""))
+            else:
+                along = f"per token in groups of {group} channels"
+            streams.append(f"{stream}s as {bits}-bit codes {along}")
+        return f"{streams[0]}, {streams[1]}; a {scale} scale and zero point per group (asymmetric min-max)"
 
 
 @register_quantizer("int8")

@@ -120,6 +120,30 @@ def deployable(setting: CandidateRecord) -> bool:
     return native(setting) is not None
 
 
+def kernel_needs(setting: CandidateRecord) -> str:
+    """What a kernel would store to run a research setting as it was measured, as a refusal says it ("a kernel would
+    store keys as ...; "): its format's class says its codes (:meth:`Quantizer.kernel_layout`), and kvquant's own
+    options add the tokens kept in the model's dtype, pre-RoPE keys and rotation. "" where the class does not say
+    it, the layers differ or tokens are evicted."""
+    cls = QUANTIZERS.classes.get(setting.quantizer)
+    layout = cls.kernel_layout(setting.settings) if cls is not None else None
+    settings = setting.settings
+    if layout is None or setting.layers or any(settings.get(k) for k in ("window", "budget", "eviction")):
+        return ""
+    extra = []
+    if settings.get("sink_tokens"):
+        extra.append(f"the first {settings['sink_tokens']} tokens in the model's dtype")
+    if settings.get("residual_length"):
+        extra.append(f"the newest {settings['residual_length']} tokens in the model's dtype")
+    if settings.get("pre_rope"):
+        extra.append("keys stored before RoPE, RoPE applied to them as they are read")
+    if settings.get("rotation"):
+        extra.append(f"keys and values rotated along head_dim ({settings['rotation']}, seed "
+                     f"{settings.get('rotation_seed', 0)}) before they are quantized and back as they are read")
+    return (f"a kernel would store {''.join(f'{x}; ' for x in [layout, *extra])}"
+            f"{setting.bits_per_element:.2f} bits/element all-in; ")
+
+
 def nearest_engine_format(report: Report, chosen: CandidateRecord) -> str:
     """The engine format measured in this report nearest the chosen setting's bits, with its verdict."""
     measured = [c for c in report.candidates if deployable(c)]
@@ -348,7 +372,7 @@ def deploy_files(report_dir: Path, report: Report) -> dict[str, str | bytes]:
     found = native(chosen)
     if found is None:
         raise KVQuantError(f"research setting: no serving engine runs {name} ({visible(chosen.quantizer)}); "
-                           f"{nearest_engine_format(report, chosen)}")
+                           f"{kernel_needs(chosen)}{nearest_engine_format(report, chosen)}")
     unshipped = unshippable_scales(chosen)
     if unshipped:
         raise KVQuantError(f"{name}: {unshipped}; the engine would run at 1.0, not at the scales the gate "
