@@ -74,9 +74,9 @@ def test_what_cannot_be_deployed_is_one_line_and_exit_2(tmp_path, capsys, change
     assert not (tmp_path / "DEPLOY.md").exists()
 
 
-INT8_AT_64 = ("keys as 8-bit codes per channel in groups of 128 tokens (the newest up to 127 in the model's dtype "
-              "until their group fills), values as 8-bit codes per token in groups of 64 channels; a float16 scale "
-              "and zero point per group (asymmetric min-max)")
+INT8_AT_64 = ("keys as 8-bit codes per channel in groups of 128 tokens (keys that do not fill a group yet, up to 127, "
+              "in the model's dtype), values as 8-bit codes per token in groups of 64 channels; per group a float16 "
+              "scale and a float16 minimum (x = minimum + code * scale)")
 
 
 def recorded_int(name: str, head_dim: int, **options) -> dict:
@@ -87,50 +87,78 @@ def recorded_int(name: str, head_dim: int, **options) -> dict:
     return {**quantizer.describe(), **quantizer.derived_settings(head_dim)}
 
 
-def test_a_research_setting_says_what_a_kernel_would_store(tmp_path, capsys):
-    """Issue 56: where no engine runs the decision, say what a kernel would need. int8 as Qwen2.5's report recorded
-    it (head_dim 64): its keys' and values' codes, groups, scales and zero points, the window kept in the model's
-    dtype, and the bits; before, the refusal named only the nearest engine format."""
+def refused_research(tmp_path, capsys, settings: dict, bits: float) -> str:
+    """export's one line for a report whose decision is ``settings`` (an int format as recorded), chosen alone."""
     doc = copy.deepcopy(DOC)
-    settings = {k: v for k, v in recorded_int("int8", 64).items() if k != "quantizer"}
-    doc["candidates"].append(candidate("int8", "int8", "pass", 8.375, **{**settings, "residual_length": 128}))
-    doc["chosen"] = "int8"
+    own = {k: v for k, v in settings.items() if k != "quantizer"}
+    doc["candidates"].append(candidate("mine", settings["quantizer"], "pass", bits, **own))
+    doc["chosen"] = "mine"
     assert main([str(write(tmp_path, doc))]) == 2
     err = capsys.readouterr().err
-    assert (f"research setting: no serving engine runs int8 (int8); a kernel would store {INT8_AT_64}; the newest "
-            "128 tokens in the model's dtype; 8.38 bits/element all-in; the nearest engine format measured here is "
-            "vllm_int8_per_token_head (int8-pth, 8.50 bits/element): PASS") in err, err
     assert err.count("\n") == 1 and not (tmp_path / "DEPLOY.md").exists()
+    return err
 
 
-def test_the_kernel_layout_is_the_codecs_the_cache_builds():
-    """The words name the groups and bits the codecs store (K8V4 g32 at head_dim 64, int8 at 80, where values take
-    the largest divisor of 80 not above 128, per-token keys), and their bits per element with an fp16 scale and zero
-    point per group are the table's in docs/quantizers.md; a setting without the groups a report records, a
-    keys_values mix or a codebook format says nothing."""
+def test_a_research_setting_says_what_a_kernel_would_store(tmp_path, capsys):
+    """Issue 56: where no engine runs the decision, say what a kernel would need. int8 as Qwen2.5's report recorded
+    it (head_dim 64, 8.375 bits): its keys' and values' codes, groups and what each group stores, and the bits;
+    before, the refusal named only the nearest engine format."""
+    err = refused_research(tmp_path, capsys, recorded_int("int8", 64), 8.375)
+    assert (f"research setting: no serving engine runs mine (int8); a kernel would store {INT8_AT_64}; 8.38 "
+            "bits/element all-in as the report measured them; the nearest engine format measured here is "
+            "vllm_int8_per_token_head (int8-pth, 8.50 bits/element): PASS") in err, err
+
+
+def test_the_kernel_text_adds_kvquants_own_options_and_none_where_layers_differ_or_tokens_are_evicted(tmp_path,
+                                                                                                    capsys):
+    """Sinks, a full-precision window, pre-RoPE keys and a rotation (with its block) each get their words; a
+    per-layer map and eviction get none (the refusal goes on to the nearest engine format)."""
+    settings = {**recorded_int("int4", 80, rotation="hadamard", key_bits=8), "residual_length": 128,
+                "sink_tokens": 4, "pre_rope": True}
+    err = refused_research(tmp_path, capsys, settings, 7.1)
+    for words in ("keys as 8-bit codes per channel in groups of 32 tokens", "values as 4-bit codes per token in groups "
+                  "of 20 channels", "; the first 4 tokens in the model's dtype, groups counted from the token after "
+                  "them", "; the newest 128 tokens in the model's dtype too, key groups formed only from tokens older "
+                  "than them", "; keys stored before RoPE", "rotated along head_dim (hadamard blocks of 16, seed 0",
+                  "; 7.10 bits/element all-in"):
+        assert words in err, (words, err)
+    for change in ({"layers": {"3": {"quantizer": "int8"}}}, {"eviction": "h2o", "budget": 256}):
+        err = refused_research(tmp_path, capsys, {**recorded_int("int8", 64), **change}, 8.375)
+        assert "a kernel would store" not in err and "the nearest engine format measured here is" in err, err
+
+
+@pytest.mark.parametrize("name, head_dim, options", [
+    ("int8", 64, {}), ("int4", 64, {"key_bits": 8, "group_size": 32}), ("int8", 80, {"key_axis": "token"}),
+    ("int2", 128, {"value_axis": "channel", "scale_dtype": "float32", "key_group_size": 1}),
+])
+def test_the_kernel_layout_is_what_the_codecs_the_cache_builds_store(name, head_dim, options):
+    """The words name each stream's bits, axis and group, the partial group a per-channel stream keeps in the
+    model's dtype (up to group - 1 tokens) and the dtype of each group's scale and minimum, as the codecs the cache
+    builds from the same options hold them."""
     from kvquant.formats.quantizers import QUANTIZERS, get_quantizer
 
-    int4 = QUANTIZERS.classes["int4"]
-    assert int4.kernel_layout(recorded_int("int4", 64, key_bits=8, group_size=32)) == (
-        "keys as 8-bit codes per channel in groups of 32 tokens (the newest up to 31 in the model's dtype until their "
-        "group fills), values as 4-bit codes per token in groups of 32 channels; a float16 scale and zero point per "
-        "group (asymmetric min-max)")
-    assert QUANTIZERS.classes["int8"].kernel_layout(recorded_int("int8", 64)) == INT8_AT_64
-    assert QUANTIZERS.classes["int8"].kernel_layout(recorded_int("int8", 80, key_axis="token")) == (
-        "keys as 8-bit codes per token in groups of 80 channels, values as 8-bit codes per token in groups of 80 "
-        "channels; a float16 scale and zero point per group (asymmetric min-max)")
-    for name, head_dim, options in (("int8", 64, {}), ("int4", 64, {"key_bits": 8, "group_size": 32}),
-                                    ("int8", 80, {"key_axis": "token"})):
-        key, value = get_quantizer(name, **options).codecs(head_dim)
-        words = QUANTIZERS.classes[name].kernel_layout(recorded_int(name, head_dim, **options))
-        for stream, codec in (("keys", key), ("values", value)):
-            unit = "tokens" if codec.axis == "channel" else "channels"
-            assert f"{stream} as {codec.bits}-bit codes per {codec.axis} in groups of {codec.group} {unit}" in words
-    bits = [(8 + 32 / 128 + 8 + 32 / 64) / 2, (8 + 32 / 32 + 4 + 32 / 32) / 2]
-    assert bits == [8.375, 7.0]  # int8 and K8V4 g32 at head_dim 64: the reports' 8.38 and 7.00
-    assert int4.kernel_layout({"quantizer": "int4", "group_size": 32}) is None
-    for name in ("lloyd_max", "keys_values", "vllm_int8_per_token_head"):
-        assert QUANTIZERS.classes[name].kernel_layout({"key_bits": 4, "key_group": 32}) is None
+    words = QUANTIZERS.classes[name].kernel_layout(recorded_int(name, head_dim, **options))
+    key, value = get_quantizer(name, **options).codecs(head_dim)
+    for stream, codec in (("key", key), ("value", value)):
+        unit = ("token" if codec.axis == "channel" else "channel") + ("s" if codec.group > 1 else "")
+        said = f"{stream}s as {codec.bits}-bit codes per {codec.axis} in groups of {codec.group} {unit}"
+        assert said in words, (said, words)
+        partial = f"({stream}s that do not fill a group yet, up to {codec.group - 1}, in the model's dtype)"
+        assert (partial in words) == (codec.axis == "channel" and codec.group > 1), words
+    dtype = str(key.scale_dtype).removeprefix("torch.")
+    assert words.endswith(f"; per group a {dtype} scale and a {dtype} minimum (x = minimum + code * scale)")
+
+
+def test_only_the_integer_formats_say_a_kernel_layout():
+    """A format that stores something else says nothing, even given a whole integer setting's record (it does not
+    inherit the integer formats' words), and an integer setting without the groups a report records says nothing."""
+    from kvquant.formats.quantizers import QUANTIZERS
+
+    whole = recorded_int("int8", 64)
+    assert QUANTIZERS.classes["int8"].kernel_layout(whole) == INT8_AT_64
+    for name in ("lloyd_max", "normal_float", "keys_values", "fp8_e4m3", "vllm_int8_per_token_head", "llamacpp_q8_0"):
+        assert QUANTIZERS.classes[name].kernel_layout(whole) is None, name
+    assert QUANTIZERS.classes["int4"].kernel_layout({"quantizer": "int4", "group_size": 32}) is None
 
 
 def test_a_directory_that_is_not_a_report_is_refused(tmp_path, capsys):

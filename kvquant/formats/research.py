@@ -232,23 +232,25 @@ class IntQuantizer(Quantizer):
 
     @classmethod
     def kernel_layout(cls, settings):
-        """Each stream's codes, axis and group with its scale and zero point, e.g. "keys as 8-bit codes per channel in
-        groups of 128 tokens (the newest up to 127 in the model's dtype until their group fills), values as ...";
-        None where the settings lack the groups a report records."""
-        scale, streams = settings.get("scale_dtype"), []
+        """Each stream's codes, axis and group, then what each group stores, e.g. "keys as 8-bit codes per channel in
+        groups of 128 tokens (keys that do not fill a group yet, up to 127, in the model's dtype), values as ...; per
+        group a float16 scale and a float16 minimum (x = minimum + code * scale)"; None where the settings lack the
+        groups a report records."""
+        scale = settings.get("scale_dtype")
+        if not isinstance(scale, str):
+            return None
+        streams = []
         for stream in ("key", "value"):
             bits, axis, group = (settings.get(f"{stream}_{k}") for k in ("bits", "axis", "group"))
-            if not (is_python_int(bits) and is_python_int(group) and axis in ("channel", "token")
-                    and isinstance(scale, str)):
+            if not (is_python_int(bits) and is_python_int(group) and group >= 1 and axis in ("channel", "token")):
                 return None
-            if axis == "channel":
-                along = (f"per channel in groups of {group} tokens"
-                         + (f" (the newest up to {group - 1} in the model's dtype until their group fills)"
-                            if group > 1 else ""))
-            else:
-                along = f"per token in groups of {group} channels"
-            streams.append(f"{stream}s as {bits}-bit codes {along}")
-        return f"{streams[0]}, {streams[1]}; a {scale} scale and zero point per group (asymmetric min-max)"
+            unit = "token" if axis == "channel" else "channel"
+            text = f"{stream}s as {bits}-bit codes per {axis} in groups of {group} {unit}{'s' * (group > 1)}"
+            if axis == "channel" and group > 1:
+                text += f" ({stream}s that do not fill a group yet, up to {group - 1}, in the model's dtype)"
+            streams.append(text)
+        return (f"{streams[0]}, {streams[1]}; per group a {scale} scale and a {scale} minimum "
+                "(x = minimum + code * scale)")
 
 
 @register_quantizer("int8")

@@ -125,23 +125,27 @@ def kernel_needs(setting: CandidateRecord) -> str:
     store keys as ...; "): its format's class says its codes (:meth:`Quantizer.kernel_layout`), and kvquant's own
     options add the tokens kept in the model's dtype, pre-RoPE keys and rotation. "" where the class does not say
     it, the layers differ or tokens are evicted."""
-    cls = QUANTIZERS.classes.get(setting.quantizer)
-    layout = cls.kernel_layout(setting.settings) if cls is not None else None
     settings = setting.settings
+    cls = QUANTIZERS.classes.get(setting.quantizer)
+    layout = cls.kernel_layout(settings) if cls is not None else None
     if layout is None or setting.layers or any(settings.get(k) for k in ("window", "budget", "eviction")):
         return ""
-    extra = []
+    parts = [layout]
     if settings.get("sink_tokens"):
-        extra.append(f"the first {settings['sink_tokens']} tokens in the model's dtype")
+        parts.append(f"the first {settings['sink_tokens']} tokens in the model's dtype, groups counted from the token "
+                     "after them (layers with a sliding window keep none)")
     if settings.get("residual_length"):
-        extra.append(f"the newest {settings['residual_length']} tokens in the model's dtype")
+        parts.append(f"the newest {settings['residual_length']} tokens in the model's dtype too, key groups formed "
+                     "only from tokens older than them")
     if settings.get("pre_rope"):
-        extra.append("keys stored before RoPE, RoPE applied to them as they are read")
+        parts.append("keys stored before RoPE, which is applied to them as they are read")
     if settings.get("rotation"):
-        extra.append(f"keys and values rotated along head_dim ({settings['rotation']}, seed "
-                     f"{settings.get('rotation_seed', 0)}) before they are quantized and back as they are read")
-    return (f"a kernel would store {''.join(f'{x}; ' for x in [layout, *extra])}"
-            f"{setting.bits_per_element:.2f} bits/element all-in; ")
+        block = settings.get("rotation_block", settings.get("key_rotation_block"))
+        parts.append(f"keys and values rotated along head_dim ({settings['rotation']}"
+                     f"{f' blocks of {block}' if block else ''}, seed {settings.get('rotation_seed', 0)}: kvquant's "
+                     "random signs) before they are quantized, and back as they are read")
+    return (f"a kernel would store {'; '.join(parts)}; {setting.bits_per_element:.2f} bits/element all-in as the "
+            "report measured them; ")
 
 
 def nearest_engine_format(report: Report, chosen: CandidateRecord) -> str:
