@@ -128,7 +128,8 @@ def kernel_needs(setting: CandidateRecord) -> str:
     settings = setting.settings
     cls = QUANTIZERS.classes.get(setting.quantizer)
     layout = cls.kernel_layout(settings) if cls is not None else None
-    if layout is None or setting.layers or any(settings.get(k) for k in ("window", "budget", "eviction")):
+    evicts = (k for k in TOKEN_OPTIONS if k not in ("residual_length", "sink_tokens"))
+    if layout is None or setting.layers or any(settings.get(k) for k in evicts):
         return ""
     parts = [layout]
     if settings.get("sink_tokens"):
